@@ -1,0 +1,1 @@
+"""Shared core of flying-serving: Redis key schema, cross-process messages, the Redis queue, settings."""

@@ -1,0 +1,66 @@
+"""Every Redis key flying-serving uses, in one place (documented in docs/architecture.md and docs/redis.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix, so several deployments (or tests) can share a Redis."""
+
+    prefix: str = "flying"
+
+    @property
+    def queue(self) -> str:
+        """ZSET of waiting request ids; score = priority class * 1e12 + arrival sequence."""
+        return f"{self.prefix}:queue"
+
+    @property
+    def seq(self) -> str:
+        """STRING counter giving each admitted request its arrival sequence number."""
+        return f"{self.prefix}:seq"
+
+    @property
+    def wake(self) -> str:
+        """LIST the router blocks on; anyone who changes the queue or frees capacity pushes one token."""
+        return f"{self.prefix}:router:wake"
+
+    @property
+    def router_lease(self) -> str:
+        """STRING (PX lease) naming the one router allowed to dispatch."""
+        return f"{self.prefix}:router:lease"
+
+    @property
+    def workers(self) -> str:
+        """SET of engine indices that have ever sent a heartbeat."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def stats(self) -> str:
+        """HASH of monotonic counters: admitted, assigned, requeued, completed, failed, cancelled."""
+        return f"{self.prefix}:stats"
+
+    def request(self, rid: str) -> str:
+        """HASH with one request's metadata and state (expires some time after it finishes)."""
+        return f"{self.prefix}:req:{rid}"
+
+    def worker(self, engine: int) -> str:
+        """STRING: engine's latest heartbeat (JSON), expiring about 1 s after the last beat."""
+        return f"{self.prefix}:worker:{engine}"
+
+    def ready(self, engine: int) -> str:
+        """STRING: launch id of the engine's server once its HTTP endpoint answers (set by flying-worker)."""
+        return f"{self.prefix}:ready:{engine}"
+
+    def inflight(self, engine: int) -> str:
+        """SET of request ids assigned to engine and not yet finished."""
+        return f"{self.prefix}:inflight:{engine}"
+
+    def gateway_channel(self, gateway_id: str) -> str:
+        """Pub/sub channel on which the router tells one gateway where its requests go."""
+        return f"{self.prefix}:gw:{gateway_id}"
+
+    def commands(self, engine: int) -> str:
+        """STREAM of control commands (bind/release) for one engine."""
+        return f"{self.prefix}:cmd:{engine}"

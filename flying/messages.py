@@ -1,0 +1,80 @@
+"""Every message that crosses a process boundary, as msgspec structs, with one encoder and decoder."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Priority = Literal["high", "normal", "low"]
+PRIORITY_CLASS: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
+RequestState = Literal["queued", "assigned", "done", "failed", "cancelled"]
+
+
+class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """What the gateway admits into the global queue (stored as the fields of the request hash)."""
+
+    id: str
+    priority: Priority = "normal"
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    gateway: str
+    enqueued_at: float
+    seq: int = 0
+    attempts: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV cache tokens the request can occupy at its end."""
+        return self.prompt_tokens + self.max_tokens
+
+
+class Assignment(msgspec.Struct, frozen=True, kw_only=True):
+    """Router -> gateway: request ``id`` runs on engine ``engine`` at ``url``."""
+
+    id: str
+    engine: int
+    url: str
+    queue_ms: float
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    """Worker -> Redis, every scheduler step and at least every 100 ms when idle."""
+
+    engine: int
+    url: str
+    pid: int
+    model: str
+    launch_id: str = ""
+    mode: Literal["dp", "tp"] = "dp"
+    running: int = 0
+    waiting: int = 0
+    free_kv_tokens: int = 0
+    max_total_tokens: int = 0
+    context_len: int = 0
+    max_running_requests: int = 0
+    step: int = 0
+    ts: float = 0.0
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | str, type_: type[msgspec.Struct]):
+    return msgspec.json.decode(data, type=type_)
+
+
+def to_hash(msg: msgspec.Struct) -> dict[str, str]:
+    """Struct -> flat Redis hash fields (all strings), readable with redis-cli HGETALL."""
+    return {k: str(v) for k, v in msgspec.structs.asdict(msg).items()}
+
+
+def from_hash(fields: dict[str, str], type_: type[msgspec.Struct]):
+    """Redis hash fields -> struct (extra fields such as ``state`` are ignored)."""
+    names = set(type_.__struct_fields__)
+    return msgspec.convert({k: v for k, v in fields.items() if k in names}, type_, strict=False)

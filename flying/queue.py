@@ -1,0 +1,188 @@
+"""The global request queue and request records in Redis. Every state change is one atomic Lua script.
+
+Request life in Redis: ``admit`` (queued, in the ZSET) -> ``assign`` (removed from the ZSET, added to the engine's
+inflight SET, the owning gateway told on its channel) -> ``finish`` (done/failed) or ``requeue`` (back in the ZSET
+at its original position, e.g. after its worker died before answering). Because each transition is atomic, a router
+killed at any point neither loses nor duplicates a request: a request is either still queued or assigned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from flying.keys import Keys
+from flying.messages import PRIORITY_CLASS, Assignment, QueuedRequest, encode, from_hash, to_hash
+
+CLASS_WEIGHT = 1e12  # score = class * CLASS_WEIGHT + seq: exact in a double for 10^12 arrivals per class
+FINISHED_TTL_S = 3600
+
+_ADMIT = """
+-- KEYS: queue, seq, request hash, wake, stats ; ARGV: id, class, max_queue, then field/value pairs
+if tonumber(ARGV[3]) > 0 and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
+if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
+local seq = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[3], unpack(ARGV, 4))
+redis.call('HSET', KEYS[3], 'seq', seq, 'state', 'queued')
+redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + seq, ARGV[1])
+redis.call('LPUSH', KEYS[4], 1)
+redis.call('LTRIM', KEYS[4], 0, 0)
+redis.call('HINCRBY', KEYS[5], 'admitted', 1)
+return seq
+""" % int(CLASS_WEIGHT)
+
+_ASSIGN = """
+-- KEYS: queue, request hash, inflight set, stats ; ARGV: id, engine, now, queue_ms, channel, message, url
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], 'state', 'assigned', 'engine', ARGV[2], 'url', ARGV[7], 'assigned_at', ARGV[3], 'queue_ms', ARGV[4])
+redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'assigned', 1)
+redis.call('PUBLISH', ARGV[5], ARGV[6])
+return 1
+"""
+
+_REQUEUE = """
+-- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason
+local seq = redis.call('HGET', KEYS[2], 'seq')
+if not seq or redis.call('HGET', KEYS[2], 'state') ~= 'assigned' then return 0 end
+redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3])
+redis.call('HDEL', KEYS[2], 'engine', 'url', 'assigned_at')
+redis.call('HINCRBY', KEYS[2], 'attempts', 1)
+redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + tonumber(seq), ARGV[1])
+redis.call('LPUSH', KEYS[4], 1)
+redis.call('LTRIM', KEYS[4], 0, 0)
+redis.call('HINCRBY', KEYS[5], 'requeued', 1)
+return 1
+""" % int(CLASS_WEIGHT)
+
+_FINISH = """
+-- KEYS: queue, request hash, inflight set (may be a dummy), wake, stats ; ARGV: id, state, now, error, ttl
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('HSET', KEYS[2], 'state', ARGV[2], 'finished_at', ARGV[3], 'error', ARGV[4])
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
+redis.call('LPUSH', KEYS[4], 1)
+redis.call('LTRIM', KEYS[4], 0, 0)
+local counter = ARGV[2] == 'done' and 'completed' or ARGV[2]
+redis.call('HINCRBY', KEYS[5], counter, 1)
+return 1
+"""
+
+
+class QueueFull(Exception):
+    """The global queue holds ``max_queue`` requests already."""
+
+
+class RequestQueue:
+    """Async facade over the queue scripts; used by the gateway (admit/finish/requeue) and router (assign)."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self.r = client
+        self.keys = keys
+        self._admit = client.register_script(_ADMIT)
+        self._assign = client.register_script(_ASSIGN)
+        self._requeue = client.register_script(_REQUEUE)
+        self._finish = client.register_script(_FINISH)
+
+    async def admit(self, req: QueuedRequest, max_queue: int = 0) -> int:
+        """Insert ``req``; return its arrival sequence. Raises QueueFull when the queue is at ``max_queue``."""
+        k = self.keys
+        fields = [x for kv in to_hash(req).items() for x in kv if kv[0] != "seq"]
+        seq = await self._admit(
+            keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats],
+            args=[req.id, PRIORITY_CLASS[req.priority], max_queue, *fields],
+        )
+        if seq == -1:
+            raise QueueFull(f"queue holds {max_queue} requests")
+        assert seq != -2, f"request id {req.id} admitted twice"
+        return int(seq)
+
+    async def assign(self, req: QueuedRequest, engine: int, url: str, now: float | None = None) -> bool:
+        """Atomically move ``req`` from the queue to ``engine``; False if it was no longer queued."""
+        now = time.time() if now is None else now
+        queue_ms = max(0.0, (now - req.enqueued_at) * 1000)
+        msg = encode(Assignment(id=req.id, engine=engine, url=url, queue_ms=queue_ms))
+        k = self.keys
+        done = await self._assign(
+            keys=[k.queue, k.request(req.id), k.inflight(engine), k.stats],
+            args=[req.id, engine, now, f"{queue_ms:.3f}", k.gateway_channel(req.gateway), msg, url],
+        )
+        return bool(done)
+
+    async def requeue(self, req: QueuedRequest, engine: int, reason: str) -> bool:
+        """Put an assigned request back at its original place in the queue (its worker could not take it)."""
+        k = self.keys
+        done = await self._requeue(
+            keys=[k.queue, k.request(req.id), k.inflight(engine), k.wake, k.stats],
+            args=[req.id, PRIORITY_CLASS[req.priority], reason],
+        )
+        return bool(done)
+
+    async def finish(self, rid: str, engine: int | None, state: str, error: str = "") -> bool:
+        """Mark a request done/failed/cancelled, drop it from queue and inflight set, let its record expire."""
+        assert state in ("done", "failed", "cancelled"), state
+        k = self.keys
+        inflight = k.inflight(engine) if engine is not None else f"{k.prefix}:inflight:none"
+        done = await self._finish(
+            keys=[k.queue, k.request(rid), inflight, k.wake, k.stats],
+            args=[rid, state, time.time(), error, FINISHED_TTL_S],
+        )
+        return bool(done)
+
+    async def peek(self, limit: int) -> list[QueuedRequest]:
+        """The first ``limit`` waiting requests in dispatch order (priority class, then arrival)."""
+        ids = await self.r.zrange(self.keys.queue, 0, limit - 1)
+        if not ids:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for rid in ids:
+            pipe.hgetall(self.keys.request(_s(rid)))
+        rows = await pipe.execute()
+        return [from_hash(_decode(row), QueuedRequest) for row in rows if row]
+
+    async def get(self, rid: str) -> dict[str, str]:
+        return _decode(await self.r.hgetall(self.keys.request(rid)))
+
+    async def depth(self) -> int:
+        return int(await self.r.zcard(self.keys.queue))
+
+    async def inflight_counts(self, engines: Sequence[int]) -> dict[int, int]:
+        pipe = self.r.pipeline(transaction=False)
+        for e in engines:
+            pipe.scard(self.keys.inflight(e))
+        return dict(zip(engines, map(int, await pipe.execute())))
+
+    async def wake_router(self) -> None:
+        await self.r.lpush(self.keys.wake, 1)
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _decode(row: dict) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in row.items()}
+
+
+async def reap_stale_inflight(q: RequestQueue, engine: int) -> int:
+    """Drop ids from an engine's inflight set whose request is no longer assigned to it (e.g. its gateway died
+    and the record expired). Returns how many were dropped."""
+    members = [_s(m) for m in await q.r.smembers(q.keys.inflight(engine))]
+    if not members:
+        return 0
+    pipe = q.r.pipeline(transaction=False)
+    for rid in members:
+        pipe.hmget(q.keys.request(rid), ["state", "engine"])
+    rows = await pipe.execute()
+    stale = [
+        rid
+        for rid, (state, eng) in zip(members, rows)
+        if _s(state or b"") != "assigned" or _s(eng or b"") != str(engine)
+    ]
+    if stale:
+        await q.r.srem(q.keys.inflight(engine), *stale)
+    return len(stale)

@@ -1,0 +1,24 @@
+"""Environment variables (all prefixed FLYING_) in one place."""
+
+from __future__ import annotations
+
+import os
+
+REDIS_URL = "FLYING_REDIS_URL"
+KEY_PREFIX = "FLYING_KEY_PREFIX"
+ENGINE_INDEX = "FLYING_ENGINE_INDEX"
+ENGINE_URL = "FLYING_ENGINE_URL"
+NUM_ENGINES = "FLYING_NUM_ENGINES"
+SERVED_MODEL = "FLYING_SERVED_MODEL"
+DEVICE = "FLYING_DEVICE"
+LAUNCH_ID = "FLYING_LAUNCH_ID"
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def redis_url() -> str:
+    return os.environ.get(REDIS_URL, DEFAULT_REDIS_URL)
+
+
+def key_prefix() -> str:
+    return os.environ.get(KEY_PREFIX, "flying")

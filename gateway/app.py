@@ -1,0 +1,183 @@
+"""The gateway's HTTP surface (Starlette): OpenAI-style routes, error mapping, lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway import schemas
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from gateway.service import Admitted, ClientGone, Gateway, watch_disconnect
+from gateway.upstream import WorkerUnavailable
+
+log = logging.getLogger("flying.gateway")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def headers_for(adm: Admitted, engine: int, queue_ms: float) -> dict[str, str]:
+    return {
+        "X-Request-Id": adm.record.id,
+        "X-Queue-Time-Ms": f"{queue_ms:.1f}",
+        "X-Flying-Engine": str(engine),
+    }
+
+
+async def completions(request: Request, kind: str) -> Response:
+    gw: Gateway = request.app.state.gateway
+    body = await read_body(request, gw.config.max_body_bytes)
+    req_type = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
+    req = schemas.decode(body, req_type)
+    (schemas.check_chat if kind == "chat" else schemas.check_completion)(req)
+    priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority)
+    adm = await gw.admit(req, kind, priority)
+    disconnected = asyncio.create_task(watch_disconnect(request.receive))
+    try:
+        return await dispatch(gw, adm, disconnected)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        disconnected.cancel()
+
+
+async def dispatch(gw: Gateway, adm: Admitted, disconnected: asyncio.Task) -> Response:
+    fut = await gw.enqueue(adm)
+    while True:
+        a = await gw.wait_assignment(adm, fut, disconnected)
+        try:
+            if not adm.stream:
+                status, payload = await gw.forward(adm, a, disconnected)
+                return JSONResponse(
+                    payload, status_code=status, headers=headers_for(adm, a.engine, a.queue_ms)
+                )
+            resp = await gw.upstream.open_stream(a.url, adm.path, adm.body)
+        except WorkerUnavailable as exc:
+            fut = await gw.retry_or_fail(adm, a, str(exc))
+            continue
+        if resp.status_code != 200:
+            await resp.aread()
+            await gw.queue.finish(adm.record.id, a.engine, "failed", resp.text[:200])
+            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        disconnected.cancel()  # StreamingResponse watches for disconnects itself from here on
+        return StreamingResponse(
+            gw.relay(adm, a, resp),
+            media_type="text/event-stream",
+            headers=headers_for(adm, a.engine, a.queue_ms),
+        )
+
+
+async def chat_completions(request: Request) -> Response:
+    return await completions(request, "chat")
+
+
+async def text_completions(request: Request) -> Response:
+    return await completions(request, "completion")
+
+
+async def models(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    beats = await gw.workers()
+    card = {
+        "id": gw.config.served_model_name,
+        "object": "model",
+        "created": int(gw.started),
+        "owned_by": "flying-serving",
+    }
+    if beats:
+        card["max_model_len"] = gw.context_limit(beats)
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        beats = await gw.workers(max_age_s=0)
+        depth = await gw.queue.depth()
+    except aioredis.RedisError as exc:
+        return JSONResponse({"status": "unhealthy", "redis": repr(exc)}, status_code=503)
+    return JSONResponse(
+        {
+            "status": "ok",
+            "gateway_id": gw.config.gateway_id,
+            "live_workers": [hb.engine for hb in beats],
+            "queue_depth": depth,
+        }
+    )
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return NotFound(f"no route {request.method} {request.url.path}").response()
+    if exc.status_code == 405:
+        return MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}").response()
+    return InvalidRequest(str(exc.detail)).response()
+
+
+async def redis_error(request: Request, exc: Exception) -> Response:
+    log.error("redis unavailable: %r", exc)
+    err = APIError("the request queue (Redis) is unavailable", code="queue_unavailable")
+    err.status, err.type = 503, "service_unavailable"
+    return err.response()
+
+
+def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        counter = count_tokens
+        if counter is None:
+            from gateway.tokens import PromptCounter
+
+            counter = PromptCounter(config.model_path)
+        client = aioredis.Redis.from_url(config.redis_url, max_connections=256)
+        gw = Gateway(config, client, counter)
+        gw.started = time.time()
+        await gw.start()
+        app.state.gateway = gw
+        log.info(
+            "gateway %s serving %s on %s:%d",
+            config.gateway_id,
+            config.served_model_name,
+            config.host,
+            config.port,
+        )
+        try:
+            yield
+        finally:
+            await gw.stop()
+            await client.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    handlers = {APIError: api_error, HTTPException: http_error, aioredis.RedisError: redis_error}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

@@ -1,0 +1,84 @@
+"""Errors the gateway returns, all in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+
+class APIError(Exception):
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.type}: {self.message}" + (f" (param {self.param})" if self.param else "")
+
+
+class InvalidRequest(APIError):
+    code = "invalid_request"
+
+
+class ContextTooLong(APIError):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(APIError):
+    status = 404
+    code = "model_not_found"
+
+
+class NotFound(APIError):
+    status = 404
+    code = "not_found"
+
+
+class MethodNotAllowed(APIError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(APIError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class QueueFullError(APIError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class NoLiveWorkers(APIError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_live_workers"
+
+
+class WorkerFailed(APIError):
+    status = 502
+    type = "server_error"
+    code = "worker_failed"
+
+
+class QueueTimeout(APIError):
+    status = 504
+    type = "timeout_error"
+    code = "queue_timeout"

@@ -1,0 +1,141 @@
+"""Request bodies of the OpenAI-style endpoints as msgspec structs, and their semantic checks.
+
+Decoding checks types; :func:`check_sampling` and friends check values. Anything wrong is an InvalidRequest
+naming the offending parameter, never a 500.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+from flying.messages import Priority
+from gateway.errors import InvalidRequest
+
+Role = Literal["system", "user", "assistant", "developer", "tool"]
+PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
+class Message(msgspec.Struct, kw_only=True):
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    priority: str | None = None  # flying-serving extension; the X-Priority header wins
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
+    prompt: str | list[int]
+    echo: bool | None = None
+    logprobs: int | None = None
+
+
+_AT = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode(body: bytes, type_: type[_Sampling]) -> _Sampling:
+    """Parse and type-check a JSON body, mapping msgspec's errors to InvalidRequest with the parameter path."""
+    if not body.strip():
+        raise InvalidRequest("request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        m = _AT.search(msg)
+        raise InvalidRequest(f"invalid request: {msg}", param=(m.group(1) or None) if m else None) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def check_sampling(req: _Sampling) -> None:
+    if req.n != 1:
+        raise InvalidRequest("only n=1 is supported", param="n")
+    if req.temperature is not None and not 0 <= req.temperature <= 2:
+        raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not -2 <= v <= 2:
+            raise InvalidRequest(f"{name} must be between -2 and 2", param=name)
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > 4:
+        raise InvalidRequest("at most 4 stop sequences are allowed", param="stop")
+    if not req.model:
+        raise InvalidRequest("model must be a non-empty string", param="model")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_sampling(req)
+    if not req.messages:
+        raise InvalidRequest("messages must contain at least one message", param="messages")
+    if all(not m.text() for m in req.messages):
+        raise InvalidRequest("messages are all empty", param="messages")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_sampling(req)
+    if isinstance(req.prompt, str) and not req.prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if isinstance(req.prompt, list) and (not req.prompt or min(req.prompt) < 0):
+        raise InvalidRequest(
+            "prompt token ids must be a non-empty list of non-negative integers", param="prompt"
+        )
+
+
+def requested_max_tokens(req: _Sampling) -> tuple[int | None, str]:
+    """The requested output limit and the parameter it came from."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def resolve_priority(header: str | None, body: str | None) -> Priority:
+    """X-Priority header, else body field ``priority``, else normal."""
+    for value, param in ((header, "X-Priority"), (body, "priority")):
+        if value is None:
+            continue
+        v = value.strip().lower()
+        if v not in PRIORITIES:
+            raise InvalidRequest(f"{param} must be one of high, normal, low; got {value!r}", param=param)
+        return v  # type: ignore[return-value]
+    return "normal"

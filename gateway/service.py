@@ -1,0 +1,252 @@
+"""The gateway's request path: validate -> admit to the Redis queue -> await the router's assignment ->
+forward to the engine -> stream back. HTTP framing lives in :mod:`gateway.app`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+import redis.asyncio as aioredis
+
+from flying.keys import Keys
+from flying.messages import Assignment, Heartbeat, Priority, QueuedRequest
+from flying.queue import QueueFull, RequestQueue
+from flying.workers import live_workers
+from gateway.assignments import AssignmentWaiter
+from gateway.config import GatewayConfig
+from gateway.errors import (
+    ContextTooLong,
+    InvalidRequest,
+    ModelNotFound,
+    NoLiveWorkers,
+    QueueFullError,
+    QueueTimeout,
+    WorkerFailed,
+)
+from gateway.schemas import ChatCompletionRequest, requested_max_tokens
+from gateway.upstream import Upstream, WorkerUnavailable
+
+log = logging.getLogger("flying.gateway")
+SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A validated request, ready to queue and forward."""
+
+    record: QueuedRequest
+    path: str  # SGLang endpoint
+    body: dict
+    stream: bool
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, client: aioredis.Redis, count_tokens) -> None:
+        self.config = config
+        self.keys = Keys(config.key_prefix)
+        self.r = client
+        self.queue = RequestQueue(client, self.keys)
+        self.waiter = AssignmentWaiter(client, self.keys, config.gateway_id)
+        self.upstream = Upstream(config.request_timeout_s)
+        self.count_tokens = count_tokens
+        self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.waiter.start()
+
+    async def stop(self) -> None:
+        await self.waiter.stop()
+        await self.upstream.close()
+
+    # -- cluster view ------------------------------------------------------------------------------------------
+    async def workers(self, max_age_s: float = 0.25) -> list[Heartbeat]:
+        ts, beats = self._workers
+        if time.monotonic() - ts > max_age_s:
+            beats = await live_workers(self.r, self.keys)
+            self._workers = (time.monotonic(), beats)
+        return beats
+
+    @staticmethod
+    def context_limit(beats: list[Heartbeat]) -> int:
+        """Largest prompt+output one engine can hold: its context length, capped by its KV capacity."""
+        return max(min(hb.context_len, hb.max_total_tokens) for hb in beats)
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    async def admit(self, req, kind: str, priority: Priority) -> Admitted:
+        if req.model != self.config.served_model_name:
+            raise ModelNotFound(
+                f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",
+                param="model",
+            )
+        beats = await self.workers()
+        if not beats:
+            raise NoLiveWorkers("no live workers; try again later")
+        chat = isinstance(req, ChatCompletionRequest)
+        prompt = self.count_tokens.chat(req) if chat else self.count_tokens.completion(req)
+        limit = self.context_limit(beats)
+        max_tokens = self._max_tokens(req, prompt, limit)
+        rid = uuid.uuid4().hex
+        body = msgspec.to_builtins(req)
+        body.pop("max_completion_tokens", None)
+        body.update(max_tokens=max_tokens, rid=rid, priority=SGLANG_PRIORITY[priority])
+        record = QueuedRequest(
+            id=rid,
+            priority=priority,
+            model=req.model,
+            prompt_tokens=prompt,
+            max_tokens=max_tokens,
+            gateway=self.config.gateway_id,
+            enqueued_at=time.time(),
+        )
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return Admitted(record, path, body, bool(req.stream))
+
+    def _max_tokens(self, req, prompt: int, limit: int) -> int:
+        asked, param = requested_max_tokens(req)
+        if asked is not None and asked < 1:
+            raise InvalidRequest(f"{param} must be at least 1, got {asked}", param=param)
+        if prompt >= limit:
+            raise ContextTooLong(
+                f"This model's maximum context length is {limit} tokens; the prompt has {prompt} tokens.",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        if asked is None:
+            return min(self.config.default_max_tokens, limit - prompt)
+        if prompt + asked > limit:
+            raise ContextTooLong(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt + asked} tokens ({prompt} in the prompt, {asked} in the completion).",
+                param=param,
+            )
+        return asked
+
+    async def enqueue(self, adm: Admitted) -> asyncio.Future[Assignment]:
+        fut = self.waiter.expect(adm.record.id)
+        try:
+            await self.queue.admit(adm.record, self.config.max_queue)
+        except QueueFull:
+            self.waiter.forget(adm.record.id)
+            raise QueueFullError(
+                f"the queue is full ({self.config.max_queue} waiting requests); retry later"
+            ) from None
+        return fut
+
+    # -- waiting -----------------------------------------------------------------------------------------------
+    async def wait_assignment(
+        self, adm: Admitted, fut: asyncio.Future[Assignment], disconnected: asyncio.Task
+    ) -> Assignment:
+        rid = adm.record.id
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        no_workers_since: float | None = None
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    {fut, disconnected}, timeout=0.5, return_when=asyncio.FIRST_COMPLETED
+                )
+                if fut in done:
+                    return fut.result()
+                if disconnected in done:
+                    raise ClientGone(rid)
+                if (a := await self.waiter.from_record(rid)) is not None:
+                    return a
+                now = time.monotonic()
+                if await self.workers():
+                    no_workers_since = None
+                elif no_workers_since is None:
+                    no_workers_since = now
+                elif now - no_workers_since > self.config.no_worker_grace_s:
+                    raise NoLiveWorkers(
+                        f"no live workers for {self.config.no_worker_grace_s:.0f} s; request dropped"
+                    )
+                if now > deadline:
+                    raise QueueTimeout(
+                        f"request was not scheduled within {self.config.queue_timeout_s:.0f} s"
+                    )
+        except BaseException:
+            self.waiter.forget(rid)
+            await self.queue.finish(rid, None, "cancelled", "not scheduled")
+            raise
+
+    async def retry_or_fail(self, adm: Admitted, a: Assignment, why: str) -> asyncio.Future[Assignment]:
+        """The engine died before answering: put the request back in the queue (bounded) or fail it."""
+        rec = await self.queue.get(adm.record.id)
+        attempts = int(rec.get("attempts", 0)) + 1
+        if attempts >= self.config.max_attempts:
+            await self.queue.finish(adm.record.id, a.engine, "failed", why)
+            raise WorkerFailed(f"engine {a.engine} failed and {attempts} attempts are used up: {why}")
+        log.warning("request %s: engine %d unavailable (%s); re-queued", adm.record.id, a.engine, why)
+        fut = self.waiter.expect(adm.record.id)
+        await self.queue.requeue(adm.record, a.engine, why)
+        return fut
+
+    # -- forwarding --------------------------------------------------------------------------------------------
+    async def forward(self, adm: Admitted, a: Assignment, disconnected: asyncio.Task):
+        """Non-streaming: the engine's (status, JSON body). Raises WorkerUnavailable or ClientGone."""
+        call = asyncio.create_task(self.upstream.post(a.url, adm.path, adm.body))
+        done, _ = await asyncio.wait({call, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        if call not in done:
+            call.cancel()
+            self.spawn(self._abandon(adm, a, "client disconnected"))
+            raise ClientGone(adm.record.id)
+        resp = call.result()
+        state = "done" if resp.status_code == 200 else "failed"
+        await self.queue.finish(adm.record.id, a.engine, state, "" if state == "done" else resp.text[:200])
+        return resp.status_code, resp.json()
+
+    async def relay(self, adm: Admitted, a: Assignment, resp) -> AsyncIterator[bytes]:
+        """Streaming: relay the engine's SSE events; a broken stream ends with an error event."""
+        state, error = "cancelled", "client disconnected"
+        try:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                yield (line + "\n\n").encode()
+                if line.strip() == "data: [DONE]":
+                    state, error = "done", ""
+            if state != "done":
+                raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
+        except (
+            Exception
+        ) as exc:  # any upstream failure (httpx, early close) ends the stream with an error event
+            state, error = "failed", f"engine {a.engine} failed mid-stream: {exc!r}"
+            yield sse_error(WorkerFailed(error))
+            yield b"data: [DONE]\n\n"
+        finally:
+            with contextlib.suppress(Exception):
+                await resp.aclose()
+            if state == "cancelled":
+                self.spawn(self._abandon(adm, a, error))
+            else:
+                self.spawn(self.queue.finish(adm.record.id, a.engine, state, error))
+
+    async def _abandon(self, adm: Admitted, a: Assignment, why: str) -> None:
+        await self.upstream.abort(a.url, adm.record.id)
+        await self.queue.finish(adm.record.id, a.engine, "cancelled", why)
+
+    def spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def sse_error(err) -> bytes:
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+
+
+async def watch_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Completes when the ASGI server reports that the client went away."""
+    while True:
+        if (await receive())["type"] == "http.disconnect":
+            return

@@ -1,0 +1,22 @@
+"""Prompt length in tokens, counted with the served model's own tokenizer and chat template."""
+
+from __future__ import annotations
+
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+
+class PromptCounter:
+    def __init__(self, tokenizer_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    def chat(self, req: ChatCompletionRequest) -> int:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return len(self.tok(text, add_special_tokens=False).input_ids)
+
+    def completion(self, req: CompletionRequest) -> int:
+        if isinstance(req.prompt, list):
+            return len(req.prompt)
+        return len(self.tok(req.prompt).input_ids)

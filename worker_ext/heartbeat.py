@@ -1,0 +1,88 @@
+"""Worker heartbeats: a snapshot of the engine's load written to Redis on every step and every 100 ms when idle.
+
+A heartbeat key expires ``ttl_ms`` after the last write, so a dead worker vanishes from Redis within about 1 s.
+Writes happen on a background thread; the scheduler step only swaps an in-memory snapshot and sets an event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+
+from flying.keys import Keys
+from flying.messages import Heartbeat, encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeartbeatConfig:
+    engine: int
+    url: str
+    model: str
+    redis_url: str
+    launch_id: str = ""
+    key_prefix: str = "flying"
+    interval_s: float = 0.1
+    ttl_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        assert self.engine >= 0, f"engine index must be >= 0, got {self.engine}"
+        assert self.ttl_ms > self.interval_s * 1000 * 3, "ttl must cover several missed beats"
+
+
+class HeartbeatPublisher:
+    """Owns one Redis connection and one daemon thread; ``beat(**load)`` is cheap and non-blocking."""
+
+    def __init__(self, config: HeartbeatConfig) -> None:
+        self.config = config
+        self.keys = Keys(config.key_prefix)
+        self.step = 0
+        self._load: dict[str, int | str] = {}
+        self._wake = threading.Event()
+        self._redis = redis.Redis.from_url(config.redis_url, socket_timeout=2)
+        self._thread = threading.Thread(target=self._run, name="flying-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def beat(self, **load: int | str) -> None:
+        """Record the engine's load at a step boundary and wake the writer."""
+        self.step += 1
+        self._load = load
+        self._wake.set()
+
+    def snapshot(self) -> Heartbeat:
+        cfg = self.config
+        return Heartbeat(
+            engine=cfg.engine,
+            url=cfg.url,
+            pid=os.getpid(),
+            model=cfg.model,
+            launch_id=cfg.launch_id,
+            step=self.step,
+            ts=time.time(),
+            **self._load,
+        )
+
+    def write(self) -> None:
+        hb = self.snapshot()
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self.keys.worker(self.config.engine), encode(hb), px=self.config.ttl_ms)
+        pipe.sadd(self.keys.workers, self.config.engine)
+        pipe.execute()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.config.interval_s)
+            self._wake.clear()
+            try:
+                self.write()
+            except redis.RedisError as exc:  # keep beating; the key expiring is the failure signal
+                log.warning("heartbeat write failed: %s", exc)
+                time.sleep(self.config.interval_s)

@@ -1,0 +1,120 @@
+"""Write a tiny random-initialised Llama with an offline-trained byte-level BPE tokenizer and a chat template.
+
+    python -m worker_ext.tinymodel OUT_DIR --seed 0
+
+Deterministic from the seed (weights and tokenizer); a few MB of safetensors. Tests and the demo serve it in
+float32 so outputs can be compared exactly. The shape divides by 1, 2 and 4 so every TP width can shard it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CORPUS = Path(__file__).resolve().parent / "corpus.txt"
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{{ '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 4096
+    init_std: float = 0.05
+
+    def __post_init__(self) -> None:
+        assert self.hidden_size % self.num_attention_heads == 0, "hidden_size must divide by heads"
+        for width in (1, 2, 4):
+            assert self.num_key_value_heads % width == 0, f"kv heads must shard at TP width {width}"
+            assert self.intermediate_size % width == 0, f"intermediate must shard at TP width {width}"
+
+
+def train_tokenizer(vocab_size: int):
+    """Byte-level BPE trained on the repo's corpus; wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build(out: Path, seed: int = 0, spec: TinyLlamaSpec | None = None) -> Path:
+    """Write the model and tokenizer to ``out`` (created); return ``out``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = spec or TinyLlamaSpec()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(spec.vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "flying_tinymodel.json").write_text(json.dumps({"seed": seed, **asdict(spec)}, indent=2))
+    return out
+
+
+def ensure(out: Path, seed: int = 0) -> Path:
+    """Build the model unless ``out`` already holds one built from the same seed and spec."""
+    marker = out / "flying_tinymodel.json"
+    if marker.exists() and json.loads(marker.read_text()) == {"seed": seed, **asdict(TinyLlamaSpec())}:
+        return out
+    return build(out, seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build(args.out, args.seed)
+    size = sum(f.stat().st_size for f in path.iterdir())
+    print(f"wrote {path} ({size / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
