@@ -51,6 +51,7 @@ class _Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    ignore_eos: bool | None = None  # SGLang extension, forwarded
     priority: str | None = None  # flying-serving extension; the X-Priority header wins
 
 

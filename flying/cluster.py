@@ -1,0 +1,216 @@
+"""Start and stop a whole local deployment: Redis, N workers, the router and the gateway.
+
+Used by the demo (``flying-demo``) and by the end-to-end tests. Every process gets its own process group and log
+file under ``log_dir``; ``stop()`` tears all of them down.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from flying.keys import Keys
+from flying.messages import Heartbeat, decode
+from flying.procs import free_port, spawn, stop, stop_all, tail
+from flying.redis_server import RedisServer
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model_path: Path
+    num_engines: int = 2
+    log_dir: Path = Path(".flying/logs")
+    redis_url: str | None = None  # None: start a private redis-server
+    key_prefix: str = "flying"
+    served_model_name: str = "tiny-llama"
+    max_total_tokens: int = 16384
+    gateway_port: int = field(default_factory=free_port)
+    worker_ports: tuple[int, ...] = ()
+    router_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.num_engines >= 1, "num_engines must be >= 1"
+        if not self.worker_ports:
+            object.__setattr__(self, "worker_ports", tuple(free_port() for _ in range(self.num_engines)))
+        assert len(self.worker_ports) == self.num_engines, "one port per engine"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = lambda s: None) -> None:
+        self.config = config
+        self.progress = progress
+        self.keys = Keys(config.key_prefix)
+        self.redis_server: RedisServer | None = None
+        self.redis_url = config.redis_url or ""
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.router: subprocess.Popen | None = None
+        self.gateway: subprocess.Popen | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 300) -> Cluster:
+        try:
+            if not self.redis_url:
+                self.redis_server = RedisServer(data_dir=self.config.log_dir / "redis").start()
+                self.redis_url = self.redis_server.url
+                self.progress(f"redis-server on {self.redis_url}")
+            for i in range(self.config.num_engines):
+                self.start_worker(i)
+            self.start_router()
+            self.start_gateway()
+            self.wait_live(range(self.config.num_engines), timeout_s)
+            self.wait_gateway(timeout_s=60)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        stop_all([self.gateway, self.router, *self.workers.values()])
+        if self.redis_server:
+            self.redis_server.stop()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- processes ---------------------------------------------------------------------------------------------
+    def log(self, name: str) -> Path:
+        return self.config.log_dir / f"{name}.log"
+
+    def start_worker(self, i: int) -> None:
+        c = self.config
+        cmd = [
+            sys.executable,
+            "-m",
+            "worker_ext.launch",
+            "--engine",
+            str(i),
+            "--num-engines",
+            str(c.num_engines),
+            "--model-path",
+            str(c.model_path),
+            "--port",
+            str(c.worker_ports[i]),
+            "--redis-url",
+            self.redis_url,
+            "--key-prefix",
+            c.key_prefix,
+            "--served-model-name",
+            c.served_model_name,
+            "--max-total-tokens",
+            str(c.max_total_tokens),
+        ]
+        self.workers[i] = spawn(cmd, self.log(f"worker{i}"))
+        self.progress(f"worker {i} starting on port {c.worker_ports[i]}")
+
+    def start_router(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.main",
+            "--redis-url",
+            self.redis_url,
+            "--key-prefix",
+            self.config.key_prefix,
+            *self.config.router_args,
+        ]
+        self.router = spawn(cmd, self.log("router"))
+        self.progress("router starting")
+
+    def start_gateway(self) -> None:
+        c = self.config
+        cmd = [
+            sys.executable,
+            "-m",
+            "gateway.main",
+            "--model-path",
+            str(c.model_path),
+            "--port",
+            str(c.gateway_port),
+            "--redis-url",
+            self.redis_url,
+            "--key-prefix",
+            c.key_prefix,
+            "--served-model-name",
+            c.served_model_name,
+            *c.gateway_args,
+        ]
+        self.gateway = spawn(cmd, self.log("gateway"))
+        self.progress(f"gateway starting on {c.gateway_url}")
+
+    def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
+        stop(self.workers.pop(i), sig=sig)
+
+    def kill_router(self, sig: int = signal.SIGKILL) -> None:
+        stop(self.router, sig=sig)
+        self.router = None
+
+    # -- readiness ---------------------------------------------------------------------------------------------
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url)
+
+    def heartbeats(self) -> dict[int, Heartbeat]:
+        r = self.client()
+        out = {}
+        for i in range(self.config.num_engines):
+            raw, ready = r.get(self.keys.worker(i)), r.get(self.keys.ready(i))
+            if raw is not None and ready is not None:
+                hb = decode(raw, Heartbeat)
+                if hb.launch_id == ready.decode():
+                    out[i] = hb
+        return out
+
+    def wait_live(self, engines, timeout_s: float) -> None:
+        want = set(engines)
+        deadline = time.monotonic() + timeout_s
+        announced: set[int] = set()
+        while time.monotonic() < deadline:
+            live = set(self.heartbeats())
+            for i in sorted((live & want) - announced):
+                self.progress(f"worker {i} live")
+                announced.add(i)
+            if want <= live:
+                return
+            for i in want - live:
+                proc = self.workers.get(i)
+                if proc is not None and proc.poll() is not None:
+                    raise ClusterError(
+                        f"worker {i} exited ({proc.returncode}):\n{tail(self.log(f'worker{i}'))}"
+                    )
+            time.sleep(0.5)
+        raise ClusterError(
+            f"workers {sorted(want - set(self.heartbeats()))} not live after {timeout_s:.0f} s"
+        )
+
+    def wait_gateway(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.gateway is not None and self.gateway.poll() is not None:
+                raise ClusterError(f"gateway exited:\n{tail(self.log('gateway'))}")
+            try:
+                if httpx.get(f"{self.config.gateway_url}/health", timeout=2).status_code == 200:
+                    self.progress("gateway ready")
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise ClusterError(f"gateway not ready after {timeout_s:.0f} s:\n{tail(self.log('gateway'))}")

@@ -1,0 +1,79 @@
+"""``flying-demo``: the main job. Starts Redis, two CPU workers with the tiny model, the router and the gateway;
+sends a short burst of mixed-priority streaming requests; prints a summary table; stops everything it started."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from flying.cluster import Cluster, ClusterConfig
+from loadgen import metrics, report, runner
+from loadgen.workload import Workload, plan
+from worker_ext.tinymodel import ensure
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="flying-demo", description=__doc__.splitlines()[0])
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--requests", type=int, default=50)
+    p.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
+    p.add_argument("--workdir", type=Path, default=Path(".flying"))
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    a = p.parse_args(argv)
+
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    model = ensure(a.workdir / "tiny-llama", seed=0)
+    say(f"tiny model at {model}")
+    cluster = Cluster(
+        ClusterConfig(
+            model_path=model, num_engines=a.engines, log_dir=a.workdir / "logs", redis_url=a.redis_url
+        ),
+        progress=say,
+    )
+    try:
+        cluster.start()
+        say(f"cluster up: gateway {cluster.config.gateway_url}, redis {cluster.redis_url}")
+        workload = Workload(num_requests=a.requests, rate=a.rate)
+        done = 0
+
+        def progress(rec: metrics.RequestRecord) -> None:
+            nonlocal done
+            done += 1
+            bar = "#" * (30 * done // a.requests)
+            print(f"\r  burst [{bar:<30}] {done}/{a.requests}", end="", flush=True)
+
+        say(f"sending {a.requests} streaming requests at {a.rate:g} req/s (high 20%, normal 60%, low 20%)")
+        records, duration = asyncio.run(
+            runner.run(
+                cluster.config.gateway_url, cluster.config.served_model_name, plan(workload), on_done=progress
+            )
+        )
+        print()
+        summary = metrics.summarize(records, duration)
+        print(report.table(summary))
+        out = a.workdir / "demo-summary.json"
+        out.write_text(json.dumps(summary, indent=2))
+        say(f"summary written to {out}; logs in {cluster.config.log_dir}")
+        if summary["failed"]:
+            sys.exit(1)
+    except KeyboardInterrupt:
+        say("interrupted")
+        sys.exit(130)
+    finally:
+        say("stopping everything")
+        cluster.stop()
+        say("stopped")
+
+
+if __name__ == "__main__":
+    main()
