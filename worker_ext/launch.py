@@ -113,7 +113,8 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
     r = redis.Redis.from_url(cfg.redis_url)
     r.delete(keys.ready(cfg.engine))
     launch_id = uuid.uuid4().hex[:12]
-    proc = subprocess.Popen(sglang_command(cfg), env=sglang_env(cfg, launch_id), start_new_session=True)
+    # Same process group as this launcher: whoever kills the worker's group kills the server with it.
+    proc = subprocess.Popen(sglang_command(cfg), env=sglang_env(cfg, launch_id))
 
     def stop(signum, frame):
         _terminate(proc)
@@ -136,11 +137,11 @@ def _terminate(proc: subprocess.Popen) -> None:
     if proc.poll() is not None:
         return
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.terminate()  # sglang's launch_server stops its scheduler and detokenizer children on SIGTERM
         proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
 
 
 def main(argv: list[str] | None = None) -> None:

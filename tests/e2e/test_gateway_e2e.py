@@ -1,0 +1,146 @@
+"""Through the gateway to real SGLang CPU workers, with the official openai client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from flying.procs import free_port, spawn, stop
+from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
+
+pytestmark = pytest.mark.e2e
+MODEL = "tiny-llama"
+MESSAGES = [{"role": "user", "content": "Tell me about the river and the sea."}]
+
+
+@pytest.fixture
+def oai(cluster):
+    return openai.OpenAI(base_url=cluster.config.gateway_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_non_streaming_chat_with_priority_header(oai):
+    raw = oai.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, extra_headers={"X-Priority": "high"}
+    )
+    resp = raw.parse()
+    assert resp.choices[0].message.content
+    assert resp.usage.completion_tokens == 8 and resp.usage.prompt_tokens > 0
+    assert float(raw.headers["x-queue-time-ms"]) >= 0
+    assert raw.headers["x-request-id"]
+
+
+def test_streaming_chat_with_usage(oai):
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Priority": "high"},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_completions_and_models(oai):
+    out = oai.completions.create(model=MODEL, prompt="The sun rises", max_tokens=5, temperature=0)
+    assert out.usage.completion_tokens == 5
+    [card] = oai.models.list().data
+    assert card.id == MODEL
+
+
+HOSTILE = [
+    ("bad json", b"{oops", 400),
+    ("json array", b"[1, 2]", 400),
+    ("empty body", b"", 400),
+    ("no messages", b'{"model": "tiny-llama"}', 400),
+    ("empty messages", b'{"model": "tiny-llama", "messages": []}', 400),
+    ("messages not a list", b'{"model": "tiny-llama", "messages": "hi"}', 400),
+    ("bad role", b'{"model": "tiny-llama", "messages": [{"role": "god", "content": "x"}]}', 400),
+    ("content wrong type", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": {"a": 1}}]}', 400),
+    ("max_tokens string", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}', 400),
+    ("max_tokens negative", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400),
+    ("max_tokens zero", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400),
+    ("max_tokens huge", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10000000000}', 400),
+    ("temperature out of range", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "temperature": 99}', 400),
+    ("n > 1", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 3}', 400),
+    ("unknown model", b'{"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}', 404),
+    ("bad priority field", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "priority": "urgent"}', 400),
+    ("oversize prompt", None, 400),
+    ("body too large", b"{" + b" " * (5 * 1024 * 1024) + b"}", 413),
+    ("stream not bool", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400),
+    ("nested garbage", b'{"model": "tiny-llama", "messages": [[[[[]]]]]}', 400),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_requests_get_the_right_4xx(cluster, name, body, status):
+    if body is None:  # a prompt longer than the context limit (4096 tokens of KV per engine here)
+        body = httpx.Request("POST", "/", json={"model": MODEL, "messages": [
+            {"role": "user", "content": "the river runs to the sea " * 1200}]}).content
+    resp = httpx.post(cluster.config.gateway_url + "/v1/chat/completions", content=body,
+                      headers={"content-type": "application/json"}, timeout=30)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if name == "oversize prompt":
+        assert err["code"] == "context_length_exceeded" and "4096" in err["message"]
+
+
+def test_bad_priority_header(cluster):
+    resp = httpx.post(cluster.config.gateway_url + "/v1/chat/completions", headers={"X-Priority": "asap"},
+                      json={"model": MODEL, "messages": MESSAGES}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "X-Priority"
+
+
+def test_gateway_healthy_and_queue_clean_after_hostile_traffic(cluster):
+    health = httpx.get(cluster.config.gateway_url + "/health", timeout=5).json()
+    assert health["status"] == "ok" and health["live_workers"] == [0, 1] and health["queue_depth"] == 0
+
+
+def test_redis_keys_match_the_documented_schema(cluster, oai):
+    oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    out = subprocess.run(["redis-cli", "-u", cluster.redis_url, "--scan"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    patterns = {"flying:seq", "flying:router:wake", "flying:router:lease", "flying:workers", "flying:stats",
+                "flying:queue"}
+    for key in out:
+        kind = key.split(":")[1]
+        assert key in patterns or kind in {"req", "worker", "ready", "inflight"}, f"undocumented key {key}"
+    assert {"flying:worker:0", "flying:worker:1", "flying:ready:0", "flying:workers"} <= set(out)
+    assert any(k.startswith("flying:req:") for k in out)
+
+
+@pytest.fixture(scope="module")
+def stock_server(tiny_model, tmp_path_factory):
+    """A stock SGLang server (no flying-serving involvement) on the same tiny model."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--max-total-tokens", "4096", *SGLANG_CPU_ARGS]
+    env = sglang_cpu_env()
+    env.pop("FLYING_ENGINE_INDEX", None)
+    proc = spawn(cmd, tmp_path_factory.mktemp("stock") / "stock.log", env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "stock sglang server exited"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    yield url
+    stop(proc)
+
+
+def test_greedy_text_identical_to_a_stock_sglang_server(oai, stock_server):
+    stock = openai.OpenAI(base_url=stock_server + "/v1", api_key="unused", max_retries=0)
+    for content in ("Hello! How are you today?", "Tell me a story about a dragon and a castle."):
+        msgs = [{"role": "user", "content": content}]
+        ours = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+        theirs = stock.chat.completions.create(model="x", messages=msgs, max_tokens=24, temperature=0)
+        assert ours.choices[0].message.content == theirs.choices[0].message.content
+        assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens

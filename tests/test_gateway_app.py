@@ -1,0 +1,101 @@
+"""Gateway HTTP edge with a real Redis and no workers: validation, error shapes, 503, queue-full, health."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from flying.messages import Heartbeat, encode
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+
+
+class CountWords:
+    def chat(self, req):
+        return sum(len(m.text().split()) for m in req.messages) + 3
+
+    def completion(self, req):
+        return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.split())
+
+
+@pytest.fixture
+def client(redis_server, keys):
+    cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, max_queue=2,
+                        queue_timeout_s=1.0, no_worker_grace_s=0.5)
+    with TestClient(create_app(cfg, count_tokens=CountWords())) as c:
+        yield c
+
+
+def fake_worker(sync_redis, keys, engine=0, context_len=64, kv=100):
+    hb = Heartbeat(engine=engine, url="http://127.0.0.1:9", pid=1, model="tiny-llama", launch_id="L",
+                   context_len=context_len, max_total_tokens=kv, free_kv_tokens=kv, ts=time.time())
+    sync_redis.set(keys.worker(engine), encode(hb), px=60_000)
+    sync_redis.sadd(keys.workers, engine)
+    sync_redis.set(keys.ready(engine), "L")
+
+
+def ok_body(**kw):
+    return {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello there"}], **kw}
+
+
+def assert_error(resp, status, code=None, param=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code:
+        assert err["code"] == code
+    if param:
+        assert err["param"] == param
+
+
+def test_no_live_workers_is_503(client):
+    assert_error(client.post("/v1/chat/completions", json=ok_body()), 503, "no_live_workers")
+
+
+def test_unknown_model_is_404(client, sync_redis, keys):
+    fake_worker(sync_redis, keys)
+    assert_error(client.post("/v1/chat/completions", json=ok_body(model="gpt-9")), 404, "model_not_found", "model")
+
+
+def test_context_too_long_states_the_limit(client, sync_redis, keys):
+    fake_worker(sync_redis, keys, context_len=64, kv=100)
+    resp = client.post("/v1/chat/completions", json=ok_body(max_tokens=60))
+    assert_error(resp, 400, "context_length_exceeded", "max_tokens")
+    assert "64" in resp.json()["error"]["message"]
+    long = ok_body(messages=[{"role": "user", "content": "word " * 80}])
+    assert_error(client.post("/v1/chat/completions", json=long), 400, "context_length_exceeded", "messages")
+
+
+def test_non_positive_max_tokens(client, sync_redis, keys):
+    fake_worker(sync_redis, keys)
+    assert_error(client.post("/v1/chat/completions", json=ok_body(max_tokens=0)), 400, param="max_tokens")
+    assert_error(client.post("/v1/chat/completions", json=ok_body(max_tokens=-5)), 400, param="max_tokens")
+
+
+def test_unassigned_request_times_out_with_504_and_leaves_the_queue(client, sync_redis, keys):
+    fake_worker(sync_redis, keys)  # live but no router runs: nothing gets assigned
+    assert_error(client.post("/v1/chat/completions", json=ok_body(max_tokens=4)), 504, "queue_timeout")
+    assert sync_redis.zcard(keys.queue) == 0
+
+
+def test_queue_full_is_429(client, sync_redis, keys):
+    fake_worker(sync_redis, keys)
+    sync_redis.zadd(keys.queue, {"x1": 1, "x2": 2})
+    assert_error(client.post("/v1/chat/completions", json=ok_body(max_tokens=4)), 429, "queue_full")
+
+
+def test_routes_methods_body_size(client):
+    assert_error(client.get("/v1/nope"), 404)
+    assert_error(client.get("/v1/chat/completions"), 405)
+    assert_error(client.post("/v1/chat/completions", content=b"x" * (5 * 1024 * 1024)), 413)
+
+
+def test_health_and_models(client, sync_redis, keys):
+    assert client.get("/health").json()["live_workers"] == []
+    fake_worker(sync_redis, keys, context_len=64, kv=100)
+    time.sleep(0.3)  # the gateway caches the worker view for 250 ms
+    assert client.get("/health").json()["live_workers"] == [0]
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["id"] == "tiny-llama" and card["max_model_len"] == 64

@@ -1,0 +1,99 @@
+"""The Redis queue against a real redis-server: ordering, atomic claims, requeue, finish."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flying.messages import Assignment, QueuedRequest, decode
+from flying.queue import QueueFull, RequestQueue, reap_stale_inflight
+
+
+def mk(i: str, priority: str = "normal", t: float = 0.0) -> QueuedRequest:
+    return QueuedRequest(id=i, priority=priority, model="m", prompt_tokens=4, max_tokens=4, gateway="g",
+                         enqueued_at=t)
+
+
+async def test_orders_by_priority_class_then_arrival(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    for i, p in [("n1", "normal"), ("l1", "low"), ("h1", "high"), ("n2", "normal"), ("h2", "high"), ("l2", "low")]:
+        await q.admit(mk(i, p))
+    assert [r.id for r in await q.peek(10)] == ["h1", "h2", "n1", "n2", "l1", "l2"]
+
+
+async def test_ties_in_time_keep_admission_order(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    ids = [f"r{i}" for i in range(20)]
+    for i in ids:
+        await q.admit(mk(i, "normal", t=1.0))  # identical timestamps: the sequence number breaks the tie
+    assert [r.id for r in await q.peek(50)] == ids
+
+
+async def test_queue_full_rejects_and_keeps_nothing(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    await q.admit(mk("a"), max_queue=1)
+    with pytest.raises(QueueFull):
+        await q.admit(mk("b"), max_queue=1)
+    assert await q.depth() == 1
+    assert await aredis.exists(keys.request("b")) == 0
+
+
+async def test_assign_is_atomic_and_notifies_the_gateway(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    pubsub = aredis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(keys.gateway_channel("g"))
+    await q.admit(mk("a"))
+    [req] = await q.peek(1)
+    results = await asyncio.gather(*(q.assign(req, e, f"http://e{e}") for e in range(5)))
+    assert sum(results) == 1, "exactly one of five concurrent claims wins"
+    engine = results.index(True)
+    assert await q.depth() == 0
+    assert await aredis.smembers(keys.inflight(engine)) == {b"a"}
+    rec = await q.get("a")
+    assert rec["state"] == "assigned" and rec["engine"] == str(engine) and float(rec["queue_ms"]) >= 0
+    msg = None
+    for _ in range(20):  # the subscribe confirmation is swallowed as a None first
+        if msg := await pubsub.get_message(timeout=0.1):
+            break
+    assert msg is not None, "the gateway channel got no assignment message"
+    assert decode(msg["data"], Assignment).engine == engine
+    await pubsub.aclose()
+
+
+async def test_requeue_restores_the_original_position(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    for i in ("a", "b", "c"):
+        await q.admit(mk(i))
+    [a] = await q.peek(1)
+    assert await q.assign(a, 0, "http://e0")
+    assert [r.id for r in await q.peek(5)] == ["b", "c"]
+    assert await q.requeue(a, 0, "worker died")
+    assert [r.id for r in await q.peek(5)] == ["a", "b", "c"]
+    rec = await q.get("a")
+    assert rec["attempts"] == "1" and "engine" not in rec and rec["state"] == "queued"
+    assert await aredis.scard(keys.inflight(0)) == 0
+    assert not await q.requeue(a, 0, "twice"), "only an assigned request can be requeued"
+
+
+async def test_finish_clears_inflight_and_sets_a_ttl(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    await q.admit(mk("a"))
+    [a] = await q.peek(1)
+    await q.assign(a, 1, "http://e1")
+    assert await q.finish("a", 1, "done")
+    assert await aredis.scard(keys.inflight(1)) == 0
+    assert (await q.get("a"))["state"] == "done"
+    assert 0 < await aredis.ttl(keys.request("a")) <= 3600
+    stats = await aredis.hgetall(keys.stats)
+    assert stats[b"admitted"] == b"1" and stats[b"assigned"] == b"1" and stats[b"completed"] == b"1"
+
+
+async def test_reap_drops_only_stale_inflight_entries(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    await q.admit(mk("live"))
+    [live] = await q.peek(1)
+    await q.assign(live, 0, "http://e0")
+    await aredis.sadd(keys.inflight(0), "ghost")
+    assert await reap_stale_inflight(q, 0) == 1
+    assert await aredis.smembers(keys.inflight(0)) == {b"live"}

@@ -1,0 +1,83 @@
+"""The router's dispatch round against a real Redis with heartbeats written as a worker would."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from flying.messages import Heartbeat, QueuedRequest, encode
+from flying.queue import RequestQueue
+from router.config import RouterConfig
+from router.dispatcher import Dispatcher
+
+
+async def beat(r, keys, engine: int, ready: bool = True) -> None:
+    hb = Heartbeat(engine=engine, url=f"http://e{engine}", pid=1, model="m", launch_id=f"L{engine}",
+                   free_kv_tokens=1000, max_total_tokens=1000, context_len=4096, ts=time.time())
+    await r.set(keys.worker(engine), encode(hb), px=1000)
+    await r.sadd(keys.workers, engine)
+    if ready:
+        await r.set(keys.ready(engine), f"L{engine}")
+
+
+def dispatcher(aredis, keys, **kw) -> Dispatcher:
+    return Dispatcher(RouterConfig(key_prefix=keys.prefix, **kw), aredis)
+
+
+async def admit(q: RequestQueue, n: int, priority: str = "normal") -> None:
+    for i in range(n):
+        await q.admit(QueuedRequest(id=f"{priority}{i}", priority=priority, model="m", prompt_tokens=10,
+                                    max_tokens=10, gateway="g", enqueued_at=time.time()))
+
+
+async def test_dispatches_only_to_live_ready_engines(aredis, keys):
+    await beat(aredis, keys, 0)
+    await beat(aredis, keys, 1, ready=False)  # heartbeating but its HTTP server is not up yet
+    q = RequestQueue(aredis, keys)
+    await admit(q, 3)
+    assert await dispatcher(aredis, keys).round() == 3
+    assert await aredis.scard(keys.inflight(0)) == 3
+    assert await aredis.scard(keys.inflight(1)) == 0
+
+
+async def test_holds_requests_in_redis_beyond_the_inflight_cap(aredis, keys):
+    await beat(aredis, keys, 0)
+    q = RequestQueue(aredis, keys)
+    await admit(q, 5, "low")
+    await admit(q, 1, "high")
+    d = dispatcher(aredis, keys, max_inflight_per_worker=2)
+    assert await d.round() == 2
+    assert (await q.get("high0"))["state"] == "assigned", "high priority goes first"
+    assert await q.depth() == 4
+
+
+async def test_expired_heartbeat_means_no_dispatch(aredis, keys):
+    await beat(aredis, keys, 0)
+    await aredis.delete(keys.worker(0))  # as if it expired
+    q = RequestQueue(aredis, keys)
+    await admit(q, 1)
+    assert await dispatcher(aredis, keys).round() == 0
+
+
+async def test_only_one_router_holds_the_lease(aredis, keys):
+    a, b = dispatcher(aredis, keys), dispatcher(aredis, keys)
+    assert await a.hold_lease()
+    assert not await b.hold_lease()
+    assert await a.hold_lease(), "the holder renews"
+
+
+async def test_run_loop_dispatches_new_arrivals_and_stops(aredis, keys):
+    await beat(aredis, keys, 0)
+    d = dispatcher(aredis, keys)
+    stop = asyncio.Event()
+    task = asyncio.create_task(d.run(stop))
+    q = RequestQueue(aredis, keys)
+    await admit(q, 4)
+    for _ in range(100):
+        if d.dispatched == 4:
+            break
+        await asyncio.sleep(0.02)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert d.dispatched == 4
+    assert await aredis.exists(keys.router_lease) == 0, "a clean stop gives the lease back"

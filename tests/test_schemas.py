@@ -1,0 +1,89 @@
+import pytest
+
+from gateway import schemas
+from gateway.errors import InvalidRequest, QueueFullError
+
+
+def chat(body: bytes):
+    req = schemas.decode(body, schemas.ChatCompletionRequest)
+    schemas.check_chat(req)
+    return req
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"", None),
+        (b"{not json", None),
+        (b"[]", None),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', None),  # model missing
+        (b'{"model": "m", "messages": "hi"}', "messages"),
+        (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', "max_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}', "max_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "stream"),
+        (b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', "model"),
+    ],
+)
+def test_type_errors_name_the_parameter(body, param):
+    with pytest.raises(InvalidRequest) as exc:
+        chat(body)
+    assert exc.value.status == 400
+    assert exc.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ('"n": 2', "n"),
+        ('"temperature": -1', "temperature"),
+        ('"temperature": 3', "temperature"),
+        ('"top_p": 0', "top_p"),
+        ('"presence_penalty": 9', "presence_penalty"),
+        ('"stop": ["a", "b", "c", "d", "e"]', "stop"),
+        ('"top_logprobs": 50', "top_logprobs"),
+    ],
+)
+def test_value_errors_name_the_parameter(extra, param):
+    body = ('{"model": "m", "messages": [{"role": "user", "content": "x"}], ' + extra + "}").encode()
+    with pytest.raises(InvalidRequest) as exc:
+        chat(body)
+    assert exc.value.param == param
+
+
+def test_empty_messages_are_rejected():
+    for body in (b'{"model": "m", "messages": []}', b'{"model": "m", "messages": [{"role": "user", "content": ""}]}'):
+        with pytest.raises(InvalidRequest) as exc:
+            chat(body)
+        assert exc.value.param == "messages"
+
+
+def test_valid_chat_with_text_parts_and_unknown_fields():
+    req = chat(b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+               b' {"type": "text", "text": "b"}]}], "max_tokens": 3, "whatever": 1}')
+    assert req.messages[0].text() == "ab" and req.max_tokens == 3
+
+
+def test_completion_prompt_checks():
+    for body in (b'{"model": "m", "prompt": ""}', b'{"model": "m", "prompt": [-1]}', b'{"model": "m", "prompt": []}'):
+        req = schemas.decode(body, schemas.CompletionRequest)
+        with pytest.raises(InvalidRequest):
+            schemas.check_completion(req)
+
+
+def test_priority_header_wins_and_is_validated():
+    assert schemas.resolve_priority("HIGH", "low") == "high"
+    assert schemas.resolve_priority(None, "low") == "low"
+    assert schemas.resolve_priority(None, None) == "normal"
+    with pytest.raises(InvalidRequest) as exc:
+        schemas.resolve_priority("urgent", None)
+    assert exc.value.param == "X-Priority"
+    with pytest.raises(InvalidRequest) as exc:
+        schemas.resolve_priority(None, "3")
+    assert exc.value.param == "priority"
+
+
+def test_error_body_is_openai_shaped():
+    body = QueueFullError("full").body()
+    assert body == {"error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "queue_full"}}
