@@ -85,12 +85,16 @@ def peak_output_throughput(records: Sequence[RequestRecord], bucket_s: float = 1
 
 
 def concurrency_series(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[int]:
-    """Requests in flight at the start of each bucket."""
-    spans = [(r.sent_at, r.event_times[-1] if r.event_times else r.sent_at) for r in records if r.sent_at]
+    """Requests in flight during each bucket [k*bucket_s, (k+1)*bucket_s): those whose span overlaps it."""
+    spans = [(r.sent_at, r.event_times[-1] if r.event_times else r.sent_at) for r in records if not r.warmup]
     if not spans:
         return []
-    end = max(e for _, e in spans)
-    return [sum(1 for s, e in spans if s <= t < e) for t in np.arange(0, end + bucket_s, bucket_s)]
+    n = int(max(e for _, e in spans) // bucket_s) + 1
+    out = [0] * n
+    for s, e in spans:
+        for k in range(int(s // bucket_s), int(e // bucket_s) + 1):
+            out[k] += 1
+    return out
 
 
 def goodput(records: Sequence[RequestRecord], duration: float, ttft_s: float, tpot_s: float) -> float:

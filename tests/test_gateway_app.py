@@ -22,15 +22,30 @@ class CountWords:
 
 @pytest.fixture
 def client(redis_server, keys):
-    cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, max_queue=2,
-                        queue_timeout_s=1.0, no_worker_grace_s=0.5)
+    cfg = GatewayConfig(
+        model_path="unused",
+        redis_url=redis_server.url,
+        key_prefix=keys.prefix,
+        max_queue=2,
+        queue_timeout_s=1.0,
+        no_worker_grace_s=0.5,
+    )
     with TestClient(create_app(cfg, count_tokens=CountWords())) as c:
         yield c
 
 
 def fake_worker(sync_redis, keys, engine=0, context_len=64, kv=100):
-    hb = Heartbeat(engine=engine, url="http://127.0.0.1:9", pid=1, model="tiny-llama", launch_id="L",
-                   context_len=context_len, max_total_tokens=kv, free_kv_tokens=kv, ts=time.time())
+    hb = Heartbeat(
+        engine=engine,
+        url="http://127.0.0.1:9",
+        pid=1,
+        model="tiny-llama",
+        launch_id="L",
+        context_len=context_len,
+        max_total_tokens=kv,
+        free_kv_tokens=kv,
+        ts=time.time(),
+    )
     sync_redis.set(keys.worker(engine), encode(hb), px=60_000)
     sync_redis.sadd(keys.workers, engine)
     sync_redis.set(keys.ready(engine), "L")
@@ -56,7 +71,9 @@ def test_no_live_workers_is_503(client):
 
 def test_unknown_model_is_404(client, sync_redis, keys):
     fake_worker(sync_redis, keys)
-    assert_error(client.post("/v1/chat/completions", json=ok_body(model="gpt-9")), 404, "model_not_found", "model")
+    assert_error(
+        client.post("/v1/chat/completions", json=ok_body(model="gpt-9")), 404, "model_not_found", "model"
+    )
 
 
 def test_context_too_long_states_the_limit(client, sync_redis, keys):

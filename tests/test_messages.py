@@ -2,8 +2,16 @@ from flying.messages import Heartbeat, QueuedRequest, decode, encode, from_hash,
 
 
 def test_request_round_trips_through_a_redis_hash():
-    req = QueuedRequest(id="r", priority="high", model="m", prompt_tokens=5, max_tokens=7, gateway="g",
-                        enqueued_at=12.5, seq=3)
+    req = QueuedRequest(
+        id="r",
+        priority="high",
+        model="m",
+        prompt_tokens=5,
+        max_tokens=7,
+        gateway="g",
+        enqueued_at=12.5,
+        seq=3,
+    )
     fields = to_hash(req) | {"state": "queued", "engine": "1"}
     assert all(isinstance(v, str) for v in fields.values())
     assert from_hash(fields, QueuedRequest) == req

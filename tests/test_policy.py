@@ -3,8 +3,9 @@ from router.policy import EngineView, plan
 
 
 def req(i: str, prompt: int = 10, out: int = 10, priority: str = "normal") -> QueuedRequest:
-    return QueuedRequest(id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=out, gateway="g",
-                         enqueued_at=0.0)
+    return QueuedRequest(
+        id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=out, gateway="g", enqueued_at=0.0
+    )
 
 
 def eng(i: int, inflight: int = 0, free: int = 1000, cap: int = 1000) -> EngineView:

@@ -11,13 +11,21 @@ from flying.queue import QueueFull, RequestQueue, reap_stale_inflight
 
 
 def mk(i: str, priority: str = "normal", t: float = 0.0) -> QueuedRequest:
-    return QueuedRequest(id=i, priority=priority, model="m", prompt_tokens=4, max_tokens=4, gateway="g",
-                         enqueued_at=t)
+    return QueuedRequest(
+        id=i, priority=priority, model="m", prompt_tokens=4, max_tokens=4, gateway="g", enqueued_at=t
+    )
 
 
 async def test_orders_by_priority_class_then_arrival(aredis, keys):
     q = RequestQueue(aredis, keys)
-    for i, p in [("n1", "normal"), ("l1", "low"), ("h1", "high"), ("n2", "normal"), ("h2", "high"), ("l2", "low")]:
+    for i, p in [
+        ("n1", "normal"),
+        ("l1", "low"),
+        ("h1", "high"),
+        ("n2", "normal"),
+        ("h2", "high"),
+        ("l2", "low"),
+    ]:
         await q.admit(mk(i, p))
     assert [r.id for r in await q.peek(10)] == ["h1", "h2", "n1", "n2", "l1", "l2"]
 

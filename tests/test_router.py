@@ -12,8 +12,17 @@ from router.dispatcher import Dispatcher
 
 
 async def beat(r, keys, engine: int, ready: bool = True) -> None:
-    hb = Heartbeat(engine=engine, url=f"http://e{engine}", pid=1, model="m", launch_id=f"L{engine}",
-                   free_kv_tokens=1000, max_total_tokens=1000, context_len=4096, ts=time.time())
+    hb = Heartbeat(
+        engine=engine,
+        url=f"http://e{engine}",
+        pid=1,
+        model="m",
+        launch_id=f"L{engine}",
+        free_kv_tokens=1000,
+        max_total_tokens=1000,
+        context_len=4096,
+        ts=time.time(),
+    )
     await r.set(keys.worker(engine), encode(hb), px=1000)
     await r.sadd(keys.workers, engine)
     if ready:
@@ -26,8 +35,17 @@ def dispatcher(aredis, keys, **kw) -> Dispatcher:
 
 async def admit(q: RequestQueue, n: int, priority: str = "normal") -> None:
     for i in range(n):
-        await q.admit(QueuedRequest(id=f"{priority}{i}", priority=priority, model="m", prompt_tokens=10,
-                                    max_tokens=10, gateway="g", enqueued_at=time.time()))
+        await q.admit(
+            QueuedRequest(
+                id=f"{priority}{i}",
+                priority=priority,
+                model="m",
+                prompt_tokens=10,
+                max_tokens=10,
+                gateway="g",
+                enqueued_at=time.time(),
+            )
+        )
 
 
 async def test_dispatches_only_to_live_ready_engines(aredis, keys):

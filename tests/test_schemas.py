@@ -53,20 +53,29 @@ def test_value_errors_name_the_parameter(extra, param):
 
 
 def test_empty_messages_are_rejected():
-    for body in (b'{"model": "m", "messages": []}', b'{"model": "m", "messages": [{"role": "user", "content": ""}]}'):
+    for body in (
+        b'{"model": "m", "messages": []}',
+        b'{"model": "m", "messages": [{"role": "user", "content": ""}]}',
+    ):
         with pytest.raises(InvalidRequest) as exc:
             chat(body)
         assert exc.value.param == "messages"
 
 
 def test_valid_chat_with_text_parts_and_unknown_fields():
-    req = chat(b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
-               b' {"type": "text", "text": "b"}]}], "max_tokens": 3, "whatever": 1}')
+    req = chat(
+        b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+        b' {"type": "text", "text": "b"}]}], "max_tokens": 3, "whatever": 1}'
+    )
     assert req.messages[0].text() == "ab" and req.max_tokens == 3
 
 
 def test_completion_prompt_checks():
-    for body in (b'{"model": "m", "prompt": ""}', b'{"model": "m", "prompt": [-1]}', b'{"model": "m", "prompt": []}'):
+    for body in (
+        b'{"model": "m", "prompt": ""}',
+        b'{"model": "m", "prompt": [-1]}',
+        b'{"model": "m", "prompt": []}',
+    ):
         req = schemas.decode(body, schemas.CompletionRequest)
         with pytest.raises(InvalidRequest):
             schemas.check_completion(req)
@@ -86,4 +95,6 @@ def test_priority_header_wins_and_is_validated():
 
 def test_error_body_is_openai_shaped():
     body = QueueFullError("full").body()
-    assert body == {"error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "queue_full"}}
+    assert body == {
+        "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "queue_full"}
+    }

@@ -36,8 +36,13 @@ def test_non_streaming_chat_with_priority_header(oai):
 
 def test_streaming_chat_with_usage(oai):
     stream = oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_headers={"X-Priority": "high"},
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Priority": "high"},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -60,18 +65,50 @@ HOSTILE = [
     ("empty messages", b'{"model": "tiny-llama", "messages": []}', 400),
     ("messages not a list", b'{"model": "tiny-llama", "messages": "hi"}', 400),
     ("bad role", b'{"model": "tiny-llama", "messages": [{"role": "god", "content": "x"}]}', 400),
-    ("content wrong type", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": {"a": 1}}]}', 400),
-    ("max_tokens string", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}', 400),
-    ("max_tokens negative", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400),
-    ("max_tokens zero", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400),
-    ("max_tokens huge", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10000000000}', 400),
-    ("temperature out of range", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "temperature": 99}', 400),
+    (
+        "content wrong type",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": {"a": 1}}]}',
+        400,
+    ),
+    (
+        "max_tokens string",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}',
+        400,
+    ),
+    (
+        "max_tokens negative",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+        400,
+    ),
+    (
+        "max_tokens zero",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+        400,
+    ),
+    (
+        "max_tokens huge",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10000000000}',
+        400,
+    ),
+    (
+        "temperature out of range",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "temperature": 99}',
+        400,
+    ),
     ("n > 1", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 3}', 400),
     ("unknown model", b'{"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}', 404),
-    ("bad priority field", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "priority": "urgent"}', 400),
+    (
+        "bad priority field",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "priority": "urgent"}',
+        400,
+    ),
     ("oversize prompt", None, 400),
     ("body too large", b"{" + b" " * (5 * 1024 * 1024) + b"}", 413),
-    ("stream not bool", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400),
+    (
+        "stream not bool",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        400,
+    ),
     ("nested garbage", b'{"model": "tiny-llama", "messages": [[[[[]]]]]}', 400),
 ]
 
@@ -79,10 +116,20 @@ HOSTILE = [
 @pytest.mark.parametrize(("name", "body", "status"), HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_requests_get_the_right_4xx(cluster, name, body, status):
     if body is None:  # a prompt longer than the context limit (4096 tokens of KV per engine here)
-        body = httpx.Request("POST", "/", json={"model": MODEL, "messages": [
-            {"role": "user", "content": "the river runs to the sea " * 1200}]}).content
-    resp = httpx.post(cluster.config.gateway_url + "/v1/chat/completions", content=body,
-                      headers={"content-type": "application/json"}, timeout=30)
+        body = httpx.Request(
+            "POST",
+            "/",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "the river runs to the sea " * 1200}],
+            },
+        ).content
+    resp = httpx.post(
+        cluster.config.gateway_url + "/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -91,8 +138,12 @@ def test_hostile_requests_get_the_right_4xx(cluster, name, body, status):
 
 
 def test_bad_priority_header(cluster):
-    resp = httpx.post(cluster.config.gateway_url + "/v1/chat/completions", headers={"X-Priority": "asap"},
-                      json={"model": MODEL, "messages": MESSAGES}, timeout=30)
+    resp = httpx.post(
+        cluster.config.gateway_url + "/v1/chat/completions",
+        headers={"X-Priority": "asap"},
+        json={"model": MODEL, "messages": MESSAGES},
+        timeout=30,
+    )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "X-Priority"
 
 
@@ -103,10 +154,17 @@ def test_gateway_healthy_and_queue_clean_after_hostile_traffic(cluster):
 
 def test_redis_keys_match_the_documented_schema(cluster, oai):
     oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-    out = subprocess.run(["redis-cli", "-u", cluster.redis_url, "--scan"], capture_output=True, text=True,
-                         check=True).stdout.split()
-    patterns = {"flying:seq", "flying:router:wake", "flying:router:lease", "flying:workers", "flying:stats",
-                "flying:queue"}
+    out = subprocess.run(
+        ["redis-cli", "-u", cluster.redis_url, "--scan"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    patterns = {
+        "flying:seq",
+        "flying:router:wake",
+        "flying:router:lease",
+        "flying:workers",
+        "flying:stats",
+        "flying:queue",
+    }
     for key in out:
         kind = key.split(":")[1]
         assert key in patterns or kind in {"req", "worker", "ready", "inflight"}, f"undocumented key {key}"
@@ -118,8 +176,22 @@ def test_redis_keys_match_the_documented_schema(cluster, oai):
 def stock_server(tiny_model, tmp_path_factory):
     """A stock SGLang server (no flying-serving involvement) on the same tiny model."""
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--max-total-tokens", "4096", *SGLANG_CPU_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(tiny_model),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        *SGLANG_CPU_ARGS,
+    ]
     env = sglang_cpu_env()
     env.pop("FLYING_ENGINE_INDEX", None)
     proc = spawn(cmd, tmp_path_factory.mktemp("stock") / "stock.log", env=env)

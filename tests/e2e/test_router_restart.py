@@ -13,8 +13,15 @@ pytestmark = pytest.mark.e2e
 
 async def burst(url: str, n: int) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=180) as client:
-        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "count with me"}], "max_tokens": 16, "ignore_eos": True}
-        return await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=body) for _ in range(50)))
+        body = {
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "count with me"}],
+            "max_tokens": 16,
+            "ignore_eos": True,
+        }
+        return await asyncio.gather(
+            *(client.post(url + "/v1/chat/completions", json=body) for _ in range(50))
+        )
 
 
 def test_router_kill_and_restart_loses_nothing(cluster):
