@@ -216,3 +216,25 @@ def test_greedy_text_identical_to_a_stock_sglang_server(oai, stock_server):
         theirs = stock.chat.completions.create(model="x", messages=msgs, max_tokens=24, temperature=0)
         assert ours.choices[0].message.content == theirs.choices[0].message.content
         assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
+
+
+def test_client_disconnect_aborts_the_request_on_the_worker(cluster):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", cluster.config.gateway_url + "/v1/chat/completions", json=body, timeout=60
+    ) as resp:
+        rid = resp.headers["x-request-id"]
+        engine = int(resp.headers["x-flying-engine"])
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 4:
+                break  # leave mid-stream: closing the connection is the disconnect
+    r = cluster.client()
+    deadline = time.monotonic() + 10
+    while True:
+        state = (r.hget(f"flying:req:{rid}", "state") or b"").decode()
+        running = cluster.heartbeats()[engine].running
+        if state == "cancelled" and running == 0:
+            break  # the engine stopped decoding: no zombie request
+        assert time.monotonic() < deadline, f"state={state} running={running} 10 s after disconnect"
+        time.sleep(0.2)
+    assert r.sismember(f"flying:inflight:{engine}", rid) == 0
