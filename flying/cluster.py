@@ -18,9 +18,10 @@ import httpx
 import redis
 
 from flying.keys import Keys
-from flying.messages import Heartbeat, decode
+from flying.messages import Heartbeat
 from flying.procs import free_port, spawn, stop, stop_all, tail
 from flying.redis_server import RedisServer
+from flying.workers import live_heartbeat
 
 
 @dataclass(frozen=True)
@@ -170,14 +171,10 @@ class Cluster:
 
     def heartbeats(self) -> dict[int, Heartbeat]:
         r = self.client()
-        out = {}
-        for i in range(self.config.num_engines):
-            raw, ready = r.get(self.keys.worker(i)), r.get(self.keys.ready(i))
-            if raw is not None and ready is not None:
-                hb = decode(raw, Heartbeat)
-                if hb.launch_id == ready.decode():
-                    out[i] = hb
-        return out
+        engines = range(self.config.num_engines)
+        beats = r.mget([self.keys.worker(i) for i in engines])
+        readies = r.mget([self.keys.ready(i) for i in engines])
+        return {hb.engine: hb for raw, ready in zip(beats, readies) if (hb := live_heartbeat(raw, ready))}
 
     def wait_live(self, engines, timeout_s: float) -> None:
         want = set(engines)

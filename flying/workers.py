@@ -8,6 +8,14 @@ from flying.keys import Keys
 from flying.messages import Heartbeat, decode
 
 
+def live_heartbeat(raw: bytes | str | None, ready: bytes | str | None) -> Heartbeat | None:
+    """The heartbeat if the engine is live: heartbeat not expired and its server ready under the same launch."""
+    if raw is None or ready is None:
+        return None
+    hb = decode(raw, Heartbeat)
+    return hb if hb.launch_id == (ready.decode() if isinstance(ready, bytes) else ready) else None
+
+
 async def registered_engines(r: aioredis.Redis, keys: Keys) -> list[int]:
     return sorted(int(x) for x in await r.smembers(keys.workers))
 
@@ -19,11 +27,4 @@ async def live_workers(r: aioredis.Redis, keys: Keys) -> list[Heartbeat]:
         return []
     beats = await r.mget([keys.worker(e) for e in engines])
     readies = await r.mget([keys.ready(e) for e in engines])
-    live = []
-    for raw, ready in zip(beats, readies):
-        if raw is None or ready is None:
-            continue
-        hb = decode(raw, Heartbeat)
-        if hb.launch_id == (ready.decode() if isinstance(ready, bytes) else ready):
-            live.append(hb)
-    return live
+    return [hb for raw, ready in zip(beats, readies) if (hb := live_heartbeat(raw, ready)) is not None]
