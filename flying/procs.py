@@ -7,7 +7,14 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
+
+import httpx
+
+
+class NotReady(RuntimeError):
+    """A process exited, or its HTTP endpoint did not answer in time."""
 
 
 def free_port() -> int:
@@ -51,6 +58,21 @@ def stop_all(procs: list[subprocess.Popen | None], timeout_s: float = 15) -> Non
                 os.killpg(proc.pid, signal.SIGTERM)
     for proc in procs:
         stop(proc, timeout_s=timeout_s)
+
+
+def wait_healthy(proc: subprocess.Popen | None, url: str, timeout_s: float, path: str = "/health") -> None:
+    """Poll ``url + path`` until it answers 200; raise NotReady if ``proc`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise NotReady(f"process exited with code {proc.returncode} before {url} was ready")
+        try:
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise NotReady(f"{url} not ready after {timeout_s:.0f} s")
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -12,15 +12,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 
-import httpx
 import redis
 
 from flying import settings
 from flying.keys import Keys
+from flying.procs import NotReady, wait_healthy
 from worker_ext.cpu_compat import SGLANG_CPU_ARGS, on_cpu_host, sglang_cpu_env
 
 
@@ -92,22 +91,6 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
     return env
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"flying-worker: sglang exited with code {proc.returncode} before becoming ready"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"flying-worker: sglang at {url} not ready after {timeout_s:.0f} s")
-
-
 def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
     keys = Keys(cfg.key_prefix)
     r = redis.Redis.from_url(cfg.redis_url)
@@ -124,7 +107,10 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        wait_ready(proc, cfg.url, ready_timeout_s)
+        try:
+            wait_healthy(proc, cfg.url, ready_timeout_s)
+        except NotReady as exc:
+            raise SystemExit(f"flying-worker: sglang: {exc}") from None
         r.set(keys.ready(cfg.engine), launch_id)
         print(f"flying-worker: engine {cfg.engine} ready at {cfg.url}", flush=True)
         return proc.wait()

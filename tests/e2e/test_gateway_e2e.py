@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from flying.procs import free_port, spawn, stop
+from flying.procs import free_port, spawn, stop, wait_healthy
 from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
 
 pytestmark = pytest.mark.e2e
@@ -196,14 +196,7 @@ def stock_server(tiny_model, tmp_path_factory):
     env.pop("FLYING_ENGINE_INDEX", None)
     proc = spawn(cmd, tmp_path_factory.mktemp("stock") / "stock.log", env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "stock sglang server exited"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    wait_healthy(proc, url, timeout_s=240)
     yield url
     stop(proc)
 
