@@ -14,12 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import redis
 
 from flying.keys import Keys
 from flying.messages import Heartbeat
-from flying.procs import free_port, spawn, stop, stop_all, tail
+from flying.procs import NotReady, free_port, spawn, stop, stop_all, tail, wait_healthy
 from flying.redis_server import RedisServer
 from flying.workers import live_heartbeat
 
@@ -97,64 +96,31 @@ class Cluster:
     def log(self, name: str) -> Path:
         return self.config.log_dir / f"{name}.log"
 
+    def _command(self, module: str, *args: str) -> list[str]:
+        """``python -m module`` pointed at this cluster's Redis and key prefix, plus ``args``."""
+        redis_args = ["--redis-url", self.redis_url, "--key-prefix", self.config.key_prefix]
+        return [sys.executable, "-m", module, *redis_args, *args]
+
     def start_worker(self, i: int) -> None:
         c = self.config
-        cmd = [
-            sys.executable,
-            "-m",
-            "worker_ext.launch",
-            "--engine",
-            str(i),
-            "--num-engines",
-            str(c.num_engines),
-            "--model-path",
-            str(c.model_path),
-            "--port",
-            str(c.worker_ports[i]),
-            "--redis-url",
-            self.redis_url,
-            "--key-prefix",
-            c.key_prefix,
-            "--served-model-name",
-            c.served_model_name,
-            "--max-total-tokens",
-            str(c.max_total_tokens),
-        ]
+        cmd = self._command(
+            "worker_ext.launch", "--engine", str(i), "--num-engines", str(c.num_engines),
+            "--model-path", str(c.model_path), "--port", str(c.worker_ports[i]),
+            "--served-model-name", c.served_model_name, "--max-total-tokens", str(c.max_total_tokens),
+        )  # fmt: skip
         self.workers[i] = spawn(cmd, self.log(f"worker{i}"))
         self.progress(f"worker {i} starting on port {c.worker_ports[i]}")
 
     def start_router(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "router.main",
-            "--redis-url",
-            self.redis_url,
-            "--key-prefix",
-            self.config.key_prefix,
-            *self.config.router_args,
-        ]
-        self.router = spawn(cmd, self.log("router"))
+        self.router = spawn(self._command("router.main", *self.config.router_args), self.log("router"))
         self.progress("router starting")
 
     def start_gateway(self) -> None:
         c = self.config
-        cmd = [
-            sys.executable,
-            "-m",
-            "gateway.main",
-            "--model-path",
-            str(c.model_path),
-            "--port",
-            str(c.gateway_port),
-            "--redis-url",
-            self.redis_url,
-            "--key-prefix",
-            c.key_prefix,
-            "--served-model-name",
-            c.served_model_name,
-            *c.gateway_args,
-        ]
+        cmd = self._command(
+            "gateway.main", "--model-path", str(c.model_path), "--port", str(c.gateway_port),
+            "--served-model-name", c.served_model_name, *c.gateway_args,
+        )  # fmt: skip
         self.gateway = spawn(cmd, self.log("gateway"))
         self.progress(f"gateway starting on {c.gateway_url}")
 
@@ -199,15 +165,8 @@ class Cluster:
         )
 
     def wait_gateway(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.gateway is not None and self.gateway.poll() is not None:
-                raise ClusterError(f"gateway exited:\n{tail(self.log('gateway'))}")
-            try:
-                if httpx.get(f"{self.config.gateway_url}/health", timeout=2).status_code == 200:
-                    self.progress("gateway ready")
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise ClusterError(f"gateway not ready after {timeout_s:.0f} s:\n{tail(self.log('gateway'))}")
+        try:
+            wait_healthy(self.gateway, self.config.gateway_url, timeout_s)
+        except NotReady as exc:
+            raise ClusterError(f"gateway: {exc}:\n{tail(self.log('gateway'))}") from None
+        self.progress("gateway ready")
