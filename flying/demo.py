@@ -13,7 +13,8 @@ from pathlib import Path
 
 from flying.cluster import Cluster, ClusterConfig
 from loadgen import metrics, report, runner
-from loadgen.workload import Workload, plan
+from loadgen.arrivals import Arrivals
+from loadgen.workload import PromptMaker, Workload, plan
 from worker_ext.tinymodel import ensure
 
 
@@ -43,22 +44,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cluster.start()
         say(f"cluster up: gateway {cluster.config.gateway_url}, redis {cluster.redis_url}")
-        workload = Workload(num_requests=a.requests, rate=a.rate)
-        done = 0
-
-        def progress(rec: metrics.RequestRecord) -> None:
-            nonlocal done
-            done += 1
-            bar = "#" * (30 * done // a.requests)
-            print(f"\r  burst [{bar:<30}] {done}/{a.requests}", end="", flush=True)
+        workload = Workload(num_requests=a.requests, arrivals=Arrivals("poisson", a.rate))
+        progress = report.Progress(a.requests, stream=sys.stdout)
 
         say(f"sending {a.requests} streaming requests at {a.rate:g} req/s (high 20%, normal 60%, low 20%)")
         records, duration = asyncio.run(
             runner.run(
-                cluster.config.gateway_url, cluster.config.served_model_name, plan(workload), on_done=progress
+                runner.RunConfig(cluster.config.gateway_url, cluster.config.served_model_name),
+                plan(workload, PromptMaker(model)),
+                on_done=progress,
             )
         )
-        print()
         summary = metrics.summarize(records, duration)
         print(report.table(summary))
         out = a.workdir / "demo-summary.json"

@@ -34,8 +34,9 @@ class Message(msgspec.Struct, kw_only=True):
         return self.content or ""
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk (SGLang, vLLM)
 
 
 class _Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):

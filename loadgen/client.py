@@ -1,13 +1,25 @@
-"""Sending one streaming request and recording its events (no metric math here)."""
+"""Sending one streaming request and recording its events (no metric math here).
+
+An event counts when it carries output: text in ``choices`` (chat ``delta.content`` / ``reasoning_content``,
+completions ``text``) or, with per-chunk usage, new completion tokens. Role-only and usage-only chunks do not.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 
 from loadgen.metrics import RequestRecord
+
+
+def _carries_text(choice: dict) -> bool:
+    delta = choice.get("delta")
+    if delta is not None:
+        return bool(delta.get("content") or delta.get("reasoning_content"))
+    return bool(choice.get("text"))
 
 
 async def send(
@@ -19,10 +31,16 @@ async def send(
     clock0: float,
     timeout_s: float,
 ) -> RequestRecord:
-    """POST a streaming request; fill ``rec`` with times relative to ``clock0``. Never raises."""
+    """POST a streaming request; fill ``rec`` with times relative to ``clock0``. ``timeout_s`` bounds the whole
+    request (a server trickling tokens forever times out too). Never raises."""
     rec.sent_at = time.perf_counter() - clock0
+    seen = 0  # completion tokens reported so far (per-chunk usage)
+    per_chunk_usage = True
     try:
-        async with client.stream("POST", url, json=payload, headers=headers, timeout=timeout_s) as resp:
+        async with (
+            asyncio.timeout(timeout_s),
+            client.stream("POST", url, json=payload, headers=headers) as resp,
+        ):
             rec.status = resp.status_code
             if (q := resp.headers.get("x-queue-time-ms")) is not None:
                 rec.queue_ms = float(q)
@@ -30,25 +48,36 @@ async def send(
                 body = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {body[:200]}"
                 return rec
-            chunks = 0
             async for line in resp.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                if not line.startswith("data:"):
                     continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
                 now = time.perf_counter() - clock0
-                event = json.loads(line[5:])
+                event = json.loads(data)
                 if "error" in event:
-                    rec.error = f"stream error: {event['error'].get('message', '')[:200]}"
+                    rec.error = f"stream error: {str(event['error'].get('message', ''))[:200]}"
                     return rec
-                if event.get("choices"):
+                usage = event.get("usage")
+                choices = event.get("choices") or []
+                new = 0
+                if usage:
+                    rec.output_tokens = usage.get("completion_tokens") or 0
+                    rec.prompt_tokens = usage.get("prompt_tokens") or 0
+                    new, seen = rec.output_tokens - seen, rec.output_tokens
+                text = bool(choices) and _carries_text(choices[0])
+                if text and not usage:
+                    per_chunk_usage = False
+                if text or (choices and new > 0):
                     rec.event_times.append(now)
-                    chunks += 1
-                if usage := event.get("usage"):
-                    rec.output_tokens = usage.get("completion_tokens", 0)
-                    rec.prompt_tokens = usage.get("prompt_tokens", 0)
-            if rec.output_tokens == 0 and chunks:
-                rec.output_tokens, rec.tokens_from_usage = chunks, False
-    except httpx.TimeoutException as exc:
-        rec.error = f"timeout: {exc!r}"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                    rec.event_tokens.append(new)
+            if not per_chunk_usage or sum(rec.event_tokens) != rec.output_tokens:
+                rec.event_tokens = []  # per-event token counts unknown: metrics fall back to events
+            if rec.output_tokens == 0 and rec.event_times:
+                rec.output_tokens, rec.tokens_from_usage = len(rec.event_times), False
+    except (TimeoutError, httpx.TimeoutException):
+        rec.error = f"timeout: no complete response within {timeout_s:g} s"
+    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         rec.error = f"transport: {exc!r}"
     return rec

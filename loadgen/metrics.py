@@ -7,6 +7,7 @@ non-empty ``choices`` entry minus the send time; E2EL the last such event; N com
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,8 +19,9 @@ class RequestRecord:
     index: int
     priority: str
     scheduled_at: float  # when the arrival process wanted it sent (run clock, s)
-    sent_at: float = 0.0  # t0: when it was actually sent
+    sent_at: float = math.nan  # t0: when it was actually sent (NaN: never sent)
     event_times: list[float] = field(default_factory=list)  # times of events carrying choices
+    event_tokens: list[int] = field(default_factory=list)  # tokens each event carried (from per-chunk usage)
     output_tokens: int = 0  # usage.completion_tokens (or counted client-side, see tokens_from_usage)
     prompt_tokens: int = 0
     tokens_from_usage: bool = True
@@ -52,8 +54,18 @@ class RequestRecord:
 
     @property
     def itls(self) -> list[float]:
+        """Gaps between consecutive events (one per event after the first)."""
         t = self.event_times
         return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def itls_per_token(self) -> list[float]:
+        """Gaps between the events that carried tokens, each split over its tokens (k tokens -> k x gap/k);
+        without per-event counts, the event gaps."""
+        if len(self.event_tokens) != len(self.event_times):
+            return self.itls
+        ev = [(t, k) for t, k in zip(self.event_times, self.event_tokens) if k > 0]
+        return [(b - a) / k for (a, _), (b, k) in zip(ev, ev[1:]) for _ in range(k)]
 
 
 def stats(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
@@ -66,10 +78,13 @@ def stats(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
 
 
 def token_times(rec: RequestRecord) -> list[float]:
-    """Approximate time of every output token: the request's tokens spread evenly over its events."""
+    """Time of every output token: each event's time repeated for the tokens it carried; without per-event
+    counts, the request's tokens spread evenly over its events."""
     n, t = rec.output_tokens, rec.event_times
     if n <= 0 or not t:
         return []
+    if len(rec.event_tokens) == len(t):
+        return [x for x, k in zip(t, rec.event_tokens) for _ in range(k)]
     if len(t) >= n:
         return t[:n]
     per = n / len(t)
@@ -84,27 +99,43 @@ def peak_output_throughput(records: Sequence[RequestRecord], bucket_s: float = 1
     return float(np.bincount(buckets - buckets.min()).max() / bucket_s)
 
 
-def concurrency_series(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[int]:
-    """Requests in flight during each bucket [k*bucket_s, (k+1)*bucket_s): those whose span overlaps it."""
-    spans = [(r.sent_at, r.event_times[-1] if r.event_times else r.sent_at) for r in records if not r.warmup]
+def concurrency_series(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[float]:
+    """Mean number of requests in flight during each bucket [k*bucket_s, (k+1)*bucket_s) (time-weighted: a
+    request in flight for half the bucket counts 0.5), from send to last event (or to the failure)."""
+    spans = [
+        (r.sent_at, r.event_times[-1] if r.event_times else r.sent_at)
+        for r in records
+        if not r.warmup and not math.isnan(r.sent_at)
+    ]
     if not spans:
         return []
     n = int(max(e for _, e in spans) // bucket_s) + 1
-    out = [0] * n
+    out = [0.0] * n
     for s, e in spans:
         for k in range(int(s // bucket_s), int(e // bucket_s) + 1):
-            out[k] += 1
+            lo, hi = max(s, k * bucket_s), min(e, (k + 1) * bucket_s)
+            out[k] += max(0.0, hi - lo) / bucket_s
     return out
 
 
-def goodput(records: Sequence[RequestRecord], duration: float, ttft_s: float, tpot_s: float) -> float:
-    good = sum(1 for r in records if r.ok and r.ttft <= ttft_s and (r.tpot is None or r.tpot <= tpot_s))
+SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+def meets(r: RequestRecord, slo: dict[str, float]) -> bool:
+    """All SLOs met (values in ms; a one-token request has no TPOT to miss). Failed requests never meet them."""
+    if not r.ok:
+        return False
+    got = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2el}
+    return all(got[k] is None or got[k] * 1000 <= v for k, v in slo.items())  # type: ignore[operator]
+
+
+def goodput(records: Sequence[RequestRecord], duration: float, slo: dict[str, float]) -> float:
+    """Requests per second meeting every SLO in ``slo`` (ms by key ttft / tpot / e2el)."""
+    good = sum(1 for r in records if not r.warmup and meets(r, slo))
     return good / duration if duration > 0 else 0.0
 
 
-def summarize(
-    records: Sequence[RequestRecord], duration: float, slo: tuple[float, float] | None = None
-) -> dict:
+def summarize(records: Sequence[RequestRecord], duration: float, slo: dict[str, float] | None = None) -> dict:
     """Overall and per-priority metrics (times in ms). Warm-up records are excluded."""
     recs = [r for r in records if not r.warmup]
     ok = [r for r in recs if r.ok]
@@ -118,15 +149,17 @@ def summarize(
         if duration
         else 0.0,
         "peak_output_throughput": peak_output_throughput(ok),
-        "dispatch_lag_ms": stats([r.dispatch_lag for r in recs if r.sent_at], 1000),
+        "dispatch_lag_ms": stats([r.dispatch_lag for r in recs if not math.isnan(r.sent_at)], 1000),
         **_latency(ok),
         "by_priority": {
             p: _latency([r for r in ok if r.priority == p]) for p in sorted({r.priority for r in recs})
         },
         "errors": _errors(recs),
+        "tokens_counted_client_side": sum(1 for r in ok if not r.tokens_from_usage),
     }
-    if slo is not None:
-        out["goodput"] = goodput(recs, duration, *slo)
+    if slo:
+        out["slo_ms"] = dict(slo)
+        out["goodput"] = goodput(recs, duration, slo)
     return out
 
 
@@ -135,6 +168,7 @@ def _latency(ok: Sequence[RequestRecord]) -> dict:
         "ttft_ms": stats([r.ttft for r in ok], 1000),
         "tpot_ms": stats([t for r in ok if (t := r.tpot) is not None], 1000),
         "itl_ms": stats([x for r in ok for x in r.itls], 1000),
+        "itl_per_token_ms": stats([x for r in ok for x in r.itls_per_token], 1000),
         "e2el_ms": stats([r.e2el for r in ok], 1000),
         "queue_ms": stats([r.queue_ms for r in ok if r.queue_ms is not None]),
     }
@@ -147,3 +181,28 @@ def _errors(recs: Sequence[RequestRecord]) -> dict[str, int]:
             key = r.error.split(":")[0] or f"HTTP {r.status}"
             out[key] = out.get(key, 0) + 1
     return out
+
+
+def timeseries(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> dict[str, list[float]]:
+    """Per bucket of the run clock: requests in flight, P90 TTFT and P90 queue time of the requests sent in the
+    bucket (ms; NaN where none), and output tokens/s. The series of the paper's Figure 8."""
+    recs = [r for r in records if not r.warmup]
+    conc = concurrency_series(recs, bucket_s)
+    n = len(conc)
+    by_bucket: list[list[RequestRecord]] = [[] for _ in range(n)]
+    for r in recs:
+        if r.ok:
+            by_bucket[min(int(r.sent_at // bucket_s), n - 1)].append(r)
+    tokens = [0.0] * n
+    for r in recs:
+        if r.ok:
+            for x in token_times(r):
+                tokens[min(int(x // bucket_s), n - 1)] += 1 / bucket_s
+    p90 = lambda xs: float(np.percentile(xs, 90)) if xs else float("nan")  # noqa: E731
+    return {
+        "t": [k * bucket_s for k in range(n)],
+        "concurrency": conc,
+        "ttft_p90_ms": [p90([r.ttft * 1000 for r in b]) for b in by_bucket],
+        "queue_p90_ms": [p90([r.queue_ms for r in b if r.queue_ms is not None]) for b in by_bucket],
+        "output_tokens_per_s": tokens,
+    }

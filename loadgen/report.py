@@ -1,21 +1,37 @@
-"""Human-readable summary table of :func:`loadgen.metrics.summarize` output."""
+"""Terminal output: the summary table of :func:`loadgen.metrics.summarize`, the side-by-side comparison of
+several result files, and the live progress line."""
 
 from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+from loadgen.metrics import RequestRecord
+
+
+def _f(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None or x != x else format(x, fmt)
 
 
 def _row(name: str, lat: dict) -> str:
     t, p, q = lat["ttft_ms"], lat["tpot_ms"], lat["queue_ms"]
-    return (
-        f"{name:<8} {t['n']:>5} {t['p50']:>9.1f} {t['p90']:>9.1f} {p['p50']:>9.1f} {p['p90']:>9.1f} "
-        f"{q['p50']:>9.1f} {q['p90']:>9.1f}"
+    cells = (
+        t["p50"],
+        t["p90"],
+        t["p99"],
+        p["p50"],
+        p["p90"],
+        lat["itl_per_token_ms"]["p50"],
+        q["p50"],
+        q["p90"],
     )
+    return f"{name:<8} {t['n']:>5} " + " ".join(f"{_f(c):>9}" for c in cells)
 
 
 def table(summary: dict) -> str:
-    head = (
-        f"{'class':<8} {'n':>5} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9} "
-        f"{'queue p50':>9} {'queue p90':>9}   (ms)"
-    )
+    names = ("TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "ITL p50", "queue p50", "queue p90")
+    head = f"{'class':<8} {'n':>5} " + " ".join(f"{n:>9}" for n in names) + "   (ms)"
     lines = [head, "-" * len(head), _row("all", summary)]
     lines += [_row(p, lat) for p, lat in summary["by_priority"].items()]
     lines.append("-" * len(head))
@@ -28,7 +44,84 @@ def table(summary: dict) -> str:
         f"tok/s over 1 s)  total {summary['total_throughput']:.1f} tok/s"
     )
     lag = summary["dispatch_lag_ms"]
-    lines.append(f"client dispatch lag p50 {lag['p50']:.1f} ms  p99 {lag['p99']:.1f} ms")
+    lines.append(f"client dispatch lag p50 {_f(lag['p50'])} ms  p99 {_f(lag['p99'])} ms")
+    if "goodput" in summary:
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in summary["slo_ms"].items())
+        lines.append(f"goodput {summary['goodput']:.2f} req/s  ({slo})")
+    if summary.get("tokens_counted_client_side"):
+        lines.append(
+            f"note: {summary['tokens_counted_client_side']} requests had no usage; tokens counted from events"
+        )
     if summary["errors"]:
         lines.append("errors: " + ", ".join(f"{k} x{v}" for k, v in summary["errors"].items()))
     return "\n".join(lines)
+
+
+COMPARE_ROWS = (
+    ("completed", lambda s: s["completed"], "d"),
+    ("failed", lambda s: s["failed"], "d"),
+    ("TTFT p50 ms", lambda s: s["ttft_ms"]["p50"], ".1f"),
+    ("TTFT p90 ms", lambda s: s["ttft_ms"]["p90"], ".1f"),
+    ("TTFT p99 ms", lambda s: s["ttft_ms"]["p99"], ".1f"),
+    ("TPOT p50 ms", lambda s: s["tpot_ms"]["p50"], ".2f"),
+    ("TPOT p90 ms", lambda s: s["tpot_ms"]["p90"], ".2f"),
+    ("ITL/token p50 ms", lambda s: s["itl_per_token_ms"]["p50"], ".2f"),
+    ("E2EL p90 ms", lambda s: s["e2el_ms"]["p90"], ".1f"),
+    ("queue p90 ms", lambda s: s["queue_ms"]["p90"], ".1f"),
+    ("output tok/s", lambda s: s["output_throughput"], ".1f"),
+    ("peak output tok/s", lambda s: s["peak_output_throughput"], ".0f"),
+    ("goodput req/s", lambda s: s.get("goodput"), ".2f"),
+    ("dispatch lag p99 ms", lambda s: s["dispatch_lag_ms"]["p99"], ".1f"),
+)
+
+
+def compare(summaries: dict[str, dict]) -> str:
+    """Runs side by side, one column each; a high-priority TTFT row per run that has the class."""
+    labels = list(summaries)
+    w = max(12, *(len(x) for x in labels))
+    rows = list(COMPARE_ROWS)
+    for cls in ("high", "normal", "low"):
+        if any(cls in s["by_priority"] for s in summaries.values()):
+            rows.append(
+                (
+                    f"{cls} TTFT p90 ms",
+                    lambda s, c=cls: s["by_priority"].get(c, {}).get("ttft_ms", {}).get("p90"),
+                    ".1f",
+                )
+            )
+    lines = [f"{'metric':<20} " + " ".join(f"{x:>{w}}" for x in labels)]
+    lines.append("-" * len(lines[0]))
+    for name, get, fmt in rows:
+        cells = []
+        for s in summaries.values():
+            v = get(s)
+            cells.append(f"{_f(v, fmt) if fmt != 'd' else str(v):>{w}}")
+        lines.append(f"{name:<20} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+class Progress:
+    """A live progress line on stderr, redrawn at most ``hz`` times a second (cheap at hundreds of req/s)."""
+
+    def __init__(self, total: int, stream=sys.stderr, hz: float = 8.0, enabled: bool = True) -> None:
+        self.total, self.stream, self.period, self.enabled = total, stream, 1.0 / hz, enabled
+        self.done = self.failed = 0
+        self._last = 0.0
+
+    def __call__(self, rec: RequestRecord) -> None:
+        if rec.warmup:
+            return
+        self.done += 1
+        self.failed += not rec.ok
+        now = time.monotonic()
+        if self.enabled and (now - self._last >= self.period or self.done == self.total):
+            self._last = now
+            bar = "#" * (30 * self.done // self.total)
+            self.stream.write(f"\r  [{bar:<30}] {self.done}/{self.total}  failed {self.failed}")
+            if self.done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+def failures(records: Sequence[RequestRecord], limit: int = 3) -> list[str]:
+    return [f"request {r.index}: {r.error or r.status}" for r in records if not r.ok and not r.warmup][:limit]

@@ -4,7 +4,15 @@ import math
 
 import pytest
 
-from loadgen.metrics import RequestRecord, concurrency_series, peak_output_throughput, stats, summarize
+from loadgen.metrics import (
+    RequestRecord,
+    concurrency_series,
+    peak_output_throughput,
+    stats,
+    summarize,
+    timeseries,
+    token_times,
+)
 
 
 def rec(i, sent, events, n, priority="normal", **kw):
@@ -63,10 +71,53 @@ def test_peak_throughput_uses_tokens_not_chunks():
 def test_concurrency_series():
     a = rec(0, 0.0, [0.5, 2.5], n=2)
     b = rec(1, 1.2, [1.4], n=1)
-    assert concurrency_series([a, b]) == [1, 2, 1]
+    assert concurrency_series([a, b]) == pytest.approx([1.0, 1.2, 0.5])  # time-weighted per 1 s bucket
 
 
 def test_dispatch_lag_is_reported_not_hidden():
     r = rec(0, 0.0, [0.1], n=1)
     r.scheduled_at, r.sent_at = 1.0, 1.02
     assert summarize([r], 1.0)["dispatch_lag_ms"]["p50"] == pytest.approx(20)
+
+
+def test_chunk_carrying_several_tokens_gives_per_token_itl_and_token_times():
+    r = rec(0, 0.0, [0.1, 0.2, 0.5], n=6, event_tokens=[1, 2, 3])  # 2nd event: 2 tokens, 3rd: 3 tokens
+    assert r.itls == pytest.approx([0.1, 0.3])  # per event
+    assert r.itls_per_token == pytest.approx([0.05, 0.05, 0.1, 0.1, 0.1])  # each gap split over its tokens
+    assert r.tpot == pytest.approx(0.4 / 5)
+    assert token_times(r) == [0.1, 0.2, 0.2, 0.5, 0.5, 0.5]
+
+
+def test_events_without_new_tokens_do_not_count_as_token_gaps():
+    r = rec(0, 0.0, [0.1, 0.15, 0.3], n=2, event_tokens=[1, 0, 1])
+    assert r.itls_per_token == pytest.approx([0.2])
+
+
+def test_goodput_counts_failed_requests_as_missing_the_slo():
+    fast = rec(0, 0.0, [0.05, 0.06], n=2)
+    slow_first = rec(1, 0.0, [0.5, 0.51], n=2)
+    one_token = rec(2, 0.0, [0.1], n=1)  # no TPOT to miss
+    failed = RequestRecord(
+        index=3, priority="normal", scheduled_at=0.0, sent_at=0.0, status=500, error="HTTP 500: x"
+    )
+    s = summarize([fast, slow_first, one_token, failed], duration=2.0, slo={"ttft": 200, "tpot": 50})
+    assert s["goodput"] == pytest.approx(1.0)  # fast and one_token, over 2 s
+    assert s["slo_ms"] == {"ttft": 200, "tpot": 50}
+
+
+def test_timeseries_buckets_by_send_time():
+    a = rec(0, 0.2, [0.3, 0.4], n=2, queue_ms=3.0)
+    b = rec(1, 1.5, [1.7], n=1, queue_ms=9.0)
+    s = timeseries([a, b])
+    assert s["t"] == [0.0, 1.0]
+    assert s["ttft_p90_ms"] == pytest.approx([100, 200])
+    assert s["queue_p90_ms"] == pytest.approx([3.0, 9.0])
+    assert s["output_tokens_per_s"] == [2.0, 1.0]
+    assert s["concurrency"] == pytest.approx([0.2, 0.2])
+
+
+def test_warmup_records_are_excluded():
+    w = rec(0, 0.0, [5.0], n=1, warmup=True)
+    r = rec(1, 0.0, [0.1], n=1)
+    s = summarize([w, r], 1.0)
+    assert (s["requests"], s["ttft_ms"]["p50"]) == (1, pytest.approx(100))

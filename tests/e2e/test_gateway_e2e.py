@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
-
-from flying.procs import free_port, spawn, stop, wait_healthy
-from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
 
 pytestmark = pytest.mark.e2e
 MODEL = "tiny-llama"
@@ -170,35 +166,6 @@ def test_redis_keys_match_the_documented_schema(cluster, oai):
         assert key in patterns or kind in {"req", "worker", "ready", "inflight"}, f"undocumented key {key}"
     assert {"flying:worker:0", "flying:worker:1", "flying:ready:0", "flying:workers"} <= set(out)
     assert any(k.startswith("flying:req:") for k in out)
-
-
-@pytest.fixture(scope="module")
-def stock_server(tiny_model, tmp_path_factory):
-    """A stock SGLang server (no flying-serving involvement) on the same tiny model."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(tiny_model),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "4096",
-        *SGLANG_CPU_ARGS,
-    ]
-    env = sglang_cpu_env()
-    env.pop("FLYING_ENGINE_INDEX", None)
-    proc = spawn(cmd, tmp_path_factory.mktemp("stock") / "stock.log", env=env)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, timeout_s=240)
-    yield url
-    stop(proc)
 
 
 def test_greedy_text_identical_to_a_stock_sglang_server(oai, stock_server):

@@ -1,0 +1,214 @@
+"""``loadgen``: drive an OpenAI-style endpoint (the flying-serving gateway, or any SGLang/vLLM server) with an
+open-loop workload and report serving metrics; ``loadgen compare`` puts result files side by side.
+
+    loadgen run --url http://localhost:8000 --arrival two-level --num-requests 4000 --priority-mix high=0.2,normal=0.8 --out results/dynamic
+    loadgen compare results/static-dp.json results/dynamic.json --plot results/compare.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from loadgen import metrics, plots, report, results, runner
+from loadgen.arrivals import Arrivals
+from loadgen.trace import parse_columns, read_trace
+from loadgen.workload import Lengths, PromptMaker, Workload, parse_mix, plan
+
+
+def _range(spec: str) -> tuple[float, float]:
+    lo, _, hi = spec.partition(":")
+    return float(lo), float(hi or lo)
+
+
+def _slo(spec: str) -> dict[str, float]:
+    out = {}
+    for part in spec.split(","):
+        key, sep, val = part.partition("=")
+        if not sep or key not in metrics.SLO_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"bad SLO {part!r}; e.g. ttft=200,tpot=50 (ms; keys ttft, tpot, e2el)"
+            )
+        out[key] = float(val)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loadgen", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="run a workload against an endpoint")
+    r.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (without /v1)")
+    r.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    r.add_argument("--api", choices=("chat", "completions"), default="chat")
+    r.add_argument("-n", "--num-requests", type=int, default=100)
+    a = r.add_argument_group("arrivals")
+    a.add_argument("--arrival", choices=("constant", "poisson", "gamma", "two-level"), default="poisson")
+    a.add_argument("--rate", type=float, default=10.0, help="req/s; inf sends all at once")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
+    a.add_argument(
+        "--low-rate", type=_range, default=(2.0, 5.0), help="two-level low phase rate range, e.g. 2:5"
+    )
+    a.add_argument(
+        "--burst-rate", type=_range, default=(10.0, 30.0), help="two-level burst rate range, e.g. 10:30"
+    )
+    a.add_argument("--low-duration", type=float, default=30.0, help="two-level low phase length (s)")
+    a.add_argument("--burst-duration", type=float, default=10.0, help="two-level burst phase length (s)")
+    a.add_argument(
+        "--trace", type=Path, default=None, help="CSV trace to replay (overrides arrivals and lengths)"
+    )
+    a.add_argument(
+        "--trace-columns",
+        default="native",
+        help="native | burstgpt | azure | timestamp=COL,input_tokens=COL,...",
+    )
+    a.add_argument("--trace-time-unit", choices=("s", "ms"), default="s")
+    a.add_argument("--trace-speed", type=float, default=1.0, help="replay speed-up factor")
+    m = r.add_argument_group("request mix")
+    m.add_argument(
+        "--input-tokens",
+        type=Lengths.parse,
+        default=Lengths.parse("32:256"),
+        help="e.g. 128, 64:256, normal:200:50",
+    )
+    m.add_argument("--output-tokens", type=Lengths.parse, default=Lengths.parse("32:128"))
+    m.add_argument("--priority-mix", type=parse_mix, default={"normal": 1.0}, help="e.g. high=0.2,normal=0.8")
+    m.add_argument("--long-share", type=float, default=0.0, help="share of long-context requests")
+    m.add_argument("--long-input-tokens", type=Lengths.parse, default=Lengths.parse("2048:4096"))
+    m.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="model folder with tokenizer.json, for exact prompt lengths",
+    )
+    m.add_argument("--seed", type=int, default=0)
+    c = r.add_argument_group("client")
+    c.add_argument("--max-concurrency", type=int, default=None)
+    c.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    c.add_argument("--warmup", type=int, default=0, help="requests sent first, one at a time, not counted")
+    c.add_argument(
+        "--no-continuous-usage",
+        action="store_true",
+        help="for servers that reject stream_options.continuous_usage_stats",
+    )
+    c.add_argument("--respect-eos", action="store_true", help="do not send ignore_eos")
+    c.add_argument("--slo", type=_slo, default=None, help="goodput SLOs in ms, e.g. ttft=200,tpot=50")
+    o = r.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=None, help="write OUT.json, OUT.csv and OUT.png")
+    o.add_argument("--label", default=None, help="name of this run in comparisons")
+    o.add_argument("--bucket", type=float, default=1.0, help="time-series bucket (s)")
+    o.add_argument("--quiet", action="store_true", help="no progress line")
+
+    cmp_ = sub.add_parser("compare", help="put result files side by side")
+    cmp_.add_argument("files", nargs="+", type=Path)
+    cmp_.add_argument("--plot", type=Path, default=None, help="overlay their time series in one PNG")
+    return p
+
+
+def discover_model(url: str) -> str:
+    try:
+        resp = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise SystemExit(f"loadgen: cannot list models at {url}/v1/models ({exc}); pass --model") from None
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    arrivals = Arrivals(
+        a.arrival, a.rate, a.burstiness, a.low_rate, a.burst_rate, a.low_duration, a.burst_duration
+    )
+    workload = Workload(
+        a.num_requests,
+        arrivals,
+        a.input_tokens,
+        a.output_tokens,
+        a.priority_mix,
+        a.long_share,
+        a.long_input_tokens,
+        a.seed,
+    )
+    trace = None
+    if a.trace:
+        trace = read_trace(
+            a.trace, parse_columns(a.trace_columns), a.trace_time_unit, a.trace_speed, a.num_requests
+        )
+    requests = plan(workload, PromptMaker(a.tokenizer), trace)
+    cfg = runner.RunConfig(
+        base_url=a.url.rstrip("/"),
+        model=a.model or discover_model(a.url),
+        api=a.api,
+        timeout_s=a.timeout,
+        max_concurrency=a.max_concurrency,
+        warmup=a.warmup,
+        continuous_usage=not a.no_continuous_usage,
+        ignore_eos=not a.respect_eos,
+    )
+    span = requests[-1].at
+    print(
+        f"loadgen: {len(requests)} requests over {span:.1f} s to {cfg.base_url} ({cfg.model}, {cfg.api})",
+        file=sys.stderr,
+    )
+    progress = report.Progress(len(requests), enabled=not a.quiet)
+    records, duration = _run_loop(runner.run(cfg, requests, on_done=progress))
+    summary = metrics.summarize(records, duration, a.slo)
+    print(report.table(summary))
+    for line in report.failures(records):
+        print("  " + line)
+    if a.out:
+        series = metrics.timeseries(records, a.bucket)
+        config = {
+            "label": a.label or a.out.stem,
+            "run": asdict(cfg),
+            "workload": {**asdict(workload), "trace": str(a.trace) if a.trace else None},
+            "argv": sys.argv[1:],
+        }
+        js, csv_path = results.write(a.out, config, summary, series, records)
+        png = plots.timeline({config["label"]: series}, a.out.with_suffix(".png"), title=config["label"])
+        print(f"wrote {js}, {csv_path}, {png}")
+    return 0 if summary["completed"] else 1
+
+
+def _run_loop(coro):
+    """uvloop when installed (it is, with SGLang): a cheaper event loop means a smaller dispatch lag."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    docs = {}
+    for f in a.files:
+        doc = results.read(f)
+        label = doc["config"].get("label") or f.stem
+        docs[label if label not in docs else f"{label} ({f})"] = doc
+    print(report.compare({k: d["summary"] for k, d in docs.items()}))
+    if a.plot:
+        print(f"wrote {plots.timeline({k: d['series'] for k, d in docs.items()}, a.plot)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    a = _parser().parse_args(argv)
+    try:
+        return cmd_run(a) if a.cmd == "run" else cmd_compare(a)
+    except (ValueError, OSError) as exc:
+        print(f"loadgen: {exc}", file=sys.stderr)
+        return 2
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,218 @@
+"""The loadgen CLI end to end against the fast fake endpoint (a separate process), and its error paths."""
+
+import csv
+import json
+import sys
+
+import pytest
+
+from flying.procs import free_port, spawn, stop, wait_healthy
+from loadgen.cli import main
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("fake") / "fake.log"
+    proc = spawn([sys.executable, "-m", "loadgen.fake_server", "--port", str(port), "--itl-ms", "1"], log)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, 30, path="/v1/models")
+    yield url
+    stop(proc)
+
+
+def test_run_writes_json_csv_png_and_counts_every_token(fake, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(
+        [
+            "run",
+            "--url",
+            fake,
+            "-n",
+            "40",
+            "--rate",
+            "200",
+            "--output-tokens",
+            "5",
+            "--priority-mix",
+            "high=0.25,normal=0.75",
+            "--warmup",
+            "2",
+            "--slo",
+            "ttft=1000,tpot=100",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    s = doc["summary"]
+    assert (s["requests"], s["completed"], s["failed"]) == (40, 40, 0)
+    assert s["output_throughput"] * s["duration_s"] == pytest.approx(200)  # 40 x 5 tokens from usage
+    assert s["itl_per_token_ms"]["n"] == 40 * 4  # per-chunk usage: every token gap is known
+    assert s["queue_ms"]["p50"] == 0.5  # the X-Queue-Time-Ms header is read
+    assert set(s["by_priority"]) == {"high", "normal"}
+    assert s["goodput"] > 0
+    assert len(doc["records"]) == 42 and sum(r["warmup"] for r in doc["records"]) == 2
+    rows = list(csv.DictReader((tmp_path / "run.csv").read_text().splitlines()))
+    assert len(rows) == 42 and all(r["ok"] == "True" for r in rows)
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
+    assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_completions_api_without_per_chunk_usage(fake, tmp_path):
+    out = tmp_path / "c"
+    assert (
+        main(
+            [
+                "run",
+                "--url",
+                fake,
+                "--api",
+                "completions",
+                "-n",
+                "5",
+                "--rate",
+                "inf",
+                "--output-tokens",
+                "3",
+                "--no-continuous-usage",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    s = json.loads((tmp_path / "c.json").read_text())["summary"]
+    assert s["completed"] == 5 and s["itl_ms"]["n"] == 10 and s["tokens_counted_client_side"] == 0
+
+
+def test_compare_puts_runs_side_by_side(fake, tmp_path, capsys):
+    for name, rate in (("slow", "20"), ("fast", "100")):
+        main(
+            [
+                "run",
+                "--url",
+                fake,
+                "-n",
+                "10",
+                "--rate",
+                rate,
+                "--output-tokens",
+                "2",
+                "--out",
+                str(tmp_path / name),
+                "--quiet",
+            ]
+        )
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "compare",
+                str(tmp_path / "slow.json"),
+                str(tmp_path / "fast.json"),
+                "--plot",
+                str(tmp_path / "cmp.png"),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    header = text.splitlines()[0].split()
+    assert header[-2:] == ["slow", "fast"] and "TTFT p90 ms" in text and "completed" in text
+    assert (tmp_path / "cmp.png").exists()
+
+
+def test_unreachable_server_is_counted_not_a_crash(tmp_path):
+    out = tmp_path / "dead"
+    rc = main(
+        [
+            "run",
+            "--url",
+            f"http://127.0.0.1:{free_port()}",
+            "--model",
+            "m",
+            "-n",
+            "3",
+            "--rate",
+            "inf",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
+    s = json.loads((tmp_path / "dead.json").read_text())["summary"]
+    assert rc == 1 and s["failed"] == 3 and s["errors"] == {"transport": 3}
+
+
+def test_http_errors_are_counted(fake, tmp_path):
+    rc = main(
+        [
+            "run",
+            "--url",
+            fake + "/nope",
+            "--model",
+            "m",
+            "-n",
+            "2",
+            "--rate",
+            "inf",
+            "--out",
+            str(tmp_path / "e"),
+            "--quiet",
+        ]
+    )
+    s = json.loads((tmp_path / "e.json").read_text())["summary"]
+    assert rc == 1 and s["errors"] == {"HTTP 404": 2}
+
+
+def test_timeouts_are_counted(tmp_path):
+    port = free_port()
+    proc = spawn(
+        [sys.executable, "-m", "loadgen.fake_server", "--port", str(port), "--ttft-ms", "3000"],
+        tmp_path / "slow.log",
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, 30, path="/v1/models")
+        assert (
+            main(
+                [
+                    "run",
+                    "--url",
+                    url,
+                    "-n",
+                    "2",
+                    "--rate",
+                    "inf",
+                    "--timeout",
+                    "0.3",
+                    "--out",
+                    str(tmp_path / "t"),
+                    "--quiet",
+                ]
+            )
+            == 1
+        )
+    finally:
+        stop(proc)
+    assert json.loads((tmp_path / "t.json").read_text())["summary"]["errors"] == {"timeout": 2}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--input-tokens", "9:3"], ["--priority-mix", "high"], ["--slo", "latency=3"], ["--arrival", "weekly"]],
+)
+def test_bad_arguments_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--model", "m", *args])
+    assert exc.value.code == 2
+
+
+def test_bad_trace_file_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "t.csv").write_text("a,b\n1,2\n")
+    assert main(["run", "--model", "m", "--trace", str(tmp_path / "t.csv")]) == 2
+    assert "missing column" in capsys.readouterr().err
