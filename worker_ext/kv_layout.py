@@ -1,0 +1,75 @@
+"""The KV block-size adaptor (paper eq. 3): one physical KV pool, a per-request layout.
+
+A physical slot p holds H KV heads of one token. A request executed at width d keeps only its rank's H/d heads,
+so the same bytes are viewed as d virtual slots p*d .. p*d+d-1 of H/d heads each: ``buffer.view(S*d, H/d, D)``.
+The view is exact (no copy) because the buffer is contiguous in (slot, head, dim). DP requests keep physical
+slots, TP requests virtual ones, both carved from the engine's one allocator: a switch changes metadata only.
+
+Invariant (the stale-layout bug of prior work): for every width, the slot a token is written to is the slot
+attention reads; both go through :func:`view` with the request's own width, never a cached one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def view(buffer: torch.Tensor, width: int) -> torch.Tensor:
+    """``(S, H, D)`` -> ``(S*width, H/width, D)`` over the same storage."""
+    if width == 1:
+        return buffer
+    s, h, d = buffer.shape
+    if h % width:
+        raise ValueError(f"{h} KV heads are not divisible by width {width}")
+    if not buffer.is_contiguous():
+        raise ValueError("KV buffer must be contiguous to be re-viewed")
+    return buffer.view(s * width, h // width, d)
+
+
+class SubSlotAllocator:
+    """Virtual slots of one width, carved from physical slots of a base allocator.
+
+    ``base`` needs ``alloc(n) -> Tensor | None``, ``free(Tensor)``, ``available_size() -> int`` (SGLang's
+    token allocators have them). A physical slot goes back to ``base`` once all of its ``width`` virtual slots are
+    free. Slots of different requests may share a physical slot; they never share a virtual one.
+    """
+
+    def __init__(self, base, width: int) -> None:
+        self.base, self.width = base, width
+        self.free_virtual: list[int] = []
+        self.used: dict[int, int] = {}  # physical slot -> virtual slots in use
+
+    def available_size(self) -> int:
+        return self.base.available_size() * self.width + len(self.free_virtual)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        need = n - len(self.free_virtual)
+        if need > 0:
+            phys = self.base.alloc(-(-need // self.width))
+            if phys is None:
+                return None
+            for p in phys.tolist():
+                self.used[p] = 0
+                self.free_virtual += [p * self.width + j for j in range(self.width)]
+        out, self.free_virtual = self.free_virtual[:n], self.free_virtual[n:]
+        for v in out:
+            self.used[v // self.width] += 1
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, virtual: torch.Tensor) -> None:
+        back = []
+        for v in virtual.tolist():
+            p = v // self.width
+            self.used[p] -= 1
+            self.free_virtual.append(v)
+            if self.used[p] == 0:
+                back.append(p)
+        if back:
+            gone = set(back)
+            self.free_virtual = [v for v in self.free_virtual if v // self.width not in gone]
+            for p in back:
+                del self.used[p]
+            self.base.free(torch.tensor(back, dtype=torch.int64))
+
+    def physical_in_use(self) -> int:
+        return len(self.used)
