@@ -35,6 +35,8 @@ class ClusterConfig:
     gateway_port: int = field(default_factory=free_port)
     worker_ports: tuple[int, ...] = ()
     router_args: tuple[str, ...] = ()
+    bindable: bool = True  # workers build the communicator pool and accept bind/release commands
+    comm_port: int = field(default_factory=free_port)
     gateway_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -108,6 +110,8 @@ class Cluster:
             "--model-path", str(c.model_path), "--port", str(c.worker_ports[i]),
             "--served-model-name", c.served_model_name, "--max-total-tokens", str(c.max_total_tokens),
         )  # fmt: skip
+        if c.bindable and c.num_engines > 1:
+            cmd += ["--comm-port", str(c.comm_port)]
         self.workers[i] = spawn(cmd, self.log(f"worker{i}"))
         self.progress(f"worker {i} starting on port {c.worker_ports[i]}")
 

@@ -61,6 +61,11 @@ class Keys:
         """Pub/sub channel on which the router tells one gateway where its requests go."""
         return f"{self.prefix}:gw:{gateway_id}"
 
+    @property
+    def epoch(self) -> str:
+        """INCR counter: the last bind epoch handed out (epochs are unique and increasing)."""
+        return f"{self.prefix}:epoch"
+
     def commands(self, engine: int) -> str:
         """STREAM of control commands (bind/release) for one engine."""
         return f"{self.prefix}:cmd:{engine}"

@@ -48,6 +48,13 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     launch_id: str = ""
     mode: Literal["dp", "tp"] = "dp"
+    epoch: int = 0  # the bound epoch (0: none)
+    group: tuple[int, ...] = ()  # members of the bound group; the first is the leader
+    width: int = 1
+    bind_ms: float = 0.0  # last bind: command applied at a step boundary -> group ready
+    release_ms: float = 0.0  # last release: command applied -> DP layout restored
+    switch_error: str = ""  # why the last epoch was aborted, if it was
+    comm_groups: int = 0  # pooled communicators built (see worker_ext.comm_pool)
     running: int = 0
     waiting: int = 0
     free_kv_tokens: int = 0
@@ -63,6 +70,34 @@ _encoder = msgspec.json.Encoder()
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
+
+
+Preempt = Literal["hard", "sequential", "soft"]
+
+
+class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
+    """Router/operator -> every member's command stream: bind ``members`` into one TP group of ``width``."""
+
+    epoch: int
+    members: tuple[int, ...]
+    preempt: Preempt = "hard"
+
+    @property
+    def width(self) -> int:
+        return len(self.members)
+
+
+class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
+    """Router/operator -> every member: end ``epoch`` and return to DP once its TP requests have finished."""
+
+    epoch: int
+
+
+Command = Bind | Release
+
+
+def decode_command(data: bytes | str) -> Command:
+    return msgspec.json.decode(data, type=Command)
 
 
 def decode(data: bytes | str, type_: type[msgspec.Struct]):

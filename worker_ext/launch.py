@@ -36,6 +36,8 @@ class WorkerConfig:
     dtype: str = "float32"
     max_total_tokens: int | None = None
     cpu: bool = True
+    comm_port: int | None = None  # communicator-pool rendezvous on engine 0; None: this engine never binds
+    comm_host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -68,6 +70,8 @@ def sglang_command(cfg: WorkerConfig) -> list[str]:
     ]
     if cfg.max_total_tokens:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    if cfg.comm_port:  # bound-capable: TP requests' KV slots are per-request views, not sharable prefixes
+        cmd += ["--disable-radix-cache"]
     if cfg.cpu:
         cmd += list(SGLANG_CPU_ARGS)
     return cmd + list(cfg.extra_args)
@@ -86,8 +90,12 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
             settings.REDIS_URL: cfg.redis_url,
             settings.KEY_PREFIX: cfg.key_prefix,
             settings.LAUNCH_ID: launch_id,
+            settings.DEVICE: "cpu" if cfg.cpu else "cuda",
         }
     )
+    if cfg.comm_port:
+        env[settings.COMM_PORT] = str(cfg.comm_port)
+        env[settings.COMM_HOST] = cfg.comm_host
     return env
 
 
@@ -143,6 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--comm-port", type=int, default=None, help="rendezvous port (same on every engine) to allow binds"
+    )
+    p.add_argument(
+        "--comm-host", default="127.0.0.1", help="host of engine 0, which serves the rendezvous store"
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang.launch_server arguments")
     a = p.parse_args(argv)
     cpu = on_cpu_host() if a.device == "auto" else a.device == "cpu"
@@ -159,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype=a.dtype,
         max_total_tokens=a.max_total_tokens,
         cpu=cpu,
+        comm_port=a.comm_port,
+        comm_host=a.comm_host,
         extra_args=extra,
     )
     sys.exit(run(cfg))

@@ -13,6 +13,8 @@ from flying import settings
 
 log = logging.getLogger(__name__)
 _publisher = None
+_binding = None
+_commands = None
 
 
 def register() -> None:
@@ -22,6 +24,13 @@ def register() -> None:
 
     sglang_patches.check_version()
     sglang_patches.apply_scheduler_hooks(on_init=_on_scheduler_init, on_step=_on_step)
+    sglang_patches.apply_forward_hook(_around_forward)
+
+
+def _around_forward(original, runner, forward_batch, *args, **kwargs):
+    if _binding is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    return _binding.around_forward(original, runner, forward_batch, *args, **kwargs)
 
 
 def _on_scheduler_init(scheduler) -> None:
@@ -43,6 +52,28 @@ def _on_scheduler_init(scheduler) -> None:
     _publisher.beat(**sglang_patches.scheduler_load(scheduler))
     _publisher.start()
     log.info("flying-serving plugin: engine %d heartbeating to %s", config.engine, config.redis_url)
+    _start_switching(scheduler, config)
+
+
+def _start_switching(scheduler, config) -> None:
+    """Bound-capable engines: the communicator pool (built in the background), the command reader, the binding."""
+    global _binding, _commands
+    from flying.keys import Keys
+    from worker_ext import sglang_patches
+    from worker_ext.binding import Binding
+    from worker_ext.comm_pool import CommPool
+    from worker_ext.commands import CommandReader
+
+    num_engines = int(os.environ.get(settings.NUM_ENGINES, "1"))
+    port = os.environ.get(settings.COMM_PORT)
+    if num_engines < 2 or not port:
+        return
+    device = "cuda" if os.environ.get(settings.DEVICE, "cpu") == "cuda" else "cpu"
+    host = os.environ.get(settings.COMM_HOST, "127.0.0.1")
+    pool = CommPool(config.engine, num_engines, host, int(port), device=device).start()
+    _commands = CommandReader(config.redis_url, Keys(config.key_prefix), config.engine).start()
+    sglang_patches.register_idle_wake(scheduler, _commands.wake_socket)
+    _binding = Binding(scheduler, config.engine, pool)
 
 
 def _on_step(scheduler) -> None:
@@ -50,4 +81,8 @@ def _on_step(scheduler) -> None:
         return
     from worker_ext import sglang_patches
 
-    _publisher.beat(**sglang_patches.scheduler_load(scheduler))
+    if _binding is not None and _commands is not None:
+        _binding.on_step(_commands.drain())
+        _publisher.beat(**sglang_patches.scheduler_load(scheduler), **_binding.status())
+    else:
+        _publisher.beat(**sglang_patches.scheduler_load(scheduler))

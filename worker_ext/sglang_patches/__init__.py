@@ -7,6 +7,7 @@ changed internal fails loudly at start-up instead of misbehaving at serve time.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
@@ -60,3 +61,187 @@ def scheduler_load(scheduler: Any) -> dict[str, int]:
         "context_len": int(scheduler.model_config.context_len),
         "max_running_requests": int(scheduler.max_running_requests),
     }
+
+
+# --- DP<->TP switching: the SGLang internals a bind touches -------------------------------------------------
+
+
+def apply_forward_hook(around: Callable[..., Any]) -> None:
+    """``around(original, model_runner, forward_batch, *args, **kwargs)`` wraps every ``ModelRunner.forward``."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    assert callable(getattr(ModelRunner, "forward", None)), "ModelRunner.forward missing"
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward", around, HookType.AROUND
+    )
+
+
+def register_idle_wake(scheduler: Any, socket: Any) -> None:
+    """Make the idle scheduler's zmq poll also wake on ``socket``."""
+    import zmq
+
+    sleeper = getattr(scheduler, "idle_sleeper", None)
+    if sleeper is not None and hasattr(sleeper, "poller"):
+        sleeper.poller.register(socket, zmq.POLLIN)
+
+
+def model_runner(scheduler: Any) -> Any:
+    return scheduler.tp_worker.model_runner
+
+
+def decoder_layers(scheduler: Any) -> list[Any]:
+    model = model_runner(scheduler).model
+    layers = list(model.model.layers)
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in (
+            "qkv_proj",
+            "o_proj",
+            "attn",
+            "num_heads",
+            "num_kv_heads",
+            "q_size",
+            "kv_size",
+            "head_dim",
+        ):
+            assert hasattr(attn, name), f"attention layer lacks {name}"
+        assert hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"), "MLP lacks gate_up_proj/down_proj"
+    return layers
+
+
+def kv_pool(scheduler: Any) -> Any:
+    pool = model_runner(scheduler).token_to_kv_pool
+    assert isinstance(getattr(pool, "k_buffer", None), list), "KV pool without per-layer k_buffer"
+    return pool
+
+
+class _AllReduceVia:
+    """What the forward needs of ``get_parallel().tp_group``: its all-reduce. It deliberately has no
+    ``world_size``: the engine's configured tp_size stays 1 (ParallelContext validates the two against each other),
+    while the row-parallel layers read rank and width from their own ``tp_group`` (set by the binding)."""
+
+    def __init__(self, group: Any) -> None:
+        self.all_reduce = group.all_reduce
+
+
+@contextmanager
+def tp_group_override(group: Any):
+    """Route SGLang's all-reduce (``get_parallel().tp_group`` / ``get_tp_group()``) to ``group``."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_group=_AllReduceVia(group)):
+        yield
+
+
+def stash_dp_work(scheduler: Any) -> tuple[Any, list, Any]:
+    """Set the scheduler's DP work aside with its KV (hard preemption): running batch, waiting queue."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    stash = (scheduler.running_batch, list(scheduler.waiting_queue), scheduler.last_batch)
+    scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+    scheduler.waiting_queue[:] = []
+    scheduler.last_batch = None
+    return stash
+
+
+def restore_dp_work(scheduler: Any, stash: tuple[Any, list, Any]) -> None:
+    running, waiting, _ = stash
+    assert not scheduler.running_batch.reqs, "TP requests still running at release"
+    scheduler.running_batch = running
+    scheduler.waiting_queue[:0] = waiting
+    scheduler.last_batch = None
+
+
+def at_clean_step_boundary(scheduler: Any) -> bool:
+    """No chunked prefill in flight and no prefill batch still to be merged into the running batch."""
+    last = scheduler.last_batch
+    return scheduler.chunked_req is None and (last is None or not last.forward_mode.is_extend())
+
+
+def live_rids(scheduler: Any) -> set[str]:
+    return {r.rid for r in scheduler.running_batch.reqs} | {r.rid for r in scheduler.waiting_queue}
+
+
+# Fields of a ForwardBatch that point into one engine's own pools or objects: never sent in a step plan.
+_LOCAL_FIELDS = frozenset(
+    {"attn_backend", "req_to_token_pool", "token_to_kv_pool", "req_pool_indices", "req_pool_indices_cpu",
+     "out_cache_loc", "origin_out_cache_loc", "out_cache_loc_virtual", "kv_loc_plan", "kv_loc_cols",
+     "hisparse_coordinator", "spec_info", "sampling_info", "mm_inputs", "residual_stream"}
+)  # fmt: skip
+
+
+def batch_fields(forward_batch: Any) -> dict[str, Any]:
+    """The leader's ForwardBatch as it enters the model, minus engine-local fields: what a follower needs to run
+    the identical forward. Values that cannot be pickled are left out (the follower keeps its own)."""
+    import dataclasses
+    import pickle
+
+    out = {}
+    for f in dataclasses.fields(forward_batch):
+        if f.name in _LOCAL_FIELDS:
+            continue
+        value = getattr(forward_batch, f.name)
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - an object with engine-local state; keep the follower's own
+            continue
+        out[f.name] = value
+    return out
+
+
+def follower_batch(template: Any, fields: dict[str, Any], rows: list[int], out_cache_loc: Any) -> Any:
+    """The leader's batch fields over this engine's own request rows and KV slots (other engine-local fields from
+    one of this engine's own batches)."""
+    import dataclasses
+
+    import torch
+
+    assert template is not None, "no ForwardBatch of this engine's own seen yet (warm-up should have run one)"
+    idx = torch.tensor(rows, dtype=torch.int64)
+    return dataclasses.replace(
+        template, **fields, req_pool_indices=idx, req_pool_indices_cpu=idx, out_cache_loc=out_cache_loc
+    )
+
+
+def drop_tp_requests(scheduler: Any) -> list[str]:
+    """After an aborted epoch: take the leader's TP requests out of its queues (their KV lives in the TP view,
+    freed with it) and report them aborted to their clients."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    reqs = list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue)
+    for req in reqs:
+        req.finished_reason = FINISH_ABORT("tensor-parallel group lost a member; request aborted")
+    if reqs:
+        scheduler.stream_output(reqs, any(r.return_logprob for r in reqs))
+    scheduler.waiting_queue[:] = []
+    scheduler.running_batch.reqs = []
+    return [r.rid for r in reqs]
+
+
+class _EpochChecker:
+    """The scheduler's invariant checker with the two idle pool checks switched off (see suspend_idle_checks)."""
+
+    def __init__(self, checker: Any) -> None:
+        self._checker = checker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._checker, name)
+
+    def _check_all_pools(self, *args: Any, **kwargs: Any) -> tuple[bool, list]:
+        return False, []
+
+    def _check_req_pool(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def suspend_idle_checks(scheduler: Any) -> None:
+    """The idle-time pool invariants (available == total, no rows held) do not hold during a TP epoch: paused DP
+    requests keep their KV and rows, and TP capacity is counted in sub-slots. Checked again after release."""
+    if not isinstance(scheduler.invariant_checker, _EpochChecker):
+        scheduler.invariant_checker = _EpochChecker(scheduler.invariant_checker)
+
+
+def resume_idle_checks(scheduler: Any) -> None:
+    if isinstance(scheduler.invariant_checker, _EpochChecker):
+        scheduler.invariant_checker = scheduler.invariant_checker._checker

@@ -1,0 +1,326 @@
+"""Bind and release one engine at a step boundary: the per-engine DP<->TP state machine.
+
+Bind (every member, at its next clean step boundary): set its DP work aside with its KV (hard preemption), point
+the weights at its Megatron shard (worker_ext.weights), view the KV pool at the group's width and carve TP slots
+from the engine's one allocator (worker_ext.kv_layout), give the row-parallel layers the pooled group
+(worker_ext.comm_pool). The leader (first member) keeps its scheduler loop: TP requests are sent to it, it forms
+each batch, broadcasts a *step plan* before every forward, samples and streams. Followers leave their loop and
+execute step plans (the model trunk, whose all-reduces need them) until the leader broadcasts the release.
+
+Release (leader, once its TP requests have finished): broadcast it, then every member restores its DP layout and
+resumes its DP work where it stopped, KV intact.
+
+A member that dies or stalls makes the pooled group's next operation fail (at once for a dead process, after the
+group timeout for a hung one): the survivors abort the epoch, go back to DP and abort their TP requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flying.messages import Bind, Command, Release
+from worker_ext import kv_layout, sglang_patches
+from worker_ext.comm_pool import CommPool, MergedGroup
+from worker_ext.weights import Dims, LayerWeights, WeightsManager
+
+log = logging.getLogger("flying.binding")
+KEEPALIVE_S = 0.5  # an idle leader still broadcasts this often, so followers can tell idle from dead
+
+
+@dataclass
+class Epoch:
+    epoch: int
+    members: tuple[int, ...]
+    rank: int
+    group: MergedGroup
+    release_asked: bool = False
+
+    @property
+    def width(self) -> int:
+        return len(self.members)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class ShadowReq:
+    """A follower's copy of one TP request: its own request row and KV slots."""
+
+    row: int
+    slots: list[torch.Tensor] = field(default_factory=list)
+
+
+class _Base:
+    """The engine allocator's own methods, as the base of a sub-slot allocator. Physical slots go back at once,
+    not into a pending free group: that group is flushed through the (sub-slot) ``free`` it sees."""
+
+    def __init__(self, allocator: Any) -> None:
+        cls = type(allocator)
+        self._allocator, self._free = allocator, cls.free
+        self.alloc = cls.alloc.__get__(allocator)
+        self.available_size = cls.available_size.__get__(allocator)
+
+    def free(self, index: torch.Tensor) -> None:
+        a = self._allocator
+        group, a.free_group = a.free_group, None
+        try:
+            self._free(a, index)
+        finally:
+            a.free_group = group
+
+
+class Binding:
+    def __init__(self, scheduler: Any, engine: int, pool: CommPool) -> None:
+        self.s, self.engine, self.pool = scheduler, engine, pool
+        self.layers = sglang_patches.decoder_layers(scheduler)
+        a0 = self.layers[0].self_attn
+        self.dims = Dims(
+            a0.num_heads, a0.num_kv_heads, a0.head_dim, self.layers[0].mlp.down_proj.weight.shape[1]
+        )
+        self.weights = WeightsManager(
+            [
+                LayerWeights(
+                    layer.self_attn.qkv_proj.weight,
+                    layer.self_attn.o_proj.weight,
+                    layer.mlp.gate_up_proj.weight,
+                    layer.mlp.down_proj.weight,
+                )
+                for layer in self.layers
+            ],
+            self.dims,
+        )
+        self.row_parallel_dp = {
+            id(layer): [(m.tp_group, m.reduce_results) for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+            for layer in self.layers
+        }
+        self.kv = sglang_patches.kv_pool(scheduler)
+        self.kv_full = (list(self.kv.k_buffer), list(self.kv.v_buffer))
+        self.allocator = scheduler.token_to_kv_pool_allocator
+        self.epoch: Epoch | None = None
+        self.pending: Bind | None = None
+        self.stash: Any = None
+        self.shadows: dict[str, ShadowReq] = {}
+        self.template: Any = None  # a ForwardBatch of this engine's own, reused by followers
+        self.last_plan = 0.0
+        self.bind_ms = self.release_ms = 0.0
+        self.error = ""
+        self.aborted_rids: list[str] = []
+
+    # --- state reported in heartbeats ---------------------------------------------------------------------
+
+    def status(self) -> dict:
+        e = self.epoch
+        return {
+            "mode": "tp" if e else "dp",
+            "epoch": e.epoch if e else 0,
+            "group": e.members if e else (),
+            "width": e.width if e else 1,
+            "bind_ms": round(self.bind_ms, 3),
+            "release_ms": round(self.release_ms, 3),
+            "switch_error": self.error,
+            "comm_groups": len(self.pool.groups),
+        }
+
+    # --- step boundary ------------------------------------------------------------------------------------
+
+    def on_step(self, commands: list[Command]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, Bind) and self.engine in cmd.members:
+                self.pending = cmd
+            elif isinstance(cmd, Release) and self.epoch and cmd.epoch == self.epoch.epoch:
+                self.epoch.release_asked = True
+        if self.epoch is None and self.pending is not None and sglang_patches.at_clean_step_boundary(self.s):
+            cmd, self.pending = self.pending, None
+            if self._bind(cmd) and not self.epoch.leader:  # type: ignore[union-attr]
+                self._follow()
+            return
+        e = self.epoch
+        if e is None or not e.leader:
+            return
+        try:
+            if e.release_asked and not sglang_patches.live_rids(self.s):
+                e.group.broadcast_object({"kind": "release"})
+                self._unbind("released")
+            elif time.monotonic() - self.last_plan > KEEPALIVE_S:
+                e.group.broadcast_object({"kind": "noop"})
+                self.last_plan = time.monotonic()
+        except RuntimeError as exc:
+            self._abort(exc)
+
+    # --- bind / release -----------------------------------------------------------------------------------
+
+    def _bind(self, cmd: Bind) -> bool:
+        t0 = time.perf_counter()
+        try:
+            group = self.pool.get(tuple(cmd.members))
+        except (KeyError, RuntimeError) as exc:
+            self.error = f"bind {cmd.epoch} refused: {exc}"
+            log.error(self.error)
+            return False
+        width, rank = len(cmd.members), cmd.members.index(self.engine)
+        self.stash = sglang_patches.stash_dp_work(self.s)
+        sglang_patches.suspend_idle_checks(self.s)
+        self.weights.activate(width, rank)
+        for layer in self.layers:
+            a = layer.self_attn
+            a.num_heads, a.num_kv_heads = self.dims.num_heads // width, self.dims.num_kv_heads // width
+            a.q_size, a.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            a.attn.tp_q_head_num, a.attn.tp_k_head_num, a.attn.tp_v_head_num = (
+                a.num_heads,
+                a.num_kv_heads,
+                a.num_kv_heads,
+            )
+            for row_parallel in (a.o_proj, layer.mlp.down_proj):
+                # At width 1 SGLang builds the layer's stage boundaries without an all-reduce; the row-parallel
+                # layers do their own while bound.
+                row_parallel.tp_group, row_parallel.reduce_results = group, True
+        self.kv.k_buffer[:] = [kv_layout.view(b, width) for b in self.kv_full[0]]
+        self.kv.v_buffer[:] = [kv_layout.view(b, width) for b in self.kv_full[1]]
+        sub = kv_layout.SubSlotAllocator(_Base(self.allocator), width)
+        self.allocator.alloc, self.allocator.free, self.allocator.available_size = (
+            sub.alloc,
+            sub.free,
+            sub.available_size,
+        )
+        self.sub = sub
+        self.epoch = Epoch(cmd.epoch, tuple(cmd.members), rank, group)
+        try:
+            if rank == 0:
+                group.broadcast_object({"kind": "bound", "epoch": cmd.epoch})
+            else:
+                got = group.broadcast_object()
+                assert isinstance(got, dict) and got.get("epoch") == cmd.epoch, f"bind handshake got {got}"
+        except (RuntimeError, AssertionError) as exc:
+            self._abort(exc)
+            return False
+        self.last_plan = time.monotonic()
+        self.bind_ms = (time.perf_counter() - t0) * 1000
+        self.error = ""
+        log.info(
+            "engine %d bound: epoch %d, group %s, rank %d (%.1f ms)",
+            self.engine,
+            cmd.epoch,
+            cmd.members,
+            rank,
+            self.bind_ms,
+        )
+        return True
+
+    def _unbind(self, why: str) -> None:
+        t0 = time.perf_counter()
+        e = self.epoch
+        assert e is not None
+        for rid in list(self.shadows):
+            self._free_shadow(rid)
+        for name in ("alloc", "free", "available_size"):
+            self.allocator.__dict__.pop(name, None)
+        self.kv.k_buffer[:] = self.kv_full[0]
+        self.kv.v_buffer[:] = self.kv_full[1]
+        for layer in self.layers:
+            a = layer.self_attn
+            a.num_heads, a.num_kv_heads = self.dims.num_heads, self.dims.num_kv_heads
+            a.q_size, a.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            a.attn.tp_q_head_num, a.attn.tp_k_head_num, a.attn.tp_v_head_num = (
+                a.num_heads,
+                a.num_kv_heads,
+                a.num_kv_heads,
+            )
+            for row_parallel, (tp_group, reduce) in zip(
+                (a.o_proj, layer.mlp.down_proj), self.row_parallel_dp[id(layer)]
+            ):
+                row_parallel.tp_group, row_parallel.reduce_results = tp_group, reduce
+        self.weights.release()
+        sglang_patches.restore_dp_work(self.s, self.stash)
+        sglang_patches.resume_idle_checks(self.s)
+        self.stash, self.epoch = None, None
+        self.release_ms = (time.perf_counter() - t0) * 1000
+        log.info("engine %d back in DP (%s, epoch %d, %.1f ms)", self.engine, why, e.epoch, self.release_ms)
+
+    def _abort(self, exc: BaseException) -> None:
+        """A member died or stalled: end the epoch here, abort this engine's TP requests, back to DP."""
+        e = self.epoch
+        self.error = f"epoch {e.epoch if e else '?'} aborted: {type(exc).__name__}: {str(exc)[:200]}"
+        log.error("engine %d: %s", self.engine, self.error, exc_info=exc)
+        rids = [r.rid for r in self.s.running_batch.reqs] + [r.rid for r in self.s.waiting_queue]
+        if e is not None:
+            sglang_patches.drop_tp_requests(self.s)
+            self._unbind("aborted")
+        self.aborted_rids = rids
+
+    # --- leader: one step plan per forward ----------------------------------------------------------------
+
+    def around_forward(self, original, runner, forward_batch, *args, **kwargs):
+        e = self.epoch
+        if e is None:
+            self.template = forward_batch
+            return original(runner, forward_batch, *args, **kwargs)
+        if e.leader:
+            e.group.broadcast_object(self._plan(forward_batch))
+            self.last_plan = time.monotonic()
+        with sglang_patches.tp_group_override(e.group):
+            return original(runner, forward_batch, *args, **kwargs)
+
+    def _plan(self, fb: Any) -> dict:
+        extend = not fb.forward_mode.is_decode()
+        return {
+            "kind": "forward",
+            "extend": extend,
+            "rids": list(fb.rids),
+            "fields": sglang_patches.batch_fields(fb),
+            "seq_lens": fb.seq_lens.tolist(),
+            "extend_lens": fb.extend_seq_lens.tolist() if extend else None,
+            "prefix_lens": fb.extend_prefix_lens.tolist() if extend else None,
+            "live": sorted(sglang_patches.live_rids(self.s) | set(fb.rids)),
+        }
+
+    # --- follower: execute step plans until release ---------------------------------------------------------
+
+    def _follow(self) -> None:
+        e = self.epoch
+        assert e is not None
+        while self.epoch is e:
+            try:
+                plan = e.group.broadcast_object()
+                if plan["kind"] == "release":
+                    self._unbind("released")
+                elif plan["kind"] == "forward":
+                    self._execute(plan)
+            except RuntimeError as exc:
+                self._abort(exc)
+
+    def _free_shadow(self, rid: str) -> None:
+        sh = self.shadows.pop(rid)
+        if sh.slots:
+            self.allocator.free(torch.cat(sh.slots))
+        self.s.req_to_token_pool.free_rows([sh.row])
+
+    def _execute(self, plan: dict) -> None:
+        for rid in [r for r in self.shadows if r not in set(plan["live"])]:
+            self._free_shadow(rid)
+        rows, locs = [], []
+        for i, rid in enumerate(plan["rids"]):
+            sh = self.shadows.get(rid)
+            if sh is None:
+                got = self.s.req_to_token_pool.alloc_rows(1)
+                assert got, "follower out of request rows"
+                sh = self.shadows[rid] = ShadowReq(got[0])
+            seq = plan["seq_lens"][i]
+            n = plan["extend_lens"][i] if plan["extend"] else 1
+            slots = self.allocator.alloc(n)
+            assert slots is not None, "follower out of KV slots"
+            self.s.req_to_token_pool.req_to_token[sh.row, seq - n : seq] = slots.to(torch.int32)
+            sh.slots.append(slots)
+            rows.append(sh.row)
+            locs.append(slots)
+        fb = sglang_patches.follower_batch(self.template, plan["fields"], rows, torch.cat(locs))
+        with (
+            torch.inference_mode()
+        ):  # through around_forward: the pooled all-reduce, no plan (not the leader)
+            sglang_patches.model_runner(self.s).forward(fb)
