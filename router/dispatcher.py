@@ -43,8 +43,11 @@ class Dispatcher:
 
     async def engine_views(self) -> list[EngineView]:
         beats = await live_workers(self.r, self.keys)
-        counts = await self.queue.inflight_counts([hb.engine for hb in beats])
         self._note_liveness({hb.engine for hb in beats})
+        beats = [
+            hb for hb in beats if hb.mode == "dp"
+        ]  # bound engines take no DP work (TP dispatch: issue 4)
+        counts = await self.queue.inflight_counts([hb.engine for hb in beats])
         return [
             EngineView(hb.engine, hb.url, counts[hb.engine], hb.free_kv_tokens, hb.max_total_tokens)
             for hb in beats

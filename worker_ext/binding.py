@@ -77,8 +77,11 @@ class _Base:
 
 
 class Binding:
-    def __init__(self, scheduler: Any, engine: int, pool: CommPool) -> None:
+    def __init__(self, scheduler: Any, engine: int, pool: CommPool, on_change: Any = None) -> None:
         self.s, self.engine, self.pool = scheduler, engine, pool
+        self.on_change = on_change or (
+            lambda: None
+        )  # re-publish the heartbeat (a follower's loop is blocked)
         self.layers = sglang_patches.decoder_layers(scheduler)
         a0 = self.layers[0].self_attn
         self.dims = Dims(
@@ -203,6 +206,7 @@ class Binding:
         self.last_plan = time.monotonic()
         self.bind_ms = (time.perf_counter() - t0) * 1000
         self.error = ""
+        self.on_change()
         log.info(
             "engine %d bound: epoch %d, group %s, rank %d (%.1f ms)",
             self.engine,
@@ -241,6 +245,7 @@ class Binding:
         sglang_patches.resume_idle_checks(self.s)
         self.stash, self.epoch = None, None
         self.release_ms = (time.perf_counter() - t0) * 1000
+        self.on_change()
         log.info("engine %d back in DP (%s, epoch %d, %.1f ms)", self.engine, why, e.epoch, self.release_ms)
 
     def _abort(self, exc: BaseException) -> None:

@@ -73,16 +73,19 @@ def _start_switching(scheduler, config) -> None:
     pool = CommPool(config.engine, num_engines, host, int(port), device=device).start()
     _commands = CommandReader(config.redis_url, Keys(config.key_prefix), config.engine).start()
     sglang_patches.register_idle_wake(scheduler, _commands.wake_socket)
-    _binding = Binding(scheduler, config.engine, pool)
+    _binding = Binding(scheduler, config.engine, pool, on_change=lambda: _beat(scheduler))
 
 
 def _on_step(scheduler) -> None:
     if _publisher is None:
         return
-    from worker_ext import sglang_patches
-
     if _binding is not None and _commands is not None:
         _binding.on_step(_commands.drain())
-        _publisher.beat(**sglang_patches.scheduler_load(scheduler), **_binding.status())
-    else:
-        _publisher.beat(**sglang_patches.scheduler_load(scheduler))
+    _beat(scheduler)
+
+
+def _beat(scheduler) -> None:
+    from worker_ext import sglang_patches
+
+    switching = _binding.status() if _binding is not None else {}
+    _publisher.beat(**sglang_patches.scheduler_load(scheduler), **switching)

@@ -1,0 +1,153 @@
+"""DP <-> TP switching in real SGLang CPU workers (2 engines): correctness against a stock ``--tp 2`` server,
+bit-exact release, KV kept across a hard preemption, a member killed mid-epoch."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from flying import control
+from flying.procs import free_port, spawn, stop, wait_healthy
+from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
+
+pytestmark = pytest.mark.e2e
+PROMPTS = ["the river and the sea", "Tell me a story about a dragon and a castle, and then another one."]
+
+
+@pytest.fixture(scope="module")
+def stock_tp2(tiny_model, tmp_path_factory):
+    """A stock SGLang server with --tp 2 (gloo all-reduce) on the same model: the reference for a merged group."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--max-total-tokens", "4096", "--tp", "2",
+           "--disable-radix-cache", *SGLANG_CPU_ARGS]  # fmt: skip
+    env = sglang_cpu_env(cpu_bind="0|1")
+    env.pop("FLYING_ENGINE_INDEX", None)
+    proc = spawn(cmd, tmp_path_factory.mktemp("stock-tp2") / "server.log", env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, timeout_s=300)
+    yield url
+    stop(proc)
+
+
+def worker_url(cluster, i: int) -> str:
+    return f"http://127.0.0.1:{cluster.config.worker_ports[i]}"
+
+
+def generate(url: str, text: str, max_new_tokens: int = 12) -> dict:
+    body = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    resp = httpx.post(url + "/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def prompt_logprobs(out: dict) -> list[float]:
+    return [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]]  # the first token has none
+
+
+def wait_mode(cluster, engines, mode: str, timeout_s: float = 10) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beats = control.status(cluster.client(), cluster.keys)
+        if all(e in beats and beats[e].mode == mode for e in engines):
+            return beats
+        time.sleep(0.05)
+    raise AssertionError(
+        f"engines {engines} not in {mode} after {timeout_s} s: {control.status(cluster.client(), cluster.keys)}"
+    )
+
+
+@pytest.fixture
+def bound(cluster):
+    """Engines 0 and 1 bound into one TP group for the test, released after it."""
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1))
+    beats = wait_mode(cluster, (0, 1), "tp")
+    yield epoch, beats
+    control.release(r, cluster.keys, (0, 1), epoch)
+    wait_mode(cluster, (0, 1), "dp")
+
+
+def test_the_communicator_pool_is_built_at_start(cluster):
+    beats = control.status(cluster.client(), cluster.keys)
+    assert [beats[e].comm_groups for e in (0, 1)] == [1, 1]  # merge set (0, 1)
+    assert all(hb.mode == "dp" and hb.epoch == 0 for hb in beats.values())
+
+
+def test_merged_group_matches_a_stock_tp2_server(cluster, stock_tp2, bound):
+    epoch, beats = bound
+    assert beats[0].group == (0, 1) and beats[1].group == (0, 1) and beats[0].epoch == beats[1].epoch == epoch
+    assert beats[0].width == 2 and beats[0].bind_ms > 0
+    for text in PROMPTS:
+        ours, stock = generate(worker_url(cluster, 0), text), generate(stock_tp2, text)
+        diffs = [abs(a - b) for a, b in zip(prompt_logprobs(ours), prompt_logprobs(stock))]
+        assert len(diffs) == len(prompt_logprobs(stock)) > 3
+        assert max(diffs) <= 1e-5, f"teacher-forced prompt log-probs differ by up to {max(diffs):.2e}"
+        assert ours["output_ids"] == stock["output_ids"]  # greedy output identical
+
+
+def test_release_restores_dp_bit_exactly(cluster):
+    url = worker_url(cluster, 0)
+    before = [generate(url, t) for t in PROMPTS]
+    r = cluster.client()
+    for _ in range(3):
+        epoch = control.bind(r, cluster.keys, (0, 1))
+        wait_mode(cluster, (0, 1), "tp")
+        generate(url, PROMPTS[0])  # the group serves a TP request
+        control.release(r, cluster.keys, (0, 1), epoch)
+        wait_mode(cluster, (0, 1), "dp")
+    after = [generate(url, t) for t in PROMPTS]
+    for a, b in zip(before, after):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["input_token_logprobs"] == b["meta_info"]["input_token_logprobs"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+
+
+def test_bind_applies_on_idle_engines_without_a_request(cluster, bound):
+    _, beats = bound  # the fixture waited for both heartbeats to say tp; nothing was sent to either engine
+    assert all(beats[e].mode == "tp" for e in (0, 1))
+
+
+def test_hard_preempted_dp_request_keeps_its_kv(cluster):
+    url, text, n = worker_url(cluster, 0), PROMPTS[1], 400
+    reference = generate(url, text, n)
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(generate(url, text, n)))
+    t.start()
+    time.sleep(0.6)  # mid-generation
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1))
+    wait_mode(cluster, (0, 1), "tp")
+    assert t.is_alive(), "the DP request finished before the bind: make it longer"
+    generate(url, PROMPTS[0])  # TP work while the DP request is paused
+    control.release(r, cluster.keys, (0, 1), epoch)
+    wait_mode(cluster, (0, 1), "dp")
+    t.join(120)
+    assert got["output_ids"] == reference["output_ids"]
+    # exactly the same log-probs: the paused request resumed on its own KV (a re-prefill would not be bit-exact)
+    assert got["meta_info"]["output_token_logprobs"] == reference["meta_info"]["output_token_logprobs"]
+
+
+def test_killing_a_member_mid_epoch_returns_the_survivor_to_dp(cluster):
+    r = cluster.client()
+    control.bind(r, cluster.keys, (0, 1))
+    wait_mode(cluster, (0, 1), "tp")
+    t0 = time.monotonic()
+    cluster.kill_worker(1, signal.SIGKILL)
+    beats = wait_mode(cluster, (0,), "dp", timeout_s=5)
+    assert "aborted" in beats[0].switch_error
+    out = generate(worker_url(cluster, 0), PROMPTS[0])  # serving DP again
+    assert out["meta_info"]["completion_tokens"] == 12
+    assert time.monotonic() - t0 < 5
+    cluster.start_worker(1)  # restore the shared cluster
+    cluster.wait_live([1], timeout_s=240)
