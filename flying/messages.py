@@ -55,6 +55,9 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     release_ms: float = 0.0  # last release: command applied -> DP layout restored
     switch_error: str = ""  # why the last epoch was aborted, if it was
     comm_groups: int = 0  # pooled communicators built (see worker_ext.comm_pool)
+    param_bytes: int = (
+        0  # bytes over the unique storages of the model's parameters (constant across switches)
+    )
     running: int = 0
     waiting: int = 0
     free_kv_tokens: int = 0

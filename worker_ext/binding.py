@@ -26,7 +26,7 @@ import torch
 from flying.messages import Bind, Command, Release
 from worker_ext import kv_layout, sglang_patches
 from worker_ext.comm_pool import CommPool, MergedGroup
-from worker_ext.weights import Dims, LayerWeights, WeightsManager
+from worker_ext.weights import Dims, LayerWeights, WeightsManager, storage_bytes
 
 log = logging.getLogger("flying.binding")
 KEEPALIVE_S = 0.5  # an idle leader still broadcasts this often, so followers can tell idle from dead
@@ -113,6 +113,7 @@ class Binding:
         self.template: Any = None  # a ForwardBatch of this engine's own, reused by followers
         self.last_plan = 0.0
         self.bind_ms = self.release_ms = 0.0
+        self.param_bytes = self._param_bytes()
         self.error = ""
         self.aborted_rids: list[str] = []
 
@@ -129,6 +130,7 @@ class Binding:
             "release_ms": round(self.release_ms, 3),
             "switch_error": self.error,
             "comm_groups": len(self.pool.groups),
+            "param_bytes": self.param_bytes,
         }
 
     # --- step boundary ------------------------------------------------------------------------------------
@@ -156,6 +158,10 @@ class Binding:
                 self.last_plan = time.monotonic()
         except RuntimeError as exc:
             self._abort(exc)
+
+    def _param_bytes(self) -> int:
+        """Bytes over the unique storages behind the model's parameters (must not grow across switches)."""
+        return storage_bytes(p.data for p in sglang_patches.model_runner(self.s).model.parameters())
 
     # --- bind / release -----------------------------------------------------------------------------------
 
@@ -206,6 +212,7 @@ class Binding:
         self.last_plan = time.monotonic()
         self.bind_ms = (time.perf_counter() - t0) * 1000
         self.error = ""
+        self.param_bytes = self._param_bytes()
         self.on_change()
         log.info(
             "engine %d bound: epoch %d, group %s, rank %d (%.1f ms)",
@@ -245,6 +252,7 @@ class Binding:
         sglang_patches.resume_idle_checks(self.s)
         self.stash, self.epoch = None, None
         self.release_ms = (time.perf_counter() - t0) * 1000
+        self.param_bytes = self._param_bytes()
         self.on_change()
         log.info("engine %d back in DP (%s, epoch %d, %.1f ms)", self.engine, why, e.epoch, self.release_ms)
 

@@ -1,4 +1,6 @@
-"""Worker heartbeats: a snapshot of the engine's load written to Redis on every step and every 100 ms when idle.
+"""Worker heartbeats: a snapshot of the engine's load written to Redis every ``interval_s`` (50 ms), and at once
+when the switching state (mode, epoch) changes. Never once per step: a busy engine steps every few ms, and a
+Redis write per step costs the scheduler thread measurable time (the GIL).
 
 A heartbeat key expires ``ttl_ms`` after the last write, so a dead worker vanishes from Redis within about 1 s.
 Writes happen on a background thread; the scheduler step only swaps an in-memory snapshot and sets an event.
@@ -28,7 +30,7 @@ class HeartbeatConfig:
     redis_url: str
     launch_id: str = ""
     key_prefix: str = "flying"
-    interval_s: float = 0.1
+    interval_s: float = 0.05
     ttl_ms: int = 1000
 
     def __post_init__(self) -> None:
@@ -51,11 +53,13 @@ class HeartbeatPublisher:
     def start(self) -> None:
         self._thread.start()
 
-    def beat(self, **load: int | str) -> None:
-        """Record the engine's load at a step boundary and wake the writer."""
+    def beat(self, **load) -> None:
+        """Record the engine's load at a step boundary; wake the writer if the switching state changed."""
         self.step += 1
+        urgent = load.get("mode") != self._load.get("mode") or load.get("epoch") != self._load.get("epoch")
         self._load = load
-        self._wake.set()
+        if urgent:
+            self._wake.set()
 
     def snapshot(self) -> Heartbeat:
         cfg = self.config
@@ -79,7 +83,7 @@ class HeartbeatPublisher:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(self.config.interval_s)
+            self._wake.wait(self.config.interval_s)  # every interval, or at once on a switching-state change
             self._wake.clear()
             try:
                 self.write()
