@@ -39,6 +39,7 @@ class Epoch:
     rank: int
     group: MergedGroup
     release_asked: bool = False
+    next_bind: Bind | None = None  # a width change: go straight to this group once drained
 
     @property
     def width(self) -> int:
@@ -138,26 +139,45 @@ class Binding:
     def on_step(self, commands: list[Command]) -> None:
         for cmd in commands:
             if isinstance(cmd, Bind) and self.engine in cmd.members:
-                self.pending = cmd
+                if self.epoch is not None and cmd.epoch != self.epoch.epoch:
+                    self.epoch.next_bind, self.epoch.release_asked = cmd, True  # a width change
+                else:
+                    self.pending = cmd
             elif isinstance(cmd, Release) and self.epoch and cmd.epoch == self.epoch.epoch:
                 self.epoch.release_asked = True
         if self.epoch is None and self.pending is not None and sglang_patches.at_clean_step_boundary(self.s):
             cmd, self.pending = self.pending, None
-            if self._bind(cmd) and not self.epoch.leader:  # type: ignore[union-attr]
-                self._follow()
+            self._enter(cmd)
             return
         e = self.epoch
         if e is None or not e.leader:
             return
         try:
             if e.release_asked and not sglang_patches.live_rids(self.s):
-                e.group.broadcast_object({"kind": "release"})
-                self._unbind("released")
+                e.group.broadcast_object({"kind": "release", "next": e.next_bind})
+                self._leave(e.next_bind)
             elif time.monotonic() - self.last_plan > KEEPALIVE_S:
                 e.group.broadcast_object({"kind": "noop"})
                 self.last_plan = time.monotonic()
         except RuntimeError as exc:
             self._abort(exc)
+
+    def _enter(self, cmd: Bind) -> None:
+        """Bind; a follower then serves step plans until its group is released."""
+        if self._bind(cmd):
+            if not self.epoch.leader:  # type: ignore[union-attr]
+                self._follow()
+        elif self.epoch is None and self.stash is not None:  # a refused width change: back to DP
+            self._resume_dp()
+
+    def _leave(self, next_bind: Bind | None) -> None:
+        """Release the current epoch; with ``next_bind`` naming this engine, go straight into that group (a width
+        change: the DP work stays paused, the weights go from one shard layout to the other directly)."""
+        if next_bind is not None and self.engine in next_bind.members:
+            self._unbind("width change", resume=False)
+            self._enter(next_bind)
+        else:
+            self._unbind("released")
 
     def _param_bytes(self) -> int:
         """Bytes over the unique storages behind the model's parameters (must not grow across switches)."""
@@ -174,8 +194,11 @@ class Binding:
             log.error(self.error)
             return False
         width, rank = len(cmd.members), cmd.members.index(self.engine)
-        self.stash = sglang_patches.stash_dp_work(self.s)
-        sglang_patches.suspend_idle_checks(self.s)
+        if self.stash is None:  # from DP (a width change keeps the paused DP work and limits as they are)
+            self.stash = sglang_patches.stash_dp_work(self.s)
+            sglang_patches.suspend_idle_checks(self.s)
+            self.dp_limits = sglang_patches.widen_request_limits(self.s, 1)
+        sglang_patches.set_request_limits(self.s, self.dp_limits, width)
         self.weights.activate(width, rank)
         for layer in self.layers:
             a = layer.self_attn
@@ -224,7 +247,7 @@ class Binding:
         )
         return True
 
-    def _unbind(self, why: str) -> None:
+    def _unbind(self, why: str, resume: bool = True) -> None:
         t0 = time.perf_counter()
         e = self.epoch
         assert e is not None
@@ -247,14 +270,20 @@ class Binding:
                 (a.o_proj, layer.mlp.down_proj), self.row_parallel_dp[id(layer)]
             ):
                 row_parallel.tp_group, row_parallel.reduce_results = tp_group, reduce
-        self.weights.release()
-        sglang_patches.restore_dp_work(self.s, self.stash)
-        sglang_patches.resume_idle_checks(self.s)
-        self.stash, self.epoch = None, None
+        self.epoch = None
+        if resume:
+            self._resume_dp()
         self.release_ms = (time.perf_counter() - t0) * 1000
         self.param_bytes = self._param_bytes()
         self.on_change()
         log.info("engine %d back in DP (%s, epoch %d, %.1f ms)", self.engine, why, e.epoch, self.release_ms)
+
+    def _resume_dp(self) -> None:
+        self.weights.release()
+        sglang_patches.restore_dp_work(self.s, self.stash)
+        sglang_patches.resume_idle_checks(self.s)
+        sglang_patches.restore_request_limits(self.s, self.dp_limits)
+        self.stash = None
 
     def _abort(self, exc: BaseException) -> None:
         """A member died or stalled: end the epoch here, abort this engine's TP requests, back to DP."""
@@ -302,7 +331,8 @@ class Binding:
             try:
                 plan = e.group.broadcast_object()
                 if plan["kind"] == "release":
-                    self._unbind("released")
+                    self._leave(plan.get("next"))
+                    return
                 elif plan["kind"] == "forward":
                     self._execute(plan)
             except RuntimeError as exc:

@@ -212,6 +212,8 @@ def drop_tp_requests(scheduler: Any) -> list[str]:
     reqs = list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue)
     for req in reqs:
         req.finished_reason = FINISH_ABORT("tensor-parallel group lost a member; request aborted")
+        if req.req_pool_idx is not None:  # give its KV back while the TP sub-slot allocator is still in place
+            scheduler.tree_cache.cache_finished_req(req)
     if reqs:
         scheduler.stream_output(reqs, any(r.return_logprob for r in reqs))
     scheduler.waiting_queue[:] = []
@@ -245,3 +247,24 @@ def suspend_idle_checks(scheduler: Any) -> None:
 def resume_idle_checks(scheduler: Any) -> None:
     if isinstance(scheduler.invariant_checker, _EpochChecker):
         scheduler.invariant_checker = scheduler.invariant_checker._checker
+
+
+def widen_request_limits(scheduler: Any, width: int) -> tuple[int, int, int]:
+    """A group of ``width`` pools ``width`` times the KV tokens: let the leader admit prompts that long (up to the
+    model's context length). Returns the DP limits for :func:`restore_request_limits`."""
+    old = (scheduler.max_req_len, scheduler.max_req_input_len, scheduler.max_total_num_tokens)
+    kv_capacity = int(scheduler.max_total_num_tokens) * width
+    scheduler.max_total_num_tokens = kv_capacity  # the admission budget: KV tokens at this width
+    scheduler.max_req_len = min(int(scheduler.model_config.context_len) - 1, kv_capacity - 1)
+    scheduler.max_req_input_len = scheduler.max_req_len - (old[0] - old[1])
+    return old
+
+
+def set_request_limits(scheduler: Any, dp_limits: tuple[int, int, int], width: int) -> None:
+    """The limits for ``width`` computed from the engine's DP limits (so width changes never compound)."""
+    restore_request_limits(scheduler, dp_limits)
+    widen_request_limits(scheduler, width)
+
+
+def restore_request_limits(scheduler: Any, old: tuple[int, int, int]) -> None:
+    scheduler.max_req_len, scheduler.max_req_input_len, scheduler.max_total_num_tokens = old
