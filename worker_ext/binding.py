@@ -114,6 +114,7 @@ class Binding:
         self.template: Any = None  # a ForwardBatch of this engine's own, reused by followers
         self.last_plan = 0.0
         self.bind_ms = self.release_ms = 0.0
+        self.last_epoch = 0  # the newest epoch this engine has bound
         self.param_bytes = self._param_bytes()
         self.error = ""
         self.aborted_rids: list[str] = []
@@ -138,6 +139,8 @@ class Binding:
 
     def on_step(self, commands: list[Command]) -> None:
         for cmd in commands:
+            if cmd.epoch <= self.last_epoch and isinstance(cmd, Bind):
+                continue  # already served (a follower reads its stream only between epochs)
             if isinstance(cmd, Bind) and self.engine in cmd.members:
                 if self.epoch is not None and cmd.epoch != self.epoch.epoch:
                     self.epoch.next_bind, self.epoch.release_asked = cmd, True  # a width change
@@ -223,6 +226,7 @@ class Binding:
         )
         self.sub = sub
         self.epoch = Epoch(cmd.epoch, tuple(cmd.members), rank, group)
+        self.last_epoch = max(self.last_epoch, cmd.epoch)
         try:
             if rank == 0:
                 group.broadcast_object({"kind": "bound", "epoch": cmd.epoch})
@@ -271,8 +275,9 @@ class Binding:
             ):
                 row_parallel.tp_group, row_parallel.reduce_results = tp_group, reduce
         self.epoch = None
-        if resume:
-            self._resume_dp()
+        if not resume:
+            return  # a width change: the next bind follows at once, no DP state in between to publish
+        self._resume_dp()
         self.release_ms = (time.perf_counter() - t0) * 1000
         self.param_bytes = self._param_bytes()
         self.on_change()

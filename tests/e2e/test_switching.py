@@ -55,11 +55,11 @@ def prompt_logprobs(out: dict) -> list[float]:
     return [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]]  # the first token has none
 
 
-def wait_mode(cluster, engines, mode: str, timeout_s: float = 10) -> dict:
+def wait_mode(cluster, engines, mode: str, timeout_s: float = 10, epoch: int | None = None) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         beats = control.status(cluster.client(), cluster.keys)
-        if all(e in beats and beats[e].mode == mode for e in engines):
+        if all(e in beats and beats[e].mode == mode and epoch in (None, beats[e].epoch) for e in engines):
             return beats
         time.sleep(0.05)
     raise AssertionError(
