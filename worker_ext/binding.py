@@ -40,6 +40,9 @@ class Epoch:
     group: MergedGroup
     release_asked: bool = False
     next_bind: Bind | None = None  # a width change: go straight to this group once drained
+    failed: BaseException | None = (
+        None  # the group broke mid-step (leader): end the epoch at the next boundary
+    )
 
     @property
     def width(self) -> int:
@@ -154,6 +157,9 @@ class Binding:
             return
         e = self.epoch
         if e is None or not e.leader:
+            return
+        if e.failed is not None:
+            self._abort(e.failed)
             return
         try:
             if e.release_asked and not sglang_patches.live_rids(self.s):
@@ -308,10 +314,25 @@ class Binding:
         if e is None:
             self.template = forward_batch
             return original(runner, forward_batch, *args, **kwargs)
-        if e.leader:
-            e.group.broadcast_object(self._plan(forward_batch))
-            self.last_plan = time.monotonic()
-        with sglang_patches.tp_group_override(e.group):
+        try:
+            if e.leader and not e.failed:
+                e.group.broadcast_object(self._plan(forward_batch))
+                self.last_plan = time.monotonic()
+            if not e.failed:
+                with sglang_patches.tp_group_override(e.group):
+                    return original(runner, forward_batch, *args, **kwargs)
+        except RuntimeError as exc:
+            if not e.leader:
+                raise  # a follower's _follow aborts the epoch
+            e.failed = exc
+            self.error = f"epoch {e.epoch} aborted: {type(exc).__name__}: {str(exc)[:200]}"
+            log.error("engine %d: %s", self.engine, self.error, exc_info=exc)
+        # The group is gone mid-step. Finish this step alone (the scheduler needs its output), with every request
+        # of the batch ending in an abort; the next step boundary ends the epoch (see on_step).
+        sglang_patches.abort_batch(
+            self.s, f"tensor-parallel group {e.members} lost a member; request aborted"
+        )
+        with sglang_patches.tp_group_override(sglang_patches.LOCAL_GROUP):
             return original(runner, forward_batch, *args, **kwargs)
 
     def _plan(self, fb: Any) -> dict:

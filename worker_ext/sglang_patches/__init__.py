@@ -204,12 +204,32 @@ def follower_batch(template: Any, fields: dict[str, Any], rows: list[int], out_c
     )
 
 
+class _LocalReduce:
+    """An all-reduce over a group of one: lets a leader whose group broke finish the step it is in."""
+
+    @staticmethod
+    def all_reduce(tensor: Any) -> Any:
+        return tensor
+
+
+LOCAL_GROUP = _LocalReduce()
+
+
+def abort_batch(scheduler: Any, message: str) -> None:
+    """Make every request of the batch being run finish with an abort when its result is processed."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    batch = getattr(scheduler, "cur_batch_for_debug", None)
+    for req in batch.reqs if batch is not None else []:
+        req.to_finish = FINISH_ABORT(message)
+
+
 def drop_tp_requests(scheduler: Any) -> list[str]:
     """After an aborted epoch: take the leader's TP requests out of its queues (their KV lives in the TP view,
     freed with it) and report them aborted to their clients."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    reqs = list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue)
+    reqs = [r for r in list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue) if not r.finished()]
     for req in reqs:
         req.finished_reason = FINISH_ABORT("tensor-parallel group lost a member; request aborted")
         if req.req_pool_idx is not None:  # give its KV back while the TP sub-slot allocator is still in place
