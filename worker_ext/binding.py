@@ -118,6 +118,7 @@ class Binding:
         self.last_plan = 0.0
         self.bind_ms = self.release_ms = 0.0
         self.last_epoch = 0  # the newest epoch this engine has bound
+        self.held: list = []  # DP requests held back while a sequential bind waits for the running ones
         self.param_bytes = self._param_bytes()
         self.error = ""
         self.aborted_rids: list[str] = []
@@ -151,10 +152,18 @@ class Binding:
                     self.pending = cmd
             elif isinstance(cmd, Release) and self.epoch and cmd.epoch == self.epoch.epoch:
                 self.epoch.release_asked = True
-        if self.epoch is None and self.pending is not None and sglang_patches.at_clean_step_boundary(self.s):
-            cmd, self.pending = self.pending, None
-            self._enter(cmd)
-            return
+        if self.epoch is None and self.pending is not None:
+            if self.pending.preempt == "soft":
+                self.error = f"bind {self.pending.epoch} refused: soft preemption is not implemented; use hard or sequential"
+                log.error(self.error)
+                self.pending = None
+                self.on_change()
+            elif self.pending.preempt == "sequential" and sglang_patches.has_running_dp_work(self.s):
+                self.held += sglang_patches.hold_waiting(self.s)  # admit no new DP work; bind once drained
+            elif sglang_patches.at_clean_step_boundary(self.s):
+                cmd, self.pending = self.pending, None
+                self._enter(cmd)
+                return
         e = self.epoch
         if e is None or not e.leader:
             return
@@ -178,6 +187,9 @@ class Binding:
                 self._follow()
         elif self.epoch is None and self.stash is not None:  # a refused width change: back to DP
             self._resume_dp()
+        elif self.held:  # a refused sequential bind: let the held DP work in
+            sglang_patches.unhold_waiting(self.s, self.held)
+            self.held = []
 
     def _leave(self, next_bind: Bind | None) -> None:
         """Release the current epoch; with ``next_bind`` naming this engine, go straight into that group (a width
@@ -204,7 +216,8 @@ class Binding:
             return False
         width, rank = len(cmd.members), cmd.members.index(self.engine)
         if self.stash is None:  # from DP (a width change keeps the paused DP work and limits as they are)
-            self.stash = sglang_patches.stash_dp_work(self.s)
+            self.stash = sglang_patches.stash_dp_work(self.s, held=self.held)
+            self.held = []
             sglang_patches.suspend_idle_checks(self.s)
             self.dp_limits = sglang_patches.widen_request_limits(self.s, 1)
         sglang_patches.set_request_limits(self.s, self.dp_limits, width)

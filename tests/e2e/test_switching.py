@@ -169,3 +169,39 @@ def test_killing_a_member_mid_epoch_returns_the_survivor_to_dp(cluster):
     assert time.monotonic() - t0 < 5
     cluster.start_worker(1)  # restore the shared cluster
     cluster.wait_live([1], timeout_s=240)
+
+
+def test_sequential_bind_waits_for_running_dp_work(cluster):
+    url, n = worker_url(cluster, 0), 300
+    reference = generate(url, PROMPTS[1], n)
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(generate(url, PROMPTS[1], n)))
+    t.start()
+    time.sleep(0.4)
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1), preempt="sequential")
+    time.sleep(0.3)
+    assert t.is_alive() and control.status(r, cluster.keys)[0].mode == "dp"  # no preemption: it keeps running
+    late = threading.Thread(
+        target=lambda: got.update(late=generate(url, PROMPTS[0]))
+    )  # arrives while draining
+    late.start()
+    t.join(60)
+    wait_mode(cluster, (0, 1), "tp", epoch=epoch)  # bound once the running request finished
+    assert got["output_ids"] == reference["output_ids"]
+    control.release(r, cluster.keys, (0, 1), epoch)
+    wait_mode(cluster, (0, 1), "dp")
+    late.join(60)
+    assert got["late"]["meta_info"]["completion_tokens"] == 12  # held, then served in DP after the release
+
+
+def test_soft_preemption_is_refused_clearly(cluster):
+    r = cluster.client()
+    control.bind(r, cluster.keys, (0, 1), preempt="soft")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        beats = control.status(r, cluster.keys)
+        if "soft preemption" in beats[0].switch_error:
+            break
+        time.sleep(0.05)
+    assert "not implemented" in beats[0].switch_error and beats[0].mode == "dp"

@@ -134,11 +134,27 @@ def tp_group_override(group: Any):
         yield
 
 
-def stash_dp_work(scheduler: Any) -> tuple[Any, list, Any]:
-    """Set the scheduler's DP work aside with its KV (hard preemption): running batch, waiting queue."""
+def has_running_dp_work(scheduler: Any) -> bool:
+    return any(not r.finished() for r in scheduler.running_batch.reqs) or scheduler.chunked_req is not None
+
+
+def hold_waiting(scheduler: Any) -> list:
+    """Take the waiting queue out (a sequential bind admits no new DP work while the running work drains)."""
+    held = list(scheduler.waiting_queue)
+    scheduler.waiting_queue[:] = []
+    return held
+
+
+def unhold_waiting(scheduler: Any, held: list) -> None:
+    scheduler.waiting_queue[:0] = held
+
+
+def stash_dp_work(scheduler: Any, held: list | None = None) -> tuple[Any, list, Any]:
+    """Set the scheduler's DP work aside with its KV (hard preemption): running batch, waiting queue (after any
+    requests ``held`` back earlier)."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    stash = (scheduler.running_batch, list(scheduler.waiting_queue), scheduler.last_batch)
+    stash = (scheduler.running_batch, list(held or []) + list(scheduler.waiting_queue), scheduler.last_batch)
     scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
     scheduler.waiting_queue[:] = []
     scheduler.last_batch = None
