@@ -138,39 +138,6 @@ def test_hard_preempted_dp_request_keeps_its_kv(cluster):
     assert got["meta_info"]["output_token_logprobs"] == reference["meta_info"]["output_token_logprobs"]
 
 
-def test_killing_a_member_mid_epoch_returns_the_survivor_to_dp(cluster):
-    r = cluster.client()
-    control.bind(r, cluster.keys, (0, 1))
-    wait_mode(cluster, (0, 1), "tp")
-    body = {
-        "text": PROMPTS[0],
-        "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True},
-    }
-    got: dict = {}
-
-    def tp_request() -> None:  # in flight on the group when the member dies
-        resp = httpx.post(worker_url(cluster, 0) + "/generate", json=body, timeout=60)
-        got.update(status=resp.status_code, body=resp.json())
-
-    t = threading.Thread(target=tp_request)
-    t.start()
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    cluster.kill_worker(1, signal.SIGKILL)
-    beats = wait_mode(cluster, (0,), "dp", timeout_s=5)
-    assert "aborted" in beats[0].switch_error
-    t.join(10)
-    assert not t.is_alive(), "the TP request hung"
-    finish = got["body"].get("meta_info", {}).get("finish_reason") or {}
-    assert finish.get("type") == "abort" or got["status"] >= 400, got  # a clear end, not a silent hang
-    assert got["body"]["meta_info"]["completion_tokens"] < 3000
-    out = generate(worker_url(cluster, 0), PROMPTS[0])  # serving DP again
-    assert out["meta_info"]["completion_tokens"] == 12
-    assert time.monotonic() - t0 < 5
-    cluster.start_worker(1)  # restore the shared cluster
-    cluster.wait_live([1], timeout_s=240)
-
-
 def test_sequential_bind_waits_for_running_dp_work(cluster):
     url, n = worker_url(cluster, 0), 300
     reference = generate(url, PROMPTS[1], n)
@@ -205,3 +172,37 @@ def test_soft_preemption_is_refused_clearly(cluster):
             break
         time.sleep(0.05)
     assert "not implemented" in beats[0].switch_error and beats[0].mode == "dp"
+
+
+# Last in this module: a restarted member cannot rejoin the pooled groups of engines that kept running.
+def test_killing_a_member_mid_epoch_returns_the_survivor_to_dp(cluster):
+    r = cluster.client()
+    control.bind(r, cluster.keys, (0, 1))
+    wait_mode(cluster, (0, 1), "tp")
+    body = {
+        "text": PROMPTS[0],
+        "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True},
+    }
+    got: dict = {}
+
+    def tp_request() -> None:  # in flight on the group when the member dies
+        resp = httpx.post(worker_url(cluster, 0) + "/generate", json=body, timeout=60)
+        got.update(status=resp.status_code, body=resp.json())
+
+    t = threading.Thread(target=tp_request)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    cluster.kill_worker(1, signal.SIGKILL)
+    beats = wait_mode(cluster, (0,), "dp", timeout_s=5)
+    assert "aborted" in beats[0].switch_error
+    t.join(10)
+    assert not t.is_alive(), "the TP request hung"
+    finish = got["body"].get("meta_info", {}).get("finish_reason") or {}
+    assert finish.get("type") == "abort" or got["status"] >= 400, got  # a clear end, not a silent hang
+    assert got["body"]["meta_info"]["completion_tokens"] < 3000
+    out = generate(worker_url(cluster, 0), PROMPTS[0])  # serving DP again
+    assert out["meta_info"]["completion_tokens"] == 12
+    assert time.monotonic() - t0 < 5
+    cluster.start_worker(1)  # restore the shared cluster
+    cluster.wait_live([1], timeout_s=240)
