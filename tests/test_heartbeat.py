@@ -37,3 +37,8 @@ def test_writes_periodically_and_at_once_on_a_mode_change(sync_redis, keys, redi
     assert time.monotonic() - t0 < 0.04 and hb.group == (0, 1) and hb.epoch == 3
     ttl = sync_redis.pttl(keys.worker(0))
     assert 0 < ttl <= 1000  # a dead worker vanishes within the TTL
+    pub.stop()
+    step = read(sync_redis, keys).step
+    pub.beat(running=9, mode="dp", epoch=0)
+    time.sleep(0.15)
+    assert read(sync_redis, keys).step == step  # stopped: nothing written any more

@@ -109,6 +109,9 @@ class Binding:
         }
         self.kv = sglang_patches.kv_pool(scheduler)
         self.kv_full = (list(self.kv.k_buffer), list(self.kv.v_buffer))
+        self.kv_dims = {
+            n: getattr(self.kv, n) for n in ("head_num", "row_dim", "v_row_dim") if hasattr(self.kv, n)
+        }
         self.allocator = scheduler.token_to_kv_pool_allocator
         self.epoch: Epoch | None = None
         self.pending: Bind | None = None
@@ -235,6 +238,8 @@ class Binding:
                 # At width 1 SGLang builds the layer's stage boundaries without an all-reduce; the row-parallel
                 # layers do their own while bound.
                 row_parallel.tp_group, row_parallel.reduce_results = group, True
+        for name, full in self.kv_dims.items():  # per-token row sizes the store kernels use (CUDA path)
+            setattr(self.kv, name, full // width)
         self.kv.k_buffer[:] = [kv_layout.view(b, width) for b in self.kv_full[0]]
         self.kv.v_buffer[:] = [kv_layout.view(b, width) for b in self.kv_full[1]]
         sub = kv_layout.SubSlotAllocator(_Base(self.allocator), width)
@@ -278,6 +283,8 @@ class Binding:
             self._free_shadow(rid)
         for name in ("alloc", "free", "available_size"):
             self.allocator.__dict__.pop(name, None)
+        for name, full in self.kv_dims.items():
+            setattr(self.kv, name, full)
         self.kv.k_buffer[:] = self.kv_full[0]
         self.kv.v_buffer[:] = self.kv_full[1]
         for layer in self.layers:

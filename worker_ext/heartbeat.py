@@ -47,11 +47,18 @@ class HeartbeatPublisher:
         self.step = 0
         self._load: dict[str, int | str] = {}
         self._wake = threading.Event()
+        self._stopped = threading.Event()
         self._redis = redis.Redis.from_url(config.redis_url, socket_timeout=2)
         self._thread = threading.Thread(target=self._run, name="flying-heartbeat", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def stop(self) -> None:
+        """Stop writing (the key then expires); for tests and clean shutdowns."""
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=2)
 
     def beat(self, **load) -> None:
         """Record the engine's load at a step boundary; wake the writer if the switching state changed."""
@@ -82,9 +89,11 @@ class HeartbeatPublisher:
         pipe.execute()
 
     def _run(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             self._wake.wait(self.config.interval_s)  # every interval, or at once on a switching-state change
             self._wake.clear()
+            if self._stopped.is_set():
+                return
             try:
                 self.write()
             except redis.RedisError as exc:  # keep beating; the key expiring is the failure signal

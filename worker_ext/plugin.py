@@ -20,6 +20,7 @@ _commands = None
 def register() -> None:
     if os.environ.get(settings.ENGINE_INDEX) is None:
         return
+    logging.getLogger("flying").setLevel(logging.INFO)  # pool size, binds and releases show in the worker log
     from worker_ext import sglang_patches
 
     sglang_patches.check_version()

@@ -136,6 +136,7 @@ def test_hard_preempted_dp_request_keeps_its_kv(cluster):
     assert got["output_ids"] == reference["output_ids"]
     # exactly the same log-probs: the paused request resumed on its own KV (a re-prefill would not be bit-exact)
     assert got["meta_info"]["output_token_logprobs"] == reference["meta_info"]["output_token_logprobs"]
+    assert got["meta_info"]["num_retractions"] == 0  # SGLang's own recompute counter for the request
 
 
 def test_sequential_bind_waits_for_running_dp_work(cluster):
