@@ -1,6 +1,7 @@
 """Bind and release one engine at a step boundary: the per-engine DP<->TP state machine.
 
-Bind (every member, at its next clean step boundary): set its DP work aside with its KV (hard preemption), point
+Bind (every member, at its next clean step boundary): set its DP work aside with its KV (hard preemption; see
+the sequential and soft variants in on_step), point
 the weights at its Megatron shard (worker_ext.weights), view the KV pool at the group's width and carve TP slots
 from the engine's one allocator (worker_ext.kv_layout), give the row-parallel layers the pooled group
 (worker_ext.comm_pool). The leader (first member) keeps its scheduler loop: TP requests are sent to it, it forms
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -122,6 +124,7 @@ class Binding:
         self.bind_ms = self.release_ms = 0.0
         self.last_epoch = 0  # the newest epoch this engine has bound
         self.held: list = []  # DP requests held back while a sequential bind waits for the running ones
+        self.soft_dp_rids: set[str] | None = None  # soft bind: the DP work that must drain first
         self.param_bytes = self._param_bytes()
         self.error = ""
         self.aborted_rids: list[str] = []
@@ -157,10 +160,10 @@ class Binding:
                 self.epoch.release_asked = True
         if self.epoch is None and self.pending is not None:
             if self.pending.preempt == "soft":
-                self.error = f"bind {self.pending.epoch} refused: soft preemption is not implemented; use hard or sequential"
-                log.error(self.error)
-                self.pending = None
-                self.on_change()
+                if self._soft_ready(self.pending):
+                    cmd, self.pending = self.pending, None
+                    self._enter(cmd)
+                    return
             elif self.pending.preempt == "sequential" and sglang_patches.has_running_dp_work(self.s):
                 self.held += sglang_patches.hold_waiting(self.s)  # admit no new DP work; bind once drained
             elif sglang_patches.at_clean_step_boundary(self.s):
@@ -182,6 +185,33 @@ class Binding:
                 self.last_plan = time.monotonic()
         except RuntimeError as exc:
             self._abort(exc)
+
+    def _soft_ready(self, cmd: Bind) -> bool:
+        """Soft preemption. The DP work present when the command arrived drains (nothing new is admitted for it);
+        requests arriving after it are the group's and the leader starts them at once, in DP mode. Members
+        signal "drained" on the pool's store; the leader binds once it and every member are drained (re-prefilling
+        its started TP requests at the new width), then releases the members with a "go"."""
+        store, leader = self.pool.store, cmd.members[0] == self.engine
+        if self.soft_dp_rids is None:
+            self.soft_dp_rids = sglang_patches.unfinished_running_rids(self.s)
+            self.held += sglang_patches.hold_waiting(self.s)
+        if not leader:
+            self.held += sglang_patches.hold_waiting(self.s)  # a member takes no new work while it drains
+        if self.soft_dp_rids & sglang_patches.unfinished_running_rids(self.s):
+            return False
+        if not sglang_patches.at_clean_step_boundary(self.s):
+            return False
+        key = f"flying/soft/{cmd.epoch}"
+        if not leader:
+            store.add(f"{key}/drained", 1)
+            store.wait(
+                [f"{key}/go"], timedelta(seconds=120)
+            )  # drained: nothing to do here until the group forms
+            return True
+        if store.add(f"{key}/drained", 0) < len(cmd.members) - 1:
+            return False
+        store.set(f"{key}/go", "1")
+        return True
 
     def _enter(self, cmd: Bind) -> None:
         """Bind; a follower then serves step plans until its group is released."""
@@ -218,11 +248,18 @@ class Binding:
             log.error(self.error)
             return False
         width, rank = len(cmd.members), cmd.members.index(self.engine)
+        restart: list = []
+        if (
+            cmd.preempt == "soft" and rank == 0
+        ):  # TP requests started in DP mode: re-prefill them at this width
+            restart = sglang_patches.retract_running(self.s) + sglang_patches.hold_waiting(self.s)
+        self.soft_dp_rids = None
         if self.stash is None:  # from DP (a width change keeps the paused DP work and limits as they are)
             self.stash = sglang_patches.stash_dp_work(self.s, held=self.held)
             self.held = []
             sglang_patches.suspend_idle_checks(self.s)
             self.dp_limits = sglang_patches.widen_request_limits(self.s, 1)
+        self.s.waiting_queue[:0] = restart
         sglang_patches.set_request_limits(self.s, self.dp_limits, width)
         self.weights.activate(width, rank)
         for layer in self.layers:

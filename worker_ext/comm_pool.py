@@ -94,6 +94,7 @@ class CommPool:
     build_s: float = 0.0
     error: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
+    store: dist.Store | None = None
 
     def __post_init__(self) -> None:
         if not self.sets:
@@ -125,7 +126,7 @@ class CommPool:
                 if self.device == "cuda":
                     data = dist.ProcessGroupNCCL(dist.PrefixStore(f"flying/{name}/nccl", store), rank, size)
                 self.groups[members] = MergedGroup(members, rank, data, control)
-            self._store = store  # engine 0 hosts it; keep it alive
+            self.store = store  # engine 0 hosts it; also carries soft-bind readiness
         except Exception as exc:  # noqa: BLE001 - reported in the heartbeat, the engine keeps serving DP
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("communicator pool failed: %s", self.error)

@@ -163,16 +163,30 @@ def test_sequential_bind_waits_for_running_dp_work(cluster):
     assert got["late"]["meta_info"]["completion_tokens"] == 12  # held, then served in DP after the release
 
 
-def test_soft_preemption_is_refused_clearly(cluster):
+def test_soft_bind_starts_tp_requests_in_dp_and_continues_them_in_tp(cluster, stock_tp2):
+    url, n = worker_url(cluster, 0), 300
+    reference = generate(url, PROMPTS[1], n)  # the DP request: must run uninterrupted
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(dp=generate(url, PROMPTS[1], n)))
+    t.start()
+    time.sleep(0.4)
     r = cluster.client()
-    control.bind(r, cluster.keys, (0, 1), preempt="soft")
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        beats = control.status(r, cluster.keys)
-        if "soft preemption" in beats[0].switch_error:
-            break
-        time.sleep(0.05)
-    assert "not implemented" in beats[0].switch_error and beats[0].mode == "dp"
+    epoch = control.bind(r, cluster.keys, (0, 1), preempt="soft")
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    tp = threading.Thread(target=lambda: got.update(tp=generate(url, PROMPTS[0], 200)))  # the group's request
+    tp.start()
+    time.sleep(0.3)
+    assert t.is_alive() and control.status(r, cluster.keys)[0].mode == "dp"  # stragglers: not bound yet
+    t.join(60)
+    wait_mode(cluster, (0, 1), "tp", epoch=epoch)  # bound once the DP work drained
+    tp.join(60)
+    assert got["dp"]["output_ids"] == reference["output_ids"]
+    assert got["tp"]["meta_info"]["num_retractions"] >= 1  # started in DP, re-prefilled at width 2
+    assert got["tp"]["output_ids"] == generate(stock_tp2, PROMPTS[0], 200)["output_ids"]
+    assert time.monotonic() - t0 < 60
+    control.release(r, cluster.keys, (0, 1), epoch)
+    wait_mode(cluster, (0, 1), "dp")
 
 
 # Last in this module: a restarted member cannot rejoin the pooled groups of engines that kept running.

@@ -138,6 +138,31 @@ def has_running_dp_work(scheduler: Any) -> bool:
     return any(not r.finished() for r in scheduler.running_batch.reqs) or scheduler.chunked_req is not None
 
 
+def unfinished_running_rids(scheduler: Any) -> set[str]:
+    rids = {r.rid for r in scheduler.running_batch.reqs if not r.finished()}
+    if scheduler.chunked_req is not None:
+        rids.add(scheduler.chunked_req.rid)
+    return rids
+
+
+def retract_running(scheduler: Any) -> list:
+    """Free the running requests' KV and reset them for recompute (SGLang's own retraction); return them."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch, retract_all
+
+    reqs = [r for r in scheduler.running_batch.reqs if not r.finished()]
+    retract_all(
+        reqs=reqs,
+        req_to_token_pool=scheduler.req_to_token_pool,
+        token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator,
+        tree_cache=scheduler.tree_cache,
+        hisparse_coordinator=None,
+        offload_kv=False,
+    )
+    scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+    scheduler.last_batch = None
+    return reqs
+
+
 def hold_waiting(scheduler: Any) -> list:
     """Take the waiting queue out (a sequential bind admits no new DP work while the running work drains)."""
     held = list(scheduler.waiting_queue)
