@@ -15,7 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flying.procs import free_port, spawn, stop, wait_healthy
+from flying.procs import stop
+from loadgen.fake_server import start_process
 
 
 def main() -> None:
@@ -26,24 +27,8 @@ def main() -> None:
     p.add_argument("--itl-ms", type=float, default=2.0)
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="loadgen-dispatch-"))
-    port = free_port()
-    server = spawn(
-        [
-            sys.executable,
-            "-m",
-            "loadgen.fake_server",
-            "--port",
-            str(port),
-            "--ttft-ms",
-            "5",
-            "--itl-ms",
-            str(a.itl_ms),
-        ],
-        tmp / "server.log",
-    )
+    server, url = start_process(tmp / "server.log", ttft_ms=5, itl_ms=a.itl_ms)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(server, url, 30, path="/v1/models")
         cmd = [
             sys.executable,
             "-m",

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flying.procs import free_port, spawn, stop, wait_healthy
+from flying.stock_server import StockServer
 from loadgen.workload import PromptMaker
-from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
+from worker_ext.cpu_compat import sglang_cpu_env
 from worker_ext.tinymodel import ensure
 
 
@@ -133,33 +133,11 @@ def main() -> None:
             ]
             f.write(json.dumps({"conversations": conv}) + "\n")
 
-    port = free_port()
-    env = sglang_cpu_env()
-    env.pop("FLYING_ENGINE_INDEX", None)
-    server = spawn(
-        [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(model),
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--dtype",
-            "float32",
-            "--max-total-tokens",
-            "8192",
-            *SGLANG_CPU_ARGS,
-        ],
-        tmp / "server.log",
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server = StockServer(model, tmp / "server.log", max_total_tokens=8192)
+    url = server.url
     results: dict[str, list[dict]] = {"bench_serving": [], "loadgen": []}
     try:
-        wait_healthy(server, url, 240)
+        server.start(timeout_s=240)
         for r in range(a.rounds):
             results["bench_serving"].append(
                 bench_serving(
@@ -171,7 +149,7 @@ def main() -> None:
             )
             print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]}" for k, v in results.items()), flush=True)
     finally:
-        stop(server)
+        server.stop()
 
     print(
         f"\n{a.requests} requests x {a.input_tokens} in / {a.output_tokens} out tokens, concurrency {a.concurrency}, "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,22 +21,11 @@ import numpy as np
 
 from flying import control
 from flying.cluster import Cluster, ClusterConfig
-from flying.procs import free_port, spawn, stop, wait_healthy
+from flying.stock_server import StockServer
 from loadgen import metrics, runner
 from loadgen.arrivals import Arrivals
 from loadgen.workload import Lengths, PromptMaker, Workload, plan
-from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
 from worker_ext.tinymodel import ensure
-
-
-def stock(model: Path, tp: int, log: Path) -> tuple[object, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--max-total-tokens", "16384", "--tp", str(tp),
-           "--disable-radix-cache", *SGLANG_CPU_ARGS]  # fmt: skip
-    env = sglang_cpu_env(cpu_bind="0|1" if tp == 2 else "0")
-    env.pop("FLYING_ENGINE_INDEX", None)
-    return spawn(cmd, log, env=env), f"http://127.0.0.1:{port}"
 
 
 def load(url: str, model: Path, n: int, conc: int, out_tokens: int) -> dict:
@@ -101,11 +89,15 @@ def main() -> None:
         )
         print(f"parameter storage across {a.switches} cycles: {sorted(params)} bytes")
 
-        s1, url1 = stock(model, 1, tmp / "stock1.log")
-        s2, url2 = stock(model, 2, tmp / "stock2.log")
+        # cpu_bind "0": the same core as flying worker 0, which it is compared with
+        s1 = StockServer(
+            model, tmp / "stock1.log", max_total_tokens=16384, disable_radix_cache=True, cpu_bind="0"
+        )
+        s2 = StockServer(model, tmp / "stock2.log", tp=2, max_total_tokens=16384, disable_radix_cache=True)
+        url1, url2 = s1.url, s2.url
         try:
-            wait_healthy(s1, url1, 300)
-            wait_healthy(s2, url2, 300)
+            for server in (s1.launch(), s2.launch()):  # start both, then wait for both
+                server.wait()
             runs: dict[str, list[dict]] = {k: [] for k in ("dp", "stock1", "tp2", "stock2")}
             args = (model, a.requests, a.concurrency, a.output_tokens)
             for _ in range(a.rounds):
@@ -118,8 +110,8 @@ def main() -> None:
                 wait("dp")
                 runs["stock2"].append(load(url2, *args))
         finally:
-            stop(s1)
-            stop(s2)
+            s1.stop()
+            s2.stop()
     med = {k: {m: statistics.median(x[m] for x in v) for m in ("tok_s", "tpot")} for k, v in runs.items()}
     print(
         f"\nthroughput: {a.requests} requests x 64 in / {a.output_tokens} out, concurrency {a.concurrency}, "

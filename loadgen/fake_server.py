@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 MODEL = "fake-model"
 
@@ -88,6 +91,19 @@ async def serve(
 ) -> asyncio.Server:
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: _Conn(ttft_ms, itl_ms), host, port, backlog=4096)
+
+
+def start_process(log: Path, ttft_ms: float = 0.0, itl_ms: float = 0.0) -> tuple[subprocess.Popen, str]:
+    """Run the endpoint in its own process (so it does not share the client's event loop or GIL); return the
+    process and its base URL once it answers."""
+    from flying.procs import free_port, spawn, wait_healthy
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "loadgen.fake_server", "--port", str(port), "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)]  # fmt: skip
+    proc = spawn(cmd, log)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, 30, path="/v1/models")
+    return proc, url
 
 
 def main() -> None:

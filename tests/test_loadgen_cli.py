@@ -2,21 +2,17 @@
 
 import csv
 import json
-import sys
 
 import pytest
 
-from flying.procs import free_port, spawn, stop, wait_healthy
+from flying.procs import free_port, stop
 from loadgen.cli import main
+from loadgen.fake_server import start_process
 
 
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("fake") / "fake.log"
-    proc = spawn([sys.executable, "-m", "loadgen.fake_server", "--port", str(port), "--itl-ms", "1"], log)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, 30, path="/v1/models")
+    proc, url = start_process(tmp_path_factory.mktemp("fake") / "fake.log", itl_ms=1)
     yield url
     stop(proc)
 
@@ -170,14 +166,8 @@ def test_http_errors_are_counted(fake, tmp_path):
 
 
 def test_timeouts_are_counted(tmp_path):
-    port = free_port()
-    proc = spawn(
-        [sys.executable, "-m", "loadgen.fake_server", "--port", str(port), "--ttft-ms", "3000"],
-        tmp_path / "slow.log",
-    )
+    proc, url = start_process(tmp_path / "slow.log", ttft_ms=3000)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, 30, path="/v1/models")
         assert (
             main(
                 [

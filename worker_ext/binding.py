@@ -127,7 +127,6 @@ class Binding:
         self.soft_dp_rids: set[str] | None = None  # soft bind: the DP work that must drain first
         self.param_bytes = self._param_bytes()
         self.error = ""
-        self.aborted_rids: list[str] = []
 
     # --- state reported in heartbeats ---------------------------------------------------------------------
 
@@ -258,27 +257,11 @@ class Binding:
             self.stash = sglang_patches.stash_dp_work(self.s, held=self.held)
             self.held = []
             sglang_patches.suspend_idle_checks(self.s)
-            self.dp_limits = sglang_patches.widen_request_limits(self.s, 1)
+            self.dp_limits = sglang_patches.request_limits(self.s)
         self.s.waiting_queue[:0] = restart
         sglang_patches.set_request_limits(self.s, self.dp_limits, width)
         self.weights.activate(width, rank)
-        for layer in self.layers:
-            a = layer.self_attn
-            a.num_heads, a.num_kv_heads = self.dims.num_heads // width, self.dims.num_kv_heads // width
-            a.q_size, a.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            a.attn.tp_q_head_num, a.attn.tp_k_head_num, a.attn.tp_v_head_num = (
-                a.num_heads,
-                a.num_kv_heads,
-                a.num_kv_heads,
-            )
-            for row_parallel in (a.o_proj, layer.mlp.down_proj):
-                # At width 1 SGLang builds the layer's stage boundaries without an all-reduce; the row-parallel
-                # layers do their own while bound.
-                row_parallel.tp_group, row_parallel.reduce_results = group, True
-        for name, full in self.kv_dims.items():  # per-token row sizes the store kernels use (CUDA path)
-            setattr(self.kv, name, full // width)
-        self.kv.k_buffer[:] = [kv_layout.view(b, width) for b in self.kv_full[0]]
-        self.kv.v_buffer[:] = [kv_layout.view(b, width) for b in self.kv_full[1]]
+        self._set_layout(width, group)
         sub = kv_layout.SubSlotAllocator(_Base(self.allocator), width)
         self.allocator.alloc, self.allocator.free, self.allocator.available_size = (
             sub.alloc,
@@ -312,6 +295,30 @@ class Binding:
         )
         return True
 
+    def _set_layout(self, width: int, group: MergedGroup | None) -> None:
+        """Head counts, row-parallel reduction and KV views for ``width`` (1 with no group: the DP layout).
+        The weights are switched separately (WeightsManager)."""
+        for layer in self.layers:
+            a = layer.self_attn
+            a.num_heads, a.num_kv_heads = self.dims.num_heads // width, self.dims.num_kv_heads // width
+            a.q_size, a.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            a.attn.tp_q_head_num, a.attn.tp_k_head_num, a.attn.tp_v_head_num = (
+                a.num_heads,
+                a.num_kv_heads,
+                a.num_kv_heads,
+            )
+            dp = self.row_parallel_dp[id(layer)]
+            for row_parallel, (tp_group, reduce) in zip((a.o_proj, layer.mlp.down_proj), dp):
+                # At width 1 SGLang builds the layer's stage boundaries without an all-reduce; the row-parallel
+                # layers do their own while bound.
+                row_parallel.tp_group, row_parallel.reduce_results = (
+                    (group, True) if group else (tp_group, reduce)
+                )
+        for name, full in self.kv_dims.items():  # per-token row sizes the store kernels use (CUDA path)
+            setattr(self.kv, name, full // width)
+        self.kv.k_buffer[:] = [kv_layout.view(b, width) for b in self.kv_full[0]]
+        self.kv.v_buffer[:] = [kv_layout.view(b, width) for b in self.kv_full[1]]
+
     def _unbind(self, why: str, resume: bool = True) -> None:
         t0 = time.perf_counter()
         e = self.epoch
@@ -320,23 +327,7 @@ class Binding:
             self._free_shadow(rid)
         for name in ("alloc", "free", "available_size"):
             self.allocator.__dict__.pop(name, None)
-        for name, full in self.kv_dims.items():
-            setattr(self.kv, name, full)
-        self.kv.k_buffer[:] = self.kv_full[0]
-        self.kv.v_buffer[:] = self.kv_full[1]
-        for layer in self.layers:
-            a = layer.self_attn
-            a.num_heads, a.num_kv_heads = self.dims.num_heads, self.dims.num_kv_heads
-            a.q_size, a.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            a.attn.tp_q_head_num, a.attn.tp_k_head_num, a.attn.tp_v_head_num = (
-                a.num_heads,
-                a.num_kv_heads,
-                a.num_kv_heads,
-            )
-            for row_parallel, (tp_group, reduce) in zip(
-                (a.o_proj, layer.mlp.down_proj), self.row_parallel_dp[id(layer)]
-            ):
-                row_parallel.tp_group, row_parallel.reduce_results = tp_group, reduce
+        self._set_layout(1, None)
         self.epoch = None
         if not resume:
             return  # a width change: the next bind follows at once, no DP state in between to publish
@@ -358,11 +349,9 @@ class Binding:
         e = self.epoch
         self.error = f"epoch {e.epoch if e else '?'} aborted: {type(exc).__name__}: {str(exc)[:200]}"
         log.error("engine %d: %s", self.engine, self.error, exc_info=exc)
-        rids = [r.rid for r in self.s.running_batch.reqs] + [r.rid for r in self.s.waiting_queue]
         if e is not None:
             sglang_patches.drop_tp_requests(self.s)
             self._unbind("aborted")
-        self.aborted_rids = rids
 
     # --- leader: one step plan per forward ----------------------------------------------------------------
 
@@ -393,15 +382,9 @@ class Binding:
             return original(runner, forward_batch, *args, **kwargs)
 
     def _plan(self, fb: Any) -> dict:
-        extend = not fb.forward_mode.is_decode()
         return {
             "kind": "forward",
-            "extend": extend,
-            "rids": list(fb.rids),
             "fields": sglang_patches.batch_fields(fb),
-            "seq_lens": fb.seq_lens.tolist(),
-            "extend_lens": fb.extend_seq_lens.tolist() if extend else None,
-            "prefix_lens": fb.extend_prefix_lens.tolist() if extend else None,
             "live": sorted(sglang_patches.live_rids(self.s) | set(fb.rids)),
         }
 
@@ -428,17 +411,16 @@ class Binding:
         self.s.req_to_token_pool.free_rows([sh.row])
 
     def _execute(self, plan: dict) -> None:
-        for rid in [r for r in self.shadows if r not in set(plan["live"])]:
+        live = set(plan["live"])
+        for rid in [r for r in self.shadows if r not in live]:
             self._free_shadow(rid)
         rows, locs = [], []
-        for i, rid in enumerate(plan["rids"]):
+        for rid, seq, n in sglang_patches.batch_tokens(plan["fields"]):
             sh = self.shadows.get(rid)
             if sh is None:
                 got = self.s.req_to_token_pool.alloc_rows(1)
                 assert got, "follower out of request rows"
                 sh = self.shadows[rid] = ShadowReq(got[0])
-            seq = plan["seq_lens"][i]
-            n = plan["extend_lens"][i] if plan["extend"] else 1
             slots = self.allocator.alloc(n)
             assert slots is not None, "follower out of KV slots"
             self.s.req_to_token_pool.req_to_token[sh.row, seq - n : seq] = slots.to(torch.int32)
@@ -446,7 +428,6 @@ class Binding:
             rows.append(sh.row)
             locs.append(slots)
         fb = sglang_patches.follower_batch(self.template, plan["fields"], rows, torch.cat(locs))
-        with (
-            torch.inference_mode()
-        ):  # through around_forward: the pooled all-reduce, no plan (not the leader)
+        # Through around_forward: the pooled all-reduce, and no plan (a follower does not send one).
+        with torch.inference_mode():
             sglang_patches.model_runner(self.s).forward(fb)

@@ -3,13 +3,10 @@ end-to-end tests."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from flying.cluster import Cluster, ClusterConfig
-from flying.procs import free_port, spawn, stop, wait_healthy
-from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
+from flying.stock_server import StockServer
 
 
 @pytest.fixture(scope="session")
@@ -29,27 +26,6 @@ def cluster(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def stock_server(tiny_model, tmp_path_factory):
     """A stock SGLang server (no flying-serving involvement) on the same tiny model."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(tiny_model),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "4096",
-        *SGLANG_CPU_ARGS,
-    ]
-    env = sglang_cpu_env()
-    env.pop("FLYING_ENGINE_INDEX", None)
-    proc = spawn(cmd, tmp_path_factory.mktemp("stock") / "stock.log", env=env)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, timeout_s=240)
-    yield url
-    stop(proc)
+    server = StockServer(tiny_model, tmp_path_factory.mktemp("stock") / "stock.log").start(timeout_s=240)
+    yield server.url
+    server.stop()

@@ -4,7 +4,6 @@ bit-exact release, KV kept across a hard preemption, a member killed mid-epoch."
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 
@@ -12,8 +11,7 @@ import httpx
 import pytest
 
 from flying import control
-from flying.procs import free_port, spawn, stop, wait_healthy
-from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
+from flying.stock_server import StockServer
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ["the river and the sea", "Tell me a story about a dragon and a castle, and then another one."]
@@ -22,17 +20,10 @@ PROMPTS = ["the river and the sea", "Tell me a story about a dragon and a castle
 @pytest.fixture(scope="module")
 def stock_tp2(tiny_model, tmp_path_factory):
     """A stock SGLang server with --tp 2 (gloo all-reduce) on the same model: the reference for a merged group."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--max-total-tokens", "4096", "--tp", "2",
-           "--disable-radix-cache", *SGLANG_CPU_ARGS]  # fmt: skip
-    env = sglang_cpu_env(cpu_bind="0|1")
-    env.pop("FLYING_ENGINE_INDEX", None)
-    proc = spawn(cmd, tmp_path_factory.mktemp("stock-tp2") / "server.log", env=env)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, timeout_s=300)
-    yield url
-    stop(proc)
+    log = tmp_path_factory.mktemp("stock-tp2") / "server.log"
+    server = StockServer(tiny_model, log, tp=2, disable_radix_cache=True).start()
+    yield server.url
+    server.stop()
 
 
 def worker_url(cluster, i: int) -> str:

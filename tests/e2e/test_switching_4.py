@@ -4,16 +4,13 @@ KV served by a width-2 group."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
 from flying import control
 from flying.cluster import Cluster, ClusterConfig
-from flying.procs import free_port, spawn, stop, wait_healthy
+from flying.stock_server import StockServer
 from tests.e2e.test_switching import PROMPTS, generate, prompt_logprobs, wait_mode, worker_url
-from worker_ext.cpu_compat import SGLANG_CPU_ARGS, sglang_cpu_env
 
 pytestmark = pytest.mark.e2e
 KV_TOKENS = 512  # per engine: small, so that a long prompt needs a group
@@ -33,17 +30,10 @@ def cluster4(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stock_tp4(tiny_model, tmp_path_factory):
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--max-total-tokens", "4096", "--tp", "4",
-           "--disable-radix-cache", *SGLANG_CPU_ARGS]  # fmt: skip
-    env = sglang_cpu_env(cpu_bind="0|1|0|1")
-    env.pop("FLYING_ENGINE_INDEX", None)
-    proc = spawn(cmd, tmp_path_factory.mktemp("stock-tp4") / "server.log", env=env)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, timeout_s=300)
-    yield url
-    stop(proc)
+    log = tmp_path_factory.mktemp("stock-tp4") / "server.log"
+    server = StockServer(tiny_model, log, tp=4, disable_radix_cache=True).start()
+    yield server.url
+    server.stop()
 
 
 def bind(c, members):

@@ -231,6 +231,13 @@ def batch_fields(forward_batch: Any) -> dict[str, Any]:
     return out
 
 
+def batch_tokens(fields: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """Per request of a step plan's batch: (request id, sequence length after the step, tokens the step adds)."""
+    seq = fields["seq_lens"].tolist()
+    new = [1] * len(seq) if fields["forward_mode"].is_decode() else fields["extend_seq_lens"].tolist()
+    return list(zip(fields["rids"], seq, new))
+
+
 def follower_batch(template: Any, fields: dict[str, Any], rows: list[int], out_cache_loc: Any) -> Any:
     """The leader's batch fields over this engine's own request rows and KV slots (other engine-local fields from
     one of this engine's own batches)."""
@@ -310,10 +317,15 @@ def resume_idle_checks(scheduler: Any) -> None:
         scheduler.invariant_checker = scheduler.invariant_checker._checker
 
 
+def request_limits(scheduler: Any) -> tuple[int, int, int]:
+    """The scheduler's (max_req_len, max_req_input_len, max_total_num_tokens)."""
+    return scheduler.max_req_len, scheduler.max_req_input_len, scheduler.max_total_num_tokens
+
+
 def widen_request_limits(scheduler: Any, width: int) -> tuple[int, int, int]:
     """A group of ``width`` pools ``width`` times the KV tokens: let the leader admit prompts that long (up to the
     model's context length). Returns the DP limits for :func:`restore_request_limits`."""
-    old = (scheduler.max_req_len, scheduler.max_req_input_len, scheduler.max_total_num_tokens)
+    old = request_limits(scheduler)
     kv_capacity = int(scheduler.max_total_num_tokens) * width
     scheduler.max_total_num_tokens = kv_capacity  # the admission budget: KV tokens at this width
     scheduler.max_req_len = min(int(scheduler.model_config.context_len) - 1, kv_capacity - 1)
