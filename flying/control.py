@@ -1,38 +1,98 @@
-"""Bind/release commands onto the engines' Redis streams, and the engines' switching state from their heartbeats.
+"""Bind/release commands onto the engines' Redis streams, group records, and the engines' switching state.
 
-The operator's and the tests' control API (``flyctl bind|release|status``); the router's policy (issue 4) sends
-the same commands.
+The router's policy and the operator (``flyctl bind|release``) go through the same two steps: write the group's
+record (``flying:groups``), then XADD the command to every member's stream (``flying:cmd:{i}``). A group bound by
+hand has reason ``manual``: the router dispatches high-priority and long requests to it but never releases it.
 """
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 import redis
+import redis.asyncio as aioredis
 
 from flying.keys import Keys
-from flying.messages import Bind, Command, Heartbeat, Release, encode
+from flying.messages import PRIORITY_CLASS, Bind, Command, Group, Heartbeat, Release, decode, encode
+from flying.queue import CLASS_WEIGHT
 from flying.workers import live_heartbeat
+
+STREAM_MAXLEN = 1000
+
+
+def _xadd_all(pipe, keys: Keys, members: tuple[int, ...], cmd: Command) -> None:
+    for m in members:
+        pipe.xadd(keys.commands(m), {"msg": encode(cmd)}, maxlen=STREAM_MAXLEN, approximate=True)
 
 
 def send(r: redis.Redis, keys: Keys, members: tuple[int, ...], cmd: Command) -> None:
-    """XADD ``cmd`` to every member's command stream (one pipeline; streams keep the last 1000 entries)."""
+    """XADD ``cmd`` to every member's command stream (one pipeline; streams keep about the last 1000 entries)."""
     pipe = r.pipeline(transaction=False)
-    for m in members:
-        pipe.xadd(keys.commands(m), {"msg": encode(cmd)}, maxlen=1000, approximate=True)
+    _xadd_all(pipe, keys, members, cmd)
     pipe.execute()
+
+
+async def send_async(r: aioredis.Redis, keys: Keys, members: tuple[int, ...], cmd: Command) -> None:
+    pipe = r.pipeline(transaction=False)
+    _xadd_all(pipe, keys, members, cmd)
+    await pipe.execute()
 
 
 def next_epoch(r: redis.Redis, keys: Keys) -> int:
     return int(r.incr(keys.epoch))
 
 
-def bind(r: redis.Redis, keys: Keys, members: tuple[int, ...], preempt: str = "hard") -> int:
+def groups(r: redis.Redis, keys: Keys) -> list[Group]:
+    return sorted((decode(v, Group) for v in r.hgetall(keys.groups).values()), key=lambda g: g.epoch)
+
+
+def bind(
+    r: redis.Redis, keys: Keys, members: tuple[int, ...], preempt: str = "hard", record: bool = True
+) -> int:
+    """Bind ``members`` by hand; with ``record`` the router sees a ``manual`` group. Refused if it overlaps a
+    group it does not contain; groups it contains are replaced (a direct width change, e.g. (0,1) -> (0,1,2,3))."""
     epoch = next_epoch(r, keys)
+    if record:
+        inside = [g for g in groups(r, keys) if set(g.members) & set(members)]
+        if clash := [g.members for g in inside if not set(g.members) <= set(members)]:
+            raise ValueError(f"engines {sorted(set(members) & {m for c in clash for m in c})} are in group(s) {clash}")
+        if inside:
+            r.hdel(keys.groups, *(str(g.epoch) for g in inside))
+        now = time.time()
+        g = Group(epoch=epoch, members=tuple(members), reason="manual", preempt=preempt, since=now, last_used=now)  # type: ignore[arg-type]
+        r.hset(keys.groups, str(epoch), encode(g))
     send(r, keys, members, Bind(epoch=epoch, members=tuple(members), preempt=preempt))  # type: ignore[arg-type]
     return epoch
 
 
 def release(r: redis.Redis, keys: Keys, members: tuple[int, ...], epoch: int) -> None:
+    raw = r.hget(keys.groups, str(epoch))
+    if raw is not None:
+        g = decode(raw, Group)
+        r.hset(keys.groups, str(epoch), encode(msgspec.structs.replace(g, state="releasing", since=time.time())))
     send(r, keys, members, Release(epoch=epoch))
+
+
+def queue_depths(r: redis.Redis, keys: Keys) -> dict[str, tuple[int, float]]:
+    """Per priority class: (waiting requests, seconds the oldest has waited; 0 if none)."""
+    out = {}
+    for name, cls in PRIORITY_CLASS.items():
+        lo, hi = cls * CLASS_WEIGHT, (cls + 1) * CLASS_WEIGHT - 1
+        n = int(r.zcount(keys.queue, lo, hi))
+        first = r.zrangebyscore(keys.queue, lo, hi, start=0, num=1)
+        t0 = r.hget(keys.request(first[0].decode()), "enqueued_at") if first else None
+        out[name] = (n, max(0.0, time.time() - float(t0)) if t0 else 0.0)
+    return out
+
+
+def waiting(r: redis.Redis, keys: Keys, limit: int = 20) -> list[dict[str, str]]:
+    """The first ``limit`` waiting requests in dispatch order, as their Redis hashes."""
+    ids = r.zrange(keys.queue, 0, limit - 1)
+    pipe = r.pipeline(transaction=False)
+    for rid in ids:
+        pipe.hgetall(keys.request(rid.decode()))
+    return [{k.decode(): v.decode() for k, v in row.items()} for row in pipe.execute() if row]
 
 
 def status(r: redis.Redis, keys: Keys) -> dict[int, Heartbeat]:

@@ -1,7 +1,9 @@
-"""``flyctl``: operate a running deployment through Redis.
+"""``flyctl``: inspect and operate a running deployment through Redis.
 
-flyctl status                      engines: mode, epoch, group, width, load, last switch timings
-flyctl bind 0 1 [--preempt hard]   bind engines 0 and 1 into one TP group (prints the epoch)
+flyctl status                      engines (mode, epoch, group, load, switch timings), groups, regime, queue
+flyctl queue [-n 20]               the waiting requests in dispatch order
+flyctl watch [--interval 1]        status, refreshed until Ctrl-C
+flyctl bind 0 1 [--preempt hard]   bind engines 0 and 1 into one TP group by hand (prints the epoch)
 flyctl release EPOCH 0 1           release that epoch's group back to DP
 """
 
@@ -9,11 +11,64 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import redis
 
 from flying import control, settings
 from flying.keys import Keys
+from flying.messages import RouterState, decode
+
+
+def render_status(r: redis.Redis, keys: Keys) -> str:
+    lines = [
+        f"{'engine':>6} {'mode':>4} {'epoch':>5} {'pending':>7} {'group':>9} {'inflight':>8} {'run':>4} "
+        f"{'wait':>4} {'free KV':>8} {'bind ms':>8} {'release ms':>10}  error"
+    ]
+    beats = control.status(r, keys)
+    for e, hb in beats.items():
+        group = ",".join(map(str, hb.group)) or "-"
+        inflight = r.scard(keys.inflight(e))
+        lines.append(
+            f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
+            f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f}  {hb.switch_error}"
+        )
+    if not beats:
+        lines.append("no live engines")
+    raw = r.get(keys.router_state)
+    state = decode(raw, RouterState) if raw else None
+    lease = r.get(keys.router_lease)
+    regime = "no router state" if state is None else ("busy: DP only" if state.busy else "light: TP groups")
+    lines.append(f"router: {'lease held by ' + lease.decode() if lease else 'none holds the lease'}; {regime}")
+    groups = control.groups(r, keys)
+    lines.append(f"groups: {len(groups) or 'none'}")
+    now = time.time()
+    for g in groups:
+        members = ",".join(map(str, g.members))
+        lines.append(
+            f"  epoch {g.epoch:>4}  [{members}]  {g.state:<9} {g.reason:<8} {g.preempt:<10} "
+            f"for {now - g.since:6.1f} s  last used {now - g.last_used:6.1f} s ago"
+        )
+    depths = control.queue_depths(r, keys)
+    total = sum(n for n, _ in depths.values())
+    parts = ", ".join(f"{name} {n} (oldest {age:.2f} s)" for name, (n, age) in depths.items() if n)
+    lines.append(f"queue: {total} waiting" + (f": {parts}" if parts else ""))
+    return "\n".join(lines)
+
+
+def render_queue(r: redis.Redis, keys: Keys, limit: int) -> str:
+    rows = control.waiting(r, keys, limit)
+    lines = [f"{'request':<32} {'priority':>8} {'prompt':>7} {'max out':>7} {'waited s':>9} {'attempts':>8}"]
+    now = time.time()
+    for row in rows:
+        lines.append(
+            f"{row.get('id', '?'):<32} {row.get('priority', '?'):>8} {row.get('prompt_tokens', '?'):>7} "
+            f"{row.get('max_tokens', '?'):>7} {now - float(row.get('enqueued_at', now)):>9.2f} "
+            f"{row.get('attempts', '0'):>8}"
+        )
+    depth = r.zcard(keys.queue)
+    lines.append(f"{depth} waiting" + (f" (first {len(rows)} shown)" if depth > len(rows) else ""))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key-prefix", default=settings.key_prefix())
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status")
+    q = sub.add_parser("queue")
+    q.add_argument("-n", type=int, default=20, help="how many waiting requests to list")
+    w = sub.add_parser("watch")
+    w.add_argument("--interval", type=float, default=1.0)
+    w.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
     b = sub.add_parser("bind")
     b.add_argument("members", type=int, nargs="+")
     b.add_argument("--preempt", choices=("hard", "sequential", "soft"), default="hard")
@@ -35,22 +95,29 @@ def main(argv: list[str] | None = None) -> int:
             if len(set(a.members)) < 2:
                 print("flyctl: a group needs at least two distinct engines", file=sys.stderr)
                 return 2
-            print(control.bind(r, keys, tuple(sorted(set(a.members))), a.preempt))
+            try:
+                print(control.bind(r, keys, tuple(sorted(set(a.members))), a.preempt))
+            except ValueError as exc:
+                print(f"flyctl: {exc}", file=sys.stderr)
+                return 2
         elif a.cmd == "release":
             control.release(r, keys, tuple(a.members), a.epoch)
+        elif a.cmd == "queue":
+            print(render_queue(r, keys, a.n))
+        elif a.cmd == "watch":
+            shown = 0
+            while not a.count or shown < a.count:
+                print("\x1b[2J\x1b[H" + time.strftime("%H:%M:%S ") + render_status(r, keys), flush=True)
+                shown += 1
+                if not a.count or shown < a.count:
+                    time.sleep(a.interval)
         else:
-            beats = control.status(r, keys)
-            print(f"{'engine':>6} {'mode':>4} {'epoch':>5} {'group':>10} {'run':>4} {'wait':>4} {'free KV':>8} "
-                  f"{'bind ms':>8} {'release ms':>10}  error")  # fmt: skip
-            for e, hb in beats.items():
-                group = ",".join(map(str, hb.group)) or "-"
-                print(f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {group:>10} {hb.running:>4} {hb.waiting:>4} "
-                      f"{hb.free_kv_tokens:>8} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f}  {hb.switch_error}")  # fmt: skip
-            if not beats:
-                print("no live engines")
+            print(render_status(r, keys))
     except redis.RedisError as exc:
         print(f"flyctl: cannot reach Redis at {a.redis_url}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 0
     return 0
 
 

@@ -32,6 +32,16 @@ class Keys:
         return f"{self.prefix}:router:lease"
 
     @property
+    def router_state(self) -> str:
+        """STRING (JSON RouterState): the load regime (busy/light) and since when load has been light."""
+        return f"{self.prefix}:router:state"
+
+    @property
+    def groups(self) -> str:
+        """HASH epoch -> JSON Group: every TP group the router (or flyctl) bound and has not seen released."""
+        return f"{self.prefix}:groups"
+
+    @property
     def workers(self) -> str:
         """SET of engine indices that have ever sent a heartbeat."""
         return f"{self.prefix}:workers"

@@ -49,12 +49,14 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     launch_id: str = ""
     mode: Literal["dp", "tp"] = "dp"
     epoch: int = 0  # the bound epoch (0: none)
+    pending: int = 0  # a bind this engine has read and not yet applied (0: none): its acknowledgement
     group: tuple[int, ...] = ()  # members of the bound group; the first is the leader
     width: int = 1
     bind_ms: float = 0.0  # last bind: command applied at a step boundary -> group ready
     release_ms: float = 0.0  # last release: command applied -> DP layout restored
     switch_error: str = ""  # why the last epoch was aborted, if it was
     comm_groups: int = 0  # pooled communicators built (see worker_ext.comm_pool)
+    num_engines: int = 1  # engines the pool was built for (merge sets); 1: this engine cannot bind
     param_bytes: int = (
         0  # bytes over the unique storages of the model's parameters (constant across switches)
     )
@@ -97,6 +99,39 @@ class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
 
 
 Command = Bind | Release
+
+GroupReason = Literal["load", "priority", "long", "manual"]
+GroupState = Literal["binding", "bound", "releasing"]
+
+
+class Group(msgspec.Struct, frozen=True, kw_only=True):
+    """The router's record of one TP group (``flying:groups``, field = epoch). Written before its commands are
+    sent, so a restarted router knows every group that may exist."""
+
+    epoch: int
+    members: tuple[int, ...]
+    reason: GroupReason
+    preempt: Preempt = "hard"
+    state: GroupState = "binding"
+    since: float = 0.0  # when it entered ``state`` (router clock, epoch seconds)
+    last_used: float = 0.0  # last TP dispatch to it (or its creation)
+
+    @property
+    def width(self) -> int:
+        return len(self.members)
+
+    @property
+    def leader(self) -> int:
+        return self.members[0]
+
+
+class RouterState(msgspec.Struct, frozen=True, kw_only=True):
+    """Load-adaptation state (``flying:router:state``), so a restarted router keeps its regime."""
+
+    busy: bool = True  # True: keep engines in DP (queue building); False: light load, TP groups allowed
+    calm_since: float = 0.0  # since when load has been light (0: it is not)
+    changed_at: float = 0.0
+    long_context: bool = True  # the router binds groups for requests one engine cannot hold (gateways admit them)
 
 
 def decode_command(data: bytes | str) -> Command:

@@ -34,9 +34,9 @@ return seq
 """ % int(CLASS_WEIGHT)
 
 _ASSIGN = """
--- KEYS: queue, request hash, inflight set, stats ; ARGV: id, engine, now, queue_ms, channel, message, url
+-- KEYS: queue, request hash, inflight set, stats ; ARGV: id, engine, now, queue_ms, channel, message, url, epoch
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[2], 'state', 'assigned', 'engine', ARGV[2], 'url', ARGV[7], 'assigned_at', ARGV[3], 'queue_ms', ARGV[4])
+redis.call('HSET', KEYS[2], 'state', 'assigned', 'engine', ARGV[2], 'url', ARGV[7], 'assigned_at', ARGV[3], 'queue_ms', ARGV[4], 'epoch', ARGV[8])
 redis.call('SADD', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'assigned', 1)
 redis.call('PUBLISH', ARGV[5], ARGV[6])
@@ -49,7 +49,7 @@ local seq = redis.call('HGET', KEYS[2], 'seq')
 if not seq or redis.call('HGET', KEYS[2], 'state') ~= 'assigned' then return 0 end
 redis.call('SREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3])
-redis.call('HDEL', KEYS[2], 'engine', 'url', 'assigned_at')
+redis.call('HDEL', KEYS[2], 'engine', 'url', 'assigned_at', 'epoch')
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + tonumber(seq), ARGV[1])
 redis.call('LPUSH', KEYS[4], 1)
@@ -101,15 +101,18 @@ class RequestQueue:
         assert seq != -2, f"request id {req.id} admitted twice"
         return int(seq)
 
-    async def assign(self, req: QueuedRequest, engine: int, url: str, now: float | None = None) -> bool:
-        """Atomically move ``req`` from the queue to ``engine``; False if it was no longer queued."""
+    async def assign(
+        self, req: QueuedRequest, engine: int, url: str, now: float | None = None, epoch: int = 0
+    ) -> bool:
+        """Atomically move ``req`` from the queue to ``engine`` (a TP group's leader when ``epoch`` is set);
+        False if it was no longer queued."""
         now = time.time() if now is None else now
         queue_ms = max(0.0, (now - req.enqueued_at) * 1000)
         msg = encode(Assignment(id=req.id, engine=engine, url=url, queue_ms=queue_ms))
         k = self.keys
         done = await self._assign(
             keys=[k.queue, k.request(req.id), k.inflight(engine), k.stats],
-            args=[req.id, engine, now, f"{queue_ms:.3f}", k.gateway_channel(req.gateway), msg, url],
+            args=[req.id, engine, now, f"{queue_ms:.3f}", k.gateway_channel(req.gateway), msg, url, epoch],
         )
         return bool(done)
 
@@ -155,6 +158,21 @@ class RequestQueue:
         for e in engines:
             pipe.scard(self.keys.inflight(e))
         return dict(zip(engines, map(int, await pipe.execute())))
+
+    async def group_loads(self, groups: Sequence[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+        """(epoch, leader) pairs -> (TP requests assigned in that epoch and unfinished, their KV tokens)."""
+        out: dict[int, tuple[int, int]] = {}
+        for epoch, leader in groups:
+            rids = [_s(m) for m in await self.r.smembers(self.keys.inflight(leader))]
+            pipe = self.r.pipeline(transaction=False)
+            for rid in rids:
+                pipe.hmget(self.keys.request(rid), ["epoch", "prompt_tokens", "max_tokens"])
+            n = kv = 0
+            for ep, p, m in await pipe.execute() if rids else []:
+                if ep is not None and int(ep) == epoch:
+                    n, kv = n + 1, kv + int(p or 0) + int(m or 0)
+            out[epoch] = (n, kv)
+        return out
 
     async def wake_router(self) -> None:
         await self.r.lpush(self.keys.wake, 1)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import msgspec
 import redis.asyncio as aioredis
 
+from flying.groups import merge_sets
 from flying.keys import Keys
-from flying.messages import Assignment, Heartbeat, Priority, QueuedRequest
+from flying.messages import Assignment, Heartbeat, Priority, QueuedRequest, RouterState, decode
 from flying.queue import QueueFull, RequestQueue
 from flying.workers import live_workers
 from gateway.assignments import AssignmentWaiter
@@ -61,6 +62,7 @@ class Gateway:
         self.upstream = Upstream(config.request_timeout_s)
         self.count_tokens = count_tokens
         self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
+        self.pooled_context = True  # the router binds groups for long requests (from its published state)
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -76,12 +78,20 @@ class Gateway:
         if time.monotonic() - ts > max_age_s:
             beats = await live_workers(self.r, self.keys)
             self._workers = (time.monotonic(), beats)
+            raw = await self.r.get(self.keys.router_state)
+            self.pooled_context = decode(raw, RouterState).long_context if raw else True
         return beats
 
     @staticmethod
-    def context_limit(beats: list[Heartbeat]) -> int:
-        """Largest prompt+output one engine can hold: its context length, capped by its KV capacity."""
-        return max(min(hb.context_len, hb.max_total_tokens) for hb in beats)
+    def context_limit(beats: list[Heartbeat], pooled: bool = True) -> int:
+        """Largest prompt+output the deployment can hold: one engine's context length, capped by the KV of the
+        widest group whose members are all live (one engine's KV when engines cannot bind)."""
+        live = {hb.engine for hb in beats}
+        per_engine = min(hb.max_total_tokens for hb in beats)
+        sets = merge_sets(max(hb.num_engines for hb in beats)) if pooled else []
+        widest = max((len(ms) for ms in sets if set(ms) <= live), default=1)
+        kv = max(max(hb.max_total_tokens for hb in beats), widest * per_engine)
+        return min(max(hb.context_len for hb in beats), kv)
 
     # -- admission ---------------------------------------------------------------------------------------------
     async def admit(self, req, kind: str, priority: Priority) -> Admitted:
@@ -95,7 +105,7 @@ class Gateway:
             raise NoLiveWorkers("no live workers; try again later")
         chat = isinstance(req, ChatCompletionRequest)
         prompt = self.count_tokens.chat(req) if chat else self.count_tokens.completion(req)
-        limit = self.context_limit(beats)
+        limit = self.context_limit(beats, self.pooled_context)
         max_tokens = self._max_tokens(req, prompt, limit)
         rid = uuid.uuid4().hex
         body = msgspec.to_builtins(req)

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from router.policy import PolicyConfig
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "flying"
-    max_inflight_per_worker: int = 32  # requests a router hands one engine before holding the rest in Redis
     peek: int = 256  # queue head examined per dispatch round
     poll_s: float = 0.05  # longest sleep between rounds when nothing wakes the router
     lease_ms: int = 2000  # router leadership lease; a standby takes over this long after a crash
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     def __post_init__(self) -> None:
-        assert self.max_inflight_per_worker >= 1, "max_inflight_per_worker must be >= 1"
         assert self.peek >= 1, "peek must be >= 1"
         assert 0 < self.poll_s <= 1, "poll_s must be in (0, 1]"
         assert self.lease_ms >= 500, "lease_ms must be >= 500"

@@ -1,5 +1,8 @@
-"""The router's event loop: hold the leadership lease, read queue and engines from Redis, apply the policy's
-decisions with atomic assignments. Redis I/O lives here; decisions live in :mod:`router.policy`."""
+"""The router's event loop: hold the leadership lease, read a snapshot (queue, engines, group records, regime) from
+Redis, run the pure policy (:mod:`router.policy`) and apply its decisions: group records first, then bind/release
+commands, then atomic assignments. A router killed at any point leaves Redis consistent: a group record exists
+before its commands are sent (an unsent bind is rolled back when nobody acknowledges it), and each assignment is
+one atomic script."""
 
 from __future__ import annotations
 
@@ -8,13 +11,16 @@ import logging
 import time
 import uuid
 
+import msgspec
 import redis.asyncio as aioredis
 
+from flying import control
 from flying.keys import Keys
+from flying.messages import Group, RouterState, decode, encode
 from flying.queue import RequestQueue, reap_stale_inflight
 from flying.workers import live_workers, registered_engines
 from router.config import RouterConfig
-from router.policy import EngineView, plan
+from router.policy import Decision, EngineView, GroupLoad, Snapshot, decide
 
 log = logging.getLogger("flying.router")
 
@@ -44,12 +50,20 @@ class Dispatcher:
     async def engine_views(self) -> list[EngineView]:
         beats = await live_workers(self.r, self.keys)
         self._note_liveness({hb.engine for hb in beats})
-        beats = [
-            hb for hb in beats if hb.mode == "dp"
-        ]  # bound engines take no DP work (TP dispatch: issue 4)
         counts = await self.queue.inflight_counts([hb.engine for hb in beats])
         return [
-            EngineView(hb.engine, hb.url, counts[hb.engine], hb.free_kv_tokens, hb.max_total_tokens)
+            EngineView(
+                hb.engine,
+                hb.url,
+                counts[hb.engine],
+                hb.free_kv_tokens,
+                hb.max_total_tokens,
+                mode=hb.mode,
+                epoch=hb.epoch,
+                pending=hb.pending,
+                num_engines=hb.num_engines,
+                beat_ts=hb.ts,
+            )
             for hb in beats
         ]
 
@@ -62,17 +76,50 @@ class Dispatcher:
             )
         self._live = live
 
-    async def round(self) -> int:
-        """One dispatch round; returns how many requests were assigned."""
+    async def snapshot(self) -> Snapshot:
         waiting = await self.queue.peek(self.config.peek)
+        queued = await self.queue.depth()
         engines = await self.engine_views()
-        if not waiting or not engines:
-            return 0
+        groups = await read_groups(self.r, self.keys)
+        loads = await self.queue.group_loads([(g.epoch, g.leader) for g in groups if g.state != "releasing"])
+        raw = await self.r.get(self.keys.router_state)
+        state = decode(raw, RouterState) if raw else RouterState(busy=True, calm_since=0.0, changed_at=time.time())
+        return Snapshot(
+            now=time.time(),
+            waiting=waiting,
+            queued=queued,
+            engines=engines,
+            groups=groups,
+            tp_load={ep: GroupLoad(n, kv) for ep, (n, kv) in loads.items()},
+            state=state,
+        )
+
+    async def apply(self, d: Decision) -> int:
+        """Records, then commands, then assignments; returns how many requests were assigned."""
+        k = self.keys
+        binds = [msgspec.structs.replace(g, epoch=int(await self.r.incr(k.epoch))) for g in d.binds]
+        pipe = self.r.pipeline(transaction=True)
+        for g in [*d.put.values(), *binds]:
+            pipe.hset(k.groups, str(g.epoch), encode(g))
+        if d.drop:
+            pipe.hdel(k.groups, *map(str, d.drop))
+        pipe.set(k.router_state, encode(d.state))
+        await pipe.execute()
+        for note in d.notes:
+            log.info("%s", note)
+        for members, cmd in [*d.commands, *map(d.bind_command, binds)]:
+            await control.send_async(self.r, k, members, cmd)
         assigned = 0
-        for d in plan(waiting, engines, self.config.max_inflight_per_worker):
-            assigned += await self.queue.assign(d.request, d.engine, d.url)
+        for x in d.dispatches:
+            assigned += await self.queue.assign(x.request, x.engine, x.url, epoch=x.epoch)
         self.dispatched += assigned
         return assigned
+
+    async def round(self) -> int:
+        """One policy round; returns how many requests were assigned (or groups changed)."""
+        d = decide(await self.snapshot(), self.config.policy)
+        changed = len(d.binds) + len(d.commands) + len(d.drop)
+        return await self.apply(d) + changed
 
     async def maintenance(self) -> None:
         now = time.monotonic()
@@ -99,9 +146,17 @@ class Dispatcher:
                 await asyncio.sleep(self.config.lease_ms / 4000)
                 continue
             if not leader:
-                log.info("router %s holds the lease; dispatching", self.router_id)
+                groups = await read_groups(self.r, self.keys)
+                log.info(
+                    "router %s holds the lease; dispatching (%d group records resumed)", self.router_id, len(groups)
+                )
                 leader = True
             if await self.round() == 0:
                 await self.r.blpop([self.keys.wake], timeout=self.config.poll_s)
             await self.maintenance()
         await self.r.delete(self.keys.router_lease) if leader else None
+
+
+async def read_groups(r: aioredis.Redis, keys: Keys) -> list[Group]:
+    rows = await r.hgetall(keys.groups)
+    return sorted((decode(v, Group) for v in rows.values()), key=lambda g: g.epoch)

@@ -7,32 +7,51 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import typing
 
 import redis.asyncio as aioredis
 
 from flying import settings
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
+from router.policy import PolicyConfig
+
+
+def _policy_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per PolicyConfig field (``--light-width 4``, ``--no-load-adaptation``), defaults from the class."""
+    g = p.add_argument_group("policy (see router/policy.py)")
+    hints = typing.get_type_hints(PolicyConfig)
+    for f in dataclasses.fields(PolicyConfig):
+        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif typing.get_origin(kind) is typing.Literal:
+            g.add_argument(flag, choices=typing.get_args(kind), default=f.default)
+        else:
+            g.add_argument(flag, type=kind, default=f.default)
+    g.add_argument(
+        "--manual",
+        action="store_true",
+        help="no automatic groups: turn off load adaptation, priority and long-context binds (flyctl only)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     d = RouterConfig()
     p = argparse.ArgumentParser(
-        prog="flying-router", description="Dispatch the global Redis queue to engines."
+        prog="flying-router", description="Dispatch the global Redis queue to engines; bind and release TP groups."
     )
     p.add_argument("--redis-url", default=settings.redis_url())
     p.add_argument("--key-prefix", default=settings.key_prefix())
-    p.add_argument("--max-inflight-per-worker", type=int, default=d.max_inflight_per_worker)
     p.add_argument("--poll-s", type=float, default=d.poll_s)
     p.add_argument("--lease-ms", type=int, default=d.lease_ms)
+    _policy_flags(p)
     a = p.parse_args(argv)
+    policy = PolicyConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PolicyConfig)})
+    if a.manual:
+        policy = dataclasses.replace(policy, load_adaptation=False, priority=False, long_context=False)
     return dataclasses.replace(
-        d,
-        redis_url=a.redis_url,
-        key_prefix=a.key_prefix,
-        max_inflight_per_worker=a.max_inflight_per_worker,
-        poll_s=a.poll_s,
-        lease_ms=a.lease_ms,
+        d, redis_url=a.redis_url, key_prefix=a.key_prefix, poll_s=a.poll_s, lease_ms=a.lease_ms, policy=policy
     )
 
 

@@ -1,54 +1,382 @@
-"""Dispatch policy: pure, deterministic functions of (waiting requests, engine views) -> decisions.
+"""The bind/release policy (paper section 5): a pure, deterministic function of a cluster snapshot -> decisions.
 
-No Redis and no clocks here, so the same code runs in the live router, in unit tests and in a simulator.
-The bind/release policy of the paper (section 5) extends :func:`plan` with group decisions.
+No Redis, no clocks, no randomness: the live router (router.dispatcher), the unit tests and the simulator
+(router.simulator) all call :func:`decide` with a :class:`Snapshot` and apply the :class:`Decision` it returns.
+
+The three use cases, each switchable in :class:`PolicyConfig`:
+
+- *load adaptation*: under light load idle engines bind into ``light_width`` groups and normal traffic goes to
+  them (TP latency); once a normal request waits longer than ``busy_wait_s`` or demand exceeds what the groups can
+  hold, load groups are released and everything runs DP until load has been light for ``calm_s`` (hysteresis);
+- *priority*: a high-priority request goes to a bound group with room, else binds a ``priority_width`` group at
+  once (``priority_preempt``, hard by default: members' DP requests pause with their KV kept), else runs DP;
+- *long context*: a request whose prompt plus max tokens exceeds one engine's KV goes to the smallest group width
+  whose pooled KV holds it (``long_preempt``, sequential by default so the members' KV is free).
+
+Groups are reused (Gyges): the next high-priority or long request goes to a group that is already bound; priority
+and long groups are released only after ``keep_s`` without TP work. DP work deferred by a bind (paused on members,
+or queued behind a bound cluster) waits at most ``max_defer_s`` before the group is released.
+
+Safety: every bind gets a fresh epoch (assigned by the caller), its record is written before its commands are sent,
+members are picked only among engines in no group record, so groups never overlap and an engine is in at most one
+epoch; members that do not acknowledge a bind within ``ack_timeout_s`` (or finish it within ``bind_timeout_s``)
+roll it back with a release.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from flying.messages import QueuedRequest
+import msgspec
+
+from flying.groups import merge_sets
+from flying.groups import widths as group_widths
+from flying.messages import Bind, Command, Group, Preempt, QueuedRequest, Release, RouterState
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    load_adaptation: bool = True
+    priority: bool = True
+    long_context: bool = True
+    light_width: int = 2  # width of the groups formed under light load
+    priority_width: int = 2  # width of a group bound for a high-priority request
+    priority_preempt: Preempt = "hard"
+    long_preempt: Preempt = "sequential"
+    max_inflight_per_worker: int = 32  # requests one DP engine is handed before the rest wait in Redis
+    tp_inflight_per_engine: int = 4  # a group of width w takes w * this TP requests at once
+    light_load: float = 1.0  # light: queued + inflight <= this many requests per live engine ...
+    calm_s: float = 2.0  # ... for this long before load groups form
+    busy_wait_s: float = 0.25  # busy: a normal request has waited this long in the queue
+    keep_s: float = 1.0  # a priority/long group without TP work for this long is released
+    max_defer_s: float = 5.0  # a bind defers DP work for at most this long before its group is released
+    ack_timeout_s: float = 2.0  # members must acknowledge a bind within this ...
+    bind_timeout_s: float = 60.0  # ... and complete it within this (a sequential bind drains DP work first)
+
+    def __post_init__(self) -> None:
+        for name in ("light_width", "priority_width"):
+            w = getattr(self, name)
+            assert w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}"
+        assert self.max_inflight_per_worker >= 1 and self.tp_inflight_per_engine >= 1
+        assert self.light_load >= 0 and self.calm_s >= 0 and self.busy_wait_s > 0
+        assert 0 < self.ack_timeout_s <= self.bind_timeout_s, "need 0 < ack_timeout_s <= bind_timeout_s"
 
 
 @dataclass(frozen=True)
 class EngineView:
-    """What the policy knows about one live engine."""
+    """What the policy knows about one live engine (from its heartbeat and its inflight set)."""
 
     engine: int
     url: str
-    inflight: int  # assigned by the router and not finished
+    inflight: int  # assigned by the router and not finished (DP and, on a leader, TP requests)
     free_kv_tokens: int
     max_total_tokens: int
+    mode: str = "dp"
+    epoch: int = 0  # the epoch it is bound in (0: none)
+    pending: int = 0  # a bind it has read and not applied yet
+    num_engines: int = 1  # engines its communicator pool spans (1: cannot bind)
+    beat_ts: float = 0.0
+
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """TP requests assigned to one group (epoch) and not finished."""
+
+    inflight: int = 0
+    kv_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    waiting: Sequence[QueuedRequest]  # the head of the queue in dispatch order (priority class, then arrival)
+    queued: int  # the whole queue's depth
+    engines: Sequence[EngineView]  # live engines only
+    groups: Sequence[Group]  # the router's group records
+    tp_load: Mapping[int, GroupLoad] = field(default_factory=dict)
+    state: RouterState = field(default_factory=RouterState)
 
 
 @dataclass(frozen=True)
 class Dispatch:
     request: QueuedRequest
-    engine: int
+    engine: int  # the DP engine, or the group's leader
     url: str
+    epoch: int = 0  # the TP group's epoch (0: DP)
 
 
-def plan(
-    waiting: Sequence[QueuedRequest], engines: Sequence[EngineView], max_inflight: int
-) -> list[Dispatch]:
-    """Assign waiting requests, in queue order, to the least-loaded engine that has a free slot and whose KV
-    capacity can ever hold the request. Requests no engine can hold stay queued (the gateway rejects those
-    before admission; this only happens when the engines changed meanwhile)."""
-    inflight = {e.engine: e.inflight for e in engines}
-    kv_free = {e.engine: e.free_kv_tokens for e in engines}
-    out: list[Dispatch] = []
-    for req in waiting:
+@dataclass
+class Decision:
+    dispatches: list[Dispatch] = field(default_factory=list)
+    binds: list[Group] = field(default_factory=list)  # new records, epoch 0: the caller assigns epochs
+    put: dict[int, Group] = field(default_factory=dict)  # changed records by epoch
+    drop: list[int] = field(default_factory=list)  # records to delete (the group is gone)
+    commands: list[tuple[tuple[int, ...], Command]] = field(default_factory=list)  # releases
+    state: RouterState = field(default_factory=RouterState)
+    notes: list[str] = field(default_factory=list)  # why groups changed, for logs
+
+    def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
+        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt)
+
+
+def _replace(g: Group, **kw) -> Group:
+    return msgspec.structs.replace(g, **kw)
+
+
+def need_width(kv_tokens: int, engines: Sequence[EngineView]) -> int | None:
+    """1 if one engine holds ``kv_tokens``; else the smallest group width whose pooled KV does; None if none."""
+    if not engines:
+        return None
+    if any(e.max_total_tokens >= kv_tokens for e in engines):
+        return 1
+    bindable = [e for e in engines if e.num_engines > 1]
+    if not bindable:
+        return None
+    per_engine = min(e.max_total_tokens for e in bindable)
+    for w in group_widths(max(e.num_engines for e in bindable))[1:]:
+        if w * per_engine >= kv_tokens:
+            return w
+    return None
+
+
+class _Round:
+    """One call of :func:`decide`: the snapshot plus what this round has already handed out."""
+
+    def __init__(self, s: Snapshot, cfg: PolicyConfig) -> None:
+        self.s, self.cfg, self.now = s, cfg, s.now
+        self.live = {e.engine: e for e in s.engines}
+        self.groups: dict[int, Group] = {g.epoch: g for g in s.groups}
+        self.out = Decision(state=msgspec.structs.replace(s.state, long_context=cfg.long_context))
+        self.dp_inflight = {e.engine: e.inflight for e in s.engines}
+        self.tp = {ep: (ld.inflight, ld.kv_tokens) for ep, ld in s.tp_load.items()}
+        self.reserved: set[int] = set()  # members of binds planned this round
+        self.waiting_for: dict[int, int] = {}  # requests this round parked on a binding group (by epoch)
+
+    # --- group records ------------------------------------------------------------------------------------
+
+    def put(self, g: Group) -> None:
+        self.groups[g.epoch] = g
+        self.out.put[g.epoch] = g
+
+    def release(self, g: Group, why: str) -> None:
+        self.put(_replace(g, state="releasing", since=self.now))
+        self.out.commands.append((g.members, Release(epoch=g.epoch)))
+        self.out.notes.append(f"release epoch {g.epoch} {g.members} ({g.reason}): {why}")
+
+    def in_groups(self) -> set[int]:
+        return {m for g in self.groups.values() for m in g.members} | self.reserved
+
+    def reconcile(self) -> None:
+        """Move records along with what the engines' heartbeats say."""
+        for g in list(self.groups.values()):
+            beats = [self.live.get(m) for m in g.members]
+            age = self.now - g.since
+            if g.state == "releasing":
+                if all(
+                    b is None or (b.epoch != g.epoch and b.pending != g.epoch and b.beat_ts >= g.since)
+                    for b in beats
+                ):
+                    del self.groups[g.epoch]
+                    self.out.put.pop(g.epoch, None)
+                    self.out.drop.append(g.epoch)
+                continue
+            if any(b is None for b in beats):
+                self.release(g, "a member is gone")
+            elif g.state == "binding":
+                if all(b.epoch == g.epoch for b in beats):  # type: ignore[union-attr]
+                    self.put(_replace(g, state="bound", since=self.now, last_used=self.now))
+                elif age > self.cfg.ack_timeout_s and any(
+                    g.epoch not in (b.epoch, b.pending)
+                    for b in beats  # type: ignore[union-attr]
+                ):
+                    self.release(g, f"not acknowledged within {self.cfg.ack_timeout_s:g} s: rolled back")
+                elif age > self.cfg.bind_timeout_s:
+                    self.release(g, f"not bound within {self.cfg.bind_timeout_s:g} s: rolled back")
+            elif any(b.epoch != g.epoch for b in beats):  # type: ignore[union-attr]
+                self.release(g, "the group broke up (a member aborted the epoch)")
+
+    # --- load adaptation ----------------------------------------------------------------------------------
+
+    def fits_one(self, r: QueuedRequest) -> bool:
+        return any(e.max_total_tokens >= r.kv_tokens for e in self.s.engines)
+
+    def dp_fit(self, r: QueuedRequest) -> bool:
+        return r.priority != "high" and self.fits_one(r)
+
+    def update_regime(self) -> None:
+        st, cfg, n = self.out.state, self.cfg, len(self.live)
+        if not cfg.load_adaptation or n == 0:
+            self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0)
+            return
+        demand = self.s.queued + sum(e.inflight for e in self.s.engines)
+        oldest = max((self.now - r.enqueued_at for r in self.s.waiting if self.dp_fit(r)), default=0.0)
+        light = demand <= cfg.light_load * n
+        if st.busy:
+            calm = (st.calm_since or self.now) if light else 0.0
+            if light and self.now - calm >= cfg.calm_s:
+                self.out.state = msgspec.structs.replace(st, busy=False, calm_since=calm, changed_at=self.now)
+                self.out.notes.append(f"light load ({demand} requests on {n} engines): TP groups allowed")
+            else:
+                self.out.state = msgspec.structs.replace(st, busy=True, calm_since=calm)
+        elif oldest > cfg.busy_wait_s or demand > cfg.tp_inflight_per_engine * n:
+            self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0, changed_at=self.now)
+            self.out.notes.append(
+                f"load rising ({demand} requests, oldest waits {oldest:.2f} s): back to DP"
+            )
+
+    # --- releases -----------------------------------------------------------------------------------------
+
+    def paused_dp(self, g: Group) -> int:
+        return sum(self.live[m].inflight for m in g.members if m in self.live) - self.tp.get(g.epoch, (0, 0))[0]
+
+    def releases(self) -> None:
+        busy, cfg = self.out.state.busy, self.cfg
+        queued_dp = any(self.dp_fit(r) for r in self.s.waiting)
+        queued_tp = any(  # requests that would go to a group: an idle one is not released under them
+            (r.priority == "high" and cfg.priority) or not self.fits_one(r) for r in self.s.waiting
+        )
+        for g in list(self.groups.values()):
+            if g.state == "releasing" or g.reason == "manual":
+                continue
+            tp_busy = self.tp.get(g.epoch, (0, 0))[0] > 0
+            if g.reason == "load" and busy:
+                self.release(g, "load rose")
+            elif g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s:
+                if not busy and g.width == cfg.light_width:
+                    self.put(_replace(g, reason="load"))  # light load: keep it, as a load group
+                elif busy or g.reason == "long":
+                    self.release(g, f"no TP work for {cfg.keep_s:g} s")
+            elif (
+                g.state == "bound"
+                and self.now - g.since >= cfg.max_defer_s
+                and (self.paused_dp(g) > 0 or (busy and queued_dp))
+            ):
+                self.release(g, f"DP work deferred for {cfg.max_defer_s:g} s")
+
+    # --- binds and dispatch -------------------------------------------------------------------------------
+
+    def free_sets(self, width: int) -> list[tuple[int, ...]]:
+        """Merge sets of ``width`` whose members are live, bindable, in DP and in no group; least loaded first."""
+        taken = self.in_groups()
+        n = max((e.num_engines for e in self.s.engines), default=1)
+        if width > n:
+            return []
+        ok = []
+        for ms in merge_sets(n, (width,)) if n > 1 else []:
+            es = [self.live.get(m) for m in ms]
+            if all(
+                e is not None and e.num_engines == n and e.mode == "dp" and not e.pending and m not in taken
+                for m, e in zip(ms, es)
+            ):
+                ok.append(ms)
+        return sorted(ok, key=lambda ms: (sum(self.dp_inflight[m] for m in ms), ms))
+
+    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt) -> Group:
+        g = Group(
+            epoch=0,
+            members=members,
+            reason=reason,  # type: ignore[arg-type]
+            preempt=preempt,
+            since=self.now,
+            last_used=self.now,
+        )
+        self.out.binds.append(g)
+        self.reserved |= set(members)
+        self.out.notes.append(f"bind {members} ({reason}, {preempt} preemption)")
+        return g
+
+    def group_room(self, g: Group, r: QueuedRequest) -> bool:
+        n, kv = self.tp.get(g.epoch, (0, 0))
+        pooled = g.width * min(self.live[m].max_total_tokens for m in g.members)
+        return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
+
+    def group_for(self, r: QueuedRequest, width: int, states: tuple[str, ...]) -> Group | None:
         fits = [
-            e for e in engines if inflight[e.engine] < max_inflight and e.max_total_tokens >= req.kv_tokens
+            g
+            for g in self.groups.values()
+            if g.state in states and g.width >= width and self.group_room(g, r)
+        ]
+        return min(fits, key=lambda g: (g.width, self.tp.get(g.epoch, (0, 0))[0], g.epoch), default=None)
+
+    def to_group(self, g: Group, r: QueuedRequest) -> None:
+        n, kv = self.tp.get(g.epoch, (0, 0))
+        self.tp[g.epoch] = (n + 1, kv + r.kv_tokens)
+        if g.state == "bound":
+            leader = self.live[g.leader]
+            self.out.dispatches.append(Dispatch(r, leader.engine, leader.url, g.epoch))
+            self.put(_replace(g, last_used=self.now))
+
+    def to_dp(self, r: QueuedRequest) -> bool:
+        taken = self.in_groups()
+        fits = [
+            e
+            for e in self.s.engines
+            if e.mode == "dp"
+            and not e.pending
+            and e.engine not in taken
+            and self.dp_inflight[e.engine] < self.cfg.max_inflight_per_worker
+            and e.max_total_tokens >= r.kv_tokens
         ]
         if not fits:
-            if all(inflight[e.engine] >= max_inflight for e in engines):
-                break  # every engine is full: nothing behind this request can go either
-            continue
-        best = min(fits, key=lambda e: (inflight[e.engine], -kv_free[e.engine], e.engine))
-        inflight[best.engine] += 1
-        kv_free[best.engine] -= req.kv_tokens
-        out.append(Dispatch(req, best.engine, best.url))
-    return out
+            return False
+        best = min(fits, key=lambda e: (self.dp_inflight[e.engine], -e.free_kv_tokens, e.engine))
+        self.dp_inflight[best.engine] += 1
+        self.out.dispatches.append(Dispatch(r, best.engine, best.url))
+        return True
+
+    def load_binds(self) -> None:
+        if self.out.state.busy or not self.cfg.load_adaptation:
+            return
+        while sets := [ms for ms in self.free_sets(self.cfg.light_width) if not any(self.dp_inflight[m] for m in ms)]:
+            self.bind(sets[0], "load", "hard")
+
+    def place(self, r: QueuedRequest) -> None:
+        cfg = self.cfg
+        width = need_width(r.kv_tokens, self.s.engines)
+        if width is None:
+            return  # no group can hold it now (the gateway rejects such requests while engines are up)
+        usable = ("bound", "binding")
+        if width > 1 or (r.priority == "high" and cfg.priority):
+            if (g := self.group_for(r, width, usable)) is not None:
+                self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
+                return
+            if width > 1 and not cfg.long_context:
+                return
+            sets = self.free_sets(width if width > 1 else cfg.priority_width)
+            if sets:
+                reason, preempt = ("long", cfg.long_preempt) if width > 1 else ("priority", cfg.priority_preempt)
+                self.bind(sets[0], reason, preempt)
+                return
+            if width > 1:
+                self.release_idle_blocking(width)
+                return
+        if not self.out.state.busy and (g := self.group_for(r, 1, usable)) is not None:
+            self.to_group(g, r)
+            return
+        self.to_dp(r)
+
+    def release_idle_blocking(self, width: int) -> None:
+        """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one."""
+        n = max((e.num_engines for e in self.s.engines), default=1)
+        for ms in merge_sets(n, (width,)) if 1 < width <= n else []:
+            inside = [g for g in self.groups.values() if set(g.members) & set(ms)]
+            if all(
+                g.state == "bound" and g.reason != "manual" and not self.tp.get(g.epoch, (0, 0))[0]
+                for g in inside
+            ) and all(m in self.live for m in ms):
+                for g in inside:
+                    self.release(g, f"making room for a width-{width} group")
+                return
+
+
+def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
+    """One policy round: reconcile group records, update the load regime, release, bind, dispatch."""
+    rnd = _Round(s, cfg)
+    rnd.reconcile()
+    rnd.update_regime()
+    rnd.releases()
+    rnd.load_binds()
+    for r in s.waiting:
+        rnd.place(r)
+    return rnd.out

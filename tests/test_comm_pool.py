@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flying.procs import free_port
-from worker_ext.comm_pool import CommPool, merge_sets
+from flying.groups import merge_sets
+from worker_ext.comm_pool import CommPool
 
 
 def test_merge_sets_are_linear_aligned_ranges():

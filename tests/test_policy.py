@@ -1,41 +1,310 @@
-from flying.messages import QueuedRequest
-from router.policy import EngineView, plan
+"""The pure bind/release policy: one test per rule, on hand-made snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import pytest
+
+from flying.messages import Bind, Group, QueuedRequest, Release, RouterState
+from router.policy import EngineView, GroupLoad, PolicyConfig, Snapshot, decide, need_width
+
+CFG = PolicyConfig()
+DP_ONLY = PolicyConfig(load_adaptation=False, priority=False, long_context=False, max_inflight_per_worker=8)
+BUSY = RouterState(busy=True)
+LIGHT = RouterState(busy=False)
 
 
-def req(i: str, prompt: int = 10, out: int = 10, priority: str = "normal") -> QueuedRequest:
+def req(i: str, prompt: int = 10, out: int = 10, priority: str = "normal", at: float = 100.0) -> QueuedRequest:
     return QueuedRequest(
-        id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=out, gateway="g", enqueued_at=0.0
+        id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=out, gateway="g", enqueued_at=at
     )
 
 
-def eng(i: int, inflight: int = 0, free: int = 1000, cap: int = 1000) -> EngineView:
-    return EngineView(i, f"http://e{i}", inflight, free, cap)
+def eng(i: int, inflight: int = 0, cap: int = 1000, n: int = 4, **kw) -> EngineView:
+    return EngineView(i, f"http://e{i}", inflight, cap, cap, num_engines=n, beat_ts=kw.pop("ts", 100.0), **kw)
+
+
+def snap(waiting=(), engines=None, groups=(), state=BUSY, now=100.0, loads=None, queued=None) -> Snapshot:
+    engines = [eng(i) for i in range(4)] if engines is None else engines
+    return Snapshot(
+        now=now,
+        waiting=list(waiting),
+        queued=len(waiting) if queued is None else queued,
+        engines=engines,
+        groups=list(groups),
+        tp_load=loads or {},
+        state=state,
+    )
+
+
+def bound(epoch, members, reason="priority", since=99.0, last_used=99.0, state="bound") -> Group:
+    return Group(epoch=epoch, members=members, reason=reason, state=state, since=since, last_used=last_used)
+
+
+def in_epoch(i, epoch, **kw) -> EngineView:
+    return eng(i, mode="tp", epoch=epoch, **kw)
+
+
+# --- DP dispatch -----------------------------------------------------------------------------------------------
 
 
 def test_spreads_requests_over_least_loaded_engines():
-    out = plan([req("a"), req("b"), req("c")], [eng(0, inflight=1), eng(1)], max_inflight=8)
-    assert [(d.request.id, d.engine) for d in out] == [("a", 1), ("b", 0), ("c", 1)]
+    d = decide(snap([req("a"), req("b"), req("c")], [eng(0, inflight=1), eng(1)]), DP_ONLY)
+    assert [(x.request.id, x.engine, x.epoch) for x in d.dispatches] == [("a", 1, 0), ("b", 0, 0), ("c", 1, 0)]
 
 
 def test_respects_the_inflight_cap_and_keeps_queue_order():
-    out = plan([req("a"), req("b"), req("c")], [eng(0, inflight=1)], max_inflight=2)
-    assert [d.request.id for d in out] == ["a"]
+    cfg = dataclasses.replace(DP_ONLY, max_inflight_per_worker=2)
+    d = decide(snap([req("a"), req("b"), req("c")], [eng(0, inflight=1)]), cfg)
+    assert [x.request.id for x in d.dispatches] == ["a"]
 
 
-def test_request_too_big_for_every_engine_stays_queued_but_does_not_block_others():
-    out = plan([req("big", prompt=5000), req("small")], [eng(0, cap=1000)], max_inflight=4)
-    assert [d.request.id for d in out] == ["small"]
-
-
-def test_request_goes_to_the_engine_whose_capacity_fits():
-    out = plan([req("big", prompt=1500)], [eng(0, cap=1000), eng(1, cap=2000)], max_inflight=4)
-    assert [(d.request.id, d.engine) for d in out] == [("big", 1)]
+def test_request_too_big_for_one_engine_without_groups_waits_but_does_not_block_others():
+    d = decide(snap([req("big", prompt=5000), req("small")], [eng(0, n=1)]), DP_ONLY)
+    assert [x.request.id for x in d.dispatches] == ["small"] and not d.binds
 
 
 def test_no_engines_no_dispatch():
-    assert plan([req("a")], [], max_inflight=4) == []
+    assert decide(snap([req("a")], []), CFG).dispatches == []
 
 
-def test_ties_prefer_more_free_kv_then_lower_index():
-    out = plan([req("a"), req("b")], [eng(0, free=100), eng(1, free=900), eng(2, free=900)], max_inflight=4)
-    assert [d.engine for d in out] == [1, 2]
+def test_bound_and_grouped_engines_get_no_dp_work():
+    g = bound(7, (0, 1))
+    engines = [in_epoch(0, 7), in_epoch(1, 7), eng(2, inflight=3), eng(3, pending=9)]
+    d = decide(snap([req("a")], engines, [g]), DP_ONLY)
+    assert [(x.engine, x.epoch) for x in d.dispatches] == [(2, 0)]
+
+
+# --- long context ----------------------------------------------------------------------------------------------
+
+
+def test_need_width_is_the_smallest_group_whose_pooled_kv_fits():
+    es = [eng(i, cap=1000) for i in range(4)]
+    assert need_width(900, es) == 1
+    assert need_width(1500, es) == 2
+    assert need_width(3000, es) == 4
+    assert need_width(4001, es) is None
+    assert need_width(1500, [eng(0, n=1)]) is None
+
+
+def test_long_request_binds_the_smallest_fitting_group_then_goes_to_its_leader():
+    long = req("long", prompt=1400, out=100)
+    d = decide(snap([long]), CFG)
+    assert [(g.members, g.reason, g.preempt) for g in d.binds] == [((0, 1), "long", "sequential")]
+    assert d.dispatches == []  # it waits for the group
+    g = bound(5, (0, 1), reason="long", state="binding")
+    d = decide(snap([long], [in_epoch(0, 5), in_epoch(1, 5), eng(2), eng(3)], [g]), CFG)
+    assert d.put[5].state == "bound"
+    assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 5)]
+    assert not d.binds
+
+
+def test_long_request_reuses_a_wider_bound_group_instead_of_binding():
+    g = bound(3, (0, 1, 2, 3), reason="manual")
+    d = decide(snap([req("long", prompt=1500)], [in_epoch(i, 3) for i in range(4)], [g]), CFG)
+    assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 3)] and not d.binds
+
+
+def test_long_request_that_fits_no_group_is_left_queued():
+    d = decide(snap([req("huge", prompt=5000)]), CFG)
+    assert not d.dispatches and not d.binds
+
+
+def test_long_request_blocked_by_idle_groups_releases_them_to_make_room():
+    g1, g2 = bound(1, (0, 1)), bound(2, (2, 3))
+    engines = [in_epoch(0, 1), in_epoch(1, 1), in_epoch(2, 2), in_epoch(3, 2)]
+    d = decide(snap([req("long", prompt=3000)], engines, [g1, g2], now=99.5), CFG)
+    assert sorted(d.put) == [1, 2] and all(g.state == "releasing" for g in d.put.values())
+    assert sorted(c.epoch for _, c in d.commands) == [1, 2]
+
+
+def test_long_context_off_leaves_long_requests_alone():
+    cfg = dataclasses.replace(CFG, long_context=False)
+    d = decide(snap([req("long", prompt=1500)]), cfg)
+    assert not d.binds and not d.dispatches and d.state.long_context is False
+
+
+# --- priority --------------------------------------------------------------------------------------------------
+
+
+def test_high_priority_binds_a_group_with_hard_preemption_on_the_least_loaded_engines():
+    engines = [eng(0, inflight=5), eng(1, inflight=5), eng(2, inflight=1), eng(3)]
+    d = decide(snap([req("hi", priority="high"), req("n")], engines), CFG)
+    assert [(g.members, g.reason, g.preempt) for g in d.binds] == [((2, 3), "priority", "hard")]
+    assert [(x.request.id, x.engine) for x in d.dispatches] == [("n", 0)]  # not onto the engines being bound
+
+
+def test_second_high_request_waits_for_the_binding_group_instead_of_binding_another():
+    g = bound(4, (2, 3), state="binding", since=100.0)
+    d = decide(snap([req("h1", priority="high"), req("h2", priority="high")], groups=[g]), CFG)
+    assert not d.binds and not d.dispatches
+
+
+def test_high_priority_reuses_the_bound_group_up_to_its_capacity():
+    cfg = dataclasses.replace(CFG, tp_inflight_per_engine=1)
+    g = bound(4, (2, 3))
+    engines = [eng(0), eng(1), in_epoch(2, 4), in_epoch(3, 4)]
+    d = decide(snap([req(f"h{i}", priority="high") for i in range(3)], engines, [g]), cfg)
+    assert [(x.request.id, x.engine, x.epoch) for x in d.dispatches[:2]] == [("h0", 2, 4), ("h1", 2, 4)]
+    assert [g.members for g in d.binds] == [(0, 1)]  # the third needs another group
+
+
+def test_high_priority_falls_back_to_dp_when_no_group_can_form():
+    engines = [eng(0), eng(1, n=1)]  # engine 1 cannot bind: no merge set is free
+    d = decide(snap([req("hi", priority="high")], engines), CFG)
+    assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 0)] and not d.binds
+
+
+def test_priority_off_sends_high_requests_to_dp():
+    cfg = dataclasses.replace(CFG, priority=False)
+    d = decide(snap([req("hi", priority="high")]), cfg)
+    assert not d.binds and d.dispatches[0].epoch == 0
+
+
+def test_idle_priority_group_is_kept_for_keep_s_then_released_under_load():
+    g = bound(4, (2, 3), last_used=100.0)
+    engines = [eng(0), eng(1), in_epoch(2, 4), in_epoch(3, 4)]
+    assert not decide(snap(engines=engines, groups=[g], now=100.5), CFG).commands
+    d = decide(snap(engines=engines, groups=[g], now=101.1), CFG)
+    assert d.commands == [((2, 3), Release(epoch=4))] and d.put[4].state == "releasing"
+
+
+def test_group_with_tp_work_is_not_released_for_idleness():
+    g = bound(4, (2, 3), last_used=90.0, since=99.0)
+    engines = [eng(0), eng(1), in_epoch(2, 4, inflight=1), in_epoch(3, 4)]
+    d = decide(snap(engines=engines, groups=[g], loads={4: GroupLoad(1, 20)}), CFG)
+    assert not d.commands
+
+
+def test_deferred_dp_work_bounds_how_long_a_group_stays_bound():
+    """Members hold paused DP requests (inflight beyond the group's TP requests): after max_defer_s the group is
+    released even though TP work keeps coming."""
+    g = bound(4, (2, 3), since=100.0, last_used=104.9)
+    engines = [eng(0), eng(1), in_epoch(2, 4, inflight=3), in_epoch(3, 4, inflight=2)]
+    loads = {4: GroupLoad(1, 20)}
+    assert not decide(snap(engines=engines, groups=[g], loads=loads, now=104.0), CFG).commands
+    d = decide(snap([req("hi", priority="high")], engines, [g], loads=loads, now=105.1), CFG)
+    assert d.commands == [((2, 3), Release(epoch=4))]
+    assert all(x.epoch != 4 for x in d.dispatches)  # a releasing group takes no new work
+
+
+# --- load adaptation -------------------------------------------------------------------------------------------
+
+
+def test_light_load_must_last_calm_s_before_groups_form():
+    state = RouterState(busy=True)
+    d = decide(snap(now=100.0, state=state), CFG)
+    assert d.state.busy and d.state.calm_since == 100.0 and not d.binds
+    d = decide(snap(now=101.0, state=d.state), CFG)
+    assert d.state.busy and not d.binds
+    d = decide(snap(now=102.1, state=d.state), CFG)
+    assert not d.state.busy
+    assert [(g.members, g.reason) for g in d.binds] == [((0, 1), "load"), ((2, 3), "load")]
+
+
+def test_a_load_spike_resets_the_calm_timer():
+    d = decide(snap(now=100.0, state=BUSY), CFG)
+    spike = [eng(i, inflight=3) for i in range(4)]
+    d = decide(snap(engines=spike, now=101.0, state=d.state), CFG)
+    assert d.state.calm_since == 0.0
+    d = decide(snap(now=102.5, state=d.state), CFG)
+    assert d.state.busy  # calm again only since 102.5
+
+
+def test_light_load_sends_normal_requests_to_load_groups():
+    g = bound(1, (0, 1), reason="load")
+    engines = [in_epoch(0, 1), in_epoch(1, 1), eng(2, inflight=1), eng(3, inflight=1)]
+    d = decide(snap([req("a")], engines, [g], state=LIGHT), CFG)
+    assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 1)]
+
+
+def test_light_load_binds_only_idle_engines():
+    engines = [eng(0), eng(1), eng(2, inflight=1), eng(3)]
+    d = decide(snap(engines=engines, state=LIGHT), CFG)
+    assert [g.members for g in d.binds] == [(0, 1)]
+
+
+def test_waiting_normal_request_means_busy_and_releases_load_groups():
+    g = bound(1, (0, 1), reason="load")
+    engines = [in_epoch(0, 1, inflight=8), in_epoch(1, 1), eng(2, inflight=32), eng(3, inflight=32)]
+    waiting = [req("old", at=99.5)]
+    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 100)}), CFG)
+    assert d.state.busy and d.commands == [((0, 1), Release(epoch=1))]
+
+
+def test_idle_priority_group_of_light_width_becomes_a_load_group_under_light_load():
+    g = bound(4, (0, 1), last_used=90.0)
+    engines = [in_epoch(0, 4), in_epoch(1, 4), eng(2), eng(3)]
+    d = decide(snap(engines=engines, groups=[g], state=LIGHT), CFG)
+    assert d.put[4].reason == "load" and not d.commands
+
+
+def test_load_adaptation_off_stays_busy():
+    cfg = dataclasses.replace(CFG, load_adaptation=False)
+    d = decide(snap(now=1000.0, state=RouterState(busy=True, calm_since=1.0)), cfg)
+    assert d.state.busy and not d.binds
+
+
+# --- group records and safety -----------------------------------------------------------------------------------
+
+
+def test_unacknowledged_bind_is_rolled_back_after_ack_timeout():
+    g = bound(6, (0, 1), state="binding", since=100.0)
+    engines = [eng(0, pending=6), eng(1)]  # engine 1 never read the bind
+    assert not decide(snap(engines=engines, groups=[g], now=101.0), CFG).commands
+    d = decide(snap(engines=engines, groups=[g], now=102.5), CFG)
+    assert d.commands == [((0, 1), Release(epoch=6))] and d.put[6].state == "releasing"
+
+
+def test_acknowledged_but_slow_bind_waits_until_bind_timeout():
+    g = bound(6, (0, 1), state="binding", since=100.0, reason="long")
+    engines = [eng(0, pending=6), eng(1, pending=6)]  # sequential: draining DP work
+    assert not decide(snap(engines=engines, groups=[g], now=150.0), CFG).commands
+    assert decide(snap(engines=engines, groups=[g], now=161.0), CFG).commands == [((0, 1), Release(epoch=6))]
+
+
+def test_group_with_a_dead_member_is_released():
+    g = bound(6, (0, 1))
+    d = decide(snap(engines=[in_epoch(0, 6), eng(2), eng(3)], groups=[g]), CFG)
+    assert d.commands == [((0, 1), Release(epoch=6))]
+
+
+def test_group_whose_member_aborted_the_epoch_is_released():
+    g = bound(6, (0, 1))
+    d = decide(snap(engines=[in_epoch(0, 6), eng(1), eng(2), eng(3)], groups=[g]), CFG)
+    assert d.put[6].state == "releasing"
+
+
+def test_releasing_record_is_dropped_only_after_fresh_heartbeats_show_dp():
+    g = bound(6, (0, 1), state="releasing", since=100.0)
+    stale = [eng(0, ts=99.9), eng(1, ts=100.2)]
+    assert decide(snap(engines=stale, groups=[g]), CFG).drop == []
+    still = [in_epoch(0, 6, ts=100.3), eng(1, ts=100.2)]
+    assert decide(snap(engines=still, groups=[g]), CFG).drop == []
+    fresh = [eng(0, ts=100.3), eng(1, ts=100.2)]
+    d = decide(snap(engines=fresh, groups=[g]), CFG)
+    assert d.drop == [6] and 6 not in d.put
+
+
+def test_new_binds_never_overlap_existing_or_each_other():
+    groups = [bound(1, (0, 1), state="releasing", since=100.5)]  # heartbeats older than the release
+    engines = [eng(i, n=8) for i in range(8)]
+    waiting = [req(f"h{i}", priority="high") for i in range(5)]
+    d = decide(snap(waiting, engines, groups), CFG)
+    members = [m for g in d.binds for m in g.members]
+    assert len(members) == len(set(members)) and not set(members) & {0, 1}
+    assert [g.members for g in d.binds] == [(2, 3), (4, 5), (6, 7)]
+
+
+def test_bind_command_carries_the_records_epoch():
+    g = msgspec.structs.replace(bound(9, (2, 3)), preempt="sequential")
+    members, cmd = decide(snap(), CFG).bind_command(g)
+    assert members == (2, 3) and cmd == Bind(epoch=9, members=(2, 3), preempt="sequential")
+
+
+@pytest.mark.parametrize("bad", [dict(light_width=3), dict(priority_width=1), dict(ack_timeout_s=0)])
+def test_config_is_validated(bad):
+    with pytest.raises(AssertionError):
+        PolicyConfig(**bad)

@@ -135,12 +135,14 @@ class Binding:
         return {
             "mode": "tp" if e else "dp",
             "epoch": e.epoch if e else 0,
+            "pending": self.pending.epoch if self.pending else 0,
             "group": e.members if e else (),
             "width": e.width if e else 1,
             "bind_ms": round(self.bind_ms, 3),
             "release_ms": round(self.release_ms, 3),
             "switch_error": self.error,
             "comm_groups": len(self.pool.groups),
+            "num_engines": self.pool.num_engines,
             "param_bytes": self.param_bytes,
         }
 
@@ -157,6 +159,8 @@ class Binding:
                     self.pending = cmd
             elif isinstance(cmd, Release) and self.epoch and cmd.epoch == self.epoch.epoch:
                 self.epoch.release_asked = True
+            elif isinstance(cmd, Release) and self.pending and cmd.epoch == self.pending.epoch:
+                self._cancel_pending()  # the router rolled the bind back before this engine applied it
         if self.epoch is None and self.pending is not None:
             if self.pending.preempt == "soft":
                 if self._soft_ready(self.pending):
@@ -184,6 +188,15 @@ class Binding:
                 self.last_plan = time.monotonic()
         except RuntimeError as exc:
             self._abort(exc)
+
+    def _cancel_pending(self) -> None:
+        log.info("engine %d: bind %d rolled back before it was applied", self.engine, self.pending.epoch)
+        self.last_epoch = max(self.last_epoch, self.pending.epoch)
+        self.pending, self.soft_dp_rids = None, None
+        if self.held:
+            sglang_patches.unhold_waiting(self.s, self.held)
+            self.held = []
+        self.on_change()
 
     def _soft_ready(self, cmd: Bind) -> bool:
         """Soft preemption. The DP work present when the command arrived drains (nothing new is admitted for it);

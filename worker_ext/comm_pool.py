@@ -21,21 +21,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from flying.groups import merge_sets
+
 log = logging.getLogger("flying.comm_pool")
-
-
-def merge_sets(num_engines: int, widths: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
-    """Aligned contiguous groups, ordered by (width, first member)."""
-    if widths is None:
-        widths = tuple(w for w in (2**k for k in range(1, num_engines.bit_length())) if w <= num_engines)
-        if num_engines > 1 and num_engines not in widths:
-            widths += (num_engines,)
-    out = []
-    for w in sorted(set(widths)):
-        if w < 2 or w > num_engines:
-            raise ValueError(f"merge width {w} is outside 2..{num_engines}")
-        out += [tuple(range(s, s + w)) for s in range(0, num_engines - w + 1, w)]
-    return out
 
 
 @dataclass

@@ -63,7 +63,7 @@ class HeartbeatPublisher:
     def beat(self, **load) -> None:
         """Record the engine's load at a step boundary; wake the writer if the switching state changed."""
         self.step += 1
-        urgent = load.get("mode") != self._load.get("mode") or load.get("epoch") != self._load.get("epoch")
+        urgent = any(load.get(k) != self._load.get(k) for k in ("mode", "epoch", "pending"))
         self._load = load
         if urgent:
             self._wake.set()
