@@ -56,11 +56,15 @@ def bind(
     if record:
         inside = [g for g in groups(r, keys) if set(g.members) & set(members)]
         if clash := [g.members for g in inside if not set(g.members) <= set(members)]:
-            raise ValueError(f"engines {sorted(set(members) & {m for c in clash for m in c})} are in group(s) {clash}")
+            raise ValueError(
+                f"engines {sorted(set(members) & {m for c in clash for m in c})} are in group(s) {clash}"
+            )
         if inside:
             r.hdel(keys.groups, *(str(g.epoch) for g in inside))
         now = time.time()
-        g = Group(epoch=epoch, members=tuple(members), reason="manual", preempt=preempt, since=now, last_used=now)  # type: ignore[arg-type]
+        g = Group(
+            epoch=epoch, members=tuple(members), reason="manual", preempt=preempt, since=now, last_used=now
+        )  # type: ignore[arg-type]
         r.hset(keys.groups, str(epoch), encode(g))
     send(r, keys, members, Bind(epoch=epoch, members=tuple(members), preempt=preempt))  # type: ignore[arg-type]
     return epoch
@@ -70,7 +74,9 @@ def release(r: redis.Redis, keys: Keys, members: tuple[int, ...], epoch: int) ->
     raw = r.hget(keys.groups, str(epoch))
     if raw is not None:
         g = decode(raw, Group)
-        r.hset(keys.groups, str(epoch), encode(msgspec.structs.replace(g, state="releasing", since=time.time())))
+        r.hset(
+            keys.groups, str(epoch), encode(msgspec.structs.replace(g, state="releasing", since=time.time()))
+        )
     send(r, keys, members, Release(epoch=epoch))
 
 

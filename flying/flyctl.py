@@ -39,7 +39,9 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     state = decode(raw, RouterState) if raw else None
     lease = r.get(keys.router_lease)
     regime = "no router state" if state is None else ("busy: DP only" if state.busy else "light: TP groups")
-    lines.append(f"router: {'lease held by ' + lease.decode() if lease else 'none holds the lease'}; {regime}")
+    lines.append(
+        f"router: {'lease held by ' + lease.decode() if lease else 'none holds the lease'}; {regime}"
+    )
     groups = control.groups(r, keys)
     lines.append(f"groups: {len(groups) or 'none'}")
     now = time.time()

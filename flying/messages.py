@@ -86,6 +86,9 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
     epoch: int
     members: tuple[int, ...]
     preempt: Preempt = "hard"
+    adopt: bool = (
+        False  # the leader's DP requests become the group's (recomputed at the new width), not paused
+    )
 
     @property
     def width(self) -> int:
@@ -93,9 +96,12 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
-    """Router/operator -> every member: end ``epoch`` and return to DP once its TP requests have finished."""
+    """Router/operator -> every member: end ``epoch`` and return to DP once its TP requests have finished, or,
+    with ``retract``, at once: the leader's TP requests are retracted and recomputed in DP on the leader (their
+    KV is in the group's layout), the cheap way out when load rises."""
 
     epoch: int
+    retract: bool = False
 
 
 Command = Bind | Release
@@ -112,6 +118,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     members: tuple[int, ...]
     reason: GroupReason
     preempt: Preempt = "hard"
+    adopt: bool = False  # see Bind.adopt
     state: GroupState = "binding"
     since: float = 0.0  # when it entered ``state`` (router clock, epoch seconds)
     last_used: float = 0.0  # last TP dispatch to it (or its creation)
@@ -131,7 +138,9 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     busy: bool = True  # True: keep engines in DP (queue building); False: light load, TP groups allowed
     calm_since: float = 0.0  # since when load has been light (0: it is not)
     changed_at: float = 0.0
-    long_context: bool = True  # the router binds groups for requests one engine cannot hold (gateways admit them)
+    long_context: bool = (
+        True  # the router binds groups for requests one engine cannot hold (gateways admit them)
+    )
 
 
 def decode_command(data: bytes | str) -> Command:

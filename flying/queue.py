@@ -159,19 +159,21 @@ class RequestQueue:
             pipe.scard(self.keys.inflight(e))
         return dict(zip(engines, map(int, await pipe.execute())))
 
-    async def group_loads(self, groups: Sequence[tuple[int, int]]) -> dict[int, tuple[int, int]]:
-        """(epoch, leader) pairs -> (TP requests assigned in that epoch and unfinished, their KV tokens)."""
-        out: dict[int, tuple[int, int]] = {}
+    async def group_loads(self, groups: Sequence[tuple[int, int]]) -> dict[int, tuple[int, int, int]]:
+        """(epoch, leader) pairs -> (TP requests assigned in that epoch and unfinished, their KV tokens, the
+        largest one's KV tokens)."""
+        out: dict[int, tuple[int, int, int]] = {}
         for epoch, leader in groups:
             rids = [_s(m) for m in await self.r.smembers(self.keys.inflight(leader))]
             pipe = self.r.pipeline(transaction=False)
             for rid in rids:
                 pipe.hmget(self.keys.request(rid), ["epoch", "prompt_tokens", "max_tokens"])
-            n = kv = 0
+            n = kv = top = 0
             for ep, p, m in await pipe.execute() if rids else []:
                 if ep is not None and int(ep) == epoch:
-                    n, kv = n + 1, kv + int(p or 0) + int(m or 0)
-            out[epoch] = (n, kv)
+                    one = int(p or 0) + int(m or 0)
+                    n, kv, top = n + 1, kv + one, max(top, one)
+            out[epoch] = (n, kv, top)
         return out
 
     async def wake_router(self) -> None:

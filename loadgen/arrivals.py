@@ -59,10 +59,12 @@ def two_level(
     burst_rate: tuple[float, float],
     low_s: float,
     burst_s: float,
+    anchor: bool = True,
 ) -> np.ndarray:
     """The paper's pattern: Poisson arrivals whose rate alternates between a low phase (a rate drawn from
     ``low_rate``) and a burst phase (from ``burst_rate``), starting low. Phases are memoryless, so an arrival
-    that would fall past the end of a phase is redrawn at the next phase's rate from the boundary."""
+    that would fall past the end of a phase is redrawn at the next phase's rate from the boundary. With
+    ``anchor`` the times start at 0; without, they stay on the phase clock (phase k starts at k-th boundary)."""
     out: list[float] = []
     t, phase_end, burst = 0.0, low_s, False
     rate = rng.uniform(*low_rate)
@@ -76,4 +78,4 @@ def two_level(
         rate = rng.uniform(*(burst_rate if burst else low_rate))
         phase_end = t + (burst_s if burst else low_s)
     a = np.asarray(out)
-    return a - a[0]
+    return a - a[0] if anchor else a

@@ -83,14 +83,18 @@ class Dispatcher:
         groups = await read_groups(self.r, self.keys)
         loads = await self.queue.group_loads([(g.epoch, g.leader) for g in groups if g.state != "releasing"])
         raw = await self.r.get(self.keys.router_state)
-        state = decode(raw, RouterState) if raw else RouterState(busy=True, calm_since=0.0, changed_at=time.time())
+        state = (
+            decode(raw, RouterState)
+            if raw
+            else RouterState(busy=True, calm_since=0.0, changed_at=time.time())
+        )
         return Snapshot(
             now=time.time(),
             waiting=waiting,
             queued=queued,
             engines=engines,
             groups=groups,
-            tp_load={ep: GroupLoad(n, kv) for ep, (n, kv) in loads.items()},
+            tp_load={ep: GroupLoad(*load) for ep, load in loads.items()},
             state=state,
         )
 
@@ -148,7 +152,9 @@ class Dispatcher:
             if not leader:
                 groups = await read_groups(self.r, self.keys)
                 log.info(
-                    "router %s holds the lease; dispatching (%d group records resumed)", self.router_id, len(groups)
+                    "router %s holds the lease; dispatching (%d group records resumed)",
+                    self.router_id,
+                    len(groups),
                 )
                 leader = True
             if await self.round() == 0:

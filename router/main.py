@@ -39,7 +39,8 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     d = RouterConfig()
     p = argparse.ArgumentParser(
-        prog="flying-router", description="Dispatch the global Redis queue to engines; bind and release TP groups."
+        prog="flying-router",
+        description="Dispatch the global Redis queue to engines; bind and release TP groups.",
     )
     p.add_argument("--redis-url", default=settings.redis_url())
     p.add_argument("--key-prefix", default=settings.key_prefix())

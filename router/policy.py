@@ -5,13 +5,16 @@ No Redis, no clocks, no randomness: the live router (router.dispatcher), the uni
 
 The three use cases, each switchable in :class:`PolicyConfig`:
 
-- *load adaptation*: under light load idle engines bind into ``light_width`` groups and normal traffic goes to
-  them (TP latency); once a normal request waits longer than ``busy_wait_s`` or demand exceeds what the groups can
+- *load adaptation*: under light load engines bind into ``light_width`` groups (idle blocks at once, busy ones one
+  at a time after draining) and normal traffic goes to them (TP latency); once a normal request waits longer than ``busy_wait_s`` or demand exceeds what the groups can
   hold, load groups are released and everything runs DP until load has been light for ``calm_s`` (hysteresis);
 - *priority*: a high-priority request goes to a bound group with room, else binds a ``priority_width`` group at
-  once (``priority_preempt``, hard by default: members' DP requests pause with their KV kept), else runs DP;
+  once (``priority_preempt``, hard by default: members' DP requests pause with their KV kept), else runs DP. While
+  the queue is building (a normal request waited ``busy_wait_s``) taking engines out of DP costs every request, so
+  a high-priority request then jumps the queue on a DP engine instead (classes are dispatched first);
 - *long context*: a request whose prompt plus max tokens exceeds one engine's KV goes to the smallest group width
-  whose pooled KV holds it (``long_preempt``, sequential by default so the members' KV is free).
+  whose pooled KV holds it (``long_preempt``, sequential by default so the members' KV is free); while the queue
+  builds it waits up to ``long_wait_s`` for a bind, so a burst is drained in DP first.
 
 Groups are reused (Gyges): the next high-priority or long request goes to a group that is already bound; priority
 and long groups are released only after ``keep_s`` without TP work. DP work deferred by a bind (paused on members,
@@ -46,10 +49,13 @@ class PolicyConfig:
     long_preempt: Preempt = "sequential"
     max_inflight_per_worker: int = 32  # requests one DP engine is handed before the rest wait in Redis
     tp_inflight_per_engine: int = 4  # a group of width w takes w * this TP requests at once
-    light_load: float = 1.0  # light: queued + inflight <= this many requests per live engine ...
+    light_load: float = (
+        0.5  # light: queued + inflight <= this share of the groups' capacity (all engines bound) ...
+    )
     calm_s: float = 2.0  # ... for this long before load groups form
     busy_wait_s: float = 0.25  # busy: a normal request has waited this long in the queue
     keep_s: float = 1.0  # a priority/long group without TP work for this long is released
+    long_wait_s: float = 30.0  # while the queue builds, a long request waits up to this long before binding
     max_defer_s: float = 5.0  # a bind defers DP work for at most this long before its group is released
     ack_timeout_s: float = 2.0  # members must acknowledge a bind within this ...
     bind_timeout_s: float = 60.0  # ... and complete it within this (a sequential bind drains DP work first)
@@ -85,6 +91,7 @@ class GroupLoad:
 
     inflight: int = 0
     kv_tokens: int = 0
+    max_kv_tokens: int = 0  # the largest one's (a request one engine cannot hold cannot be retracted to DP)
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ class Decision:
     notes: list[str] = field(default_factory=list)  # why groups changed, for logs
 
     def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
-        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt)
+        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt)
 
 
 def _replace(g: Group, **kw) -> Group:
@@ -150,8 +157,9 @@ class _Round:
         self.out = Decision(state=msgspec.structs.replace(s.state, long_context=cfg.long_context))
         self.dp_inflight = {e.engine: e.inflight for e in s.engines}
         self.tp = {ep: (ld.inflight, ld.kv_tokens) for ep, ld in s.tp_load.items()}
+        self.tp_max = {ep: ld.max_kv_tokens for ep, ld in s.tp_load.items()}
         self.reserved: set[int] = set()  # members of binds planned this round
-        self.waiting_for: dict[int, int] = {}  # requests this round parked on a binding group (by epoch)
+        self.building = False
 
     # --- group records ------------------------------------------------------------------------------------
 
@@ -159,9 +167,9 @@ class _Round:
         self.groups[g.epoch] = g
         self.out.put[g.epoch] = g
 
-    def release(self, g: Group, why: str) -> None:
+    def release(self, g: Group, why: str, retract: bool = False) -> None:
         self.put(_replace(g, state="releasing", since=self.now))
-        self.out.commands.append((g.members, Release(epoch=g.epoch)))
+        self.out.commands.append((g.members, Release(epoch=g.epoch, retract=retract)))
         self.out.notes.append(f"release epoch {g.epoch} {g.members} ({g.reason}): {why}")
 
     def in_groups(self) -> set[int]:
@@ -211,7 +219,7 @@ class _Round:
             return
         demand = self.s.queued + sum(e.inflight for e in self.s.engines)
         oldest = max((self.now - r.enqueued_at for r in self.s.waiting if self.dp_fit(r)), default=0.0)
-        light = demand <= cfg.light_load * n
+        light = demand <= cfg.light_load * cfg.tp_inflight_per_engine * n
         if st.busy:
             calm = (st.calm_since or self.now) if light else 0.0
             if light and self.now - calm >= cfg.calm_s:
@@ -221,14 +229,15 @@ class _Round:
                 self.out.state = msgspec.structs.replace(st, busy=True, calm_since=calm)
         elif oldest > cfg.busy_wait_s or demand > cfg.tp_inflight_per_engine * n:
             self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0, changed_at=self.now)
-            self.out.notes.append(
-                f"load rising ({demand} requests, oldest waits {oldest:.2f} s): back to DP"
-            )
+            self.out.notes.append(f"load rising ({demand} requests, oldest waits {oldest:.2f} s): back to DP")
 
     # --- releases -----------------------------------------------------------------------------------------
 
     def paused_dp(self, g: Group) -> int:
-        return sum(self.live[m].inflight for m in g.members if m in self.live) - self.tp.get(g.epoch, (0, 0))[0]
+        """DP requests the bind set aside on its members (an adopting leader's became the group's)."""
+        members = g.members[1:] if g.adopt else g.members
+        n = sum(self.live[m].inflight for m in members if m in self.live)
+        return n if g.adopt else n - self.tp.get(g.epoch, (0, 0))[0]
 
     def releases(self) -> None:
         busy, cfg = self.out.state.busy, self.cfg
@@ -241,8 +250,12 @@ class _Round:
                 continue
             tp_busy = self.tp.get(g.epoch, (0, 0))[0] > 0
             if g.reason == "load" and busy:
-                self.release(g, "load rose")
-            elif g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s:
+                # its requests continue in DP on the leader, unless one of them needs the group's pooled KV
+                retract = self.tp_max.get(g.epoch, 0) <= min(self.live[m].max_total_tokens for m in g.members)
+                self.release(g, "load rose", retract=retract)
+            elif (
+                g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s
+            ):
                 if not busy and g.width == cfg.light_width:
                     self.put(_replace(g, reason="load"))  # light load: keep it, as a load group
                 elif busy or g.reason == "long":
@@ -272,18 +285,19 @@ class _Round:
                 ok.append(ms)
         return sorted(ok, key=lambda ms: (sum(self.dp_inflight[m] for m in ms), ms))
 
-    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt) -> Group:
+    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt, adopt: bool = False) -> Group:
         g = Group(
             epoch=0,
             members=members,
             reason=reason,  # type: ignore[arg-type]
             preempt=preempt,
+            adopt=adopt,
             since=self.now,
             last_used=self.now,
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
-        self.out.notes.append(f"bind {members} ({reason}, {preempt} preemption)")
+        self.out.notes.append(f"bind {members} ({reason}, {preempt} preemption{', adopt' if adopt else ''})")
         return g
 
     def group_room(self, g: Group, r: QueuedRequest) -> bool:
@@ -291,11 +305,24 @@ class _Round:
         pooled = g.width * min(self.live[m].max_total_tokens for m in g.members)
         return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
 
-    def group_for(self, r: QueuedRequest, width: int, states: tuple[str, ...]) -> Group | None:
+    def group_for(
+        self,
+        r: QueuedRequest,
+        width: int,
+        states: tuple[str, ...],
+        reasons: tuple[str, ...] | None = None,
+        imminent: bool = False,
+    ) -> Group | None:
+        """The narrowest, least-loaded group with room for ``r``; ``imminent``: binding groups only if hard
+        (they form at the members' next step boundary, a sequential one waits for their DP work)."""
         fits = [
             g
             for g in self.groups.values()
-            if g.state in states and g.width >= width and self.group_room(g, r)
+            if g.state in states
+            and not (imminent and g.state == "binding" and g.preempt != "hard")
+            and g.width >= width
+            and (reasons is None or g.reason in reasons)
+            and self.group_room(g, r)
         ]
         return min(fits, key=lambda g: (g.width, self.tp.get(g.epoch, (0, 0))[0], g.epoch), default=None)
 
@@ -320,16 +347,40 @@ class _Round:
         ]
         if not fits:
             return False
-        best = min(fits, key=lambda e: (self.dp_inflight[e.engine], -e.free_kv_tokens, e.engine))
+        light = not self.out.state.busy and self.cfg.load_adaptation
+        best = min(  # light load: keep followers of would-be groups free, so they bind without draining
+            fits,
+            key=lambda e: (
+                light and e.engine % self.cfg.light_width != 0,
+                self.dp_inflight[e.engine],
+                -e.free_kv_tokens,
+                e.engine,
+            ),
+        )
         self.dp_inflight[best.engine] += 1
         self.out.dispatches.append(Dispatch(r, best.engine, best.url))
         return True
 
+    def queue_building(self) -> bool:
+        return any(self.now - r.enqueued_at > self.cfg.busy_wait_s for r in self.s.waiting if self.dp_fit(r))
+
     def load_binds(self) -> None:
+        """Light load: bind blocks whose followers are idle at once; the leader adopts its DP requests (they are
+        recomputed at the group's width, nothing pauses). One block at a time drains its followers first
+        (sequential), while DP work goes to leaders, so traffic moves into groups without a stall."""
         if self.out.state.busy or not self.cfg.load_adaptation:
             return
-        while sets := [ms for ms in self.free_sets(self.cfg.light_width) if not any(self.dp_inflight[m] for m in ms)]:
-            self.bind(sets[0], "load", "hard")
+        draining = any(g.reason == "load" and g.state == "binding" for g in self.groups.values())
+        sets = sorted(self.free_sets(self.cfg.light_width), key=lambda ms: (self.follower_load(ms), ms))
+        for ms in sets:
+            if not self.follower_load(ms):
+                self.bind(ms, "load", "hard", adopt=True)
+            elif not draining:
+                self.bind(ms, "load", "sequential", adopt=True)
+                draining = True
+
+    def follower_load(self, ms: tuple[int, ...]) -> int:
+        return sum(self.dp_inflight[m] for m in ms[1:])
 
     def place(self, r: QueuedRequest) -> None:
         cfg = self.cfg
@@ -337,24 +388,32 @@ class _Round:
         if width is None:
             return  # no group can hold it now (the gateway rejects such requests while engines are up)
         usable = ("bound", "binding")
-        if width > 1 or (r.priority == "high" and cfg.priority):
+        tp_priority = r.priority == "high" and cfg.priority and not self.building
+        if width > 1 or tp_priority:
             if (g := self.group_for(r, width, usable)) is not None:
                 self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
                 return
             if width > 1 and not cfg.long_context:
                 return
+            if width > 1 and self.building and self.now - r.enqueued_at < cfg.long_wait_s:
+                return  # a burst: keep the engines in DP for now (bounded by long_wait_s)
             sets = self.free_sets(width if width > 1 else cfg.priority_width)
             if sets:
-                reason, preempt = ("long", cfg.long_preempt) if width > 1 else ("priority", cfg.priority_preempt)
+                reason, preempt = (
+                    ("long", cfg.long_preempt) if width > 1 else ("priority", cfg.priority_preempt)
+                )
                 self.bind(sets[0], reason, preempt)
                 return
             if width > 1:
                 self.release_idle_blocking(width)
                 return
-        if not self.out.state.busy and (g := self.group_for(r, 1, usable)) is not None:
+        if (
+            not self.out.state.busy
+            and (g := self.group_for(r, 1, ("bound", "binding"), imminent=True)) is not None
+        ):
             self.to_group(g, r)
-            return
-        self.to_dp(r)
+        elif not self.to_dp(r) and (g := self.group_for(r, 1, ("bound",), reasons=("manual",))) is not None:
+            self.to_group(g, r)  # an operator bound the engines: traffic still flows through their groups
 
     def release_idle_blocking(self, width: int) -> None:
         """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one."""
@@ -377,6 +436,9 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     rnd.update_regime()
     rnd.releases()
     rnd.load_binds()
+    rnd.building = (
+        rnd.queue_building()
+    )  # a high-priority request then jumps the queue in DP instead of binding
     for r in s.waiting:
         rnd.place(r)
     return rnd.out

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from flying.procs import free_port
 from flying.groups import merge_sets
+from flying.procs import free_port
 from worker_ext.comm_pool import CommPool
 
 

@@ -1,8 +1,11 @@
 """flyctl and flying.control against a real Redis: commands land on each member's stream, status reads beats."""
 
+import time
+
 from flying import control
 from flying.flyctl import main
-from flying.messages import Bind, Heartbeat, Release, decode_command, encode
+from flying.messages import Bind, Heartbeat, Release, RouterState, decode_command, encode
+from flying.queue import CLASS_WEIGHT
 
 
 def test_bind_and_release_write_every_members_stream(sync_redis, keys, redis_server, capsys):
@@ -31,4 +34,31 @@ def test_status_lists_live_engines_only(sync_redis, keys, redis_server, capsys):
     assert list(control.status(sync_redis, keys)) == [0]
     assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "status"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 2 and out[1].split()[:4] == ["0", "tp", "4", "0,1"]
+    assert out[1].split()[:5] == ["0", "tp", "4", "0", "0,1"] and len(out) == 5
+    assert out[2:] == ["router: none holds the lease; no router state", "groups: none", "queue: 0 waiting"]
+
+
+def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redis_server, capsys):
+    args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    assert main([*args, "bind", "0", "1"]) == 0
+    epoch = int(capsys.readouterr().out)
+    sync_redis.set(keys.router_state, encode(RouterState(busy=False)))
+    for i, (prio, cls) in enumerate([("high", 0), ("normal", 1), ("normal", 1)]):
+        rid = f"r{i}"
+        sync_redis.hset(keys.request(rid), mapping={"id": rid, "priority": prio, "enqueued_at": time.time() - 2,
+                                                    "prompt_tokens": 5, "max_tokens": 7})  # fmt: skip
+        sync_redis.zadd(keys.queue, {rid: cls * CLASS_WEIGHT + i})
+    assert main([*args, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "light: TP groups" in out
+    assert f"epoch {epoch:>4}  [0,1]  binding   manual" in out
+    assert "queue: 3 waiting: high 1 (oldest 2.0" in out and "normal 2 (oldest 2.0" in out
+    assert main([*args, "queue", "-n", "2"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [r.split()[:2] for r in rows[1:3]] == [["r0", "high"], ["r1", "normal"]]
+    assert rows[-1] == "3 waiting (first 2 shown)"
+    assert main([*args, "watch", "--count", "2", "--interval", "0.01"]) == 0
+    assert capsys.readouterr().out.count("groups: 1") == 2
+    assert main([*args, "bind", "1", "2"]) == 2  # overlaps the manual group (0, 1)
+    assert main([*args, "bind", "0", "1", "2", "3"]) == 0  # contains it: a width change replaces the record
+    assert [g.members for g in control.groups(sync_redis, keys)] == [(0, 1, 2, 3)]

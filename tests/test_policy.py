@@ -16,7 +16,9 @@ BUSY = RouterState(busy=True)
 LIGHT = RouterState(busy=False)
 
 
-def req(i: str, prompt: int = 10, out: int = 10, priority: str = "normal", at: float = 100.0) -> QueuedRequest:
+def req(
+    i: str, prompt: int = 10, out: int = 10, priority: str = "normal", at: float = 100.0
+) -> QueuedRequest:
     return QueuedRequest(
         id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=out, gateway="g", enqueued_at=at
     )
@@ -52,7 +54,11 @@ def in_epoch(i, epoch, **kw) -> EngineView:
 
 def test_spreads_requests_over_least_loaded_engines():
     d = decide(snap([req("a"), req("b"), req("c")], [eng(0, inflight=1), eng(1)]), DP_ONLY)
-    assert [(x.request.id, x.engine, x.epoch) for x in d.dispatches] == [("a", 1, 0), ("b", 0, 0), ("c", 1, 0)]
+    assert [(x.request.id, x.engine, x.epoch) for x in d.dispatches] == [
+        ("a", 1, 0),
+        ("b", 0, 0),
+        ("c", 1, 0),
+    ]
 
 
 def test_respects_the_inflight_cap_and_keeps_queue_order():
@@ -220,18 +226,34 @@ def test_light_load_sends_normal_requests_to_load_groups():
     assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 1)]
 
 
-def test_light_load_binds_only_idle_engines():
-    engines = [eng(0), eng(1), eng(2, inflight=1), eng(3)]
+def test_light_load_binds_blocks_with_idle_followers_at_once_and_drains_one_other():
+    """The leader's DP requests are adopted (no pause); a block whose follower is busy drains it first
+    (sequential), one block at a time."""
+    engines = [eng(0, inflight=2), eng(1), eng(2), eng(3, inflight=1), eng(4, n=8), eng(5, n=8, inflight=1)]
+    engines = [dataclasses.replace(e, num_engines=8) for e in engines] + [
+        eng(6, n=8),
+        eng(7, n=8, inflight=2),
+    ]
     d = decide(snap(engines=engines, state=LIGHT), CFG)
-    assert [g.members for g in d.binds] == [(0, 1)]
+    got = [(g.members, g.preempt, g.adopt) for g in d.binds]
+    assert got == [((0, 1), "hard", True), ((2, 3), "sequential", True)]
+
+
+def test_light_load_sends_dp_work_to_leaders_so_followers_stay_free():
+    engines = [eng(0), eng(1), eng(2, inflight=3), eng(3, inflight=1)]  # (2, 3) waits: one drain at a time
+    draining = msgspec.structs.replace(bound(1, (0, 1), state="binding", reason="load"), preempt="sequential")
+    d = decide(snap([req("a")], engines, [draining], state=LIGHT), CFG)
+    assert [x.engine for x in d.dispatches] == [2]  # the leader of (2, 3), though busier
 
 
 def test_waiting_normal_request_means_busy_and_releases_load_groups():
     g = bound(1, (0, 1), reason="load")
     engines = [in_epoch(0, 1, inflight=8), in_epoch(1, 1), eng(2, inflight=32), eng(3, inflight=32)]
     waiting = [req("old", at=99.5)]
-    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 100)}), CFG)
-    assert d.state.busy and d.commands == [((0, 1), Release(epoch=1))]
+    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 100, 20)}), CFG)
+    assert d.state.busy and d.commands == [((0, 1), Release(epoch=1, retract=True))]  # they continue in DP
+    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 1900, 1500)}), CFG)
+    assert d.commands == [((0, 1), Release(epoch=1, retract=False))]  # a long one cannot: it finishes in TP
 
 
 def test_idle_priority_group_of_light_width_becomes_a_load_group_under_light_load():

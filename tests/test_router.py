@@ -9,6 +9,7 @@ from flying.messages import Heartbeat, QueuedRequest, encode
 from flying.queue import RequestQueue
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
+from router.policy import PolicyConfig
 
 
 async def beat(r, keys, engine: int, ready: bool = True) -> None:
@@ -29,8 +30,9 @@ async def beat(r, keys, engine: int, ready: bool = True) -> None:
         await r.set(keys.ready(engine), f"L{engine}")
 
 
-def dispatcher(aredis, keys, **kw) -> Dispatcher:
-    return Dispatcher(RouterConfig(key_prefix=keys.prefix, **kw), aredis)
+def dispatcher(aredis, keys, **policy) -> Dispatcher:
+    p = PolicyConfig(load_adaptation=False, priority=False, long_context=False, **policy)
+    return Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=p), aredis)
 
 
 async def admit(q: RequestQueue, n: int, priority: str = "normal") -> None:

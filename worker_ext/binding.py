@@ -41,6 +41,7 @@ class Epoch:
     rank: int
     group: MergedGroup
     release_asked: bool = False
+    retract: bool = False  # release at once: the TP requests are recomputed in DP on the leader
     next_bind: Bind | None = None  # a width change: go straight to this group once drained
     failed: BaseException | None = (
         None  # the group broke mid-step (leader): end the epoch at the next boundary
@@ -158,7 +159,7 @@ class Binding:
                 else:
                     self.pending = cmd
             elif isinstance(cmd, Release) and self.epoch and cmd.epoch == self.epoch.epoch:
-                self.epoch.release_asked = True
+                self.epoch.release_asked, self.epoch.retract = True, cmd.retract
             elif isinstance(cmd, Release) and self.pending and cmd.epoch == self.pending.epoch:
                 self._cancel_pending()  # the router rolled the bind back before this engine applied it
         if self.epoch is None and self.pending is not None:
@@ -167,7 +168,11 @@ class Binding:
                     cmd, self.pending = self.pending, None
                     self._enter(cmd)
                     return
-            elif self.pending.preempt == "sequential" and sglang_patches.has_running_dp_work(self.s):
+            elif (
+                self.pending.preempt == "sequential"
+                and not (self.pending.adopt and self.pending.members[0] == self.engine)
+                and sglang_patches.has_running_dp_work(self.s)
+            ):
                 self.held += sglang_patches.hold_waiting(self.s)  # admit no new DP work; bind once drained
             elif sglang_patches.at_clean_step_boundary(self.s):
                 cmd, self.pending = self.pending, None
@@ -180,7 +185,15 @@ class Binding:
             self._abort(e.failed)
             return
         try:
-            if e.release_asked and not sglang_patches.live_rids(self.s):
+            live = sglang_patches.live_rids(self.s)
+            if e.release_asked and live and e.retract and sglang_patches.at_clean_step_boundary(self.s):
+                # SGLang's retraction frees their TP KV; after the release they are recomputed in DP, here
+                moved = sglang_patches.retract_running(self.s) + sglang_patches.hold_waiting(self.s)
+                e.group.broadcast_object({"kind": "release", "next": None})
+                self._leave(None)
+                self.s.waiting_queue.extend(moved)
+                log.info("engine %d: %d TP requests continue in DP", self.engine, len(moved))
+            elif e.release_asked and not live:
                 e.group.broadcast_object({"kind": "release", "next": e.next_bind})
                 self._leave(e.next_bind)
             elif time.monotonic() - self.last_plan > KEEPALIVE_S:
@@ -262,8 +275,8 @@ class Binding:
         width, rank = len(cmd.members), cmd.members.index(self.engine)
         restart: list = []
         if (
-            cmd.preempt == "soft" and rank == 0
-        ):  # TP requests started in DP mode: re-prefill them at this width
+            (cmd.preempt == "soft" or cmd.adopt) and rank == 0
+        ):  # requests started in DP mode (soft: the group's; adopt: all): re-prefill at this width
             restart = sglang_patches.retract_running(self.s) + sglang_patches.hold_waiting(self.s)
         self.soft_dp_rids = None
         if self.stash is None:  # from DP (a width change keeps the paused DP work and limits as they are)

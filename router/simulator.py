@@ -1,0 +1,537 @@
+"""A discrete-event, trace-driven simulation of N engines run by the *live* policy (:func:`router.policy.decide`).
+
+Each engine is a continuous-batching scheduler whose step times come from :mod:`router.cost_model`; a bound group is
+one scheduler at its width with the members' pooled KV. Commands behave as the workers' (worker_ext.binding) do:
+a member acknowledges a bind on reading it (``pending``), applies it at its next step boundary (hard: its DP work
+pauses with its KV kept; sequential: once its running DP requests finish), the group forms when every member is
+there (plus ``switch_ms``), a release takes effect once the group's TP requests have finished and the paused DP work
+resumes where it stopped. The router's state lives where the live router keeps it (group records, regime), so a
+router outage is just time in which no decisions are taken.
+
+Static baselines run the same machinery: ``dp`` with every use case off, ``tp`` with every engine in a permanent
+(unmerged) group of ``tp_width``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from flying.groups import pooled_limit
+from flying.messages import PRIORITY_CLASS, Bind, Group, QueuedRequest, Release, RouterState
+from loadgen.metrics import RequestRecord
+from router.cost_model import H200_LLAMA70B, CostModel
+from router.policy import Decision, EngineView, GroupLoad, PolicyConfig, Snapshot, decide
+
+Mode = Literal["dynamic", "dp", "tp"]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    engines: int = 8
+    mode: Mode = "dynamic"
+    tp_width: int = 2  # static TP's group width
+    policy: PolicyConfig = field(
+        default_factory=lambda: PolicyConfig(max_inflight_per_worker=256, tp_inflight_per_engine=16)
+    )
+    cost: CostModel = H200_LLAMA70B
+    router_ms: float = 2.0  # a router round: snapshot, decision, assignments
+    command_ms: float = 2.0  # XADD -> the engine has read the command
+    tick_s: float = 0.05  # the router wakes at least this often
+    router_down: tuple[tuple[float, float], ...] = ()  # (from, to): the router is dead (kill -9 and restart)
+    ignore_binds: frozenset[int] = frozenset()  # engines that never read a bind (a hung member)
+    horizon_s: float = 36_000.0  # give up (requests still unfinished count as lost)
+
+    def effective_policy(self) -> PolicyConfig:
+        if self.mode == "dynamic":
+            return self.policy
+        p = self.policy  # static: no binds; a static TP engine is offered as much per GPU as a DP engine
+        return dataclasses.replace(
+            p,
+            load_adaptation=False,
+            priority=False,
+            long_context=False,
+            tp_inflight_per_engine=p.max_inflight_per_worker,
+        )
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    at: float
+    priority: str
+    prompt: int
+    output: int
+
+
+class Req:
+    __slots__ = ("i", "spec", "q", "engine", "epoch", "prefilled", "generated", "started", "times", "done")
+
+    def __init__(self, i: int, spec: SimRequest, q: QueuedRequest) -> None:
+        self.i, self.spec, self.q = i, spec, q
+        self.engine, self.epoch = -1, 0
+        self.prefilled = self.generated = 0
+        self.started = float("nan")
+        self.times: list[float] = []
+        self.done = False
+
+    @property
+    def kv(self) -> int:
+        return self.spec.prompt + self.spec.output
+
+
+class Unit:
+    """One scheduler: a DP engine, or a group run by its leader."""
+
+    def __init__(
+        self, sim: Simulator, width: int, kv_cap: int, merged: bool, on_idle: Callable[[], None]
+    ) -> None:
+        self.sim, self.width, self.kv_cap, self.merged, self.on_idle = sim, width, kv_cap, merged, on_idle
+        self.queue: list[Req] = []
+        self.running: list[Req] = []
+        self.kv_used = 0
+        self.stepping = False
+        self.admit = True
+
+    def has_work(self) -> bool:
+        return bool(self.running or (self.queue and self.admit))
+
+    def step(self) -> None:
+        cost, now = self.sim.cfg.cost, self.sim.now
+        while (
+            self.admit
+            and self.queue
+            and len(self.running) < cost.max_running
+            and self.kv_used + self.queue[0].kv <= self.kv_cap
+        ):
+            r = self.queue.pop(0)
+            self.running.append(r)
+            self.kv_used += r.kv
+            r.started = now
+        if not self.running:
+            return  # idle (or the head does not fit yet); the next dispatch or finish pokes it
+        budget, prefill, decode = cost.chunk_tokens, [], []
+        for r in self.running:
+            if r.prefilled < r.spec.prompt:
+                take = min(budget, r.spec.prompt - r.prefilled)
+                if take:
+                    prefill.append((r, take))
+                    budget -= take
+            else:
+                decode.append(r)
+        ctx = sum(r.prefilled + r.generated for r in decode)
+        ms = cost.step_ms(self.width, cost.chunk_tokens - budget, len(decode), ctx, self.merged)
+        self.stepping = True
+        self.sim.at(now + ms / 1000, self.end_step, prefill, decode)
+
+    def end_step(self, prefill: list[tuple[Req, int]], decode: list[Req]) -> None:
+        now = self.sim.now
+        self.stepping = False
+        for r, take in prefill:
+            r.prefilled += take
+            if r.prefilled == r.spec.prompt:  # first token (or, after a retraction, the next one)
+                r.generated += 1
+                r.times.append(now)
+        for r in decode:
+            r.generated += 1
+            r.times.append(now)
+        for r in [r for r in self.running if r.generated >= r.spec.output]:
+            self.running.remove(r)
+            self.kv_used -= r.kv
+            self.sim.finish(r)
+        self.on_idle()
+
+
+class Engine:
+    def __init__(self, sim: Simulator, idx: int) -> None:
+        self.sim, self.idx = sim, idx
+        self.dp = Unit(sim, 1, sim.cfg.cost.kv_tokens, False, self.boundary)
+        self.pending: Bind | None = None
+        self.arrived = 0  # the epoch whose group this engine waits to form
+        self.last_epoch = 0
+        self.group: SimGroup | None = None
+        self.paused_queue: list[Req] = []
+        self.paused_running: list[Req] = []
+        self.assigned = 0  # requests assigned to it (DP, paused, and TP when it leads a group)
+        self.beat_ts = 0.0
+
+    @property
+    def mode(self) -> str:
+        return "tp" if self.group else "dp"
+
+    def view(self) -> EngineView:
+        return EngineView(
+            self.idx,
+            f"sim://{self.idx}",
+            self.assigned,
+            self.sim.cfg.cost.kv_tokens - self.dp.kv_used,
+            self.sim.cfg.cost.kv_tokens,
+            mode=self.mode,
+            epoch=self.group.epoch if self.group else 0,
+            pending=self.pending.epoch if self.pending else 0,
+            num_engines=self.sim.cfg.engines,
+            beat_ts=self.beat_ts,
+        )
+
+    def command(self, cmd: Bind | Release) -> None:
+        self.beat_ts = self.sim.now
+        if isinstance(cmd, Bind):
+            if (
+                cmd.epoch <= self.last_epoch
+                or self.group is not None
+                or self.idx in self.sim.cfg.ignore_binds
+            ):
+                return
+            self.pending = cmd
+        elif self.pending and cmd.epoch == self.pending.epoch:
+            self.pending, self.arrived, self.last_epoch = None, 0, max(self.last_epoch, cmd.epoch)
+            self.dp.admit = True
+            self.resume()
+        elif self.group and cmd.epoch == self.group.epoch:
+            self.group.release_asked = True
+            self.group.retract = cmd.retract
+            self.sim.engines[self.group.leader].boundary()
+            return
+        self.boundary()
+
+    def boundary(self) -> None:
+        """A step boundary (or an idle engine poked): apply commands, then run the next step."""
+        if self.dp.stepping:
+            return
+        g = self.group
+        if g is not None:
+            if g.leader == self.idx and g.formed:
+                g.boundary()
+            return
+        b = self.pending
+        if b is not None and not self.arrived:
+            adopting = b.adopt and b.members[0] == self.idx
+            if b.preempt == "hard" or adopting or not (self.dp.running or self.dp.queue):
+                self.paused_running, self.paused_queue = self.dp.running, self.dp.queue
+                self.dp.running, self.dp.queue = [], []
+                self.arrived = b.epoch
+                self.sim.arrive(b, self.idx)
+                return
+            # sequential/soft: the engine's DP work (running and queued; the router sends no more) finishes first
+        if self.arrived:
+            return
+        if self.dp.has_work():
+            self.dp.step()
+
+    def resume(self) -> None:
+        self.dp.running = self.paused_running + self.dp.running
+        self.dp.queue = self.paused_queue + self.dp.queue
+        self.paused_running, self.paused_queue = [], []
+
+
+class SimGroup:
+    def __init__(self, sim: Simulator, bind: Bind, merged: bool) -> None:
+        self.sim, self.epoch, self.members = sim, bind.epoch, bind.members
+        self.leader = bind.members[0]
+        lead = sim.engines[self.leader]
+        adopted = lead.paused_running + lead.paused_queue if bind.adopt else []
+        if bind.adopt:  # the leader's DP requests become the group's, recomputed at its width
+            for r in lead.paused_running:
+                r.prefilled = -r.generated
+            lead.dp.kv_used -= sum(r.kv for r in lead.paused_running)
+            lead.paused_running, lead.paused_queue = [], []
+        paused_kv = sum(sim.engines[m].dp.kv_used for m in self.members)
+        cap = len(self.members) * sim.cfg.cost.kv_tokens - paused_kv
+        self.unit = Unit(sim, len(self.members), cap, merged, self.boundary)
+        self.unit.queue = adopted
+        self.release_asked = self.retract = False
+        self.formed = False
+
+    def boundary(self) -> None:
+        if self.unit.stepping or not self.formed:
+            return
+        if self.release_asked and self.retract and (self.unit.running or self.unit.queue):
+            leader = self.sim.engines[self.leader]
+            for r in self.unit.running:  # recomputed in DP: the prompt and the tokens generated so far
+                r.prefilled = -r.generated
+            leader.paused_queue = self.unit.running + self.unit.queue + leader.paused_queue
+            self.unit.running, self.unit.queue, self.unit.kv_used = [], [], 0
+        if self.release_asked and not self.unit.running and not self.unit.queue:
+            self.formed = False
+            self.sim.at(self.sim.now + self.sim.cfg.cost.switch_ms / 1000, self.sim.dissolve, self)
+        elif self.unit.has_work():
+            self.unit.step()
+
+
+class Simulator:
+    def __init__(self, cfg: SimConfig, requests: Sequence[SimRequest], check: bool = False) -> None:
+        self.cfg, self.policy, self.check = cfg, cfg.effective_policy(), check
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.engines = [Engine(self, i) for i in range(cfg.engines)]
+        self.reqs = [
+            Req(
+                i,
+                s,
+                QueuedRequest(
+                    id=str(i),
+                    priority=s.priority,  # type: ignore[arg-type]
+                    model="sim",
+                    prompt_tokens=s.prompt,
+                    max_tokens=s.output,
+                    gateway="sim",
+                    enqueued_at=s.at,
+                    seq=i,
+                ),
+            )
+            for i, s in enumerate(requests)
+        ]
+        self.queue: dict[int, dict[str, Req]] = {c: {} for c in sorted(PRIORITY_CLASS.values())}
+        self.records: dict[int, Group] = {}  # "Redis": the router's group records
+        self.state = RouterState(busy=True)
+        self.epochs = itertools.count(1)
+        self.groups: dict[int, SimGroup] = {}
+        self.tp_load: dict[int, list[int]] = {}
+        self.tp_max: dict[int, int] = {}
+        self.dispatched: set[int] = set()
+        self.finished = 0
+        self._router_due: float | None = None
+        self.bound_at: dict[int, float] = {}
+        self.log: list[tuple[float, str]] = []
+        if cfg.mode == "tp":
+            self._static_groups()
+
+    # --- event loop ---------------------------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self) -> list[RequestRecord]:
+        for r in self.reqs:
+            self.at(r.spec.at, self.arrive_request, r)
+        self.at(0.0, self.tick)
+        while self._events and self.finished < len(self.reqs):
+            t, _, fn, args = heapq.heappop(self._events)
+            if t > self.cfg.horizon_s:
+                break
+            self.now = t
+            fn(*args)
+        return [self.record(r) for r in self.reqs]
+
+    def router_up(self) -> bool:
+        return not any(a <= self.now < b for a, b in self.cfg.router_down)
+
+    def poke_router(self) -> None:
+        due = self.now + self.cfg.router_ms / 1000
+        if self._router_due is None or self._router_due > due:
+            self._router_due = due
+            self.at(due, self.router_round)
+
+    def tick(self) -> None:
+        self.poke_router()
+        self.at(self.now + self.cfg.tick_s, self.tick)
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    def context_limit(self) -> int:
+        kv, cfg = self.cfg.cost.kv_tokens, self.cfg
+        if cfg.mode == "tp":
+            return cfg.tp_width * kv
+        return pooled_limit(cfg.engines, kv) if self.policy.long_context else kv
+
+    def arrive_request(self, r: Req) -> None:
+        if r.kv > self.context_limit():  # the gateway answers 400: longer than the deployment's context
+            r.done = True
+            self.finished += 1
+            return
+        self.queue[PRIORITY_CLASS[r.spec.priority]][r.q.id] = r
+        self.poke_router()
+
+    def finish(self, r: Req) -> None:
+        r.done = True
+        self.finished += 1
+        self.engines[r.engine].assigned -= 1
+        if r.epoch:
+            load = self.tp_load[r.epoch]
+            load[0] -= 1
+            load[1] -= r.kv
+        self.poke_router()
+
+    def record(self, r: Req) -> RequestRecord:
+        return RequestRecord(
+            index=r.i,
+            priority=r.spec.priority,
+            scheduled_at=r.spec.at,
+            sent_at=r.spec.at,
+            event_times=list(r.times),
+            event_tokens=[1] * len(r.times),
+            output_tokens=len(r.times),
+            prompt_tokens=r.spec.prompt,
+            queue_ms=(r.started - r.spec.at) * 1000 if r.times else None,
+            status=200 if r.times else 400 if r.done else 0,
+            error="" if r.times else "longer than the context limit" if r.done else "not served",
+        )
+
+    # --- router -------------------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        waiting = [
+            r.q for r in itertools.islice(itertools.chain(*(q.values() for q in self.queue.values())), 256)
+        ]
+        return Snapshot(
+            now=self.now,
+            waiting=waiting,
+            queued=sum(len(q) for q in self.queue.values()),
+            engines=[e.view() for e in self.engines],
+            groups=list(self.records.values()),
+            tp_load={ep: GroupLoad(n, kv, self.tp_max.get(ep, 0)) for ep, (n, kv) in self.tp_load.items()},
+            state=self.state,
+        )
+
+    def router_round(self) -> None:
+        self._router_due = None
+        if not self.router_up():
+            return
+        self.apply(decide(self.snapshot(), self.policy))
+        if self.check:
+            self.check_invariants()
+
+    def apply(self, d: Decision) -> None:
+        binds = [msgspec.structs.replace(g, epoch=next(self.epochs)) for g in d.binds]
+        for g in [*d.put.values(), *binds]:
+            self.records[g.epoch] = g
+        for ep in d.drop:
+            self.records.pop(ep, None)
+        self.state = d.state
+        self.log += [(self.now, n) for n in d.notes]
+        for members, cmd in [*d.commands, *map(d.bind_command, binds)]:
+            for m in members:
+                self.at(self.now + self.cfg.command_ms / 1000, self.engines[m].command, cmd)
+        for x in d.dispatches:
+            r = self.queue[PRIORITY_CLASS[x.request.priority]].pop(x.request.id)
+            assert r.i not in self.dispatched, f"request {r.i} dispatched twice"
+            self.dispatched.add(r.i)
+            r.engine, r.epoch = x.engine, x.epoch
+            self.engines[x.engine].assigned += 1
+            if x.epoch:
+                load = self.tp_load.setdefault(x.epoch, [0, 0])
+                load[0] += 1
+                load[1] += r.kv
+                self.tp_max[x.epoch] = max(self.tp_max.get(x.epoch, 0), r.kv)  # (not lowered: conservative)
+            e = self.engines[x.engine]
+            g = e.group
+            unit = g.unit if g is not None and g.epoch == x.epoch and x.epoch else e.dp
+            unit.queue.append(r)
+            (g.boundary if unit is not e.dp else e.boundary)()  # type: ignore[union-attr]
+
+    # --- binding ------------------------------------------------------------------------------------------
+
+    def arrive(self, b: Bind, idx: int) -> None:
+        if all(self.engines[m].arrived == b.epoch for m in b.members):
+            g = SimGroup(self, b, merged=True)
+            for m in b.members:
+                e = self.engines[m]
+                e.group, e.pending, e.arrived, e.last_epoch = g, None, 0, b.epoch
+            self.groups[b.epoch] = g
+            self.at(self.now + self.cfg.cost.switch_ms / 1000, self.formed, g)
+
+    def formed(self, g: SimGroup) -> None:
+        g.formed = True
+        self.bound_at[g.epoch] = self.now
+        for m in g.members:
+            self.engines[m].beat_ts = self.now
+        self.poke_router()
+        g.boundary()
+
+    def dissolve(self, g: SimGroup) -> None:
+        self.groups.pop(g.epoch, None)
+        for m in g.members:
+            e = self.engines[m]
+            e.group, e.beat_ts = None, self.now
+            e.dp.admit = True
+            e.resume()
+        for m in g.members:
+            self.engines[m].boundary()
+        self.poke_router()
+
+    def _static_groups(self) -> None:
+        w = self.cfg.tp_width
+        for start in range(0, self.cfg.engines - w + 1, w):
+            epoch = next(self.epochs)
+            members = tuple(range(start, start + w))
+            b = Bind(epoch=epoch, members=members)
+            g = SimGroup(self, b, merged=False)
+            g.formed = True
+            for m in members:
+                self.engines[m].group = g
+            self.groups[epoch] = g
+            self.records[epoch] = Group(epoch=epoch, members=members, reason="manual", state="bound")
+
+    # --- invariants (tests) -------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        seen: dict[int, int] = {}
+        for g in self.records.values():
+            for m in g.members:
+                assert m not in seen, f"engine {m} in epochs {seen[m]} and {g.epoch}"
+                seen[m] = g.epoch
+        for e in self.engines:
+            if e.group is not None:
+                assert seen.get(e.idx) == e.group.epoch or self.records.get(e.group.epoch) is None, (
+                    f"engine {e.idx} bound in epoch {e.group.epoch} but recorded in {seen.get(e.idx)}"
+                )
+        grace = self.policy.max_defer_s + self.cfg.tick_s + 2 * self.cfg.router_ms / 1000
+        for ep, g in self.groups.items():
+            paused = any(self.engines[m].paused_running or self.engines[m].paused_queue for m in g.members)
+            rec = self.records.get(ep)
+            if g.formed and paused and rec is not None and rec.reason != "manual":
+                if self.now - self.bound_at.get(ep, self.now) > grace:
+                    assert rec.state == "releasing", f"epoch {ep} defers DP work beyond {grace:.2f} s"
+        places = sum(len(q) for q in self.queue.values()) + len(self.dispatched)
+        arrived = sum(1 for r in self.reqs if r.spec.at <= self.now and not (r.done and not r.times))
+        assert places == arrived, "a request was lost or duplicated"
+
+
+def two_level_phase(t: float, low_s: float, burst_s: float) -> str:
+    return "burst" if t % (low_s + burst_s) >= low_s else "low"
+
+
+def paper_workload(
+    n: int = 4000,
+    seed: int = 0,
+    low_rate: tuple[float, float] = (2.0, 5.0),
+    burst_rate: tuple[float, float] = (10.0, 30.0),
+    low_s: float = 60.0,
+    burst_s: float = 30.0,
+    input_tokens: tuple[int, int] = (256, 2048),
+    output_tokens: tuple[int, int] = (64, 512),
+    high_share: float = 0.1,
+    long_share: float = 0.0025,
+    long_input: tuple[int, int] = (400_000, 600_000),
+) -> list[SimRequest]:
+    """The paper's synthetic workload: Poisson arrivals whose rate alternates between a low phase (2-5 req/s) and
+    a burst (10-30 req/s), uniform prompt and output lengths, a share of high-priority and of long-context
+    requests (long prompts exceed one engine's KV)."""
+    from loadgen.arrivals import two_level
+
+    rng = np.random.default_rng(seed)
+    times = two_level(n, rng, low_rate, burst_rate, low_s, burst_s, anchor=False)
+    out = []
+    for t in times:
+        long = rng.random() < long_share
+        prompt = (
+            int(rng.integers(*long_input))
+            if long
+            else int(rng.integers(input_tokens[0], input_tokens[1] + 1))
+        )
+        out.append(
+            SimRequest(
+                at=float(t),
+                priority="high" if rng.random() < high_share else "normal",
+                prompt=prompt,
+                output=int(rng.integers(output_tokens[0], output_tokens[1] + 1)),
+            )
+        )
+    return out
