@@ -486,9 +486,9 @@ class Simulator:
         for ep, g in self.groups.items():
             paused = any(self.engines[m].paused_running or self.engines[m].paused_queue for m in g.members)
             rec = self.records.get(ep)
-            if g.formed and paused and rec is not None and rec.reason != "manual":
-                if self.now - self.bound_at.get(ep, self.now) > grace:
-                    assert rec.state == "releasing", f"epoch {ep} defers DP work beyond {grace:.2f} s"
+            late = self.now - self.bound_at.get(ep, self.now) > grace
+            if g.formed and paused and rec is not None and rec.reason != "manual" and late:
+                assert rec.state == "releasing", f"epoch {ep} defers DP work beyond {grace:.2f} s"
         places = sum(len(q) for q in self.queue.values()) + len(self.dispatched)
         arrived = sum(1 for r in self.reqs if r.spec.at <= self.now and not (r.done and not r.times))
         assert places == arrived, "a request was lost or duplicated"

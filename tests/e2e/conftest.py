@@ -17,7 +17,7 @@ def cluster(tiny_model, tmp_path_factory):
         num_engines=2,
         log_dir=log_dir,
         max_total_tokens=4096,
-        router_args=("--max-inflight-per-worker", "4"),
+        router_args=("--max-inflight-per-worker", "4", "--manual"),  # switching tests drive binds by hand
     )
     with Cluster(config, progress=print) as c:
         yield c

@@ -23,6 +23,7 @@ def cluster4(tiny_model, tmp_path_factory):
         num_engines=4,
         log_dir=tmp_path_factory.mktemp("cluster4"),
         max_total_tokens=KV_TOKENS,
+        router_args=("--manual",),  # these tests drive binds by hand
     )
     with Cluster(config, progress=print) as c:
         yield c
