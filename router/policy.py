@@ -398,6 +398,9 @@ class _Round:
             if width > 1 and self.building and self.now - r.enqueued_at < cfg.long_wait_s:
                 return  # a burst: keep the engines in DP for now (bounded by long_wait_s)
             sets = self.free_sets(width if width > 1 else cfg.priority_width)
+            if width == 1:  # a priority group must leave DP capacity for everyone else
+                dp = {e.engine for e in self.s.engines if e.mode == "dp" and e.engine not in self.in_groups()}
+                sets = [ms for ms in sets if dp - set(ms)]
             if sets:
                 reason, preempt = (
                     ("long", cfg.long_preempt) if width > 1 else ("priority", cfg.priority_preempt)

@@ -330,3 +330,8 @@ def test_bind_command_carries_the_records_epoch():
 def test_config_is_validated(bad):
     with pytest.raises(AssertionError):
         PolicyConfig(**bad)
+
+
+def test_priority_group_never_takes_the_last_dp_engines():
+    d = decide(snap([req("hi", priority="high")], [eng(0, n=2), eng(1, n=2)]), CFG)
+    assert not d.binds and [(x.engine, x.epoch) for x in d.dispatches] == [(0, 0)]
