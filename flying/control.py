@@ -50,12 +50,14 @@ def groups(r: redis.Redis, keys: Keys) -> list[Group]:
 def bind(
     r: redis.Redis, keys: Keys, members: tuple[int, ...], preempt: str = "hard", record: bool = True
 ) -> int:
-    """Bind ``members`` by hand; with ``record`` the router sees a ``manual`` group. Refused if it overlaps a
-    group it does not contain; groups it contains are replaced (a direct width change, e.g. (0,1) -> (0,1,2,3))."""
+    """Bind ``members`` by hand; with ``record`` the router sees a ``manual`` group. A group it overlaps is
+    replaced when the change is a direct width change: the old group lies inside ``members`` ((0,1) -> (0,1,2,3))
+    or contains them with the same leader ((0,1,2,3) -> (0,1); the leader takes the command and sends the
+    engines left out back to DP). Any other overlap is refused."""
     epoch = next_epoch(r, keys)
     if record:
         inside = [g for g in groups(r, keys) if set(g.members) & set(members)]
-        if clash := [g.members for g in inside if not set(g.members) <= set(members)]:
+        if clash := [g.members for g in inside if not _width_change(g.members, members)]:
             raise ValueError(
                 f"engines {sorted(set(members) & {m for c in clash for m in c})} are in group(s) {clash}"
             )
@@ -68,6 +70,10 @@ def bind(
         r.hset(keys.groups, str(epoch), encode(g))
     send(r, keys, members, Bind(epoch=epoch, members=tuple(members), preempt=preempt))  # type: ignore[arg-type]
     return epoch
+
+
+def _width_change(old: tuple[int, ...], new: tuple[int, ...]) -> bool:
+    return set(old) <= set(new) or (set(new) <= set(old) and old[0] == new[0])
 
 
 def release(r: redis.Redis, keys: Keys, members: tuple[int, ...], epoch: int) -> None:

@@ -350,6 +350,7 @@ class Simulator:
         self.poke_router()
 
     def finish(self, r: Req) -> None:
+        assert not r.done, f"request {r.i} finished twice"
         r.done = True
         self.finished += 1
         self.engines[r.engine].assigned -= 1

@@ -50,9 +50,6 @@ def scenarios(draw):
     return cfg, reqs
 
 
-@pytest.mark.skip(
-    reason="finds a request left unserved (a stuck queue head after a retraction or rollback); open"
-)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_event_sequences_keep_the_invariants_and_serve_every_request(scenario):
