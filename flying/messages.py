@@ -122,6 +122,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     state: GroupState = "binding"
     since: float = 0.0  # when it entered ``state`` (router clock, epoch seconds)
     last_used: float = 0.0  # last TP dispatch to it (or its creation)
+    kv_cap: int = 0  # KV tokens its TP requests may use (hard: what the members had free; 0: all of their KV)
 
     @property
     def width(self) -> int:
@@ -141,6 +142,7 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     long_context: bool = (
         True  # the router binds groups for requests one engine cannot hold (gateways admit them)
     )
+    suspect: dict[int, float] = {}  # engine -> until when it is not picked for a bind (it failed one)
 
 
 def decode_command(data: bytes | str) -> Command:

@@ -46,7 +46,7 @@ class PolicyConfig:
     light_width: int = 2  # width of the groups formed under light load
     priority_width: int = 2  # width of a group bound for a high-priority request
     priority_preempt: Preempt = "hard"
-    long_preempt: Preempt = "sequential"
+    long_preempt: Preempt = "sequential"  # hard only where the members' free KV holds the request
     max_inflight_per_worker: int = 32  # requests one DP engine is handed before the rest wait in Redis
     tp_inflight_per_engine: int = 4  # a group of width w takes w * this TP requests at once
     light_load: float = (
@@ -59,6 +59,7 @@ class PolicyConfig:
     max_defer_s: float = 5.0  # a bind defers DP work for at most this long before its group is released
     ack_timeout_s: float = 2.0  # members must acknowledge a bind within this ...
     bind_timeout_s: float = 60.0  # ... and complete it within this (a sequential bind drains DP work first)
+    suspect_s: float = 10.0  # a member that failed a bind is not picked for another one for this long
 
     def __post_init__(self) -> None:
         for name in ("light_width", "priority_width"):
@@ -160,6 +161,7 @@ class _Round:
         self.tp_max = {ep: ld.max_kv_tokens for ep, ld in s.tp_load.items()}
         self.reserved: set[int] = set()  # members of binds planned this round
         self.building = False
+        self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
 
     # --- group records ------------------------------------------------------------------------------------
 
@@ -194,15 +196,25 @@ class _Round:
             elif g.state == "binding":
                 if all(b.epoch == g.epoch for b in beats):  # type: ignore[union-attr]
                     self.put(_replace(g, state="bound", since=self.now, last_used=self.now))
-                elif age > self.cfg.ack_timeout_s and any(
-                    g.epoch not in (b.epoch, b.pending)
-                    for b in beats  # type: ignore[union-attr]
+                elif age > self.cfg.ack_timeout_s and (
+                    silent := [b.engine for b in beats if g.epoch not in (b.epoch, b.pending)]  # type: ignore[union-attr]
                 ):
-                    self.release(g, f"not acknowledged within {self.cfg.ack_timeout_s:g} s: rolled back")
+                    self.release(
+                        g, f"{silent} did not acknowledge within {self.cfg.ack_timeout_s:g} s: rolled back"
+                    )
+                    self.distrust(silent)
                 elif age > self.cfg.bind_timeout_s:
                     self.release(g, f"not bound within {self.cfg.bind_timeout_s:g} s: rolled back")
+                    self.distrust([b.engine for b in beats if b.epoch != g.epoch])  # type: ignore[union-attr]
             elif any(b.epoch != g.epoch for b in beats):  # type: ignore[union-attr]
                 self.release(g, "the group broke up (a member aborted the epoch)")
+
+    def distrust(self, engines: list[int]) -> None:
+        """Members that failed a bind are left out of binds for ``suspect_s`` (retrying at once would stall the
+        requests waiting for a group again); they keep serving DP."""
+        for e in engines:
+            self.suspect[e] = self.now + self.cfg.suspect_s
+        self.out.notes.append(f"engines {engines} not picked for binds for {self.cfg.suspect_s:g} s")
 
     # --- load adaptation ----------------------------------------------------------------------------------
 
@@ -254,18 +266,18 @@ class _Round:
                 retract = self.tp_max.get(g.epoch, 0) <= min(self.live[m].max_total_tokens for m in g.members)
                 self.release(g, "load rose", retract=retract)
             elif (
-                g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s
-            ):
-                if not busy and g.width == cfg.light_width:
-                    self.put(_replace(g, reason="load"))  # light load: keep it, as a load group
-                elif busy or g.reason == "long":
-                    self.release(g, f"no TP work for {cfg.keep_s:g} s")
-            elif (
                 g.state == "bound"
                 and self.now - g.since >= cfg.max_defer_s
                 and (self.paused_dp(g) > 0 or (busy and queued_dp))
             ):
                 self.release(g, f"DP work deferred for {cfg.max_defer_s:g} s")
+            elif (
+                g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s
+            ):
+                if not busy and g.width == cfg.light_width and not self.paused_dp(g):
+                    self.put(_replace(g, reason="load"))  # light load: keep it, as a load group
+                elif busy or g.reason == "long" or self.paused_dp(g):
+                    self.release(g, f"no TP work for {cfg.keep_s:g} s")
 
     # --- binds and dispatch -------------------------------------------------------------------------------
 
@@ -279,11 +291,21 @@ class _Round:
         for ms in merge_sets(n, (width,)) if n > 1 else []:
             es = [self.live.get(m) for m in ms]
             if all(
-                e is not None and e.num_engines == n and e.mode == "dp" and not e.pending and m not in taken
+                e is not None
+                and e.num_engines == n
+                and e.mode == "dp"
+                and not e.pending
+                and m not in taken
+                and m not in self.suspect
                 for m, e in zip(ms, es)
             ):
                 ok.append(ms)
         return sorted(ok, key=lambda ms: (sum(self.dp_inflight[m] for m in ms), ms))
+
+    def hard_cap(self, members: tuple[int, ...]) -> int:
+        """KV a hard-preempted group can use: its members' paused DP requests keep theirs (with a margin of a
+        tenth, for DP work the members admit before they read the bind)."""
+        return int(0.9 * sum(self.live[m].free_kv_tokens for m in members))
 
     def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt, adopt: bool = False) -> Group:
         g = Group(
@@ -294,6 +316,7 @@ class _Round:
             adopt=adopt,
             since=self.now,
             last_used=self.now,
+            kv_cap=self.hard_cap(members) if preempt == "hard" and not adopt else 0,
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
@@ -302,7 +325,7 @@ class _Round:
 
     def group_room(self, g: Group, r: QueuedRequest) -> bool:
         n, kv = self.tp.get(g.epoch, (0, 0))
-        pooled = g.width * min(self.live[m].max_total_tokens for m in g.members)
+        pooled = g.kv_cap or g.width * min(self.live[m].max_total_tokens for m in g.members)
         return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
 
     def group_for(
@@ -390,7 +413,9 @@ class _Round:
         usable = ("bound", "binding")
         tp_priority = r.priority == "high" and cfg.priority and not self.building
         if width > 1 or tp_priority:
-            if (g := self.group_for(r, width, usable)) is not None:
+            # a long request may wait for any group that will hold it; a high-priority one only for one that
+            # forms at the members' next step boundary (it would otherwise wait out another's drain)
+            if (g := self.group_for(r, width, usable, imminent=width == 1)) is not None:
                 self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
                 return
             if width > 1 and not cfg.long_context:
@@ -402,10 +427,14 @@ class _Round:
                 dp = {e.engine for e in self.s.engines if e.mode == "dp" and e.engine not in self.in_groups()}
                 sets = [ms for ms in sets if dp - set(ms)]
             if sets:
-                reason, preempt = (
-                    ("long", cfg.long_preempt) if width > 1 else ("priority", cfg.priority_preempt)
-                )
-                self.bind(sets[0], reason, preempt)
+                if width == 1:
+                    self.bind(sets[0], "priority", cfg.priority_preempt)
+                elif cfg.long_preempt == "hard" and r.kv_tokens > self.hard_cap(sets[0]):
+                    self.bind(
+                        sets[0], "long", "sequential"
+                    )  # the members' paused DP work holds the KV it needs
+                else:
+                    self.bind(sets[0], "long", cfg.long_preempt)
                 return
             if width > 1:
                 self.release_idle_blocking(width)
@@ -437,6 +466,7 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     rnd = _Round(s, cfg)
     rnd.reconcile()
     rnd.update_regime()
+    rnd.out.state = msgspec.structs.replace(rnd.out.state, suspect=rnd.suspect)
     rnd.releases()
     rnd.load_binds()
     rnd.building = (

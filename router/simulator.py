@@ -46,7 +46,7 @@ class SimConfig:
     command_ms: float = 2.0  # XADD -> the engine has read the command
     tick_s: float = 0.05  # the router wakes at least this often
     router_down: tuple[tuple[float, float], ...] = ()  # (from, to): the router is dead (kill -9 and restart)
-    ignore_binds: frozenset[int] = frozenset()  # engines that never read a bind (a hung member)
+    ignore_binds: tuple[tuple[int, float, float], ...] = ()  # (engine, from, to): it reads no bind (hung)
     horizon_s: float = 36_000.0  # give up (requests still unfinished count as lost)
 
     def effective_policy(self) -> PolicyConfig:
@@ -185,7 +185,7 @@ class Engine:
             if (
                 cmd.epoch <= self.last_epoch
                 or self.group is not None
-                or self.idx in self.sim.cfg.ignore_binds
+                or any(e == self.idx and a <= self.sim.now < b for e, a, b in self.sim.cfg.ignore_binds)
             ):
                 return
             self.pending = cmd

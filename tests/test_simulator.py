@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -44,7 +43,14 @@ def scenarios(draw):
         policy=policy,
         cost=SMALL,
         router_down=tuple((a, a + b) for a, b in down),
-        ignore_binds=frozenset(draw(st.sets(st.integers(0, engines - 1), max_size=1))),
+        ignore_binds=tuple(
+            (e, a, a + b)
+            for e, a, b in draw(
+                st.lists(
+                    st.tuples(st.integers(0, engines - 1), st.floats(0, 5), st.floats(0.1, 20)), max_size=1
+                )
+            )
+        ),
         horizon_s=2000.0,
     )
     return cfg, reqs
