@@ -86,9 +86,6 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
     epoch: int
     members: tuple[int, ...]
     preempt: Preempt = "hard"
-    adopt: bool = (
-        False  # the leader's DP requests become the group's (recomputed at the new width), not paused
-    )
 
     @property
     def width(self) -> int:
@@ -118,7 +115,6 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     members: tuple[int, ...]
     reason: GroupReason
     preempt: Preempt = "hard"
-    adopt: bool = False  # see Bind.adopt
     state: GroupState = "binding"
     since: float = 0.0  # when it entered ``state`` (router clock, epoch seconds)
     last_used: float = 0.0  # last TP dispatch to it (or its creation)

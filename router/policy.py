@@ -53,9 +53,11 @@ class PolicyConfig:
         0.5  # light: queued + inflight <= this share of the groups' capacity (all engines bound) ...
     )
     calm_s: float = 2.0  # ... for this long before load groups form
+    busy_load: float = 1.0  # busy: queued + inflight above this share of the groups' capacity (or a wait)
     busy_wait_s: float = 0.25  # busy: a normal request has waited this long in the queue
     keep_s: float = 1.0  # a priority/long group without TP work for this long is released
-    long_wait_s: float = 30.0  # while the queue builds, a long request waits up to this long before binding
+    long_max_share: float = 0.5  # long groups hold at most this share of the engines (the rest stay DP)
+    long_wait_s: float = 60.0  # under busy load a long request waits up to this long before binding
     max_defer_s: float = 5.0  # a bind defers DP work for at most this long before its group is released
     ack_timeout_s: float = 2.0  # members must acknowledge a bind within this ...
     bind_timeout_s: float = 60.0  # ... and complete it within this (a sequential bind drains DP work first)
@@ -125,7 +127,15 @@ class Decision:
     notes: list[str] = field(default_factory=list)  # why groups changed, for logs
 
     def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
-        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt)
+        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt)
+
+
+USABLE = ("bound", "binding")
+SHORT = (
+    "load",
+    "priority",
+    "manual",
+)  # groups a request one engine holds may go to (a long prefill would stall it)
 
 
 def _replace(g: Group, **kw) -> Group:
@@ -160,7 +170,7 @@ class _Round:
         self.tp = {ep: (ld.inflight, ld.kv_tokens) for ep, ld in s.tp_load.items()}
         self.tp_max = {ep: ld.max_kv_tokens for ep, ld in s.tp_load.items()}
         self.reserved: set[int] = set()  # members of binds planned this round
-        self.building = False
+        self.pressure = False  # set by update_regime
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
 
     # --- group records ------------------------------------------------------------------------------------
@@ -226,11 +236,13 @@ class _Round:
 
     def update_regime(self) -> None:
         st, cfg, n = self.out.state, self.cfg, len(self.live)
+        demand = self.s.queued + sum(e.inflight for e in self.s.engines)
+        oldest = max((self.now - r.enqueued_at for r in self.s.waiting if self.dp_fit(r)), default=0.0)
+        # pressure: normal work queues, or demand is above what the groups would hold (the busy trigger)
+        self.pressure = oldest > cfg.busy_wait_s or demand > cfg.busy_load * cfg.tp_inflight_per_engine * n
         if not cfg.load_adaptation or n == 0:
             self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0)
             return
-        demand = self.s.queued + sum(e.inflight for e in self.s.engines)
-        oldest = max((self.now - r.enqueued_at for r in self.s.waiting if self.dp_fit(r)), default=0.0)
         light = demand <= cfg.light_load * cfg.tp_inflight_per_engine * n
         if st.busy:
             calm = (st.calm_since or self.now) if light else 0.0
@@ -239,17 +251,16 @@ class _Round:
                 self.out.notes.append(f"light load ({demand} requests on {n} engines): TP groups allowed")
             else:
                 self.out.state = msgspec.structs.replace(st, busy=True, calm_since=calm)
-        elif oldest > cfg.busy_wait_s or demand > cfg.tp_inflight_per_engine * n:
+        elif self.pressure:
             self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0, changed_at=self.now)
             self.out.notes.append(f"load rising ({demand} requests, oldest waits {oldest:.2f} s): back to DP")
 
     # --- releases -----------------------------------------------------------------------------------------
 
     def paused_dp(self, g: Group) -> int:
-        """DP requests the bind set aside on its members (an adopting leader's became the group's)."""
-        members = g.members[1:] if g.adopt else g.members
-        n = sum(self.live[m].inflight for m in members if m in self.live)
-        return n if g.adopt else n - self.tp.get(g.epoch, (0, 0))[0]
+        """DP requests the bind set aside on its members (their inflight, less the group's TP requests)."""
+        n = sum(self.live[m].inflight for m in g.members if m in self.live)
+        return n - self.tp.get(g.epoch, (0, 0))[0]
 
     def releases(self) -> None:
         busy, cfg = self.out.state.busy, self.cfg
@@ -307,20 +318,19 @@ class _Round:
         tenth, for DP work the members admit before they read the bind)."""
         return int(0.9 * sum(self.live[m].free_kv_tokens for m in members))
 
-    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt, adopt: bool = False) -> Group:
+    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt) -> Group:
         g = Group(
             epoch=0,
             members=members,
             reason=reason,  # type: ignore[arg-type]
             preempt=preempt,
-            adopt=adopt,
             since=self.now,
             last_used=self.now,
-            kv_cap=self.hard_cap(members) if preempt == "hard" and not adopt else 0,
+            kv_cap=self.hard_cap(members) if preempt == "hard" else 0,
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
-        self.out.notes.append(f"bind {members} ({reason}, {preempt} preemption{', adopt' if adopt else ''})")
+        self.out.notes.append(f"bind {members} ({reason}, {preempt} preemption)")
         return g
 
     def group_room(self, g: Group, r: QueuedRequest) -> bool:
@@ -370,82 +380,103 @@ class _Round:
         ]
         if not fits:
             return False
-        light = not self.out.state.busy and self.cfg.load_adaptation
-        best = min(  # light load: keep followers of would-be groups free, so they bind without draining
-            fits,
-            key=lambda e: (
-                light and e.engine % self.cfg.light_width != 0,
-                self.dp_inflight[e.engine],
-                -e.free_kv_tokens,
-                e.engine,
-            ),
-        )
+        best = min(fits, key=lambda e: (self.dp_inflight[e.engine], -e.free_kv_tokens, e.engine))
         self.dp_inflight[best.engine] += 1
         self.out.dispatches.append(Dispatch(r, best.engine, best.url))
         return True
 
-    def queue_building(self) -> bool:
-        return any(self.now - r.enqueued_at > self.cfg.busy_wait_s for r in self.s.waiting if self.dp_fit(r))
+    def group_list(self, state: str, reasons: tuple[str, ...]) -> list[Group]:
+        return [g for g in self.groups.values() if g.state == state and g.reason in reasons]
 
     def load_binds(self) -> None:
-        """Light load: bind blocks whose followers are idle at once; the leader adopts its DP requests (they are
-        recomputed at the group's width, nothing pauses). One block at a time drains its followers first
-        (sequential), while DP work goes to leaders, so traffic moves into groups without a stall."""
+        """Light load: blocks bind one after another. A block whose engines are idle binds at once; otherwise it
+        drains first (sequential: its engines get no new work while the rest of the cluster takes it), so no
+        request is paused or recomputed. At most half of the blocks still in DP drain at the same time."""
         if self.out.state.busy or not self.cfg.load_adaptation:
             return
-        draining = any(g.reason == "load" and g.state == "binding" for g in self.groups.values())
-        sets = sorted(self.free_sets(self.cfg.light_width), key=lambda ms: (self.follower_load(ms), ms))
-        for ms in sets:
-            if not self.follower_load(ms):
-                self.bind(ms, "load", "hard", adopt=True)
-            elif not draining:
-                self.bind(ms, "load", "sequential", adopt=True)
-                draining = True
+        if any(need_width(r.kv_tokens, self.s.engines) not in (1, None) for r in self.s.waiting):
+            return  # a long request waits for engines: leave them to it
+        sets = self.free_sets(self.cfg.light_width)
+        draining = sum(1 for g in self.groups.values() if g.reason == "load" and g.state == "binding")
+        in_dp = len(sets) + draining
+        for ms in sorted(sets, key=lambda ms: (self.block_load(ms), ms)):
+            if not self.block_load(ms):
+                self.bind(ms, "load", "hard")
+            elif 2 * (draining + 1) <= in_dp:
+                self.bind(ms, "load", "sequential")
+                draining += 1
 
-    def follower_load(self, ms: tuple[int, ...]) -> int:
-        return sum(self.dp_inflight[m] for m in ms[1:])
+    def block_load(self, ms: tuple[int, ...]) -> int:
+        return sum(self.dp_inflight[m] for m in ms)
 
     def place(self, r: QueuedRequest) -> None:
-        cfg = self.cfg
         width = need_width(r.kv_tokens, self.s.engines)
         if width is None:
             return  # no group can hold it now (the gateway rejects such requests while engines are up)
-        usable = ("bound", "binding")
-        tp_priority = r.priority == "high" and cfg.priority and not self.building
-        if width > 1 or tp_priority:
-            # a long request may wait for any group that will hold it; a high-priority one only for one that
-            # forms at the members' next step boundary (it would otherwise wait out another's drain)
-            if (g := self.group_for(r, width, usable, imminent=width == 1)) is not None:
-                self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
-                return
-            if width > 1 and not cfg.long_context:
-                return
-            if width > 1 and self.building and self.now - r.enqueued_at < cfg.long_wait_s:
-                return  # a burst: keep the engines in DP for now (bounded by long_wait_s)
-            sets = self.free_sets(width if width > 1 else cfg.priority_width)
-            if width == 1:  # a priority group must leave DP capacity for everyone else
-                dp = {e.engine for e in self.s.engines if e.mode == "dp" and e.engine not in self.in_groups()}
-                sets = [ms for ms in sets if dp - set(ms)]
-            if sets:
-                if width == 1:
-                    self.bind(sets[0], "priority", cfg.priority_preempt)
-                elif cfg.long_preempt == "hard" and r.kv_tokens > self.hard_cap(sets[0]):
-                    self.bind(
-                        sets[0], "long", "sequential"
-                    )  # the members' paused DP work holds the KV it needs
-                else:
-                    self.bind(sets[0], "long", cfg.long_preempt)
-                return
-            if width > 1:
-                self.release_idle_blocking(width)
-                return
-        if (
-            not self.out.state.busy
-            and (g := self.group_for(r, 1, ("bound", "binding"), imminent=True)) is not None
+        if width > 1:
+            self.place_long(r, width)
+        elif r.priority == "high" and self.cfg.priority and self.place_priority(r):
+            pass
+        elif (
+            not self.out.state.busy and (g := self.group_for(r, 1, USABLE, SHORT, imminent=True)) is not None
         ):
             self.to_group(g, r)
         elif not self.to_dp(r) and (g := self.group_for(r, 1, ("bound",), reasons=("manual",))) is not None:
             self.to_group(g, r)  # an operator bound the engines: traffic still flows through their groups
+
+    def place_priority(self, r: QueuedRequest) -> bool:
+        """A group with room that forms at the members' next step boundary, else a new ``priority_width`` group
+        that leaves DP engines for everyone else: under light load the least loaded block (hard: its few DP
+        requests pause, at most ``max_defer_s``), otherwise only an idle one (pausing a busy engine's DP work costs
+        more than the group saves). Else False: the request jumps the queue in DP (classes dispatch first)."""
+        if (g := self.group_for(r, 1, USABLE, SHORT, imminent=True)) is not None:
+            self.to_group(g, r)
+            return True
+        taken = self.in_groups()
+        dp = {e.engine for e in self.s.engines if e.mode == "dp" and e.engine not in taken}
+        light = not self.out.state.busy
+        for ms in self.free_sets(self.cfg.priority_width):
+            if dp - set(ms) and (light or not self.block_load(ms)):
+                self.bind(ms, "priority", self.cfg.priority_preempt)
+                return True  # it waits for the group (the next round finds it binding)
+        return False
+
+    def place_long(self, r: QueuedRequest, width: int) -> None:
+        """The narrowest long (or manual) group that holds it, bound or binding, never a group with paused DP
+        work (its release would wait for this request); else bind one (hard only where the members' free KV holds it); under pressure it waits up to ``long_wait_s`` first, so a burst drains in DP."""
+        cfg = self.cfg
+        if (g := self.group_for(r, width, USABLE, ("long", "manual"))) is not None:
+            self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
+            return
+        idle = [
+            g
+            for g in self.group_list("bound", ("load", "priority"))
+            if not self.tp.get(g.epoch, (0, 0))[0]
+            and not self.paused_dp(g)
+            and self.group_room(g, r)
+            and g.width >= width
+        ]
+        if idle:  # an idle group that holds it becomes a long group (no release and re-bind)
+            g = min(idle, key=lambda g: (g.width, g.epoch))
+            self.put(_replace(g, reason="long"))
+            self.to_group(self.groups[g.epoch], r)
+            return
+        if not cfg.long_context or (self.pressure and self.now - r.enqueued_at < cfg.long_wait_s):
+            return
+        in_long = sum(g.width for g in self.groups.values() if g.reason == "long") + sum(
+            g.width for g in self.out.binds if g.reason == "long"
+        )
+        if in_long and in_long + width > cfg.long_max_share * len(self.live):
+            return  # long groups already hold their share (one is always allowed): the rest stays DP
+        if sets := self.free_sets(width):
+            hard = cfg.long_preempt == "hard" and r.kv_tokens <= self.hard_cap(sets[0])
+            self.bind(
+                sets[0],
+                "long",
+                "hard" if hard else "sequential" if cfg.long_preempt == "hard" else cfg.long_preempt,
+            )
+        else:
+            self.release_idle_blocking(width)
 
     def release_idle_blocking(self, width: int) -> None:
         """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one."""
@@ -468,10 +499,11 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     rnd.update_regime()
     rnd.out.state = msgspec.structs.replace(rnd.out.state, suspect=rnd.suspect)
     rnd.releases()
-    rnd.load_binds()
-    rnd.building = (
-        rnd.queue_building()
-    )  # a high-priority request then jumps the queue in DP instead of binding
-    for r in s.waiting:
+    high = [r for r in s.waiting if r.priority == "high"]  # before load binds take the engines
+    for r in high:
         rnd.place(r)
+    rnd.load_binds()
+    for r in s.waiting:
+        if r.priority != "high":
+            rnd.place(r)
     return rnd.out

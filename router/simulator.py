@@ -39,7 +39,9 @@ class SimConfig:
     mode: Mode = "dynamic"
     tp_width: int = 2  # static TP's group width
     policy: PolicyConfig = field(
-        default_factory=lambda: PolicyConfig(max_inflight_per_worker=256, tp_inflight_per_engine=16)
+        default_factory=lambda: PolicyConfig(
+            max_inflight_per_worker=256, tp_inflight_per_engine=8, busy_load=0.5, light_load=0.4, calm_s=3.0
+        )
     )
     cost: CostModel = H200_LLAMA70B
     router_ms: float = 2.0  # a router round: snapshot, decision, assignments
@@ -211,14 +213,15 @@ class Engine:
             return
         b = self.pending
         if b is not None and not self.arrived:
-            adopting = b.adopt and b.members[0] == self.idx
-            if b.preempt == "hard" or adopting or not (self.dp.running or self.dp.queue):
+            # hard: at once (its DP work pauses, KV kept); sequential/soft: once its DP work (running and queued;
+            # the router sends no more) has finished
+            ready = b.preempt == "hard" or not (self.dp.running or self.dp.queue)
+            if ready:
                 self.paused_running, self.paused_queue = self.dp.running, self.dp.queue
                 self.dp.running, self.dp.queue = [], []
                 self.arrived = b.epoch
                 self.sim.arrive(b, self.idx)
                 return
-            # sequential/soft: the engine's DP work (running and queued; the router sends no more) finishes first
         if self.arrived:
             return
         if self.dp.has_work():
@@ -234,17 +237,9 @@ class SimGroup:
     def __init__(self, sim: Simulator, bind: Bind, merged: bool) -> None:
         self.sim, self.epoch, self.members = sim, bind.epoch, bind.members
         self.leader = bind.members[0]
-        lead = sim.engines[self.leader]
-        adopted = lead.paused_running + lead.paused_queue if bind.adopt else []
-        if bind.adopt:  # the leader's DP requests become the group's, recomputed at its width
-            for r in lead.paused_running:
-                r.prefilled = -r.generated
-            lead.dp.kv_used -= sum(r.kv for r in lead.paused_running)
-            lead.paused_running, lead.paused_queue = [], []
         paused_kv = sum(sim.engines[m].dp.kv_used for m in self.members)
         cap = len(self.members) * sim.cfg.cost.kv_tokens - paused_kv
         self.unit = Unit(sim, len(self.members), cap, merged, self.boundary)
-        self.unit.queue = adopted
         self.release_asked = self.retract = False
         self.formed = False
 

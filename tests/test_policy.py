@@ -135,11 +135,21 @@ def test_long_context_off_leaves_long_requests_alone():
 # --- priority --------------------------------------------------------------------------------------------------
 
 
-def test_high_priority_binds_a_group_with_hard_preemption_on_the_least_loaded_engines():
+def test_high_priority_under_light_load_binds_the_least_loaded_block_with_hard_preemption():
     engines = [eng(0, inflight=5), eng(1, inflight=5), eng(2, inflight=1), eng(3)]
-    d = decide(snap([req("hi", priority="high"), req("n")], engines), CFG)
+    d = decide(snap([req("hi", priority="high"), req("n")], engines, state=LIGHT), CFG)
     assert [(g.members, g.reason, g.preempt) for g in d.binds] == [((2, 3), "priority", "hard")]
     assert [(x.request.id, x.engine) for x in d.dispatches] == [("n", 0)]  # not onto the engines being bound
+
+
+def test_high_priority_under_busy_load_binds_only_idle_engines_else_jumps_the_queue_in_dp():
+    busy = [eng(0, inflight=5), eng(1, inflight=5), eng(2, inflight=1), eng(3)]
+    d = decide(snap([req("hi", priority="high"), req("n")], busy), CFG)
+    assert not d.binds  # pausing engine 2's request costs more than the group saves
+    assert [(x.request.id, x.engine, x.epoch) for x in d.dispatches] == [("hi", 3, 0), ("n", 2, 0)]
+    idle = [eng(0, inflight=5), eng(1, inflight=5), eng(2), eng(3)]
+    d = decide(snap([req("hi", priority="high")], idle), CFG)
+    assert [g.members for g in d.binds] == [(2, 3)]
 
 
 def test_second_high_request_waits_for_the_binding_group_instead_of_binding_another():
@@ -226,24 +236,21 @@ def test_light_load_sends_normal_requests_to_load_groups():
     assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 1)]
 
 
-def test_light_load_binds_blocks_with_idle_followers_at_once_and_drains_one_other():
-    """The leader's DP requests are adopted (no pause); a block whose follower is busy drains it first
-    (sequential), one block at a time."""
-    engines = [eng(0, inflight=2), eng(1), eng(2), eng(3, inflight=1), eng(4, n=8), eng(5, n=8, inflight=1)]
-    engines = [dataclasses.replace(e, num_engines=8) for e in engines] + [
-        eng(6, n=8),
-        eng(7, n=8, inflight=2),
-    ]
+def test_light_load_binds_idle_blocks_at_once_and_drains_at_most_half_of_the_others():
+    """An idle block binds hard (nothing to pause); busy blocks drain first (sequential: nothing is paused or
+    recomputed), at most half of the blocks still in DP at a time, least loaded first."""
+    loads = [0, 0, 1, 0, 0, 1, 2, 1]
+    engines = [eng(i, n=8, inflight=x) for i, x in enumerate(loads)]
     d = decide(snap(engines=engines, state=LIGHT), CFG)
-    got = [(g.members, g.preempt, g.adopt) for g in d.binds]
-    assert got == [((0, 1), "hard", True), ((2, 3), "sequential", True)]
+    got = [(g.members, g.preempt) for g in d.binds]
+    assert got == [((0, 1), "hard"), ((2, 3), "sequential"), ((4, 5), "sequential")]
 
 
-def test_light_load_sends_dp_work_to_leaders_so_followers_stay_free():
-    engines = [eng(0), eng(1), eng(2, inflight=3), eng(3, inflight=1)]  # (2, 3) waits: one drain at a time
+def test_light_load_keeps_new_dp_work_off_draining_blocks():
+    engines = [eng(0, inflight=1), eng(1), eng(2, inflight=3), eng(3, inflight=2)]
     draining = msgspec.structs.replace(bound(1, (0, 1), state="binding", reason="load"), preempt="sequential")
     d = decide(snap([req("a")], engines, [draining], state=LIGHT), CFG)
-    assert [x.engine for x in d.dispatches] == [2]  # the leader of (2, 3), though busier
+    assert [x.engine for x in d.dispatches] == [3]  # not engine 1, though idle: it drains for the group
 
 
 def test_waiting_normal_request_means_busy_and_releases_load_groups():

@@ -168,11 +168,7 @@ class Binding:
                     cmd, self.pending = self.pending, None
                     self._enter(cmd)
                     return
-            elif (
-                self.pending.preempt == "sequential"
-                and not (self.pending.adopt and self.pending.members[0] == self.engine)
-                and sglang_patches.has_running_dp_work(self.s)
-            ):
+            elif self.pending.preempt == "sequential" and sglang_patches.has_running_dp_work(self.s):
                 self.held += sglang_patches.hold_waiting(self.s)  # admit no new DP work; bind once drained
             elif sglang_patches.at_clean_step_boundary(self.s):
                 cmd, self.pending = self.pending, None
@@ -274,9 +270,7 @@ class Binding:
             return False
         width, rank = len(cmd.members), cmd.members.index(self.engine)
         restart: list = []
-        if (
-            (cmd.preempt == "soft" or cmd.adopt) and rank == 0
-        ):  # requests started in DP mode (soft: the group's; adopt: all): re-prefill at this width
+        if cmd.preempt == "soft" and rank == 0:  # the group's requests started in DP mode: re-prefill them
             restart = sglang_patches.retract_running(self.s) + sglang_patches.hold_waiting(self.s)
         self.soft_dp_rids = None
         if self.stash is None:  # from DP (a width change keeps the paused DP work and limits as they are)
