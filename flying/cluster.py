@@ -115,8 +115,10 @@ class Cluster:
         self.workers[i] = spawn(cmd, self.log(f"worker{i}"))
         self.progress(f"worker {i} starting on port {c.worker_ports[i]}")
 
-    def start_router(self) -> None:
-        self.router = spawn(self._command("router.main", *self.config.router_args), self.log("router"))
+    def start_router(self, args: tuple[str, ...] | None = None) -> None:
+        """Start the router with ``args`` (default: the config's router_args)."""
+        args = self.config.router_args if args is None else args
+        self.router = spawn(self._command("router.main", *args), self.log("router"))
         self.progress("router starting")
 
     def start_gateway(self) -> None:

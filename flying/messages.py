@@ -63,7 +63,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     running: int = 0
     waiting: int = 0
     free_kv_tokens: int = 0
-    max_total_tokens: int = 0
+    max_total_tokens: int = 0  # this engine's own KV tokens (also while bound: the group has width x this)
     context_len: int = 0
     max_running_requests: int = 0
     step: int = 0

@@ -89,4 +89,6 @@ def _beat(scheduler) -> None:
     from worker_ext import sglang_patches
 
     switching = _binding.status() if _binding is not None else {}
-    _publisher.beat(**sglang_patches.scheduler_load(scheduler), **switching)
+    load = sglang_patches.scheduler_load(scheduler)
+    load["max_total_tokens"] //= switching.get("width", 1)  # bound: the scheduler counts the group's pooled KV
+    _publisher.beat(**load, **switching)

@@ -23,6 +23,23 @@ def cluster(tiny_model, tmp_path_factory):
         yield c
 
 
+KV_TOKENS = 512  # per engine in cluster4: small, so that a long prompt needs a group
+
+
+@pytest.fixture(scope="session")
+def cluster4(tiny_model, tmp_path_factory):
+    """Four engines. The router runs with --manual (tests drive binds by hand); the policy tests restart it."""
+    config = ClusterConfig(
+        model_path=tiny_model,
+        num_engines=4,
+        log_dir=tmp_path_factory.mktemp("cluster4"),
+        max_total_tokens=KV_TOKENS,
+        router_args=("--manual",),
+    )
+    with Cluster(config, progress=print) as c:
+        yield c
+
+
 @pytest.fixture(scope="session")
 def stock_server(tiny_model, tmp_path_factory):
     """A stock SGLang server (no flying-serving involvement) on the same tiny model."""

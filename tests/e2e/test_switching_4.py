@@ -8,25 +8,11 @@ import numpy as np
 import pytest
 
 from flying import control
-from flying.cluster import Cluster, ClusterConfig
 from flying.stock_server import StockServer
+from tests.e2e.conftest import KV_TOKENS
 from tests.e2e.test_switching import PROMPTS, generate, prompt_logprobs, wait_mode, worker_url
 
 pytestmark = pytest.mark.e2e
-KV_TOKENS = 512  # per engine: small, so that a long prompt needs a group
-
-
-@pytest.fixture(scope="module")
-def cluster4(tiny_model, tmp_path_factory):
-    config = ClusterConfig(
-        model_path=tiny_model,
-        num_engines=4,
-        log_dir=tmp_path_factory.mktemp("cluster4"),
-        max_total_tokens=KV_TOKENS,
-        router_args=("--manual",),  # these tests drive binds by hand
-    )
-    with Cluster(config, progress=print) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,191 @@
+"""The bind/release policy live: 4 CPU workers, the router deciding on its own (no flyctl).
+
+A high-priority request binds a group that is released after it; a prompt larger than one engine's KV is served
+by a group; a burst brings every engine back to DP (load groups formed while idle are released, their requests
+continuing in DP); a router kill -9 in the middle of a burst with binds going on loses no request."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import httpx
+import openai
+import pytest
+
+from flying import control
+from tests.e2e.conftest import KV_TOKENS
+from tests.e2e.test_switching import wait_mode
+
+pytestmark = pytest.mark.e2e
+MODEL = "tiny-llama"
+# never light (no load groups) unless a test asks for it; CPU-sized group capacity; quick releases
+POLICY = (
+    "--calm-s", "3600", "--keep-s", "1", "--max-inflight-per-worker", "4", "--tp-inflight-per-engine", "4",
+    "--ack-timeout-s", "5",
+)  # fmt: skip
+LOAD_ADAPTING = (*POLICY[2:], "--calm-s", "0.5")
+
+
+def restart_router(c, args) -> None:
+    c.kill_router()
+    c.start_router(args)
+
+
+@pytest.fixture(scope="module")
+def policy(cluster4):
+    """cluster4 with the policy on; afterwards back to the --manual router the switching tests expect."""
+    wait_mode(cluster4, range(4), "dp", timeout_s=30)
+    restart_router(cluster4, POLICY)
+    yield cluster4
+    restart_router(cluster4, cluster4.config.router_args)
+    wait_groups_gone(cluster4)
+
+
+@pytest.fixture
+def oai(policy):
+    return openai.OpenAI(base_url=policy.config.gateway_url + "/v1", api_key="unused", max_retries=0)
+
+
+def request_hash(c, rid: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in c.client().hgetall(c.keys.request(rid)).items()}
+
+
+def groups(c):
+    return control.groups(c.client(), c.keys)
+
+
+def wait_groups_gone(c, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not groups(c) and all(hb.mode == "dp" for hb in control.status(c.client(), c.keys).values()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"groups not released after {timeout_s} s: {groups(c)}")
+
+
+def router_log(c) -> str:
+    return c.log("router").read_text()
+
+
+@functools.cache
+def long_prompt(model_path, tokens: int) -> str:
+    """A prompt of about ``tokens`` tokens (within a few) for the tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    words = [f"river {i} meets the sea;" for i in range(tokens)]
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words that stay within ``tokens``
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(tok(" ".join(words[:mid]))["input_ids"]) <= tokens else (lo, mid - 1)
+    return " ".join(words[:lo])
+
+
+def test_high_priority_request_binds_a_group_released_after_it(policy, oai):
+    wait_groups_gone(policy)
+    raw = oai.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me about the river."}],
+        max_tokens=12,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Priority": "high"},
+    )
+    assert raw.parse().usage.completion_tokens == 12
+    h = request_hash(policy, raw.headers["x-request-id"])
+    assert int(h["epoch"]) > 0, f"served in DP: {h}"  # dispatched to a TP group's leader
+    assert "(priority, hard preemption)" in router_log(policy)
+    wait_groups_gone(policy, timeout_s=15)  # keep_s without TP work: released, every engine back in DP
+    assert "no TP work" in router_log(policy)
+
+
+def test_prompt_larger_than_one_engines_kv_is_served_by_a_group(policy, oai):
+    wait_groups_gone(policy)
+    prompt = long_prompt(policy.config.model_path, KV_TOKENS + 150)
+    raw = oai.completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    resp = raw.parse()
+    assert resp.usage.prompt_tokens + 8 > KV_TOKENS, "the prompt must not fit one engine"
+    assert resp.usage.completion_tokens == 8
+    h = request_hash(policy, raw.headers["x-request-id"])
+    assert int(h["epoch"]) > 0, f"served in DP: {h}"
+    assert "(long, " in router_log(policy)
+    with pytest.raises(openai.BadRequestError) as err:  # longer than the widest group's pooled KV: a 400
+        oai.completions.create(
+            model=MODEL, prompt=long_prompt(policy.config.model_path, 4 * KV_TOKENS + 100), max_tokens=8
+        )
+    assert str(4 * KV_TOKENS) in str(err.value)
+    wait_groups_gone(policy, timeout_s=15)
+
+
+async def burst(url: str, n: int, high_every: int = 0, max_tokens: int = 12) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        def post(i: int):
+            headers = {"X-Priority": "high"} if high_every and i % high_every == 0 else {}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"count to {i}"}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            }
+            return client.post(url + "/v1/chat/completions", json=body, headers=headers)
+
+        return await asyncio.gather(*(post(i) for i in range(n)))
+
+
+def test_burst_returns_every_engine_to_dp(policy):
+    """Idle, the router forms load groups (light load); a burst makes it busy: the load groups are released
+    (their requests continue in DP on the leader) and the burst is served in DP."""
+    restart_router(policy, LOAD_ADAPTING)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(g.reason == "load" and g.state == "bound" for g in groups(policy)):
+            assert time.monotonic() < deadline, "no load group formed at light load"
+            time.sleep(0.1)
+
+        async def scenario():
+            task = asyncio.create_task(burst(policy.config.gateway_url, 32))
+            await asyncio.to_thread(wait_mode, policy, range(4), "dp", 20)
+            return time.time(), await task
+
+        all_dp_at, responses = asyncio.run(scenario())
+        assert [x.status_code for x in responses] == [200] * 32
+        assert all(x.json()["usage"]["completion_tokens"] == 12 for x in responses)  # retracted ones too
+        assert "load rose" in router_log(policy)
+        rows = [request_hash(policy, x.headers["x-request-id"]) for x in responses]
+        late = [h for h in rows if float(h["assigned_at"]) > all_dp_at]
+        assert late and all(h.get("epoch", "0") == "0" for h in late), (
+            "TP work dispatched after the burst began"
+        )
+        logs = "".join(policy.log(f"worker{i}").read_text() for i in range(4))
+        assert "TP requests continue in DP" in logs  # the groups' requests were retracted, not lost
+    finally:
+        restart_router(policy, POLICY)
+        wait_groups_gone(policy)
+
+
+def test_router_kill_9_mid_burst_with_binds_loses_nothing(policy):
+    r = policy.client()
+    before = int(r.hget(policy.keys.stats, "assigned") or 0)
+
+    async def scenario():
+        task = asyncio.create_task(burst(policy.config.gateway_url, 30, high_every=5))
+        await asyncio.sleep(0.7)
+        policy.kill_router()
+        waiting = r.zcard(policy.keys.queue)
+        await asyncio.sleep(1.0)
+        policy.start_router(POLICY)
+        return waiting, await task
+
+    waiting, responses = asyncio.run(scenario())
+    assert waiting > 0, "the kill must hit while requests wait in the queue"
+    assert [x.status_code for x in responses] == [200] * 30
+    assert all(x.json()["usage"]["completion_tokens"] == 12 for x in responses)
+    assert int(r.hget(policy.keys.stats, "assigned")) - before == 30, "each request assigned exactly once"
+    records = groups(policy)
+    members = [m for g in records for m in g.members]
+    assert len(members) == len(set(members)), f"overlapping groups after the restart: {records}"
+    wait_groups_gone(policy)
