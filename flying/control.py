@@ -43,8 +43,13 @@ def next_epoch(r: redis.Redis, keys: Keys) -> int:
     return int(r.incr(keys.epoch))
 
 
+def decode_groups(rows: dict) -> list[Group]:
+    """The records of an HGETALL of ``flying:groups``, by epoch."""
+    return sorted((decode(v, Group) for v in rows.values()), key=lambda g: g.epoch)
+
+
 def groups(r: redis.Redis, keys: Keys) -> list[Group]:
-    return sorted((decode(v, Group) for v in r.hgetall(keys.groups).values()), key=lambda g: g.epoch)
+    return decode_groups(r.hgetall(keys.groups))
 
 
 def bind(

@@ -164,5 +164,4 @@ class Dispatcher:
 
 
 async def read_groups(r: aioredis.Redis, keys: Keys) -> list[Group]:
-    rows = await r.hgetall(keys.groups)
-    return sorted((decode(v, Group) for v in rows.values()), key=lambda g: g.epoch)
+    return control.decode_groups(await r.hgetall(keys.groups))

@@ -5,25 +5,31 @@ No Redis, no clocks, no randomness: the live router (router.dispatcher), the uni
 
 The three use cases, each switchable in :class:`PolicyConfig`:
 
-- *load adaptation*: under light load engines bind into ``light_width`` groups (idle blocks at once, busy ones one
-  at a time after draining) and normal traffic goes to them (TP latency); once a normal request waits longer than ``busy_wait_s`` or demand exceeds what the groups can
-  hold, load groups are released and everything runs DP until load has been light for ``calm_s`` (hysteresis);
-- *priority*: a high-priority request goes to a bound group with room, else binds a ``priority_width`` group at
-  once (``priority_preempt``, hard by default: members' DP requests pause with their KV kept), else runs DP. While
-  the queue is building (a normal request waited ``busy_wait_s``) taking engines out of DP costs every request, so
-  a high-priority request then jumps the queue on a DP engine instead (classes are dispatched first);
-- *long context*: a request whose prompt plus max tokens exceeds one engine's KV goes to the smallest group width
-  whose pooled KV holds it (``long_preempt``, sequential by default so the members' KV is free); while the queue
-  builds it waits up to ``long_wait_s`` for a bind, so a burst is drained in DP first.
+- *load adaptation*: after ``calm_s`` of light load (queued + inflight at most ``light_load`` of the groups'
+  capacity, ``tp_inflight_per_engine`` per engine) engines bind into ``light_width`` groups and normal traffic goes
+  to them (TP latency). An idle block binds at once; a busy one drains first (sequential: it gets no new work, at
+  most half of the blocks still in DP drain at a time), so nothing is paused or recomputed. Under *pressure* (a
+  normal request waited ``busy_wait_s``, or demand above ``busy_load`` of the capacity) load groups are released by
+  retraction (their requests continue in DP on the leader) and everything runs DP until load is light again;
+- *priority*: high-priority requests are placed before anything else. One goes to a group with room that forms
+  at the next step boundary, else binds a ``priority_width`` group (``priority_preempt``, hard by default: the
+  members' DP requests pause with their KV kept) that leaves DP engines for everyone else: under light load the
+  least loaded block, under pressure only an idle one (pausing busy engines costs more than the group saves), else
+  it jumps the queue in DP;
+- *long context*: a request whose prompt plus max tokens exceeds one engine's KV goes to the narrowest long group
+  whose pooled KV holds it, or an idle group (re-labelled), or binds the smallest width that fits
+  (``long_preempt``, sequential by default so the members' KV is free; hard only where their free KV holds it).
+  Under pressure it waits up to ``long_wait_s`` first, and long groups hold at most ``long_max_share`` of the
+  engines (one is always allowed), so a burst is served in DP.
 
 Groups are reused (Gyges): the next high-priority or long request goes to a group that is already bound; priority
-and long groups are released only after ``keep_s`` without TP work. DP work deferred by a bind (paused on members,
-or queued behind a bound cluster) waits at most ``max_defer_s`` before the group is released.
+and long groups are released only after ``keep_s`` without TP work. DP work a bind pauses (hard preemption) waits at
+most ``max_defer_s`` before the group is released.
 
 Safety: every bind gets a fresh epoch (assigned by the caller), its record is written before its commands are sent,
 members are picked only among engines in no group record, so groups never overlap and an engine is in at most one
 epoch; members that do not acknowledge a bind within ``ack_timeout_s`` (or finish it within ``bind_timeout_s``)
-roll it back with a release.
+roll it back with a release and are not picked for another bind for ``suspect_s``.
 """
 
 from __future__ import annotations

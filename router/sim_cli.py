@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--low-s", type=float, default=60.0)
     p.add_argument("--burst-s", type=float, default=30.0)
-    p.add_argument("--input", default="256:2048", help="prompt tokens lo:hi (uniform)")
+    p.add_argument(
+        "--input",
+        default="512:4096",
+        help="prompt tokens lo:hi (uniform; see paper_workload for the default)",
+    )
     p.add_argument("--output", default="64:512", help="output tokens lo:hi (uniform)")
     p.add_argument("--high-share", type=float, default=0.1)
     p.add_argument("--long-share", type=float, default=0.0025)
