@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         workload = Workload(num_requests=a.requests, arrivals=Arrivals("poisson", a.rate))
         progress = report.Progress(a.requests, stream=sys.stdout)
 
+        r = cluster.client()
+        epochs_before = int(r.get(cluster.keys.epoch) or 0)
         say(f"sending {a.requests} streaming requests at {a.rate:g} req/s (high 20%, normal 60%, low 20%)")
         records, duration = asyncio.run(
             runner.run(
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         summary = metrics.summarize(records, duration)
         print(report.table(summary))
+        binds = int(r.get(cluster.keys.epoch) or 0) - epochs_before
+        say(f"router: {binds} TP group binds during the burst (why: grep bind {cluster.log('router')})")
         out = a.workdir / "demo-summary.json"
         out.write_text(json.dumps(summary, indent=2))
         say(f"summary written to {out}; logs in {cluster.config.log_dir}")
