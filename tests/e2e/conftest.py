@@ -3,6 +3,8 @@ end-to-end tests."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from flying.cluster import Cluster, ClusterConfig
@@ -38,6 +40,18 @@ def cluster4(tiny_model, tmp_path_factory):
     )
     with Cluster(config, progress=print) as c:
         yield c
+
+
+@contextlib.contextmanager
+def stock_tp(tiny_model, tmp_path_factory, tp: int):
+    """A stock SGLang server with ``--tp tp`` (gloo all-reduce) on the tiny model: the reference a merged group of
+    that width must match."""
+    log = tmp_path_factory.mktemp(f"stock-tp{tp}") / "server.log"
+    server = StockServer(tiny_model, log, tp=tp, disable_radix_cache=True).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

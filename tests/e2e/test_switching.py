@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from flying import control
-from flying.stock_server import StockServer
+from tests.e2e.conftest import stock_tp
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ["the river and the sea", "Tell me a story about a dragon and a castle, and then another one."]
@@ -19,11 +19,8 @@ PROMPTS = ["the river and the sea", "Tell me a story about a dragon and a castle
 
 @pytest.fixture(scope="module")
 def stock_tp2(tiny_model, tmp_path_factory):
-    """A stock SGLang server with --tp 2 (gloo all-reduce) on the same model: the reference for a merged group."""
-    log = tmp_path_factory.mktemp("stock-tp2") / "server.log"
-    server = StockServer(tiny_model, log, tp=2, disable_radix_cache=True).start()
-    yield server.url
-    server.stop()
+    with stock_tp(tiny_model, tmp_path_factory, 2) as url:
+        yield url
 
 
 def worker_url(cluster, i: int) -> str:

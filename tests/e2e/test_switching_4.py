@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from flying import control
-from flying.stock_server import StockServer
-from tests.e2e.conftest import KV_TOKENS
+from tests.e2e.conftest import KV_TOKENS, stock_tp
 from tests.e2e.test_switching import PROMPTS, generate, prompt_logprobs, wait_mode, worker_url
 
 pytestmark = pytest.mark.e2e
@@ -17,10 +16,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def stock_tp4(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("stock-tp4") / "server.log"
-    server = StockServer(tiny_model, log, tp=4, disable_radix_cache=True).start()
-    yield server.url
-    server.stop()
+    with stock_tp(tiny_model, tmp_path_factory, 4) as url:
+        yield url
 
 
 def bind(c, members):
