@@ -42,7 +42,7 @@ def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redi
     args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
     assert main([*args, "bind", "0", "1"]) == 0
     epoch = int(capsys.readouterr().out)
-    sync_redis.set(keys.router_state, encode(RouterState(busy=False)))
+    sync_redis.set(keys.router_state, encode(RouterState(busy=False, suspect={3: time.time() + 9.6, 2: 1.0})))
     for i, (prio, cls) in enumerate([("high", 0), ("normal", 1), ("normal", 1)]):
         rid = f"r{i}"
         sync_redis.hset(keys.request(rid), mapping={"id": rid, "priority": prio, "enqueued_at": time.time() - 2,
@@ -50,7 +50,7 @@ def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redi
         sync_redis.zadd(keys.queue, {rid: cls * CLASS_WEIGHT + i})
     assert main([*args, "status"]) == 0
     out = capsys.readouterr().out
-    assert "light: TP groups" in out
+    assert "light: TP groups; left out of binds: 3 (10 s)" in out  # engine 2's time is over
     assert f"epoch {epoch:>4}  [0,1]  binding   manual" in out
     assert "queue: 3 waiting: high 1 (oldest 2.0" in out and "normal 2 (oldest 2.0" in out
     assert main([*args, "queue", "-n", "2"]) == 0
@@ -62,3 +62,6 @@ def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redi
     assert main([*args, "bind", "1", "2"]) == 2  # overlaps the manual group (0, 1)
     assert main([*args, "bind", "0", "1", "2", "3"]) == 0  # contains it: a width change replaces the record
     assert [g.members for g in control.groups(sync_redis, keys)] == [(0, 1, 2, 3)]
+    assert main([*args, "bind", "2", "3"]) == 2  # inside it but under another leader: refused
+    assert main([*args, "bind", "0", "1"]) == 0  # narrower under the same leader: replaces it
+    assert [g.members for g in control.groups(sync_redis, keys)] == [(0, 1)]
