@@ -189,7 +189,8 @@ class Binding:
                 self._leave(None)
                 self.s.waiting_queue.extend(moved)
                 log.info("engine %d: %d TP requests continue in DP", self.engine, len(moved))
-            elif e.release_asked and not live:
+            elif e.release_asked and not live and sglang_patches.at_clean_step_boundary(self.s):
+                # (a prefill batch not yet merged into the running batch holds TP requests live_rids misses)
                 e.group.broadcast_object({"kind": "release", "next": e.next_bind})
                 self._leave(e.next_bind)
             elif time.monotonic() - self.last_plan > KEEPALIVE_S:

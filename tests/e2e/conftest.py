@@ -30,7 +30,7 @@ KV_TOKENS = 512  # per engine in cluster4: small, so that a long prompt needs a 
 
 @pytest.fixture(scope="session")
 def cluster4(tiny_model, tmp_path_factory):
-    """Four engines. The router runs with --manual (tests drive binds by hand); the policy tests restart it."""
+    """Four engines; the router runs with --manual (these tests drive binds by hand)."""
     config = ClusterConfig(
         model_path=tiny_model,
         num_engines=4,
