@@ -214,7 +214,8 @@ class Engine:
         b = self.pending
         if b is not None and not self.arrived:
             # hard: at once (its DP work pauses, KV kept); sequential/soft: once its DP work (running and queued;
-            # the router sends no more) has finished
+            # the router sends no more) has finished. (The worker holds queued, unstarted DP requests with the
+            # paused work instead of running them first: a slightly earlier bind there.)
             ready = b.preempt == "hard" or not (self.dp.running or self.dp.queue)
             if ready:
                 self.paused_running, self.paused_queue = self.dp.running, self.dp.queue
