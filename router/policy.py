@@ -317,7 +317,7 @@ class _Round:
                 for m, e in zip(ms, es)
             ):
                 ok.append(ms)
-        return sorted(ok, key=lambda ms: (sum(self.dp_inflight[m] for m in ms), ms))
+        return sorted(ok, key=lambda ms: (self.block_load(ms), ms))
 
     def hard_cap(self, members: tuple[int, ...]) -> int:
         """KV a hard-preempted group can use: its members' paused DP requests keep theirs (with a margin of a
@@ -391,9 +391,6 @@ class _Round:
         self.out.dispatches.append(Dispatch(r, best.engine, best.url))
         return True
 
-    def group_list(self, state: str, reasons: tuple[str, ...]) -> list[Group]:
-        return [g for g in self.groups.values() if g.state == state and g.reason in reasons]
-
     def load_binds(self) -> None:
         """Light load: blocks bind one after another. A block whose engines are idle binds at once; otherwise it
         drains first (sequential: its engines get no new work while the rest of the cluster takes it), so no
@@ -405,7 +402,7 @@ class _Round:
         sets = self.free_sets(self.cfg.light_width)
         draining = sum(1 for g in self.groups.values() if g.reason == "load" and g.state == "binding")
         in_dp = len(sets) + draining
-        for ms in sorted(sets, key=lambda ms: (self.block_load(ms), ms)):
+        for ms in sets:  # least loaded first
             if not self.block_load(ms):
                 self.bind(ms, "load", "hard")
             elif 2 * (draining + 1) <= in_dp:
@@ -448,16 +445,20 @@ class _Round:
         return False
 
     def place_long(self, r: QueuedRequest, width: int) -> None:
-        """The narrowest long (or manual) group that holds it, bound or binding, never a group with paused DP
-        work (its release would wait for this request); else bind one (hard only where the members' free KV holds it); under pressure it waits up to ``long_wait_s`` first, so a burst drains in DP."""
+        """The narrowest long (or manual) group that holds it, bound or binding, or an idle load/priority group
+        (never one with paused DP work: its release would wait for this request); else bind one (hard only where
+        the members' free KV holds it). Under pressure it waits up to ``long_wait_s`` first, so a burst drains in
+        DP."""
         cfg = self.cfg
         if (g := self.group_for(r, width, USABLE, ("long", "manual"))) is not None:
             self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
             return
         idle = [
             g
-            for g in self.group_list("bound", ("load", "priority"))
-            if not self.tp.get(g.epoch, (0, 0))[0]
+            for g in self.groups.values()
+            if g.state == "bound"
+            and g.reason in ("load", "priority")
+            and not self.tp.get(g.epoch, (0, 0))[0]
             and not self.paused_dp(g)
             and self.group_room(g, r)
             and g.width >= width
@@ -475,12 +476,10 @@ class _Round:
         if in_long and in_long + width > cfg.long_max_share * len(self.live):
             return  # long groups already hold their share (one is always allowed): the rest stays DP
         if sets := self.free_sets(width):
-            hard = cfg.long_preempt == "hard" and r.kv_tokens <= self.hard_cap(sets[0])
-            self.bind(
-                sets[0],
-                "long",
-                "hard" if hard else "sequential" if cfg.long_preempt == "hard" else cfg.long_preempt,
-            )
+            preempt = cfg.long_preempt
+            if preempt == "hard" and r.kv_tokens > self.hard_cap(sets[0]):
+                preempt = "sequential"  # the members' paused DP work would hold KV the request needs
+            self.bind(sets[0], "long", preempt)
         else:
             self.release_idle_blocking(width)
 
