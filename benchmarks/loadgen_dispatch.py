@@ -9,11 +9,10 @@ reports the client's dispatch lag (actual send time - scheduled time), the quant
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from _loadgen import run_loadgen
 
 from flying.procs import stop
 from loadgen.fake_server import start_process
@@ -29,27 +28,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="loadgen-dispatch-"))
     server, url = start_process(tmp / "server.log", ttft_ms=5, itl_ms=a.itl_ms)
     try:
-        cmd = [
-            sys.executable,
-            "-m",
-            "loadgen.cli",
-            "run",
-            "--url",
-            url,
-            "-n",
-            str(a.requests),
-            "--rate",
-            str(a.rate),
-            "--output-tokens",
-            a.output_tokens,
-            "--out",
-            str(tmp / "run"),
-            "--quiet",
-        ]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        args = ("-n", str(a.requests), "--rate", str(a.rate), "--output-tokens", a.output_tokens)
+        s = run_loadgen(url, tmp / "run", *args)
     finally:
         stop(server)
-    s = json.loads((tmp / "run.json").read_text())["summary"]
     lag = s["dispatch_lag_ms"]
     offered = a.requests / s["duration_s"]
     print(

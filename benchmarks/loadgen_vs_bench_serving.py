@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from _loadgen import run_loadgen
 
 from flying.stock_server import StockServer
 from loadgen.workload import PromptMaker
@@ -74,35 +75,10 @@ def bench_serving(url: str, model: Path, dataset: Path, n: int, out_len: int, co
 
 
 def loadgen(url: str, model: Path, n: int, in_len: int, out_len: int, conc: int, out: Path) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "loadgen.cli",
-        "run",
-        "--url",
-        url,
-        "--model",
-        "x",
-        "-n",
-        str(n),
-        "--rate",
-        "inf",
-        "--max-concurrency",
-        str(conc),
-        "--input-tokens",
-        str(in_len),
-        "--output-tokens",
-        str(out_len),
-        "--tokenizer",
-        str(model),
-        "--warmup",
-        "1",
-        "--out",
-        str(out),
-        "--quiet",
-    ]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    s = json.loads(out.with_suffix(".json").read_text())["summary"]
+    args = ("--model", "x", "-n", str(n), "--rate", "inf", "--max-concurrency", str(conc),
+            "--input-tokens", str(in_len), "--output-tokens", str(out_len), "--tokenizer", str(model),
+            "--warmup", "1")  # fmt: skip
+    s = run_loadgen(url, out, *args, quiet_stderr=True)
     return {
         "ttft": s["ttft_ms"]["p50"],
         "tpot": s["tpot_ms"]["p50"],

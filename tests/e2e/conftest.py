@@ -28,17 +28,24 @@ def cluster(tiny_model, tmp_path_factory):
 KV_TOKENS = 512  # per engine in cluster4: small, so that a long prompt needs a group
 
 
-@pytest.fixture(scope="session")
-def cluster4(tiny_model, tmp_path_factory):
-    """Four engines; the router runs with --manual (these tests drive binds by hand)."""
+@contextlib.contextmanager
+def four_engines(tiny_model, tmp_path_factory, name: str, router_args: tuple[str, ...]):
+    """Four engines of KV_TOKENS each (a long prompt needs a group), logs under a temp dir called ``name``."""
     config = ClusterConfig(
         model_path=tiny_model,
         num_engines=4,
-        log_dir=tmp_path_factory.mktemp("cluster4"),
+        log_dir=tmp_path_factory.mktemp(name),
         max_total_tokens=KV_TOKENS,
-        router_args=("--manual",),
+        router_args=router_args,
     )
     with Cluster(config, progress=print) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def cluster4(tiny_model, tmp_path_factory):
+    """Four engines; the router runs with --manual (these tests drive binds by hand)."""
+    with four_engines(tiny_model, tmp_path_factory, "cluster4", ("--manual",)) as c:
         yield c
 
 

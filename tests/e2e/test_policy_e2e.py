@@ -15,18 +15,24 @@ import openai
 import pytest
 
 from flying import control
-from flying.cluster import Cluster, ClusterConfig
-from tests.e2e.conftest import KV_TOKENS
+from tests.e2e.conftest import KV_TOKENS, four_engines
 from tests.e2e.test_switching import wait_mode
 
 pytestmark = pytest.mark.e2e
 MODEL = "tiny-llama"
-# never light (no load groups) unless a test asks for it; CPU-sized group capacity; quick releases
-POLICY = (
-    "--calm-s", "3600", "--keep-s", "1", "--max-inflight-per-worker", "4", "--tp-inflight-per-engine", "4",
-    "--ack-timeout-s", "5",
-)  # fmt: skip
-LOAD_ADAPTING = (*POLICY[2:], "--calm-s", "0.5")
+# CPU-sized group capacity, quick releases; POLICY is never light (no load groups) unless a test asks for it
+BASE = (
+    "--keep-s",
+    "1",
+    "--max-inflight-per-worker",
+    "4",
+    "--tp-inflight-per-engine",
+    "4",
+    "--ack-timeout-s",
+    "5",
+)
+POLICY = (*BASE, "--calm-s", "3600")
+LOAD_ADAPTING = (*BASE, "--calm-s", "0.5")
 
 
 def restart_router(c, args) -> None:
@@ -36,15 +42,8 @@ def restart_router(c, args) -> None:
 
 @pytest.fixture(scope="module")
 def policy(tiny_model, tmp_path_factory):
-    """Four engines of KV_TOKENS each (a long prompt needs a group), the router deciding on its own."""
-    config = ClusterConfig(
-        model_path=tiny_model,
-        num_engines=4,
-        log_dir=tmp_path_factory.mktemp("policy"),
-        max_total_tokens=KV_TOKENS,
-        router_args=POLICY,
-    )
-    with Cluster(config, progress=print) as c:
+    """Four engines, the router deciding on its own."""
+    with four_engines(tiny_model, tmp_path_factory, "policy", POLICY) as c:
         yield c
 
 
