@@ -216,11 +216,45 @@ class Gateway:
         await self.queue.finish(adm.record.id, a.engine, state, "" if state == "done" else resp.text[:200])
         return resp.status_code, resp.json()
 
-    async def relay(self, adm: Admitted, a: Assignment, resp) -> AsyncIterator[bytes]:
-        """Streaming: relay the engine's SSE events; a broken stream ends with an error event."""
+    async def first_event(
+        self, adm: Admitted, a: Assignment, resp, lines: AsyncIterator[str], disconnected: asyncio.Task
+    ) -> str:
+        """Streaming: the engine's first SSE event, read before the client gets anything, so an engine that dies
+        (or a group that loses a member) before it can still be replaced: raises WorkerUnavailable and the
+        request is re-dispatched. Raises ClientGone if the client leaves meanwhile."""
+
+        async def read() -> str:
+            async for line in lines:
+                if line.startswith("data:"):
+                    return line
+            raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
+
+        task = asyncio.create_task(read())
+        done, _ = await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await resp.aclose()
+            self.spawn(self._abandon(adm, a, "client disconnected"))
+            raise ClientGone(adm.record.id)
+        try:
+            return task.result()
+        except WorkerUnavailable:
+            await resp.aclose()
+            raise
+        except Exception as exc:  # noqa: BLE001 - any upstream failure before the first event: try another
+            await resp.aclose()
+            raise WorkerUnavailable(f"engine {a.engine} failed before its first event: {exc!r}") from exc
+
+    async def relay(
+        self, adm: Admitted, a: Assignment, resp, first: str, lines: AsyncIterator[str]
+    ) -> AsyncIterator[bytes]:
+        """Streaming: relay the engine's SSE events (``first`` already read from ``lines``); a stream that breaks
+        after it ends with an error event."""
         state, error = "cancelled", "client disconnected"
         try:
-            async for line in resp.aiter_lines():
+            async for line in _prepend(first, lines):
                 if not line.startswith("data:"):
                     continue
                 yield (line + "\n\n").encode()
@@ -250,6 +284,12 @@ class Gateway:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def sse_error(err) -> bytes:
