@@ -40,7 +40,9 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     lease = r.get(keys.router_lease)
     regime = "no router state" if state is None else ("busy: DP only" if state.busy else "light: TP groups")
     if state is not None and (held := {e: t for e, t in state.suspect.items() if t > time.time()}):
-        regime += "; left out of binds: " + ", ".join(f"{e} ({t - time.time():.0f} s)" for e, t in held.items())
+        regime += "; left out of binds: " + ", ".join(
+            f"{e} ({t - time.time():.0f} s)" for e, t in held.items()
+        )
     lines.append(
         f"router: {'lease held by ' + lease.decode() if lease else 'none holds the lease'}; {regime}"
     )

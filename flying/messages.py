@@ -23,6 +23,7 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
     enqueued_at: float
     seq: int = 0
     attempts: int = 0
+    failed_on: int = -1  # the engine it was last dispatched to that failed before answering (-1: none)
 
     @property
     def kv_tokens(self) -> int:

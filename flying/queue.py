@@ -44,11 +44,11 @@ return 1
 """
 
 _REQUEUE = """
--- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason
+-- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason, engine
 local seq = redis.call('HGET', KEYS[2], 'seq')
 if not seq or redis.call('HGET', KEYS[2], 'state') ~= 'assigned' then return 0 end
 redis.call('SREM', KEYS[3], ARGV[1])
-redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3])
+redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3], 'failed_on', ARGV[4])
 redis.call('HDEL', KEYS[2], 'engine', 'url', 'assigned_at', 'epoch')
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + tonumber(seq), ARGV[1])
@@ -117,11 +117,12 @@ class RequestQueue:
         return bool(done)
 
     async def requeue(self, req: QueuedRequest, engine: int, reason: str) -> bool:
-        """Put an assigned request back at its original place in the queue (its worker could not take it)."""
+        """Put an assigned request back at its original place in the queue (its worker could not take it); the
+        router sends it elsewhere than ``engine`` while another engine is live."""
         k = self.keys
         done = await self._requeue(
             keys=[k.queue, k.request(req.id), k.inflight(engine), k.wake, k.stats],
-            args=[req.id, PRIORITY_CLASS[req.priority], reason],
+            args=[req.id, PRIORITY_CLASS[req.priority], reason, engine],
         )
         return bool(done)
 

@@ -22,7 +22,6 @@ class GatewayConfig:
     default_max_tokens: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     max_attempts: int = 3  # dispatches per request when workers die before answering
-    requeue_delay_s: float = 1.2  # > heartbeat TTL, so a dead engine is gone before the request is re-queued
 
     def __post_init__(self) -> None:
         assert self.max_queue >= 1, "max_queue must be >= 1"

@@ -197,7 +197,6 @@ class Gateway:
             await self.queue.finish(adm.record.id, a.engine, "failed", why)
             raise WorkerFailed(f"engine {a.engine} failed and {attempts} attempts are used up: {why}")
         log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why)
-        await asyncio.sleep(self.config.requeue_delay_s)  # let the dead engine's heartbeat expire first
         fut = self.waiter.expect(adm.record.id)
         await self.queue.requeue(adm.record, a.engine, why)
         return fut

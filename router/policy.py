@@ -361,9 +361,15 @@ class _Round:
             and not (imminent and g.state == "binding" and g.preempt != "hard")
             and g.width >= width
             and (reasons is None or g.reason in reasons)
+            and not self.avoid(r, g.members)
             and self.group_room(g, r)
         ]
         return min(fits, key=lambda g: (g.width, self.tp.get(g.epoch, (0, 0))[0], g.epoch), default=None)
+
+    def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
+        """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired
+        yet): send it elsewhere, unless that engine is the only live one."""
+        return r.failed_on in engines and len(self.live) > 1
 
     def to_group(self, g: Group, r: QueuedRequest) -> None:
         n, kv = self.tp.get(g.epoch, (0, 0))
@@ -381,6 +387,7 @@ class _Round:
             if e.mode == "dp"
             and not e.pending
             and e.engine not in taken
+            and not self.avoid(r, (e.engine,))
             and self.dp_inflight[e.engine] < self.cfg.max_inflight_per_worker
             and e.max_total_tokens >= r.kv_tokens
         ]

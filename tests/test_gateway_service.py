@@ -54,9 +54,7 @@ async def gateway(redis_server, aredis, keys):
     router = Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=policy), aredis)
     stop = asyncio.Event()
     task = asyncio.create_task(router.run(stop))
-    cfg = GatewayConfig(
-        model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, requeue_delay_s=0.0
-    )
+    cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix)
     gw = Gateway(cfg, aredis, CountWords())
     await gw.start()
     yield gw

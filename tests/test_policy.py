@@ -61,6 +61,21 @@ def test_spreads_requests_over_least_loaded_engines():
     ]
 
 
+def test_a_request_that_failed_on_an_engine_goes_elsewhere_unless_that_engine_is_the_only_one():
+    retry = msgspec.structs.replace(req("a"), failed_on=0, attempts=1)
+    d = decide(snap([retry], [eng(0), eng(1, inflight=5)]), DP_ONLY)
+    assert [(x.request.id, x.engine) for x in d.dispatches] == [("a", 1)], (
+        "its heartbeat may not have expired"
+    )
+    full = dataclasses.replace(DP_ONLY, max_inflight_per_worker=5)
+    assert not decide(snap([retry], [eng(0), eng(1, inflight=5)]), full).dispatches, "it waits for another"
+    assert [x.engine for x in decide(snap([retry], [eng(0)]), DP_ONLY).dispatches] == [0]
+    g = bound(7, (0, 1), reason="manual")  # engine 2 is full: traffic flows through the operator's group ...
+    engines = [in_epoch(0, 7), in_epoch(1, 7), eng(2, inflight=8)]
+    assert [x.epoch for x in decide(snap([req("b")], engines, [g]), DP_ONLY).dispatches] == [7]
+    assert not decide(snap([retry], engines, [g]), DP_ONLY).dispatches, "... but not one it failed in"
+
+
 def test_respects_the_inflight_cap_and_keeps_queue_order():
     cfg = dataclasses.replace(DP_ONLY, max_inflight_per_worker=2)
     d = decide(snap([req("a"), req("b"), req("c")], [eng(0, inflight=1)]), cfg)

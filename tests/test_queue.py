@@ -77,7 +77,9 @@ async def test_requeue_restores_the_original_position(aredis, keys):
     assert await q.assign(a, 0, "http://e0")
     assert [r.id for r in await q.peek(5)] == ["b", "c"]
     assert await q.requeue(a, 0, "worker died")
-    assert [r.id for r in await q.peek(5)] == ["a", "b", "c"]
+    peeked = await q.peek(5)
+    assert [r.id for r in peeked] == ["a", "b", "c"]
+    assert peeked[0].failed_on == 0 and peeked[1].failed_on == -1, "the router learns where it failed"
     rec = await q.get("a")
     assert rec["attempts"] == "1" and "engine" not in rec and rec["state"] == "queued"
     assert await aredis.scard(keys.inflight(0)) == 0
