@@ -73,8 +73,7 @@ async def dispatch(gw: Gateway, adm: Admitted, disconnected: asyncio.Task) -> Re
                 )
             resp = await gw.upstream.open_stream(a.url, adm.path, adm.body)
             if resp.status_code == 200:  # nothing goes to the client before the engine's first event
-                lines = resp.aiter_lines()
-                first = await gw.first_event(adm, a, resp, lines, disconnected)
+                events = await gw.first_event(adm, a, resp, disconnected)
         except WorkerUnavailable as exc:
             fut = await gw.retry_or_fail(adm, a, str(exc))
             continue
@@ -84,7 +83,7 @@ async def dispatch(gw: Gateway, adm: Admitted, disconnected: asyncio.Task) -> Re
             return Response(resp.content, status_code=resp.status_code, media_type="application/json")
         disconnected.cancel()  # StreamingResponse watches for disconnects itself from here on
         return StreamingResponse(
-            gw.relay(adm, a, resp, first, lines),
+            gw.relay(adm, a, resp, events),
             media_type="text/event-stream",
             headers=headers_for(adm, a.engine, a.queue_ms),
         )

@@ -204,56 +204,58 @@ class Gateway:
     # -- forwarding --------------------------------------------------------------------------------------------
     async def forward(self, adm: Admitted, a: Assignment, disconnected: asyncio.Task):
         """Non-streaming: the engine's (status, JSON body). Raises WorkerUnavailable or ClientGone."""
-        call = asyncio.create_task(self.upstream.post(a.url, adm.path, adm.body))
-        done, _ = await asyncio.wait({call, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        if call not in done:
-            call.cancel()
-            self.spawn(self._abandon(adm, a, "client disconnected"))
-            raise ClientGone(adm.record.id)
-        resp = call.result()
+        resp = await self._unless_gone(adm, a, self.upstream.post(a.url, adm.path, adm.body), disconnected)
         state = "done" if resp.status_code == 200 else "failed"
         await self.queue.finish(adm.record.id, a.engine, state, "" if state == "done" else resp.text[:200])
         return resp.status_code, resp.json()
 
     async def first_event(
-        self, adm: Admitted, a: Assignment, resp, lines: AsyncIterator[str], disconnected: asyncio.Task
-    ) -> str:
-        """Streaming: the engine's first SSE event, read before the client gets anything, so an engine that dies
-        (or a group that loses a member) before it can still be replaced: raises WorkerUnavailable and the
-        request is re-dispatched. Raises ClientGone if the client leaves meanwhile."""
+        self, adm: Admitted, a: Assignment, resp, disconnected: asyncio.Task
+    ) -> AsyncIterator[str]:
+        """Streaming: wait for the engine's first SSE event before the client gets anything, so an engine that
+        dies (or a group that loses a member) before it can still be replaced: raises WorkerUnavailable and the
+        request is re-dispatched; ClientGone if the client leaves meanwhile. Returns the stream's lines, that
+        event first."""
+        lines = resp.aiter_lines()
 
         async def read() -> str:
-            async for line in lines:
-                if line.startswith("data:"):
-                    return line
+            try:
+                async for line in lines:
+                    if line.startswith("data:"):
+                        return line
+            except Exception as exc:  # noqa: BLE001 - any upstream failure before the first event: try another
+                raise WorkerUnavailable(f"engine {a.engine} failed before its first event: {exc!r}") from exc
             raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
 
-        task = asyncio.create_task(read())
+        try:
+            first = await self._unless_gone(adm, a, read(), disconnected)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await resp.aclose()
+            raise
+        return _prepend(first, lines)
+
+    async def _unless_gone(self, adm: Admitted, a: Assignment, coro: Awaitable, disconnected: asyncio.Task):
+        """``await coro``, unless the client disconnects first: then it is cancelled, the engine is told to abort
+        the request, and ClientGone is raised."""
+        task = asyncio.ensure_future(coro)
         done, _ = await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         if task not in done:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            await resp.aclose()
             self.spawn(self._abandon(adm, a, "client disconnected"))
             raise ClientGone(adm.record.id)
-        try:
-            return task.result()
-        except WorkerUnavailable:
-            await resp.aclose()
-            raise
-        except Exception as exc:  # noqa: BLE001 - any upstream failure before the first event: try another
-            await resp.aclose()
-            raise WorkerUnavailable(f"engine {a.engine} failed before its first event: {exc!r}") from exc
+        return task.result()
 
     async def relay(
-        self, adm: Admitted, a: Assignment, resp, first: str, lines: AsyncIterator[str]
+        self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[str]
     ) -> AsyncIterator[bytes]:
-        """Streaming: relay the engine's SSE events (``first`` already read from ``lines``); a stream that breaks
-        after it ends with an error event."""
+        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`); a stream that breaks after the
+        first event ends with an error event."""
         state, error = "cancelled", "client disconnected"
         try:
-            async for line in _prepend(first, lines):
+            async for line in events:
                 if not line.startswith("data:"):
                     continue
                 yield (line + "\n\n").encode()
