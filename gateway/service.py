@@ -205,6 +205,8 @@ class Gateway:
     async def forward(self, adm: Admitted, a: Assignment, disconnected: asyncio.Task):
         """Non-streaming: the engine's (status, JSON body). Raises WorkerUnavailable or ClientGone."""
         resp = await self._unless_gone(adm, a, self.upstream.post(a.url, adm.path, adm.body), disconnected)
+        if resp.status_code == 503:  # the engine cannot serve it (its TP group lost a member): try another
+            raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}")
         state = "done" if resp.status_code == 200 else "failed"
         await self.queue.finish(adm.record.id, a.engine, state, "" if state == "done" else resp.text[:200])
         return resp.status_code, resp.json()
@@ -222,7 +224,13 @@ class Gateway:
             try:
                 async for line in lines:
                     if line.startswith("data:"):
+                        if why := unavailable(line):
+                            raise WorkerUnavailable(
+                                f"engine {a.engine} ended the stream before a token: {why}"
+                            )
                         return line
+            except WorkerUnavailable:
+                raise
             except Exception as exc:  # noqa: BLE001 - any upstream failure before the first event: try another
                 raise WorkerUnavailable(f"engine {a.engine} failed before its first event: {exc!r}") from exc
             raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
@@ -291,6 +299,20 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     yield first
     async for item in rest:
         yield item
+
+
+def unavailable(line: str) -> str:
+    """Why a stream's first event says the engine could not serve the request ('' if it does not): a 503 error
+    event, or an abort before any token (SGLang's abort of a TP request whose group lost a member)."""
+    with contextlib.suppress(ValueError):
+        event = json.loads(line[5:])
+        if isinstance(event, dict):
+            err = event.get("error")
+            if isinstance(err, dict) and err.get("code") in (503, "503", "SERVICE_UNAVAILABLE"):
+                return str(err.get("message", "503"))
+            if any(c.get("finish_reason") == "abort" for c in event.get("choices") or ()):
+                return "aborted"
+    return ""
 
 
 def sse_error(err) -> bytes:

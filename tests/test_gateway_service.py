@@ -86,7 +86,18 @@ async def stream_through(gw: Gateway, responses: list) -> tuple[list[dict], list
     return [json.loads(x[5:]) for x in lines if x.startswith("data:") and x != "data: [DONE]"], calls
 
 
-@pytest.mark.parametrize("broken", [lambda: sse(EVENTS, fail_after=0), empty], ids=["reset", "closed"])
+GROUP_LOST = "tensor-parallel group lost a member; request aborted"
+ABORTED = {
+    "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}]
+}  # SGLang, no token yet
+ERROR_503 = {"error": {"message": GROUP_LOST, "type": "SERVICE_UNAVAILABLE", "param": None, "code": 503}}
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [lambda: sse(EVENTS, fail_after=0), empty, lambda: sse([ABORTED]), lambda: sse([ERROR_503])],
+    ids=["reset", "closed", "aborted", "503"],
+)
 async def test_a_stream_that_breaks_before_its_first_event_is_redispatched(gateway, aredis, keys, broken):
     events, calls = await stream_through(gateway, [broken(), sse(EVENTS)])
     assert events == EVENTS, "the client sees the second engine's stream only, whole"
@@ -102,3 +113,30 @@ async def test_a_stream_that_breaks_after_its_first_event_ends_with_an_error_eve
     assert events[2]["error"]["code"] == "worker_failed" and len(events) == 3
     assert len(calls) == 1, "tokens were already sent: no re-dispatch"
     assert not await aredis.hget(keys.stats, "requeued")
+
+
+async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, aredis, keys):
+    """A TP group that loses a member aborts its requests with 503 (worker_ext.sglang_patches): nothing reached
+    the client yet, so the request goes to another engine instead of failing."""
+    answers = [
+        httpx.Response(503, json={"object": "error", "message": GROUP_LOST, "code": 503}),
+        httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "one two"}}]}),
+    ]
+    calls = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return answers[len(calls) - 1]
+
+    await gateway.upstream.client.aclose()
+    gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "chat", "normal")
+    connected = asyncio.create_task(asyncio.Event().wait())
+    try:
+        resp = await asyncio.wait_for(dispatch(gateway, adm, connected), 10)
+    finally:
+        connected.cancel()
+    assert resp.status_code == 200 and json.loads(resp.body)["choices"][0]["message"]["content"] == "one two"
+    assert len(calls) == 2
+    assert int(await aredis.hget(keys.stats, "requeued")) == 1

@@ -3,6 +3,7 @@ bit-exact release, KV kept across a hard preemption, a member killed mid-epoch."
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -182,9 +183,16 @@ def test_killing_a_member_mid_epoch_returns_the_survivor_to_dp(cluster):
     r = cluster.client()
     control.bind(r, cluster.keys, (0, 1))
     wait_mode(cluster, (0, 1), "tp")
+    requeued = int(r.hget("flying:stats", "requeued") or 0)
     body = {
         "text": PROMPTS[0],
         "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True},
+    }
+    chat = {  # through the gateway: both engines are bound, so the router sends it to the group
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": PROMPTS[1]}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
     }
     got: dict = {}
 
@@ -192,20 +200,34 @@ def test_killing_a_member_mid_epoch_returns_the_survivor_to_dp(cluster):
         resp = httpx.post(worker_url(cluster, 0) + "/generate", json=body, timeout=60)
         got.update(status=resp.status_code, body=resp.json())
 
-    t = threading.Thread(target=tp_request)
-    t.start()
+    def gateway_request() -> None:
+        resp = httpx.post(cluster.config.gateway_url + "/v1/chat/completions", json=chat, timeout=120)
+        got.update(gw_status=resp.status_code, gw_body=resp.json())
+
+    threads = [threading.Thread(target=tp_request), threading.Thread(target=gateway_request)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not r.scard("flying:inflight:0"):
+        assert time.monotonic() < deadline, "the router did not send the gateway's request to the group"
+        time.sleep(0.05)
     time.sleep(0.5)
     t0 = time.monotonic()
     cluster.kill_worker(1, signal.SIGKILL)
     beats = wait_mode(cluster, (0,), "dp", timeout_s=5)
     assert "aborted" in beats[0].switch_error
-    t.join(10)
-    assert not t.is_alive(), "the TP request hung"
-    finish = got["body"].get("meta_info", {}).get("finish_reason") or {}
-    assert finish.get("type") == "abort" or got["status"] >= 400, got  # a clear end, not a silent hang
-    assert got["body"]["meta_info"]["completion_tokens"] < 3000
+    threads[0].join(10)
+    assert not threads[0].is_alive(), "the TP request hung"
+    # a clear end, not a silent hang: the abort is a 503, so a client that has nothing yet can go elsewhere
+    assert got["status"] == 503, got
+    assert "lost a member" in json.dumps(got["body"]), got
     out = generate(worker_url(cluster, 0), PROMPTS[0])  # serving DP again
     assert out["meta_info"]["completion_tokens"] == 12
     assert time.monotonic() - t0 < 5
+    # the gateway's client had received nothing: its request was re-dispatched and served whole in DP
+    threads[1].join(120)
+    assert got["gw_status"] == 200, got
+    assert got["gw_body"]["usage"]["completion_tokens"] == 2000
+    assert int(r.hget("flying:stats", "requeued") or 0) > requeued
     cluster.start_worker(1)  # restore the shared cluster
     cluster.wait_live([1], timeout_s=240)

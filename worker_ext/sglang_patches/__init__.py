@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from http import HTTPStatus
 from typing import Any
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
@@ -263,23 +264,28 @@ class _LocalReduce:
 LOCAL_GROUP = _LocalReduce()
 
 
-def abort_batch(scheduler: Any, message: str) -> None:
-    """Make every request of the batch being run finish with an abort when its result is processed."""
+def _group_lost(message: str) -> Any:
+    """The finish reason of a TP request whose group lost a member: an abort with status 503, so a request whose
+    client has nothing yet (non-streaming: SGLang answers 503; streaming: its first event is the abort) can be
+    re-dispatched by the gateway."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
+    return FINISH_ABORT(message, status_code=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailable")
+
+
+def abort_batch(scheduler: Any, message: str) -> None:
+    """Make every request of the batch being run finish with an abort when its result is processed."""
     batch = getattr(scheduler, "cur_batch_for_debug", None)
     for req in batch.reqs if batch is not None else []:
-        req.to_finish = FINISH_ABORT(message)
+        req.to_finish = _group_lost(message)
 
 
 def drop_tp_requests(scheduler: Any) -> list[str]:
     """After an aborted epoch: take the leader's TP requests out of its queues (their KV lives in the TP view,
     freed with it) and report them aborted to their clients."""
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
     reqs = [r for r in list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue) if not r.finished()]
     for req in reqs:
-        req.finished_reason = FINISH_ABORT("tensor-parallel group lost a member; request aborted")
+        req.finished_reason = _group_lost("tensor-parallel group lost a member; request aborted")
         if req.req_pool_idx is not None:  # give its KV back while the TP sub-slot allocator is still in place
             scheduler.tree_cache.cache_finished_req(req)
     if reqs:
