@@ -57,6 +57,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     release_ms: float = 0.0  # last release: command applied -> DP layout restored
     switch_error: str = ""  # why the last epoch was aborted, if it was
     comm_groups: int = 0  # pooled communicators built (see worker_ext.comm_pool)
+    comm_rebuilds: int = 0  # groups rebuilt because a member restarted
     num_engines: int = 1  # engines the pool was built for (merge sets); 1: this engine cannot bind
     param_bytes: int = (
         0  # bytes over the unique storages of the model's parameters (constant across switches)

@@ -81,3 +81,52 @@ def test_a_dead_member_is_an_error_within_the_timeout_not_a_hang():
         p.join(30)
     verdict = next(x for x in got if x != "joined")
     assert verdict[0] == "error" and verdict[1] < 5
+
+
+def _restartable(engine, port, launch_id, cmd, out):
+    """A pool member driven by ``cmd``: "reduce" runs an all-reduce on (0, 1) and reports the sum; "exit" dies."""
+    pool = CommPool(engine, 2, "127.0.0.1", port, timeout_s=5, launch_id=launch_id, watch_s=0.2).start()
+    pool.ready.wait(60)
+    while (what := cmd.get(timeout=120)) != "exit":
+        deadline = time.monotonic() + 30
+        while pool.built_for.get((0, 1), ("",))[engine ^ 1] != what:  # the peer's generation is in
+            assert time.monotonic() < deadline, f"engine {engine} never saw peer launch {what}"
+            time.sleep(0.05)
+        x = torch.tensor([float(engine + 1)])
+        pool.get((0, 1)).all_reduce(x)
+        out.put((engine, x.item(), pool.rebuilds))
+
+
+@pytest.mark.parametrize("restarted", [1, 0], ids=["member", "store-host"])
+def test_a_restarted_member_rejoins_its_groups(restarted):
+    """Kill one engine's process and start a new one (a new launch id): the survivor rebuilds the group with it
+    (engine 0 hosts the rendezvous store: when it restarts, the survivor reconnects to the new one)."""
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    cmds = {e: ctx.Queue() for e in (0, 1)}
+    ids = {0: "A0", 1: "A1"}
+    procs = {e: ctx.Process(target=_restartable, args=(e, port, ids[e], cmds[e], out)) for e in (0, 1)}
+    for p in procs.values():
+        p.start()
+
+    def reduce_all():
+        for e in (0, 1):
+            cmds[e].put(ids[e ^ 1])
+        return dict((e, (total, rebuilds)) for e, total, rebuilds in (out.get(timeout=60) for _ in range(2)))
+
+    assert {e: t for e, (t, _) in reduce_all().items()} == {0: 3.0, 1: 3.0}
+    procs[restarted].kill()
+    procs[restarted].join(10)
+    ids[restarted] = "B" + str(restarted)
+    cmds[restarted] = ctx.Queue()  # the killed reader may have died holding the old queue's lock
+    procs[restarted] = ctx.Process(
+        target=_restartable, args=(restarted, port, ids[restarted], cmds[restarted], out)
+    )
+    procs[restarted].start()
+    got = reduce_all()
+    assert {e: t for e, (t, _) in got.items()} == {0: 3.0, 1: 3.0}
+    assert got[restarted ^ 1][1] == 1, "the survivor rebuilt the group once"
+    for e in (0, 1):
+        cmds[e].put("exit")
+    for p in procs.values():
+        p.join(30)

@@ -143,6 +143,7 @@ class Binding:
             "release_ms": round(self.release_ms, 3),
             "switch_error": self.error,
             "comm_groups": len(self.pool.groups),
+            "comm_rebuilds": self.pool.rebuilds,
             "num_engines": self.pool.num_engines,
             "param_bytes": self.param_bytes,
         }

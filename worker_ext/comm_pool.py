@@ -10,6 +10,8 @@ a switch's critical path: a bind looks a group up by its member tuple.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import pickle
 import threading
@@ -70,6 +72,12 @@ class MergedGroup:
 
 @dataclass
 class CommPool:
+    """Every pooled group of one engine. Each group is built for one *generation*: its members' launch ids, read
+    from the rendezvous store where every engine announces its own. A restarted member comes back with a new
+    launch id, so the survivors' watcher (:meth:`watch`, every ``watch_s``) rebuilds the groups it is in, off the
+    serving path, and the restarted engine builds them with the same ids: the two rendezvous on a fresh prefix
+    and the member rejoins. A restarted engine 0 hosts a fresh store: the survivors reconnect and announce again."""
+
     engine: int
     num_engines: int
     store_host: str
@@ -77,16 +85,22 @@ class CommPool:
     sets: list[tuple[int, ...]] = field(default_factory=list)
     timeout_s: float = 10.0
     device: str = "cpu"
+    launch_id: str = ""
+    watch_s: float = 1.0
     groups: dict[tuple[int, ...], MergedGroup] = field(default_factory=dict)
+    built_for: dict[tuple[int, ...], tuple[str, ...]] = field(default_factory=dict)  # the generation of each
+    rebuilds: int = 0
     host_bytes: int = 0
     build_s: float = 0.0
     error: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
+    stopped: threading.Event = field(default_factory=threading.Event)
     store: dist.Store | None = None
 
     def __post_init__(self) -> None:
         if not self.sets:
             self.sets = merge_sets(self.num_engines)
+        self.launch_id = self.launch_id or f"{psutil.Process().pid}-{time.time_ns()}"
 
     def mine(self) -> list[tuple[int, ...]]:
         return [s for s in self.sets if self.engine in s]
@@ -96,25 +110,9 @@ class CommPool:
         path, see :meth:`start`)."""
         t0, rss0 = time.perf_counter(), psutil.Process().memory_info().rss
         try:
-            store = dist.TCPStore(
-                self.store_host,
-                self.store_port,
-                is_master=self.engine == 0,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=max(self.timeout_s, 600)),
-            )
-            timeout = timedelta(seconds=self.timeout_s)
+            self.store = self._connect()
             for members in self.mine():
-                rank, size = members.index(self.engine), len(members)
-                name = "-".join(map(str, members))
-                control = dist.ProcessGroupGloo(
-                    dist.PrefixStore(f"flying/{name}/ctl", store), rank, size, timeout
-                )
-                data = control
-                if self.device == "cuda":
-                    data = dist.ProcessGroupNCCL(dist.PrefixStore(f"flying/{name}/nccl", store), rank, size)
-                self.groups[members] = MergedGroup(members, rank, data, control)
-            self.store = store  # engine 0 hosts it; also carries soft-bind readiness
+                self._build_group(members, self._launch_ids(members, wait=True))
         except Exception as exc:  # noqa: BLE001 - reported in the heartbeat, the engine keeps serving DP
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("communicator pool failed: %s", self.error)
@@ -129,9 +127,68 @@ class CommPool:
         )
         self.ready.set()
 
+    def _connect(self) -> dist.Store:
+        """The rendezvous store (engine 0 hosts it), with this engine's launch id announced on it."""
+        store = dist.TCPStore(
+            self.store_host,
+            self.store_port,
+            is_master=self.engine == 0,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=max(self.timeout_s, 600)),
+        )
+        store.set(f"flying/launch/{self.engine}", self.launch_id)
+        return store
+
+    def _launch_ids(self, members: tuple[int, ...], wait: bool) -> tuple[str, ...] | None:
+        """The members' announced launch ids (None if one has not announced and ``wait`` is False)."""
+        keys = [f"flying/launch/{m}" for m in members]
+        if wait:
+            self.store.wait(keys, timedelta(seconds=max(self.timeout_s, 600)))  # type: ignore[union-attr]
+        elif not self.store.check(keys):  # type: ignore[union-attr]
+            return None
+        return tuple(self.store.get(k).decode() for k in keys)  # type: ignore[union-attr]
+
+    def _build_group(self, members: tuple[int, ...], ids: tuple[str, ...]) -> None:
+        rank, size = members.index(self.engine), len(members)
+        gen = hashlib.sha1("/".join(ids).encode()).hexdigest()[:12]
+        name = f"flying/{'-'.join(map(str, members))}/{gen}"
+        timeout = timedelta(seconds=self.timeout_s)
+        control = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/ctl", self.store), rank, size, timeout)
+        data = control
+        if self.device == "cuda":
+            data = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/nccl", self.store), rank, size)
+        self.groups[members] = MergedGroup(members, rank, data, control)
+        self.built_for[members] = ids
+
+    def watch(self) -> None:
+        """Rebuild the groups whose members' launch ids changed (a member restarted), in the global set order
+        every engine uses; reconnect to the store if it is gone (engine 0 restarted)."""
+        while not self.stopped.wait(self.watch_s):
+            try:
+                for members in self.mine():
+                    ids = self._launch_ids(members, wait=False)
+                    if ids is not None and ids != self.built_for.get(members):
+                        log.info("communicator pool: rebuilding %s (a member restarted)", members)
+                        self._build_group(members, ids)
+                        self.rebuilds += 1
+                        log.info("communicator pool: %s rebuilt", members)
+                self.error = ""
+            except Exception as exc:  # noqa: BLE001 - the store or a peer is gone: retry from a fresh connection
+                self.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                log.warning("communicator pool: %s; reconnecting", self.error)
+                with contextlib.suppress(Exception):
+                    self.store = self._connect()
+
     def start(self) -> CommPool:
-        threading.Thread(target=self.build, name="flying-comm-pool", daemon=True).start()
+        def run() -> None:
+            self.build()
+            self.watch()
+
+        threading.Thread(target=run, name="flying-comm-pool", daemon=True).start()
         return self
+
+    def stop(self) -> None:
+        self.stopped.set()
 
     def get(self, members: tuple[int, ...]) -> MergedGroup:
         if not self.ready.is_set():

@@ -71,7 +71,9 @@ def _start_switching(scheduler, config) -> None:
         return
     device = "cuda" if os.environ.get(settings.DEVICE, "cpu") == "cuda" else "cpu"
     host = os.environ.get(settings.COMM_HOST, "127.0.0.1")
-    pool = CommPool(config.engine, num_engines, host, int(port), device=device).start()
+    pool = CommPool(
+        config.engine, num_engines, host, int(port), device=device, launch_id=config.launch_id
+    ).start()
     _commands = CommandReader(config.redis_url, Keys(config.key_prefix), config.engine).start()
     sglang_patches.register_idle_wake(scheduler, _commands.wake_socket)
     _binding = Binding(scheduler, config.engine, pool, on_change=lambda: _beat(scheduler))

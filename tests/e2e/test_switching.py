@@ -178,7 +178,6 @@ def test_soft_bind_starts_tp_requests_in_dp_and_continues_them_in_tp(cluster, st
     wait_mode(cluster, (0, 1), "dp")
 
 
-# Last in this module: a restarted member cannot rejoin the pooled groups of engines that kept running.
 def test_killing_a_member_mid_epoch_returns_the_survivor_to_dp(cluster):
     r = cluster.client()
     control.bind(r, cluster.keys, (0, 1))
@@ -231,3 +230,23 @@ def test_killing_a_member_mid_epoch_returns_the_survivor_to_dp(cluster):
     assert int(r.hget("flying:stats", "requeued") or 0) > requeued
     cluster.start_worker(1)  # restore the shared cluster
     cluster.wait_live([1], timeout_s=240)
+
+
+def test_a_restarted_member_rejoins_the_pool(cluster, stock_tp2):
+    """After the kill above: engine 1 came back with a new launch id; engine 0 rebuilt their group with it (off the
+    serving path), so the two bind again and the group is still exact."""
+    deadline = time.monotonic() + 60
+    while True:
+        beats = control.status(cluster.client(), cluster.keys)
+        if beats[0].comm_rebuilds >= 1 and beats[1].comm_groups == 1:
+            break
+        assert time.monotonic() < deadline, f"the pool was not rebuilt: {beats}"
+        time.sleep(0.2)
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1))
+    wait_mode(cluster, (0, 1), "tp", epoch=epoch)
+    ours, stock = generate(worker_url(cluster, 0), PROMPTS[1]), generate(stock_tp2, PROMPTS[1])
+    diffs = [abs(a - b) for a, b in zip(prompt_logprobs(ours), prompt_logprobs(stock))]
+    assert max(diffs) <= 1e-5 and ours["output_ids"] == stock["output_ids"]
+    control.release(r, cluster.keys, (0, 1), epoch)
+    wait_mode(cluster, (0, 1), "dp")
