@@ -126,6 +126,7 @@ class Binding:
         self.last_epoch = 0  # the newest epoch this engine has bound
         self.held: list = []  # DP requests held back while a sequential bind waits for the running ones
         self.soft_dp_rids: set[str] | None = None  # soft bind: the DP work that must drain first
+        self.drained_for = 0  # sequential bind: the epoch this engine has counted itself drained for
         self.param_bytes = self._param_bytes()
         self.error = ""
 
@@ -169,8 +170,8 @@ class Binding:
                     cmd, self.pending = self.pending, None
                     self._enter(cmd)
                     return
-            elif self.pending.preempt == "sequential" and sglang_patches.has_running_dp_work(self.s):
-                self.held += sglang_patches.hold_waiting(self.s)  # admit no new DP work; bind once drained
+            elif self.pending.preempt == "sequential" and not self._all_drained(self.pending):
+                self.held += sglang_patches.hold_waiting(self.s)  # admit no new DP work; bind once all drained
             elif sglang_patches.at_clean_step_boundary(self.s):
                 cmd, self.pending = self.pending, None
                 self._enter(cmd)
@@ -208,6 +209,26 @@ class Binding:
             sglang_patches.unhold_waiting(self.s, self.held)
             self.held = []
         self.on_change()
+
+    def _all_drained(self, cmd: Bind) -> bool:
+        """Sequential preemption: True once every member has finished its running DP work. Each member counts
+        itself on the pool's store when drained and enters the bind only when all have, so a member that drains
+        first waits in its own loop (an idle loop polls at least every second) instead of in the bind handshake,
+        whose group timeout a slow member's drain could exceed."""
+        if sglang_patches.has_running_dp_work(self.s) or not sglang_patches.at_clean_step_boundary(self.s):
+            return False
+        store = self.pool.store
+        if store is None or not self.pool.ready.is_set():
+            return True  # no pool: the bind is refused in _bind
+        key = f"flying/seq/{cmd.epoch}/drained"
+        try:
+            if self.drained_for != cmd.epoch:
+                store.add(key, 1)
+                self.drained_for = cmd.epoch
+            return store.add(key, 0) >= len(cmd.members)
+        except Exception as exc:  # noqa: BLE001 - the store is gone (engine 0 restarting): the router rolls back
+            log.warning("engine %d: sequential bind %d: %s", self.engine, cmd.epoch, exc)
+            return False
 
     def _soft_ready(self, cmd: Bind) -> bool:
         """Soft preemption. The DP work present when the command arrived drains (nothing new is admitted for it);
