@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -171,7 +170,9 @@ class Binding:
                     self._enter(cmd)
                     return
             elif self.pending.preempt == "sequential" and not self._all_drained(self.pending):
-                self.held += sglang_patches.hold_waiting(self.s)  # admit no new DP work; bind once all drained
+                self.held += sglang_patches.hold_waiting(
+                    self.s
+                )  # admit no new DP work; bind once all drained
             elif sglang_patches.at_clean_step_boundary(self.s):
                 cmd, self.pending = self.pending, None
                 self._enter(cmd)
@@ -217,25 +218,17 @@ class Binding:
         whose group timeout a slow member's drain could exceed."""
         if sglang_patches.has_running_dp_work(self.s) or not sglang_patches.at_clean_step_boundary(self.s):
             return False
-        store = self.pool.store
-        if store is None or not self.pool.ready.is_set():
+        if self.pool.store is None or not self.pool.ready.is_set():
             return True  # no pool: the bind is refused in _bind
-        key = f"flying/seq/{cmd.epoch}/drained"
-        try:
-            if self.drained_for != cmd.epoch:
-                store.add(key, 1)
-                self.drained_for = cmd.epoch
-            return store.add(key, 0) >= len(cmd.members)
-        except Exception as exc:  # noqa: BLE001 - the store is gone (engine 0 restarting): the router rolls back
-            log.warning("engine %d: sequential bind %d: %s", self.engine, cmd.epoch, exc)
-            return False
+        return self._barrier(cmd, "seq", count=True, ready=lambda n, _: n >= len(cmd.members))
 
     def _soft_ready(self, cmd: Bind) -> bool:
         """Soft preemption. The DP work present when the command arrived drains (nothing new is admitted for it);
         requests arriving after it are the group's and the leader starts them at once, in DP mode. Members
         signal "drained" on the pool's store; the leader binds once it and every member are drained (re-prefilling
-        its started TP requests at the new width), then releases the members with a "go"."""
-        store, leader = self.pool.store, cmd.members[0] == self.engine
+        its started TP requests at the new width), then lets the members in with a "go". Nobody blocks: each
+        checks the store at its step boundaries."""
+        leader = cmd.members[0] == self.engine
         if self.soft_dp_rids is None:
             self.soft_dp_rids = sglang_patches.unfinished_running_rids(self.s)
             self.held += sglang_patches.hold_waiting(self.s)
@@ -245,17 +238,29 @@ class Binding:
             return False
         if not sglang_patches.at_clean_step_boundary(self.s):
             return False
-        key = f"flying/soft/{cmd.epoch}"
+        if self.pool.store is None or not self.pool.ready.is_set():
+            return True  # no pool: the bind is refused in _bind
         if not leader:
-            store.add(f"{key}/drained", 1)
-            store.wait(
-                [f"{key}/go"], timedelta(seconds=120)
-            )  # drained: nothing to do here until the group forms
-            return True
-        if store.add(f"{key}/drained", 0) < len(cmd.members) - 1:
+            return self._barrier(cmd, "soft", count=True, ready=lambda _, go: go)
+        if not self._barrier(cmd, "soft", count=False, ready=lambda n, _: n >= len(cmd.members) - 1):
             return False
-        store.set(f"{key}/go", "1")
+        self.pool.store.set(f"flying/soft/{cmd.epoch}/go", "1")
         return True
+
+    def _barrier(self, cmd: Bind, kind: str, count: bool, ready) -> bool:
+        """Count this engine drained for ``cmd`` on the pool's store (once, if ``count``), then
+        ``ready(drained members, go key set)``. False while the store is unreachable (engine 0 restarting: the
+        router rolls the bind back)."""
+        store, key = self.pool.store, f"flying/{kind}/{cmd.epoch}"
+        try:
+            if count and self.drained_for != cmd.epoch:
+                store.add(f"{key}/drained", 1)  # type: ignore[union-attr]
+                self.drained_for = cmd.epoch
+            n = store.add(f"{key}/drained", 0)  # type: ignore[union-attr]
+            return ready(n, store.check([f"{key}/go"]))  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001
+            log.warning("engine %d: %s bind %d: %s", self.engine, kind, cmd.epoch, exc)
+            return False
 
     def _enter(self, cmd: Bind) -> None:
         """Bind; a follower then serves step plans until its group is released."""
