@@ -259,8 +259,8 @@ class Gateway:
     async def relay(
         self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[str]
     ) -> AsyncIterator[bytes]:
-        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`); a stream that breaks after the
-        first event ends with an error event."""
+        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`); a stream that breaks, or that
+        the engine aborts (its TP group lost a member), after the first event ends with an error event."""
         state, error = "cancelled", "client disconnected"
         try:
             async for line in events:
@@ -269,6 +269,8 @@ class Gateway:
                 yield (line + "\n\n").encode()
                 if line.strip() == "data: [DONE]":
                     state, error = "done", ""
+                elif why := unavailable(line):
+                    raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
             if state != "done":
                 raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
         except (

@@ -140,3 +140,15 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
     assert resp.status_code == 200 and json.loads(resp.body)["choices"][0]["message"]["content"] == "one two"
     assert len(calls) == 2
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
+
+
+async def test_an_engine_abort_after_the_first_event_ends_with_an_error_event(gateway, aredis, keys):
+    """SGLang ends a TP request whose group lost a member with an abort chunk; after tokens were sent the client
+    gets that chunk and then an OpenAI-shaped error, not a silent finish_reason nobody knows."""
+    aborted = {"choices": [{"index": 0, "delta": {"content": " two"}, "finish_reason": "abort"}]}
+    events, calls = await stream_through(gateway, [sse([EVENTS[0], aborted])])
+    assert events[:2] == [EVENTS[0], aborted]
+    assert events[2]["error"]["code"] == "worker_failed" and len(events) == 3
+    assert len(calls) == 1
+    await asyncio.sleep(0.1)
+    assert await aredis.hget(keys.stats, "failed") == b"1" and not await aredis.hget(keys.stats, "completed")
