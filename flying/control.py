@@ -81,14 +81,16 @@ def _width_change(old: tuple[int, ...], new: tuple[int, ...]) -> bool:
     return set(old) <= set(new) or (set(new) <= set(old) and old[0] == new[0])
 
 
-def release(r: redis.Redis, keys: Keys, members: tuple[int, ...], epoch: int) -> None:
+def release(r: redis.Redis, keys: Keys, members: tuple[int, ...], epoch: int, retract: bool = False) -> None:
+    """Release ``epoch``'s group: once its TP requests have finished, or at once with ``retract`` (they continue
+    in DP on the leader, recomputed)."""
     raw = r.hget(keys.groups, str(epoch))
     if raw is not None:
         g = decode(raw, Group)
         r.hset(
             keys.groups, str(epoch), encode(msgspec.structs.replace(g, state="releasing", since=time.time()))
         )
-    send(r, keys, members, Release(epoch=epoch))
+    send(r, keys, members, Release(epoch=epoch, retract=retract))
 
 
 def queue_depths(r: redis.Redis, keys: Keys) -> dict[str, tuple[int, float]]:

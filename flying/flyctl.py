@@ -4,7 +4,8 @@ flyctl status                      engines (mode, epoch, group, load, switch tim
 flyctl queue [-n 20]               the waiting requests in dispatch order
 flyctl watch [--interval 1]        status, refreshed until Ctrl-C
 flyctl bind 0 1 [--preempt hard]   bind engines 0 and 1 into one TP group by hand (prints the epoch)
-flyctl release EPOCH 0 1           release that epoch's group back to DP
+flyctl release EPOCH 0 1 [--retract]  release that epoch's group back to DP (--retract: at once, its TP
+                                   requests continue in DP on the leader)
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     rel = sub.add_parser("release")
     rel.add_argument("epoch", type=int)
     rel.add_argument("members", type=int, nargs="+")
+    rel.add_argument(
+        "--retract", action="store_true", help="at once: TP requests continue in DP (recomputed)"
+    )
     a = p.parse_args(argv)
     r, keys = redis.Redis.from_url(a.redis_url), Keys(a.key_prefix)
     try:
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"flyctl: {exc}", file=sys.stderr)
                 return 2
         elif a.cmd == "release":
-            control.release(r, keys, tuple(a.members), a.epoch)
+            control.release(r, keys, tuple(a.members), a.epoch, a.retract)
         elif a.cmd == "queue":
             print(render_queue(r, keys, a.n))
         elif a.cmd == "watch":

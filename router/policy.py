@@ -24,7 +24,8 @@ The three use cases, each switchable in :class:`PolicyConfig`:
 
 Groups are reused (Gyges): the next high-priority or long request goes to a group that is already bound; priority
 and long groups are released only after ``keep_s`` without TP work. DP work a bind pauses (hard preemption) waits at
-most ``max_defer_s`` before the group is released.
+most ``max_defer_s``: the group is then released by retraction (its requests continue in DP on the leader, unless
+one needs the pooled KV), so the paused work resumes at the next step boundary.
 
 Safety: every bind gets a fresh epoch (assigned by the caller), its record is written before its commands are sent,
 members are picked only among engines in no group record, so groups never overlap and an engine is in at most one
@@ -64,7 +65,7 @@ class PolicyConfig:
     keep_s: float = 1.0  # a priority/long group without TP work for this long is released
     long_max_share: float = 0.5  # long groups hold at most this share of the engines (the rest stay DP)
     long_wait_s: float = 60.0  # under busy load a long request waits up to this long before binding
-    max_defer_s: float = 5.0  # a bind defers DP work for at most this long before its group is released
+    max_defer_s: float = 5.0  # a bind pauses DP work at most this long (then released, retracting)
     ack_timeout_s: float = 2.0  # members must acknowledge a bind within this ...
     bind_timeout_s: float = 60.0  # ... and complete it within this (a sequential bind drains DP work first)
     suspect_s: float = 10.0  # a member that failed a bind is not picked for another one for this long
@@ -280,14 +281,16 @@ class _Round:
             tp_busy = self.tp.get(g.epoch, (0, 0))[0] > 0
             if g.reason == "load" and busy:
                 # its requests continue in DP on the leader, unless one of them needs the group's pooled KV
-                retract = self.tp_max.get(g.epoch, 0) <= min(self.live[m].max_total_tokens for m in g.members)
-                self.release(g, "load rose", retract=retract)
+                self.release(g, "load rose", retract=self.retractable(g))
             elif (
                 g.state == "bound"
                 and self.now - g.since >= cfg.max_defer_s
                 and (self.paused_dp(g) > 0 or (busy and queued_dp))
             ):
-                self.release(g, f"DP work deferred for {cfg.max_defer_s:g} s")
+                # paused DP work resumes now: the group's requests continue in DP on the leader (unless one of them
+                # needs the group's pooled KV); DP work that only queues waits for the group's requests instead
+                retract = self.paused_dp(g) > 0 and self.retractable(g)
+                self.release(g, f"DP work deferred for {cfg.max_defer_s:g} s", retract=retract)
             elif (
                 g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s
             ):
@@ -295,6 +298,10 @@ class _Round:
                     self.put(_replace(g, reason="load"))  # light load: keep it, as a load group
                 elif busy or g.reason == "long" or self.paused_dp(g):
                     self.release(g, f"no TP work for {cfg.keep_s:g} s")
+
+    def retractable(self, g: Group) -> bool:
+        """The group's requests can continue in DP on its leader (none needs the group's pooled KV)."""
+        return self.tp_max.get(g.epoch, 0) <= min(self.live[m].max_total_tokens for m in g.members)
 
     # --- binds and dispatch -------------------------------------------------------------------------------
 
@@ -442,6 +449,8 @@ class _Round:
         if (g := self.group_for(r, 1, USABLE, SHORT, imminent=True)) is not None:
             self.to_group(g, r)
             return True
+        if self.adopt_idle(r, 1, ("long",), "priority"):
+            return True  # (an idle long group is kept while a high-priority request waits: it must take it)
         taken = self.in_groups()
         dp = {e.engine for e in self.s.engines if e.mode == "dp" and e.engine not in taken}
         light = not self.out.state.busy
@@ -460,20 +469,7 @@ class _Round:
         if (g := self.group_for(r, width, USABLE, ("long", "manual"))) is not None:
             self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
             return
-        idle = [
-            g
-            for g in self.groups.values()
-            if g.state == "bound"
-            and g.reason in ("load", "priority")
-            and not self.tp.get(g.epoch, (0, 0))[0]
-            and not self.paused_dp(g)
-            and self.group_room(g, r)
-            and g.width >= width
-        ]
-        if idle:  # an idle group that holds it becomes a long group (no release and re-bind)
-            g = min(idle, key=lambda g: (g.width, g.epoch))
-            self.put(_replace(g, reason="long"))
-            self.to_group(self.groups[g.epoch], r)
+        if self.adopt_idle(r, width, ("load", "priority"), "long"):
             return
         if not cfg.long_context or (self.pressure and self.now - r.enqueued_at < cfg.long_wait_s):
             return
@@ -489,6 +485,27 @@ class _Round:
             self.bind(sets[0], "long", preempt)
         else:
             self.release_idle_blocking(width)
+
+    def adopt_idle(self, r: QueuedRequest, width: int, reasons: tuple[str, ...], reason: str) -> bool:
+        """Send ``r`` to a bound group of ``reasons`` that is idle (no TP work, no paused DP work) and holds it,
+        the narrowest; the group becomes a ``reason`` group (reused: no release and re-bind)."""
+        idle = [
+            g
+            for g in self.groups.values()
+            if g.state == "bound"
+            and g.reason in reasons
+            and not self.tp.get(g.epoch, (0, 0))[0]
+            and not self.paused_dp(g)
+            and g.width >= width
+            and not self.avoid(r, g.members)
+            and self.group_room(g, r)
+        ]
+        if not idle:
+            return False
+        g = min(idle, key=lambda g: (g.width, g.epoch))
+        self.put(_replace(g, reason=reason))  # type: ignore[arg-type]
+        self.to_group(self.groups[g.epoch], r)
+        return True
 
     def release_idle_blocking(self, width: int) -> None:
         """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one."""

@@ -486,6 +486,10 @@ class Simulator:
             late = self.now - self.bound_at.get(ep, self.now) > grace
             if g.formed and paused and rec is not None and rec.reason != "manual" and late:
                 assert rec.state == "releasing", f"epoch {ep} defers DP work beyond {grace:.2f} s"
+                # and the release retracts (the paused work resumes after one group step), unless a request
+                # needs the group's pooled KV
+                stuck = self.now - rec.since > 1.0 and self.tp_max.get(ep, 0) <= self.cfg.cost.kv_tokens
+                assert not stuck, f"epoch {ep} released {self.now - rec.since:.2f} s ago still defers DP work"
         places = sum(len(q) for q in self.queue.values()) + len(self.dispatched)
         arrived = sum(1 for r in self.reqs if r.spec.at <= self.now and not (r.done and not r.times))
         assert places == arrived, "a request was lost or duplicated"

@@ -19,6 +19,10 @@ def test_bind_and_release_write_every_members_stream(sync_redis, keys, redis_ser
         assert decode_command(fields[b"msg"]) == Bind(epoch=epoch, members=(0, 1))
     assert main([*args, "release", str(epoch), "0", "1"]) == 0
     assert decode_command(sync_redis.xrange(keys.commands(0))[-1][1][b"msg"]) == Release(epoch=epoch)
+    assert main([*args, "release", str(epoch + 1), "2", "3", "--retract"]) == 0
+    assert decode_command(sync_redis.xrange(keys.commands(3))[-1][1][b"msg"]) == Release(
+        epoch=epoch + 1, retract=True
+    )
     assert main([*args, "bind", "1"]) == 2  # a group of one is refused
 
 

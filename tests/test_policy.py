@@ -141,6 +141,16 @@ def test_long_request_blocked_by_idle_groups_releases_them_to_make_room():
     assert sorted(c.epoch for _, c in d.commands) == [1, 2]
 
 
+def test_high_priority_request_takes_an_idle_long_group_when_no_engine_is_in_dp():
+    """Found by the simulator's random sequences: every engine in an idle long group, a high-priority request
+    waiting. The groups are kept while it waits (it would go to a group), so it must take one, not wait forever."""
+    g1, g2 = bound(1, (0, 1), reason="long"), bound(2, (2, 3), reason="long")
+    engines = [in_epoch(0, 1), in_epoch(1, 1), in_epoch(2, 2), in_epoch(3, 2)]
+    d = decide(snap([req("hi", priority="high")], engines, [g1, g2], state=LIGHT), CFG)
+    assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 1)]
+    assert d.put[1].reason == "priority" and not d.commands and not d.binds
+
+
 def test_long_context_off_leaves_long_requests_alone():
     cfg = dataclasses.replace(CFG, long_context=False)
     d = decide(snap([req("long", prompt=1500)]), cfg)
@@ -217,7 +227,7 @@ def test_deferred_dp_work_bounds_how_long_a_group_stays_bound():
     loads = {4: GroupLoad(1, 20)}
     assert not decide(snap(engines=engines, groups=[g], loads=loads, now=104.0), CFG).commands
     d = decide(snap([req("hi", priority="high")], engines, [g], loads=loads, now=105.1), CFG)
-    assert d.commands == [((2, 3), Release(epoch=4))]
+    assert d.commands == [((2, 3), Release(epoch=4, retract=True))]  # the paused DP work resumes at once
     assert all(x.epoch != 4 for x in d.dispatches)  # a releasing group takes no new work
 
 

@@ -110,3 +110,20 @@ def test_static_tp_serves_everything_in_groups_and_dynamic_matches_dp_without_lo
 def test_cost_model_is_within_10_percent_of_the_published_numbers():
     for what, mine, published in calibration():
         assert abs(mine / published - 1) <= 0.1, what
+
+
+def test_dp_work_paused_by_a_priority_bind_resumes_within_max_defer_s():
+    """A long high-priority request binds a block whose engines run long DP requests (hard: they pause). After
+    max_defer_s the group is released with retraction (the TP request continues in DP on the leader), so no DP
+    request stalls much longer than max_defer_s, however long the TP request runs."""
+    policy = PolicyConfig(
+        calm_s=0.3, max_defer_s=1.0
+    )  # light load from 0.3 s: (0, 1) drains for a load group
+    reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(6)] + [SimRequest(0.5, "high", 200, 300)]
+    sim = Simulator(SimConfig(engines=6, cost=SMALL, policy=policy), reqs, check=True)
+    records = sim.run()
+    assert all(r.ok and r.output_tokens == s.output for r, s in zip(records, reqs))
+    assert any(note == "bind (2, 3) (priority, hard preemption)" for _, note in sim.log), sim.log
+    stalls = [max(b - a for a, b in zip(r.event_times, r.event_times[1:])) for r in records[:6]]
+    assert max(stalls) > 0.9, "the bind paused a DP request"
+    assert max(stalls) < policy.max_defer_s + 0.5, f"DP requests stalled {max(stalls):.2f} s"

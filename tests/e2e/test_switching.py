@@ -128,6 +128,35 @@ def test_hard_preempted_dp_request_keeps_its_kv(cluster):
     assert got["meta_info"]["num_retractions"] == 0  # SGLang's own recompute counter for the request
 
 
+def test_a_retracting_release_resumes_paused_dp_work_at_once(cluster):
+    """The policy's bounded deferral: a hard bind paused a DP request; a release with retraction does not wait for
+    the group's long TP request (it continues in DP on the leader), the paused request resumes on its own KV."""
+    url, text, n = worker_url(cluster, 0), PROMPTS[1], 400
+    reference = generate(url, text, n)
+    got: dict = {}
+    dp = threading.Thread(target=lambda: got.update(dp=generate(url, text, n)))
+    dp.start()
+    time.sleep(0.6)
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1))
+    wait_mode(cluster, (0, 1), "tp")
+    tp = threading.Thread(target=lambda: got.update(tp=generate(url, PROMPTS[0], 3000)))
+    tp.start()
+    time.sleep(1.0)  # the TP request is decoding
+    control.release(r, cluster.keys, (0, 1), epoch, retract=True)
+    wait_mode(cluster, (0, 1), "dp", timeout_s=5)
+    assert tp.is_alive(), "the release waited for the TP request"
+    dp.join(120)
+    assert got["dp"]["output_ids"] == reference["output_ids"]
+    assert got["dp"]["meta_info"]["num_retractions"] == 0  # resumed on its own KV, not recomputed
+    # (log-probs agree to float noise: after the release it shares batches with the recomputed TP request)
+    ours, ref = (x["meta_info"]["output_token_logprobs"] for x in (got["dp"], reference))
+    assert max(abs(a[0] - b[0]) for a, b in zip(ours, ref)) <= 1e-4
+    tp.join(300)
+    assert got["tp"]["meta_info"]["completion_tokens"] == 3000
+    assert got["tp"]["meta_info"]["num_retractions"] >= 1  # recomputed in DP after the release
+
+
 def test_sequential_bind_waits_for_running_dp_work(cluster):
     """Engine 1 is drained at once, engine 0 only after a DP request that outlasts the group timeout (10 s): the
     drained member waits in its own loop, not in the bind handshake, and the bind succeeds."""
