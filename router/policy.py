@@ -347,8 +347,11 @@ class _Round:
         return g
 
     def group_room(self, g: Group, r: QueuedRequest) -> bool:
+        """Room for ``r``: fewer TP requests than the group takes, and KV for it. A hard-bound group's KV is capped
+        while its members hold paused DP work (kv_cap); once they hold none, the members' whole KV is the group's."""
         n, kv = self.tp.get(g.epoch, (0, 0))
-        pooled = g.kv_cap or g.width * min(self.live[m].max_total_tokens for m in g.members)
+        full = g.width * min(self.live[m].max_total_tokens for m in g.members)
+        pooled = g.kv_cap if g.kv_cap and self.paused_dp(g) > 0 else full
         return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
 
     def group_for(

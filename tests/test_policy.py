@@ -151,6 +151,19 @@ def test_high_priority_request_takes_an_idle_long_group_when_no_engine_is_in_dp(
     assert d.put[1].reason == "priority" and not d.commands and not d.binds
 
 
+def test_a_hard_bound_group_without_paused_dp_work_offers_its_whole_kv():
+    """Found by the simulator's random sequences: a long group hard-bound while its members held DP work has a KV
+    cap; once that work is gone the cap must not keep out a long request the members' KV holds (the idle group is
+    kept for that request, which would otherwise wait forever)."""
+    g = msgspec.structs.replace(bound(1, (0, 1), reason="long"), kv_cap=1500)
+    engines = [in_epoch(0, 1), in_epoch(1, 1), eng(2, inflight=1), eng(3, inflight=1)]
+    long = req("long", prompt=1800)
+    d = decide(snap([long], engines, [g]), CFG)
+    assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 1)]
+    paused = [in_epoch(0, 1, inflight=2), in_epoch(1, 1)] + engines[2:]  # two paused DP requests on engine 0
+    assert not decide(snap([long], paused, [g]), CFG).dispatches
+
+
 def test_long_context_off_leaves_long_requests_alone():
     cfg = dataclasses.replace(CFG, long_context=False)
     d = decide(snap([req("long", prompt=1500)]), cfg)
