@@ -483,7 +483,9 @@ class Simulator:
         for ep, g in self.groups.items():
             paused = any(self.engines[m].paused_running or self.engines[m].paused_queue for m in g.members)
             rec = self.records.get(ep)
-            late = self.now - self.bound_at.get(ep, self.now) > grace
+            start = self.bound_at.get(ep, self.now)  # the router's clock: it restarts after a router outage
+            start = max([start] + [b for a, b in self.cfg.router_down if a < self.now and b > start])
+            late = self.now - start > grace
             if g.formed and paused and rec is not None and rec.reason != "manual" and late:
                 assert rec.state == "releasing", f"epoch {ep} defers DP work beyond {grace:.2f} s"
                 # and the release retracts (the paused work resumes after one group step), unless a request
