@@ -174,6 +174,7 @@ class _Round:
         self.groups: dict[int, Group] = {g.epoch: g for g in s.groups}
         self.out = Decision(state=msgspec.structs.replace(s.state, long_context=cfg.long_context))
         self.dp_inflight = {e.engine: e.inflight for e in s.engines}
+        self.dp_kv = {e.engine: 0 for e in s.engines}  # KV of the DP requests this round sends each engine
         self.tp = {ep: (ld.inflight, ld.kv_tokens) for ep, ld in s.tp_load.items()}
         self.tp_max = {ep: ld.max_kv_tokens for ep, ld in s.tp_load.items()}
         self.reserved: set[int] = set()  # members of binds planned this round
@@ -327,9 +328,9 @@ class _Round:
         return sorted(ok, key=lambda ms: (self.block_load(ms), ms))
 
     def hard_cap(self, members: tuple[int, ...]) -> int:
-        """KV a hard-preempted group can use: its members' paused DP requests keep theirs (with a margin of a
-        tenth, for DP work the members admit before they read the bind)."""
-        return int(0.9 * sum(self.live[m].free_kv_tokens for m in members))
+        """KV a hard-preempted group can use: its members' paused DP requests keep theirs, those this round sends
+        them included (with a margin of a tenth, for the tokens they decode before they read the bind)."""
+        return int(0.9 * sum(self.live[m].free_kv_tokens - self.dp_kv[m] for m in members))
 
     def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt) -> Group:
         g = Group(
@@ -405,6 +406,7 @@ class _Round:
             return False
         best = min(fits, key=lambda e: (self.dp_inflight[e.engine], -e.free_kv_tokens, e.engine))
         self.dp_inflight[best.engine] += 1
+        self.dp_kv[best.engine] += r.kv_tokens
         self.out.dispatches.append(Dispatch(r, best.engine, best.url))
         return True
 

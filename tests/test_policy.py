@@ -164,6 +164,19 @@ def test_a_hard_bound_group_without_paused_dp_work_offers_its_whole_kv():
     assert not decide(snap([long], paused, [g]), CFG).dispatches
 
 
+def test_a_hard_long_bind_counts_the_dp_work_sent_to_its_members_in_the_same_round():
+    """Found by the simulator's random sequences: a DP request sent to engine 0 in the same round as a hard long
+    bind over (0, 1) pauses there holding KV the snapshot did not show; counted, the long request no longer fits
+    the hard cap and the bind is sequential (before: the group formed too small to ever start it)."""
+    cfg = dataclasses.replace(CFG, long_preempt="hard")
+    engines = [eng(0), eng(1), eng(2, inflight=3), eng(3, inflight=3)]
+    long = req("long", prompt=1700)
+    assert decide(snap([long], engines), cfg).binds[0].preempt == "hard"  # alone: the cap (1800) holds it
+    d = decide(snap([req("small", prompt=290), long], engines), cfg)
+    assert [(x.request.id, x.engine) for x in d.dispatches] == [("small", 0)]
+    assert [(g.members, g.preempt) for g in d.binds] == [((0, 1), "sequential")]
+
+
 def test_long_context_off_leaves_long_requests_alone():
     cfg = dataclasses.replace(CFG, long_context=False)
     d = decide(snap([req("long", prompt=1500)]), cfg)
