@@ -56,7 +56,7 @@ def scenarios(draw):
     return cfg, reqs
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_event_sequences_keep_the_invariants_and_serve_every_request(scenario):
     """Groups never overlap, an engine is in at most one epoch, no request is lost or dispatched twice, deferred DP
