@@ -170,9 +170,8 @@ class Binding:
                     self._enter(cmd)
                     return
             elif self.pending.preempt == "sequential" and not self._all_drained(self.pending):
-                self.held += sglang_patches.hold_waiting(
-                    self.s
-                )  # admit no new DP work; bind once all drained
+                # admit no new DP work; bind once every member has drained
+                self.held += sglang_patches.hold_waiting(self.s)
             elif sglang_patches.at_clean_step_boundary(self.s):
                 cmd, self.pending = self.pending, None
                 self._enter(cmd)
@@ -220,7 +219,7 @@ class Binding:
             return False
         if self.pool.store is None or not self.pool.ready.is_set():
             return True  # no pool: the bind is refused in _bind
-        return self._barrier(cmd, "seq", count=True, ready=lambda n, _: n >= len(cmd.members))
+        return self._barrier(cmd, "seq", need=len(cmd.members))
 
     def _soft_ready(self, cmd: Bind) -> bool:
         """Soft preemption. The DP work present when the command arrived drains (nothing new is admitted for it);
@@ -241,23 +240,27 @@ class Binding:
         if self.pool.store is None or not self.pool.ready.is_set():
             return True  # no pool: the bind is refused in _bind
         if not leader:
-            return self._barrier(cmd, "soft", count=True, ready=lambda _, go: go)
-        if not self._barrier(cmd, "soft", count=False, ready=lambda n, _: n >= len(cmd.members) - 1):
-            return False
-        self.pool.store.set(f"flying/soft/{cmd.epoch}/go", "1")
-        return True
+            return self._barrier(cmd, "soft", go="wait")
+        return self._barrier(cmd, "soft", count=False, need=len(cmd.members) - 1, go="set")
 
-    def _barrier(self, cmd: Bind, kind: str, count: bool, ready) -> bool:
-        """Count this engine drained for ``cmd`` on the pool's store (once, if ``count``), then
-        ``ready(drained members, go key set)``. False while the store is unreachable (engine 0 restarting: the
-        router rolls the bind back)."""
+    def _barrier(self, cmd: Bind, kind: str, count: bool = True, need: int = 0, go: str = "") -> bool:
+        """A drain barrier on the pool's store, checked at step boundaries (never blocking): count this engine
+        drained for ``cmd`` (once, if ``count``); ready once ``need`` members have, then set the "go" key
+        (``go="set"``), or ready once that key is set (``go="wait"``). False while the store is unreachable
+        (engine 0 restarting: the router rolls the bind back)."""
         store, key = self.pool.store, f"flying/{kind}/{cmd.epoch}"
+        assert store is not None
         try:
             if count and self.drained_for != cmd.epoch:
-                store.add(f"{key}/drained", 1)  # type: ignore[union-attr]
+                store.add(f"{key}/drained", 1)
                 self.drained_for = cmd.epoch
-            n = store.add(f"{key}/drained", 0)  # type: ignore[union-attr]
-            return ready(n, store.check([f"{key}/go"]))  # type: ignore[union-attr]
+            if go == "wait":
+                return store.check([f"{key}/go"])
+            if store.add(f"{key}/drained", 0) < need:
+                return False
+            if go == "set":
+                store.set(f"{key}/go", "1")
+            return True
         except Exception as exc:  # noqa: BLE001
             log.warning("engine %d: %s bind %d: %s", self.engine, kind, cmd.epoch, exc)
             return False

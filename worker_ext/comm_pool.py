@@ -173,11 +173,12 @@ class CommPool:
                         self.rebuilds += 1
                         log.info("communicator pool: %s rebuilt", members)
                 self.error = ""
-            except Exception as exc:  # noqa: BLE001 - the store or a peer is gone: retry from a fresh connection
+            except Exception as exc:  # noqa: BLE001 - a peer or the store is gone: retry (on a fresh connection)
                 self.error = f"{type(exc).__name__}: {str(exc)[:200]}"
-                log.warning("communicator pool: %s; reconnecting", self.error)
-                with contextlib.suppress(Exception):
-                    self.store = self._connect()
+                log.warning("communicator pool: %s; retrying", self.error)
+                if self.engine != 0:  # engine 0 hosts the store: its own never goes away
+                    with contextlib.suppress(Exception):
+                        self.store = self._connect()
 
     def start(self) -> CommPool:
         def run() -> None:
