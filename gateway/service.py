@@ -221,19 +221,19 @@ class Gateway:
         lines = resp.aiter_lines()
 
         async def read() -> str:
+            first = None
             try:
                 async for line in lines:
                     if line.startswith("data:"):
-                        if why := unavailable(line):
-                            raise WorkerUnavailable(
-                                f"engine {a.engine} ended the stream before a token: {why}"
-                            )
-                        return line
-            except WorkerUnavailable:
-                raise
+                        first = line
+                        break
             except Exception as exc:  # noqa: BLE001 - any upstream failure before the first event: try another
                 raise WorkerUnavailable(f"engine {a.engine} failed before its first event: {exc!r}") from exc
-            raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
+            if first is None:
+                raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
+            if why := unavailable(first):
+                raise WorkerUnavailable(f"engine {a.engine} ended the stream before a token: {why}")
+            return first
 
         try:
             first = await self._unless_gone(adm, a, read(), disconnected)
@@ -304,8 +304,9 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def unavailable(line: str) -> str:
-    """Why a stream's first event says the engine could not serve the request ('' if it does not): a 503 error
-    event, or an abort before any token (SGLang's abort of a TP request whose group lost a member)."""
+    """Why an SSE event says the engine gave up on the request ('' if it does not): a 503 error event, or an
+    abort (SGLang's end of a TP request whose group lost a member). Before the first token the request is
+    re-dispatched; after it the stream ends with an error event."""
     with contextlib.suppress(ValueError):
         event = json.loads(line[5:])
         if isinstance(event, dict):

@@ -217,8 +217,6 @@ class Binding:
         whose group timeout a slow member's drain could exceed."""
         if sglang_patches.has_running_dp_work(self.s) or not sglang_patches.at_clean_step_boundary(self.s):
             return False
-        if self.pool.store is None or not self.pool.ready.is_set():
-            return True  # no pool: the bind is refused in _bind
         return self._barrier(cmd, "seq", need=len(cmd.members))
 
     def _soft_ready(self, cmd: Bind) -> bool:
@@ -237,8 +235,6 @@ class Binding:
             return False
         if not sglang_patches.at_clean_step_boundary(self.s):
             return False
-        if self.pool.store is None or not self.pool.ready.is_set():
-            return True  # no pool: the bind is refused in _bind
         if not leader:
             return self._barrier(cmd, "soft", go="wait")
         return self._barrier(cmd, "soft", count=False, need=len(cmd.members) - 1, go="set")
@@ -247,9 +243,10 @@ class Binding:
         """A drain barrier on the pool's store, checked at step boundaries (never blocking): count this engine
         drained for ``cmd`` (once, if ``count``); ready once ``need`` members have, then set the "go" key
         (``go="set"``), or ready once that key is set (``go="wait"``). False while the store is unreachable
-        (engine 0 restarting: the router rolls the bind back)."""
+        (engine 0 restarting: the router rolls the bind back); True without a pool (_bind refuses the bind)."""
         store, key = self.pool.store, f"flying/{kind}/{cmd.epoch}"
-        assert store is not None
+        if store is None or not self.pool.ready.is_set():
+            return True
         try:
             if count and self.drained_for != cmd.epoch:
                 store.add(f"{key}/drained", 1)

@@ -94,7 +94,6 @@ class CommPool:
     build_s: float = 0.0
     error: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
-    stopped: threading.Event = field(default_factory=threading.Event)
     store: dist.Store | None = None
 
     def __post_init__(self) -> None:
@@ -163,7 +162,8 @@ class CommPool:
     def watch(self) -> None:
         """Rebuild the groups whose members' launch ids changed (a member restarted), in the global set order
         every engine uses; reconnect to the store if it is gone (engine 0 restarted)."""
-        while not self.stopped.wait(self.watch_s):
+        while True:
+            time.sleep(self.watch_s)
             try:
                 for members in self.mine():
                     ids = self._launch_ids(members, wait=False)
@@ -187,9 +187,6 @@ class CommPool:
 
         threading.Thread(target=run, name="flying-comm-pool", daemon=True).start()
         return self
-
-    def stop(self) -> None:
-        self.stopped.set()
 
     def get(self, members: tuple[int, ...]) -> MergedGroup:
         if not self.ready.is_set():

@@ -92,7 +92,6 @@ def _beat(scheduler) -> None:
 
     switching = _binding.status() if _binding is not None else {}
     load = sglang_patches.scheduler_load(scheduler)
-    load["max_total_tokens"] //= switching.get(
-        "width", 1
-    )  # bound: the scheduler counts the group's pooled KV
+    # bound: the scheduler counts the group's pooled KV; the heartbeat reports this engine's own
+    load["max_total_tokens"] //= switching.get("width", 1)
     _publisher.beat(**load, **switching)
