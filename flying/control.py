@@ -53,7 +53,12 @@ def groups(r: redis.Redis, keys: Keys) -> list[Group]:
 
 
 def bind(
-    r: redis.Redis, keys: Keys, members: tuple[int, ...], preempt: str = "hard", record: bool = True
+    r: redis.Redis,
+    keys: Keys,
+    members: tuple[int, ...],
+    preempt: str = "hard",
+    record: bool = True,
+    adopt: bool = False,
 ) -> int:
     """Bind ``members`` by hand; with ``record`` the router sees a ``manual`` group. A group it overlaps is
     replaced when the change is a direct width change: the old group lies inside ``members`` ((0,1) -> (0,1,2,3))
@@ -73,7 +78,8 @@ def bind(
             epoch=epoch, members=tuple(members), reason="manual", preempt=preempt, since=now, last_used=now
         )  # type: ignore[arg-type]
         r.hset(keys.groups, str(epoch), encode(g))
-    send(r, keys, members, Bind(epoch=epoch, members=tuple(members), preempt=preempt))  # type: ignore[arg-type]
+    cmd = Bind(epoch=epoch, members=tuple(members), preempt=preempt, adopt=adopt)  # type: ignore[arg-type]
+    send(r, keys, members, cmd)
     return epoch
 
 
@@ -81,16 +87,23 @@ def _width_change(old: tuple[int, ...], new: tuple[int, ...]) -> bool:
     return set(old) <= set(new) or (set(new) <= set(old) and old[0] == new[0])
 
 
-def release(r: redis.Redis, keys: Keys, members: tuple[int, ...], epoch: int, retract: bool = False) -> None:
-    """Release ``epoch``'s group: once its TP requests have finished, or at once with ``retract`` (they continue
-    in DP on the leader, recomputed)."""
+def release(
+    r: redis.Redis,
+    keys: Keys,
+    members: tuple[int, ...],
+    epoch: int,
+    retract: bool = False,
+    scatter: bool = False,
+) -> None:
+    """Release ``epoch``'s group: once its TP requests have finished, at once with ``retract`` (they continue in
+    DP on the leader, recomputed), or at once with ``scatter`` (they continue in DP on their owners, KV moved)."""
     raw = r.hget(keys.groups, str(epoch))
     if raw is not None:
         g = decode(raw, Group)
         r.hset(
             keys.groups, str(epoch), encode(msgspec.structs.replace(g, state="releasing", since=time.time()))
         )
-    send(r, keys, members, Release(epoch=epoch, retract=retract))
+    send(r, keys, members, Release(epoch=epoch, retract=retract, scatter=scatter))
 
 
 def queue_depths(r: redis.Redis, keys: Keys) -> dict[str, tuple[int, float]]:

@@ -3,9 +3,13 @@
 flyctl status                      engines (mode, epoch, group, load, switch timings), groups, regime, queue
 flyctl queue [-n 20]               the waiting requests in dispatch order
 flyctl watch [--interval 1]        status, refreshed until Ctrl-C
-flyctl bind 0 1 [--preempt hard]   bind engines 0 and 1 into one TP group by hand (prints the epoch)
-flyctl release EPOCH 0 1 [--retract]  release that epoch's group back to DP (--retract: at once, its TP
-                                   requests continue in DP on the leader)
+flyctl bind 0 1 [--preempt hard] [--adopt]
+                                   bind engines 0 and 1 into one TP group by hand (prints the epoch);
+                                   --adopt: their DP requests become the group's, KV moved by head slices
+flyctl release EPOCH 0 1 [--retract | --scatter]
+                                   release that epoch's group back to DP (--retract: at once, its TP
+                                   requests recomputed in DP on the leader; --scatter: at once, each TP
+                                   request continues in DP on its owner with its KV)
 """
 
 from __future__ import annotations
@@ -92,11 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bind")
     b.add_argument("members", type=int, nargs="+")
     b.add_argument("--preempt", choices=("hard", "sequential", "soft"), default="hard")
+    b.add_argument(
+        "--adopt", action="store_true", help="the members' DP requests become the group's (no drain, no recompute)"
+    )
     rel = sub.add_parser("release")
     rel.add_argument("epoch", type=int)
     rel.add_argument("members", type=int, nargs="+")
-    rel.add_argument(
-        "--retract", action="store_true", help="at once: TP requests continue in DP (recomputed)"
+    how = rel.add_mutually_exclusive_group()
+    how.add_argument("--retract", action="store_true", help="at once: TP requests continue in DP (recomputed)")
+    how.add_argument(
+        "--scatter", action="store_true", help="at once: TP requests continue in DP on their owners, KV moved"
     )
     a = p.parse_args(argv)
     r, keys = redis.Redis.from_url(a.redis_url), Keys(a.key_prefix)
@@ -106,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
                 print("flyctl: a group needs at least two distinct engines", file=sys.stderr)
                 return 2
             try:
-                print(control.bind(r, keys, tuple(sorted(set(a.members))), a.preempt))
+                print(control.bind(r, keys, tuple(sorted(set(a.members))), a.preempt, adopt=a.adopt))
             except ValueError as exc:
                 print(f"flyctl: {exc}", file=sys.stderr)
                 return 2
         elif a.cmd == "release":
-            control.release(r, keys, tuple(a.members), a.epoch, a.retract)
+            control.release(r, keys, tuple(a.members), a.epoch, a.retract, scatter=a.scatter)
         elif a.cmd == "queue":
             print(render_queue(r, keys, a.n))
         elif a.cmd == "watch":

@@ -83,11 +83,16 @@ Preempt = Literal["hard", "sequential", "soft"]
 
 
 class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
-    """Router/operator -> every member's command stream: bind ``members`` into one TP group of ``width``."""
+    """Router/operator -> every member's command stream: bind ``members`` into one TP group of ``width``.
+
+    ``adopt``: at the next clean step boundary every member's running and waiting DP requests become the group's
+    TP requests, their KV transformed in place (each member keeps its own head slice and sends the others to
+    their ranks; no recompute). Without it, ``preempt`` says what happens to the members' DP work."""
 
     epoch: int
     members: tuple[int, ...]
     preempt: Preempt = "hard"
+    adopt: bool = False
 
     @property
     def width(self) -> int:
@@ -97,10 +102,14 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
     """Router/operator -> every member: end ``epoch`` and return to DP once its TP requests have finished, or,
     with ``retract``, at once: the leader's TP requests are retracted and recomputed in DP on the leader (their
-    KV is in the group's layout), the cheap way out when load rises."""
+    KV is in the group's layout), the cheap way out when load rises. With ``scatter``, at once and with no
+    recompute: each TP request goes back to DP on the member that owns it (its connection) or, if that one cannot
+    hold it, on the member with the most free KV; the other members send it their head slices. A request that fits
+    nowhere is retracted (recomputed in DP)."""
 
     epoch: int
     retract: bool = False
+    scatter: bool = False
 
 
 Command = Bind | Release
