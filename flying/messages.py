@@ -59,6 +59,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     comm_groups: int = 0  # pooled communicators built (see worker_ext.comm_pool)
     comm_rebuilds: int = 0  # groups rebuilt because a member restarted
     num_engines: int = 1  # engines the pool was built for (merge sets); 1: this engine cannot bind
+    kv_transform: bool = False  # applies Bind.adopt / Release.scatter (moves KV head slices within a group)
     param_bytes: int = (
         0  # bytes over the unique storages of the model's parameters (constant across switches)
     )
