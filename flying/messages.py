@@ -60,6 +60,14 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     comm_rebuilds: int = 0  # groups rebuilt because a member restarted
     num_engines: int = 1  # engines the pool was built for (merge sets); 1: this engine cannot bind
     kv_transform: bool = False  # applies Bind.adopt / Release.scatter (moves KV head slices within a group)
+    transform_ms: float = 0.0  # last KV transformation (adopt or scatter) on this engine: exchange time
+    transform_tokens: int = 0  # token head-slices it sent to other members
+    transform_peak_bytes: int = (
+        0  # peak extra memory of its exchange (one layer's outgoing + incoming slices)
+    )
+    transform_retracted: int = (
+        0  # requests its last scatter could not place on their owner (recomputed there)
+    )
     param_bytes: int = (
         0  # bytes over the unique storages of the model's parameters (constant across switches)
     )

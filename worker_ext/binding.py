@@ -25,8 +25,11 @@ from typing import Any
 import torch
 
 from flying.messages import Bind, Command, Release
-from worker_ext import kv_layout, sglang_patches
+from worker_ext import adoption, kv_layout, sglang_patches
 from worker_ext.comm_pool import CommPool, MergedGroup
+from worker_ext.kv_transform import ExchangeStats
+from worker_ext.rank_messages import Forward, Handshake, Noop, ReleasePlan
+from worker_ext.sglang_patches import requests as rq
 from worker_ext.weights import Dims, LayerWeights, WeightsManager, storage_bytes
 
 log = logging.getLogger("flying.binding")
@@ -41,6 +44,7 @@ class Epoch:
     group: MergedGroup
     release_asked: bool = False
     retract: bool = False  # release at once: the TP requests are recomputed in DP on the leader
+    scatter: bool = False  # release at once: the TP requests go back to DP on their owners with their KV
     next_bind: Bind | None = None  # a width change: go straight to this group once drained
     failed: BaseException | None = (
         None  # the group broke mid-step (leader): end the epoch at the next boundary
@@ -128,6 +132,12 @@ class Binding:
         self.drained_for = 0  # sequential bind: the epoch this engine has counted itself drained for
         self.param_bytes = self._param_bytes()
         self.error = ""
+        self.owners: dict[str, int] = {}  # leader: rank of the member that streams each copied request
+        self.sent: dict[str, tuple[int, int]] = {}  # leader: output ids, log-probs already emitted per copy
+        self.outbox: list[rq.Emitted] = []  # leader: output for other members, sent with the next message
+        self.owned: dict[str, Any] = {}  # follower: its own requests the leader runs
+        self.transform = {"transform_ms": 0.0, "transform_tokens": 0, "transform_peak_bytes": 0,
+                          "transform_retracted": 0}  # fmt: skip
 
     # --- state reported in heartbeats ---------------------------------------------------------------------
 
@@ -146,7 +156,51 @@ class Binding:
             "comm_rebuilds": self.pool.rebuilds,
             "num_engines": self.pool.num_engines,
             "param_bytes": self.param_bytes,
+            "kv_transform": True,
+            **self.transform,
         }
+
+    def note_transform(self, stats: ExchangeStats, retracted: int) -> None:
+        self.transform.update(
+            transform_ms=round(stats.ms, 3),
+            transform_tokens=stats.tokens,
+            transform_peak_bytes=stats.peak_bytes,
+            transform_retracted=retracted,
+        )
+        log.info(
+            "engine %d: KV transformation moved %d token slices in %.1f ms (peak %.2f MB extra)",
+            self.engine, stats.tokens, stats.ms, stats.peak_bytes / 2**20,
+        )  # fmt: skip
+
+    def divert(self, req: Any) -> bool:
+        """Leader's output filter: a copied request's new output goes to the outbox, not to this detokenizer."""
+        if req.rid not in self.owners:
+            return False
+        sent, sent_logprobs = self.sent[req.rid]
+        em = rq.emitted_since(req, sent, sent_logprobs)
+        if em.output_ids or em.finished_reason is not None:
+            self.outbox.append(em)
+        self.sent[req.rid] = (len(req.output_ids), rq.logprob_count(req))
+        if req.finished():
+            del self.owners[req.rid], self.sent[req.rid]
+        return True
+
+    def _take_outbox(self) -> list:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def deliver(self, emitted: list) -> None:
+        """Follower: append the leader's output to its own requests and stream it to their clients."""
+        reqs = []
+        for em in emitted:
+            req = self.owned.get(em.rid)
+            if req is None:
+                continue  # not this member's
+            rq.apply_emitted(req, em)
+            reqs.append(req)
+            if req.finished():
+                del self.owned[em.rid]
+        rq.stream(self.s, reqs)
 
     # --- step boundary ------------------------------------------------------------------------------------
 
@@ -161,6 +215,7 @@ class Binding:
                     self.pending = cmd
             elif isinstance(cmd, Release) and self.epoch and cmd.epoch == self.epoch.epoch:
                 self.epoch.release_asked, self.epoch.retract = True, cmd.retract
+                self.epoch.scatter = cmd.scatter
             elif isinstance(cmd, Release) and self.pending and cmd.epoch == self.pending.epoch:
                 self._cancel_pending()  # the router rolled the bind back before this engine applied it
         if self.epoch is None and self.pending is not None:
@@ -184,19 +239,28 @@ class Binding:
             return
         try:
             live = sglang_patches.live_rids(self.s)
-            if e.release_asked and live and e.retract and sglang_patches.at_clean_step_boundary(self.s):
+            clean = sglang_patches.at_clean_step_boundary(self.s)
+            transform = (
+                e.scatter or (e.retract and self.owners) or (e.next_bind is not None and e.next_bind.adopt)
+            )
+            if e.release_asked and live and transform and clean:
+                # at once, no recompute: every TP request goes back to DP on its owner with its KV
+                held = adoption.scatter_manifest(self)
+                e.group.broadcast_object(ReleasePlan(e.next_bind, held, self._take_outbox()))
+                self._scatter_and_leave(held, e.next_bind)
+            elif e.release_asked and live and e.retract and clean:
                 # SGLang's retraction frees their TP KV; after the release they are recomputed in DP, here
                 moved = sglang_patches.retract_running(self.s) + sglang_patches.hold_waiting(self.s)
-                e.group.broadcast_object({"kind": "release", "next": None})
+                e.group.broadcast_object(ReleasePlan(None, None, self._take_outbox()))
                 self._leave(None)
                 self.s.waiting_queue.extend(moved)
                 log.info("engine %d: %d TP requests continue in DP", self.engine, len(moved))
             elif e.release_asked and not live and sglang_patches.at_clean_step_boundary(self.s):
                 # (a prefill batch not yet merged into the running batch holds TP requests live_rids misses)
-                e.group.broadcast_object({"kind": "release", "next": e.next_bind})
+                e.group.broadcast_object(ReleasePlan(e.next_bind, None, self._take_outbox()))
                 self._leave(e.next_bind)
-            elif time.monotonic() - self.last_plan > KEEPALIVE_S:
-                e.group.broadcast_object({"kind": "noop"})
+            elif self.outbox or time.monotonic() - self.last_plan > KEEPALIVE_S:
+                e.group.broadcast_object(Noop(self._take_outbox()))
                 self.last_plan = time.monotonic()
         except RuntimeError as exc:
             self._abort(exc)
@@ -273,6 +337,18 @@ class Binding:
             sglang_patches.unhold_waiting(self.s, self.held)
             self.held = []
 
+    def _scatter_and_leave(self, held: list, next_bind: Bind | None) -> None:
+        """Every member: TP requests back to DP on their owners (KV moved), then release; a width change binds the
+        next group by adoption."""
+        e = self.epoch
+        assert e is not None
+        back = adoption.scatter(self, e, held)
+        self._unbind("released by scatter")
+        rq.merge_decoding(self.s, back)
+        self.on_change()
+        if next_bind is not None and self.engine in next_bind.members:
+            self.pending = next_bind  # entered at this engine's next clean step boundary (adopting)
+
     def _leave(self, next_bind: Bind | None) -> None:
         """Release the current epoch; with ``next_bind`` naming this engine, go straight into that group (a width
         change: the DP work stays paused, the weights go from one shard layout to the other directly)."""
@@ -301,9 +377,13 @@ class Binding:
         if cmd.preempt == "soft" and rank == 0:  # the group's requests started in DP mode: re-prefill them
             restart = sglang_patches.retract_running(self.s) + sglang_patches.hold_waiting(self.s)
         self.soft_dp_rids = None
+        work = adoption.adoptable_work(self) if cmd.adopt else None
         if self.stash is None:  # from DP (a width change keeps the paused DP work and limits as they are)
-            self.stash = sglang_patches.stash_dp_work(self.s, held=self.held)
-            self.held = []
+            # adopting: the DP work stays where it is until the handshake (then it moves or is paused)
+            self.stash = (
+                sglang_patches.empty_stash() if cmd.adopt else sglang_patches.stash_dp_work(self.s, self.held)
+            )
+            self.held = [] if not cmd.adopt else self.held
             sglang_patches.suspend_idle_checks(self.s)
             self.dp_limits = sglang_patches.request_limits(self.s)
         self.s.waiting_queue[:0] = restart
@@ -321,10 +401,12 @@ class Binding:
         self.last_epoch = max(self.last_epoch, cmd.epoch)
         try:
             if rank == 0:
-                group.broadcast_object({"kind": "bound", "epoch": cmd.epoch})
+                group.broadcast_object(Handshake(cmd.epoch))
             else:
                 got = group.broadcast_object()
-                assert isinstance(got, dict) and got.get("epoch") == cmd.epoch, f"bind handshake got {got}"
+                assert isinstance(got, Handshake) and got.epoch == cmd.epoch, f"bind handshake got {got}"
+            if cmd.adopt:
+                adoption.adopt(self, self.epoch, work)
         except (RuntimeError, AssertionError) as exc:
             self._abort(exc)
             return False
@@ -372,7 +454,11 @@ class Binding:
         e = self.epoch
         assert e is not None
         for rid in list(self.shadows):
-            self._free_shadow(rid)
+            self.free_shadow(rid)
+        rq.remove_output_filter(self.s)
+        self.owners.clear()
+        self.sent.clear()
+        self.outbox = []
         for name in ("alloc", "free", "available_size"):
             self.allocator.__dict__.pop(name, None)
         self._set_layout(1, None)
@@ -399,6 +485,10 @@ class Binding:
         log.error("engine %d: %s", self.engine, self.error, exc_info=exc)
         if e is not None:
             sglang_patches.drop_tp_requests(self.s)
+            for req in self.owned.values():  # a follower's own requests the leader ran: end them here
+                req.finished_reason = sglang_patches._group_lost("tensor-parallel group lost a member")
+            rq.stream(self.s, list(self.owned.values()))
+            self.owned = {}
             self._unbind("aborted")
 
     # --- leader: one step plan per forward ----------------------------------------------------------------
@@ -429,12 +519,9 @@ class Binding:
         with sglang_patches.tp_group_override(sglang_patches.LOCAL_GROUP):
             return original(runner, forward_batch, *args, **kwargs)
 
-    def _plan(self, fb: Any) -> dict:
-        return {
-            "kind": "forward",
-            "fields": sglang_patches.batch_fields(fb),
-            "live": sorted(sglang_patches.live_rids(self.s) | set(fb.rids)),
-        }
+    def _plan(self, fb: Any) -> Forward:
+        live = sorted(sglang_patches.live_rids(self.s) | set(fb.rids))
+        return Forward(sglang_patches.batch_fields(fb), live, self._take_outbox())
 
     # --- follower: execute step plans until release ---------------------------------------------------------
 
@@ -444,26 +531,30 @@ class Binding:
         while self.epoch is e:
             try:
                 plan = e.group.broadcast_object()
-                if plan["kind"] == "release":
-                    self._leave(plan.get("next"))
+                self.deliver(plan.emit)
+                if isinstance(plan, ReleasePlan) and plan.scatter is not None:
+                    self._scatter_and_leave(plan.scatter, plan.next)
                     return
-                elif plan["kind"] == "forward":
+                if isinstance(plan, ReleasePlan):
+                    self._leave(plan.next)
+                    return
+                if isinstance(plan, Forward):
                     self._execute(plan)
             except RuntimeError as exc:
                 self._abort(exc)
 
-    def _free_shadow(self, rid: str) -> None:
+    def free_shadow(self, rid: str) -> None:
         sh = self.shadows.pop(rid)
         if sh.slots:
             self.allocator.free(torch.cat(sh.slots))
         self.s.req_to_token_pool.free_rows([sh.row])
 
-    def _execute(self, plan: dict) -> None:
-        live = set(plan["live"])
+    def _execute(self, plan: Forward) -> None:
+        live = set(plan.live)
         for rid in [r for r in self.shadows if r not in live]:
-            self._free_shadow(rid)
+            self.free_shadow(rid)
         rows, locs = [], []
-        for rid, seq, n in sglang_patches.batch_tokens(plan["fields"]):
+        for rid, seq, n in sglang_patches.batch_tokens(plan.fields):
             sh = self.shadows.get(rid)
             if sh is None:
                 got = self.s.req_to_token_pool.alloc_rows(1)
@@ -475,7 +566,7 @@ class Binding:
             sh.slots.append(slots)
             rows.append(sh.row)
             locs.append(slots)
-        fb = sglang_patches.follower_batch(self.template, plan["fields"], rows, torch.cat(locs))
+        fb = sglang_patches.follower_batch(self.template, plan.fields, rows, torch.cat(locs))
         # Through around_forward: the pooled all-reduce, and no plan (a follower does not send one).
         with torch.inference_mode():
             sglang_patches.model_runner(self.s).forward(fb)

@@ -69,6 +69,18 @@ class MergedGroup:
         self.control.broadcast([payload], opts).wait()
         return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
+    def all_gather_object(self, obj: object) -> list:
+        """Every rank's ``obj``, by rank. Pickle over the control group (lengths, then padded bytes)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.members]
+        self.control.allgather([sizes], [torch.tensor([payload.numel()], dtype=torch.int64)]).wait()
+        n = max(int(t.item()) for t in sizes)
+        padded = torch.zeros(n, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        got = [torch.empty(n, dtype=torch.uint8) for _ in self.members]
+        self.control.allgather([got], [padded]).wait()
+        return [pickle.loads(t[: int(k.item())].numpy().tobytes()) for t, k in zip(got, sizes)]
+
 
 @dataclass
 class CommPool:

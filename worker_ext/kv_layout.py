@@ -71,5 +71,16 @@ class SubSlotAllocator:
                 del self.used[p]
             self.base.free(torch.tensor(back, dtype=torch.int64))
 
+    def take_over(self, physical: torch.Tensor, keep: int) -> torch.Tensor:
+        """Adopt physical slots a DP request holds in ``base``: virtual slot ``p*width + keep`` of each stays in
+        use (the head slice this rank keeps in place), the other ``width - 1`` become free virtual slots. Returns
+        the kept virtual slots. The physical slots go back to ``base`` once all of their virtual slots are free."""
+        assert 0 <= keep < self.width, f"keep {keep} outside width {self.width}"
+        for p in physical.tolist():
+            assert p not in self.used, f"physical slot {p} is already carved"
+            self.used[p] = 1
+            self.free_virtual += [p * self.width + j for j in range(self.width) if j != keep]
+        return physical.to(torch.int64) * self.width + keep
+
     def physical_in_use(self) -> int:
         return len(self.used)

@@ -26,6 +26,9 @@ def register() -> None:
     sglang_patches.check_version()
     sglang_patches.apply_scheduler_hooks(on_init=_on_scheduler_init, on_step=_on_step)
     sglang_patches.apply_forward_hook(_around_forward)
+    from worker_ext.sglang_patches import requests
+
+    requests.apply_output_hook()
 
 
 def _around_forward(original, runner, forward_batch, *args, **kwargs):

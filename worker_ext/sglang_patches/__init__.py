@@ -187,10 +187,20 @@ def stash_dp_work(scheduler: Any, held: list | None = None) -> tuple[Any, list, 
     return stash
 
 
+def empty_stash() -> tuple[Any, list, Any]:
+    """The stash of an adopting bind: no DP work set aside."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    return ScheduleBatch(reqs=[], batch_is_full=False), [], None
+
+
 def restore_dp_work(scheduler: Any, stash: tuple[Any, list, Any]) -> None:
+    """Paused DP work back (after requests a scatter left running in DP on this engine, if any)."""
     running, waiting, _ = stash
-    assert not scheduler.running_batch.reqs, "TP requests still running at release"
-    scheduler.running_batch = running
+    if not scheduler.running_batch.reqs:
+        scheduler.running_batch = running
+    elif running.reqs:
+        scheduler.running_batch.merge_batch(running)
     scheduler.waiting_queue[:0] = waiting
     scheduler.last_batch = None
 
@@ -284,10 +294,11 @@ def drop_tp_requests(scheduler: Any) -> list[str]:
     """After an aborted epoch: take the leader's TP requests out of its queues (their KV lives in the TP view,
     freed with it) and report them aborted to their clients."""
     reqs = [r for r in list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue) if not r.finished()]
+    from worker_ext.sglang_patches.requests import release_kv
+
     for req in reqs:
         req.finished_reason = _group_lost("tensor-parallel group lost a member; request aborted")
-        if req.req_pool_idx is not None:  # give its KV back while the TP sub-slot allocator is still in place
-            scheduler.tree_cache.cache_finished_req(req)
+        release_kv(scheduler, req)  # its KV back while the TP sub-slot allocator is still in place
     if reqs:
         scheduler.stream_output(reqs, any(r.return_logprob for r in reqs))
     scheduler.waiting_queue[:] = []

@@ -1,0 +1,56 @@
+"""Messages among the members of one bound group, sent by the leader over the group's control communicator
+(pickled, see ``MergedGroup.broadcast_object``): one per step boundary or forward, in the order every member
+applies them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from flying.messages import Bind
+from worker_ext.kv_transform import Held
+from worker_ext.sglang_patches.requests import Emitted, ReqState
+
+
+class Handshake(msgspec.Struct, frozen=True):
+    """The leader has bound ``epoch``; members check they bound the same one."""
+
+    epoch: int
+
+
+class Forward(msgspec.Struct):
+    """Run this forward: the leader's ForwardBatch fields (engine-local ones left out) and the live request ids
+    (a member frees its copies of the others)."""
+
+    fields: dict[str, Any]
+    live: list[str]
+    emit: list[Emitted] = []
+
+
+class Noop(msgspec.Struct):
+    """Keepalive (an idle leader sends one every KEEPALIVE_S), or a carrier for output other members stream."""
+
+    emit: list[Emitted] = []
+
+
+class ReleasePlan(msgspec.Struct):
+    """End the epoch. ``next``: a width change into that group. ``scatter``: the TP requests go back to DP on
+    their owners with their KV (see worker_ext.adoption.scatter)."""
+
+    next: Bind | None = None
+    scatter: list[Held] | None = None
+    emit: list[Emitted] = []
+
+
+class AdoptManifest(msgspec.Struct):
+    """One member's part of an adoption: its DP requests, the virtual KV slots it has free at the group's width,
+    and (followers) the state of each request so the leader can run it."""
+
+    rank: int
+    available: int
+    running: list[tuple[str, int]]  # (rid, KV tokens), in the order of ``states``
+    states: list[ReqState] = []  # running, then waiting (followers only)
+
+
+Plan = Forward | Noop | ReleasePlan

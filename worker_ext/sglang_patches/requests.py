@@ -1,0 +1,298 @@
+"""The SGLang request internals a KV transformation touches (pinned: sglang 0.5.23): a request's KV row, its
+state as another member re-creates it, a decode batch of requests whose KV is already in place, and the output
+path (which member's detokenizer a token goes to).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+
+# Output lists a request with return_logprob accumulates per generated token (Req.logprob.*).
+LOGPROB_LISTS = (
+    "output_token_logprobs_val",
+    "output_token_logprobs_idx",
+    "output_top_logprobs_val",
+    "output_top_logprobs_idx",
+    "output_token_ids_logprobs_val",
+    "output_token_ids_logprobs_idx",
+)
+
+
+class ReqState(msgspec.Struct, kw_only=True):
+    """What a member needs to run another member's request as its own (sent pickled over the control group)."""
+
+    rid: str
+    origin_input_text: str | None
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    sampling_params: Any
+    return_logprob: bool
+    top_logprobs_num: int
+    token_ids_logprob: list[int] | None
+    logprob_start_len: int
+    stream: bool
+    eos_token_ids: Any
+    vocab_size: int | None
+    priority: int | None
+    logprobs: dict[str, list] = {}
+
+
+class Emitted(msgspec.Struct, kw_only=True):
+    """New output of a request since the last emission, for the member that streams it."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: dict[str, list] = {}
+    finished_reason: Any = None
+    finished_len: int | None = None
+
+
+def adoptable(req: Any) -> bool:
+    """A request another member can take over as it is: no grammar, custom logit processor, multimodal input or
+    hidden-state capture (their state lives in objects of this process)."""
+    return (
+        req.grammar is None
+        and req.custom_logit_processor is None
+        and req.multimodal_inputs is None
+        and not req.return_hidden_states
+        and not req.finished()
+    )
+
+
+def running_reqs(scheduler: Any) -> list:
+    return [r for r in scheduler.running_batch.reqs if not r.finished()]
+
+
+def kv_length(req: Any) -> int:
+    """Tokens of KV the request holds (its newest sampled token has none yet)."""
+    return int(req.kv.kv_committed_len) if req.kv.holds_kv else 0
+
+
+def kv_slots(scheduler: Any, req: Any) -> torch.Tensor:
+    row = req.kv.req_pool_idx
+    return scheduler.req_to_token_pool.req_to_token[row, : kv_length(req)].to(torch.int64)
+
+
+def write_row(scheduler: Any, row: int, slots: torch.Tensor) -> None:
+    scheduler.req_to_token_pool.req_to_token[row, : slots.numel()] = slots.to(torch.int32)
+
+
+def alloc_row(scheduler: Any) -> int:
+    got = scheduler.req_to_token_pool.alloc_rows(1)
+    assert got, "out of request rows"
+    return got[0]
+
+
+def free_row(scheduler: Any, row: int) -> None:
+    scheduler.req_to_token_pool.free_rows([row])
+
+
+def detach_kv(req: Any) -> tuple[int, int]:
+    """Take the request's KV row away from it (the row now belongs to the caller); returns (row, kv length)."""
+    row, n = req.kv.req_pool_idx, kv_length(req)
+    req.kv = type(req.kv)()
+    return row, n
+
+
+def attach_kv(req: Any, row: int, length: int) -> None:
+    req.kv.req_pool_idx = row
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = length
+    req.kv.cache_protected_len = 0
+
+
+def state_of(req: Any) -> ReqState:
+    lp = req.logprob
+    return ReqState(
+        rid=req.rid,
+        origin_input_text=getattr(req, "origin_input_text", None),
+        origin_input_ids=list(req.origin_input_ids),
+        output_ids=list(req.output_ids),
+        sampling_params=req.sampling_params,
+        return_logprob=bool(req.return_logprob),
+        top_logprobs_num=int(lp.top_logprobs_num or 0),
+        token_ids_logprob=lp.token_ids_logprob,
+        logprob_start_len=int(req.logprob_start_len),
+        stream=bool(req.stream),
+        eos_token_ids=req.eos_token_ids,
+        vocab_size=req.vocab_size,
+        priority=req.priority,
+        logprobs={n: list(getattr(lp, n)) for n in LOGPROB_LISTS if getattr(lp, n, None) is not None},
+    )
+
+
+def req_from_state(scheduler: Any, st: ReqState) -> Any:
+    """A request of this scheduler's that continues ``st`` (its prompt already prefilled elsewhere)."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    req = Req(
+        st.rid,
+        st.origin_input_text or "",
+        array("q", st.origin_input_ids),
+        st.sampling_params,
+        return_logprob=st.return_logprob,
+        top_logprobs_num=st.top_logprobs_num,
+        token_ids_logprob=st.token_ids_logprob,
+        stream=st.stream,
+        eos_token_ids=st.eos_token_ids,
+        vocab_size=st.vocab_size,
+        priority=st.priority,
+    )
+    req.tokenizer = scheduler.tokenizer
+    req.output_ids = array("q", st.output_ids)
+    req.logprob_start_len = st.logprob_start_len
+    req.input_logprob_sent = bool(st.output_ids)  # its owner already streamed the prompt's log-probs
+    for name, values in st.logprobs.items():
+        setattr(req.logprob, name, list(values))
+    req.refresh_fill_ids()
+    return req
+
+
+def emitted_since(req: Any, sent: int, sent_logprobs: int) -> Emitted:
+    lp = req.logprob
+    out = Emitted(
+        rid=req.rid,
+        output_ids=list(req.output_ids[sent:]),
+        logprobs={n: list(getattr(lp, n)[sent_logprobs:]) for n in LOGPROB_LISTS if getattr(lp, n, None)},
+    )
+    if req.finished():
+        out.finished_reason, out.finished_len = req.finished_reason, req.finished_len
+    return out
+
+
+def logprob_count(req: Any) -> int:
+    vals = getattr(req.logprob, "output_token_logprobs_val", None)
+    return len(vals) if vals is not None else 0
+
+
+def apply_emitted(req: Any, em: Emitted) -> None:
+    req.output_ids.extend(em.output_ids)
+    for name, values in em.logprobs.items():
+        getattr(req.logprob, name).extend(values)
+    if em.finished_reason is not None:
+        req.finished_reason, req.finished_len = em.finished_reason, em.finished_len
+
+
+def stream(scheduler: Any, reqs: list) -> None:
+    """Send the requests' new output to this engine's detokenizer (and so to their clients)."""
+    if reqs:
+        scheduler.output_streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
+
+
+_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+_diverts: dict[int, Callable[[Any], bool]] = {}  # id(output streamer) -> divert, while a filter is applied
+
+
+def apply_output_hook() -> None:
+    """Wrap ``SchedulerOutputStreamer.stream_output`` (once per process, at plugin load) so that
+    :func:`apply_output_filter` can keep requests away from this engine's detokenizer."""
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    assert callable(getattr(SchedulerOutputStreamer, "stream_output", None)), "stream_output missing"
+
+    def around(original, streamer, reqs, return_logprob, *args, **kwargs):
+        divert = _diverts.get(id(streamer))
+        if divert is not None:
+            reqs = [r for r in reqs if not divert(r)]
+            if not reqs:
+                return None
+        return original(streamer, reqs, return_logprob, *args, **kwargs)
+
+    HookRegistry.register(f"{_STREAMER}.stream_output", around, HookType.AROUND)
+
+
+def apply_output_filter(scheduler: Any, divert: Callable[[Any], bool]) -> None:
+    """Requests for which ``divert(req)`` is true are not sent to this engine's detokenizer (another member
+    streams them); ``divert`` sees each of their outputs. Undone by :func:`remove_output_filter`."""
+    _diverts[id(scheduler.output_streamer)] = divert
+
+
+def remove_output_filter(scheduler: Any) -> None:
+    _diverts.pop(id(scheduler.output_streamer), None)
+
+
+def merge_decoding(scheduler: Any, reqs: list) -> None:
+    """Put requests whose KV is already in their rows (``kv_committed_len`` tokens) into the running batch, to
+    decode their next token (the last of ``output_ids``) at the next step, like SGLang's prebuilt (disaggregated
+    decode) requests: no prefill."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    if not reqs:
+        return
+    s = scheduler
+    batch = ScheduleBatch.init_new(
+        reqs, s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache, s.model_config,
+        s.enable_overlap, s.spec_algorithm,
+    )  # fmt: skip
+    device = batch.device
+    rows = [r.kv.req_pool_idx for r in reqs]
+    seq = [r.kv.kv_committed_len for r in reqs]
+    for r in reqs:
+        assert len(r.origin_input_ids) + len(r.output_ids) == r.kv.kv_committed_len + 1, f"{r.rid}: KV length"
+        r.is_retracted = False
+        r.refresh_fill_ids()
+    batch.forward_mode = ForwardMode.DECODE
+    batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=device)
+    batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
+    batch.seq_lens = torch.tensor(seq, dtype=torch.int64, device=device)
+    batch.seq_lens_cpu = torch.tensor(seq, dtype=torch.int64)
+    batch.orig_seq_lens = torch.tensor(seq, dtype=torch.int32, device=device)
+    batch.seq_lens_sum = sum(seq)
+    batch.input_ids = None
+    batch.multimodal_inputs = [None] * len(reqs)
+    if batch.return_logprob:
+        batch.top_logprobs_nums = [r.logprob.top_logprobs_num for r in reqs]
+        batch.token_ids_logprobs = [r.logprob.token_ids_logprob for r in reqs]
+    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, s.model_config.vocab_size)
+    last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device)
+    s.future_map.stash_bonus_tokens(batch.req_pool_indices, last)  # the next decode's input ids
+    if s.running_batch.is_empty():
+        s.running_batch = batch
+    else:
+        s.running_batch.merge_batch(batch)
+
+
+def drop_from_batches(scheduler: Any, rids: set[str]) -> list:
+    """Take the requests out of the running batch and the waiting queue; returns them."""
+    s = scheduler
+    gone = [r for r in s.running_batch.reqs if r.rid in rids]
+    if gone:
+        s.running_batch.filter_batch(
+            keep_indices=[i for i, r in enumerate(s.running_batch.reqs) if r.rid not in rids]
+        )
+    waiting = [r for r in s.waiting_queue if r.rid in rids]
+    s.waiting_queue[:] = [r for r in s.waiting_queue if r.rid not in rids]
+    return gone + waiting
+
+
+def release_kv(scheduler: Any, req: Any) -> None:
+    """Give the request's KV row and slots back (through whatever allocator is installed)."""
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    if req.kv.holds_kv:
+        release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
+
+
+def retract(scheduler: Any, reqs: list) -> None:
+    """SGLang's own retraction of running requests (KV freed, recomputed when admitted again); the caller takes
+    them out of the running batch."""
+    from sglang.srt.managers.schedule_batch import retract_all
+
+    s = scheduler
+    retract_all(
+        reqs=reqs, req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+        tree_cache=s.tree_cache, hisparse_coordinator=None, offload_kv=False,
+    )  # fmt: skip
+
+
+def reset_for_recompute(req: Any) -> None:
+    """SGLang's retraction state: the request is prefilled again (prompt + output so far) when admitted."""
+    req.reset_for_retract()
+    req.kv = type(req.kv)()
