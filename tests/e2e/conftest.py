@@ -62,6 +62,12 @@ def stock_tp(tiny_model, tmp_path_factory, tp: int):
 
 
 @pytest.fixture(scope="session")
+def stock_tp2(tiny_model, tmp_path_factory):
+    with stock_tp(tiny_model, tmp_path_factory, 2) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def stock_server(tiny_model, tmp_path_factory):
     """A stock SGLang server (no flying-serving involvement) on the same tiny model."""
     server = StockServer(tiny_model, tmp_path_factory.mktemp("stock") / "stock.log").start(timeout_s=240)

@@ -12,16 +12,9 @@ import httpx
 import pytest
 
 from flying import control
-from tests.e2e.conftest import stock_tp
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ["the river and the sea", "Tell me a story about a dragon and a castle, and then another one."]
-
-
-@pytest.fixture(scope="module")
-def stock_tp2(tiny_model, tmp_path_factory):
-    with stock_tp(tiny_model, tmp_path_factory, 2) as url:
-        yield url
 
 
 def worker_url(cluster, i: int) -> str:
