@@ -4,6 +4,8 @@ KV served by a width-2 group."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -101,3 +103,31 @@ def test_prompt_larger_than_one_engines_kv_runs_at_width_2(cluster4, stock_tp4):
     ).json()
     assert ours["meta_info"]["completion_tokens"] == new
     assert ours["output_ids"] == stock["output_ids"]
+
+
+def test_width_changes_under_load_transform_kv_2_to_4_to_2(cluster4):
+    """One greedy request decoding on each engine; adopt (0,1), widen to (0,1,2,3), narrow to (0,1), scatter: each
+    width change moves the running requests' head slices (no drain, no recompute) and every request ends with the
+    text it produces with no switch at all."""
+    from tests.e2e.test_kv_transform_e2e import Running
+    from tests.e2e.test_kv_transform_e2e import generate as generate_ids
+
+    c, n = cluster4, 250
+    urls = [worker_url(c, i) for i in range(4)]
+    prompts = [[(13 * i + 7 * e) % 1000 + 5 for i in range(100)] for e in range(4)]
+    refs = [generate_ids(urls[e], prompts[e], n) for e in range(4)]
+    run = Running(list(zip(urls, prompts)), n)
+    time.sleep(0.5)
+    r = c.client()
+    for members in ((0, 1), (0, 1, 2, 3), (0, 1)):
+        epoch = control.bind(r, c.keys, members, adopt=True)
+        beats = wait_mode(c, members, "tp", epoch=epoch, timeout_s=20)
+        assert beats[0].width == len(members)
+    wait_mode(c, (2, 3), "dp")
+    control.release(r, c.keys, (0, 1), epoch, scatter=True)
+    wait_mode(c, range(4), "dp")
+    assert all(run.alive()), "a request finished before the last switch: make it longer"
+    got = run.join()
+    for e in range(4):
+        assert got[e]["output_ids"] == refs[e]["output_ids"], e
+        assert got[e]["meta_info"]["num_retractions"] == 0, e
