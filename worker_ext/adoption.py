@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker_ext import kv_transform
+from worker_ext import kv_transform, step_plan
 from worker_ext.kv_transform import Held
 from worker_ext.rank_messages import AdoptManifest
+from worker_ext.sglang_patches import memory_pool
 from worker_ext.sglang_patches import requests as rq
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def adopt(b: Binding, e: Epoch, work: tuple[list, list] | None) -> bool:
         return False
     own = {r.rid: rq.kv_slots(s, r) for r in running}
     ex, slots = kv_transform.plan_adopt(held, rank, d, own, b.sub.take_over, b.sub.alloc)
-    b.note_transform(kv_transform.run_exchange(e.group.data, rank, ex, b.kv.k_buffer, b.kv.v_buffer), 0)
+    b.note_transform(kv_transform.run_exchange(e.group.data, rank, ex, b.kv.k, b.kv.v), 0)
     if rank == 0:
         s.waiting_queue[:0] = b.held  # a sequential bind's held-back requests: the group's now
         b.held = []
@@ -90,7 +91,7 @@ def adopt(b: Binding, e: Epoch, work: tuple[list, list] | None) -> bool:
 def _leader_adopts(b: Binding, manifests: list[AdoptManifest], running: list, slots: dict) -> None:
     s = b.s
     for r in running:  # stay in the running batch, now on this rank's kept head slice
-        rq.write_row(s, r.kv.req_pool_idx, slots[r.rid])
+        memory_pool.write_row(s, r.kv.req_pool_idx, slots[r.rid])
     copies = []
     for m in manifests[1:]:
         for i, st in enumerate(m.states):
@@ -98,8 +99,8 @@ def _leader_adopts(b: Binding, manifests: list[AdoptManifest], running: list, sl
             b.owners[req.rid] = m.rank
             b.sent[req.rid] = (len(req.output_ids), rq.logprob_count(req))
             if i < len(m.running):
-                row = rq.alloc_row(s)
-                rq.write_row(s, row, slots[req.rid])
+                row = memory_pool.alloc_row(s)
+                memory_pool.write_row(s, row, slots[req.rid])
                 rq.attach_kv(req, row, m.running[i][1])
                 copies.append(req)
             else:
@@ -110,22 +111,52 @@ def _leader_adopts(b: Binding, manifests: list[AdoptManifest], running: list, sl
 
 def _follower_adopts(b: Binding, held: list[Held], running: list, waiting: list, slots: dict) -> None:
     from worker_ext import sglang_patches
-    from worker_ext.binding import ShadowReq
 
     s = b.s
     for r in running:
         row, _ = rq.detach_kv(r)
-        rq.write_row(s, row, slots[r.rid])
-        b.shadows[r.rid] = ShadowReq(row, [slots[r.rid]])
+        memory_pool.write_row(s, row, slots[r.rid])
+        b.shadows[r.rid] = step_plan.ShadowReq(row, [slots[r.rid]])
     own = {r.rid for r in running}
     for h in held:
         if h.rid not in own and h.length:
-            row = rq.alloc_row(s)
-            rq.write_row(s, row, slots[h.rid])
-            b.shadows[h.rid] = ShadowReq(row, [slots[h.rid]])
+            row = memory_pool.alloc_row(s)
+            memory_pool.write_row(s, row, slots[h.rid])
+            b.shadows[h.rid] = step_plan.ShadowReq(row, [slots[h.rid]])
     b.owned = {r.rid: r for r in running + waiting}
     b.held = []
     sglang_patches.stash_dp_work(s)  # empties the running batch and waiting queue (the requests moved)
+
+
+# --- output of copied requests -------------------------------------------------------------------------------
+
+
+def divert(b: Binding, req) -> bool:
+    """Leader's output filter: a copied request's new output goes to the outbox, not to this detokenizer."""
+    if req.rid not in b.owners:
+        return False
+    sent, sent_logprobs = b.sent[req.rid]
+    em = rq.emitted_since(req, sent, sent_logprobs)
+    if em.output_ids or em.finished_reason is not None:
+        b.outbox.append(em)
+    b.sent[req.rid] = (len(req.output_ids), rq.logprob_count(req))
+    if req.finished():
+        del b.owners[req.rid], b.sent[req.rid]
+    return True
+
+
+def deliver(b: Binding, emitted: list) -> None:
+    """Follower: append the leader's output to its own requests and stream it to their clients."""
+    reqs = []
+    for em in emitted:
+        req = b.owned.get(em.rid)
+        if req is None:
+            continue  # not this member's
+        rq.apply_emitted(req, em)
+        reqs.append(req)
+        if req.finished():
+            del b.owned[em.rid]
+    rq.stream(b.s, reqs)
 
 
 # --- scatter -------------------------------------------------------------------------------------------------
@@ -147,9 +178,7 @@ def scatter(b: Binding, e: Epoch, held: list[Held]) -> list:
     mine = _my_slices(b, held)
     ex, taken = kv_transform.plan_scatter(held, placed, rank, d, mine, b.sub.base.alloc)
     retracted = sum(1 for h in held if h.length and h.rid not in placed)
-    b.note_transform(
-        kv_transform.run_exchange(e.group.data, rank, ex, b.kv.k_buffer, b.kv.v_buffer), retracted
-    )
+    b.note_transform(kv_transform.run_exchange(e.group.data, rank, ex, b.kv.k, b.kv.v), retracted)
     if retracted:
         log.warning(
             "engine %d: scatter of epoch %d retracts %d requests (owner KV full)",
@@ -181,7 +210,7 @@ def _leader_scatters(b: Binding, held: list[Held], placed: set[str], taken: dict
     for req in back:
         virtual = rq.kv_slots(s, req)
         b.allocator.free(virtual)  # the sub-slot allocator's free: the TP slices
-        rq.write_row(s, req.kv.req_pool_idx, taken[req.rid])
+        memory_pool.write_row(s, req.kv.req_pool_idx, taken[req.rid])
     undone = [own_running[h.rid] for h in held if h.rid in own_running and h.rid not in placed]
     if undone:
         rq.retract(s, undone)
@@ -195,12 +224,12 @@ def _leader_scatters(b: Binding, held: list[Held], placed: set[str], taken: dict
 def _follower_scatters(b: Binding, held: list[Held], placed: set[str], taken: dict) -> list:
     s = b.s
     for rid in list(b.shadows):
-        b.free_shadow(rid)
+        step_plan.free_shadow(b, rid)
     back, lengths = [], {h.rid: h.length for h in held}
     for rid, req in b.owned.items():
         if rid in placed:
-            row = rq.alloc_row(s)
-            rq.write_row(s, row, taken[rid])
+            row = memory_pool.alloc_row(s)
+            memory_pool.write_row(s, row, taken[rid])
             rq.attach_kv(req, row, lengths[rid])
             back.append(req)
         else:

@@ -78,20 +78,6 @@ def kv_slots(scheduler: Any, req: Any) -> torch.Tensor:
     return scheduler.req_to_token_pool.req_to_token[row, : kv_length(req)].to(torch.int64)
 
 
-def write_row(scheduler: Any, row: int, slots: torch.Tensor) -> None:
-    scheduler.req_to_token_pool.req_to_token[row, : slots.numel()] = slots.to(torch.int32)
-
-
-def alloc_row(scheduler: Any) -> int:
-    got = scheduler.req_to_token_pool.alloc_rows(1)
-    assert got, "out of request rows"
-    return got[0]
-
-
-def free_row(scheduler: Any, row: int) -> None:
-    scheduler.req_to_token_pool.free_rows([row])
-
-
 def detach_kv(req: Any) -> tuple[int, int]:
     """Take the request's KV row away from it (the row now belongs to the caller); returns (row, kv length)."""
     row, n = req.kv.req_pool_idx, kv_length(req)

@@ -1,0 +1,44 @@
+"""The SGLang model internals a bind touches (pinned: sglang 0.5.23): attention head counts per width and the
+row-parallel layers' reduction group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker_ext.weights import Dims, LayerWeights
+
+
+def dims(layers: list[Any]) -> Dims:
+    a0 = layers[0].self_attn
+    return Dims(a0.num_heads, a0.num_kv_heads, a0.head_dim, layers[0].mlp.down_proj.weight.shape[1])
+
+
+def layer_weights(layer: Any) -> LayerWeights:
+    """The fused column-parallel (qkv, gate_up) and row-parallel (o, down) weights of one decoder layer."""
+    a, m = layer.self_attn, layer.mlp
+    return LayerWeights(a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight)
+
+
+def row_parallel_layers(layer: Any) -> tuple[Any, Any]:
+    return layer.self_attn.o_proj, layer.mlp.down_proj
+
+
+def row_parallel_state(layer: Any) -> list[tuple[Any, bool]]:
+    """The DP (width 1) reduction group and flag of the layer's row-parallel projections, to restore later."""
+    return [(m.tp_group, m.reduce_results) for m in row_parallel_layers(layer)]
+
+
+def set_width(layer: Any, num_heads: int, num_kv_heads: int, width: int, group: Any, dp_state: list) -> None:
+    """Head counts for ``width`` and the row-parallel reduction: over ``group`` while bound (at width 1 SGLang
+    builds the layer's stage boundaries without an all-reduce, so the row-parallel layers do their own), the DP
+    state ``dp_state`` otherwise."""
+    a = layer.self_attn
+    a.num_heads, a.num_kv_heads = num_heads // width, num_kv_heads // width
+    a.q_size, a.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    a.attn.tp_q_head_num, a.attn.tp_k_head_num, a.attn.tp_v_head_num = (
+        a.num_heads,
+        a.num_kv_heads,
+        a.num_kv_heads,
+    )
+    for m, (tp_group, reduce) in zip(row_parallel_layers(layer), dp_state):
+        m.tp_group, m.reduce_results = (group, True) if group is not None else (tp_group, reduce)
