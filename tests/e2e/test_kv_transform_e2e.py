@@ -171,3 +171,47 @@ def test_adopt_scatter_cycles_leave_no_kv_behind(cluster):
         assert after[e].free_kv_tokens == after[e].max_total_tokens, after[e]
         assert after[e].param_bytes == before[e].param_bytes
     assert generate(urls[1], PROMPTS[1], 8)["meta_info"]["completion_tokens"] == 8  # still serving
+
+
+def test_a_member_killed_while_its_requests_are_adopted_ends_them_clearly(cluster):
+    """Engine 1 dies while the group runs both engines' adopted requests: the leader ends the epoch, aborts the
+    requests it ran (status 503) and serves DP again; nothing hangs."""
+    import signal
+
+    urls, n = [worker_url(cluster, i) for i in (0, 1)], 3000
+    out: dict = {}
+
+    def own() -> None:
+        body = {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        }
+        resp = httpx.post(urls[0] + "/generate", json=body, timeout=60)
+        out.update(status=resp.status_code, body=resp.json())
+
+    t = threading.Thread(target=own)
+    t.start()
+    other = threading.Thread(target=lambda: httpx.post(urls[1] + "/generate", json={"input_ids": PROMPTS[1],
+        "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}, timeout=60))  # fmt: skip
+    other.start()
+    time.sleep(1.0)
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1), adopt=True)
+    wait_mode(cluster, (0, 1), "tp", epoch=epoch)
+    time.sleep(0.5)
+    cluster.kill_worker(1, signal.SIGKILL)
+    beats = wait_mode(cluster, (0,), "dp", timeout_s=5)
+    assert "aborted" in beats[0].switch_error
+    t.join(10)
+    assert not t.is_alive(), "the adopted request hung"
+    # a clear end: SGLang answers the aborted request 503 (so a client with nothing yet can go elsewhere)
+    assert out["status"] == 503 and "lost a member" in str(out["body"]), out
+    assert generate(urls[0], PROMPTS[0], 8)["meta_info"]["completion_tokens"] == 8  # serving DP again
+    cluster.start_worker(1)  # restore the shared cluster
+    cluster.wait_live([1], timeout_s=240)
+    deadline = time.monotonic() + 60
+    while (
+        control.status(r, cluster.keys)[0].comm_rebuilds < 1
+    ):  # engine 0 rebuilt the group with the new engine 1
+        assert time.monotonic() < deadline, "the pool was not rebuilt"
+        time.sleep(0.2)
