@@ -97,13 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("members", type=int, nargs="+")
     b.add_argument("--preempt", choices=("hard", "sequential", "soft"), default="hard")
     b.add_argument(
-        "--adopt", action="store_true", help="the members' DP requests become the group's (no drain, no recompute)"
+        "--adopt",
+        action="store_true",
+        help="the members' DP requests become the group's (no drain, no recompute)",
     )
     rel = sub.add_parser("release")
     rel.add_argument("epoch", type=int)
     rel.add_argument("members", type=int, nargs="+")
     how = rel.add_mutually_exclusive_group()
-    how.add_argument("--retract", action="store_true", help="at once: TP requests continue in DP (recomputed)")
+    how.add_argument(
+        "--retract", action="store_true", help="at once: TP requests continue in DP (recomputed)"
+    )
     how.add_argument(
         "--scatter", action="store_true", help="at once: TP requests continue in DP on their owners, KV moved"
     )

@@ -131,6 +131,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     since: float = 0.0  # when it entered ``state`` (router clock, epoch seconds)
     last_used: float = 0.0  # last TP dispatch to it (or its creation)
     kv_cap: int = 0  # KV tokens its TP requests may use (hard: what the members had free; 0: all of their KV)
+    adopt: bool = False  # bound by adoption (Bind.adopt): the members' DP requests became its TP requests
 
     @property
     def width(self) -> int:

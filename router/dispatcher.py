@@ -63,6 +63,7 @@ class Dispatcher:
                 pending=hb.pending,
                 num_engines=hb.num_engines,
                 beat_ts=hb.ts,
+                kv_transform=hb.kv_transform,
             )
             for hb in beats
         ]

@@ -43,6 +43,7 @@ import msgspec
 from flying.groups import merge_sets
 from flying.groups import widths as group_widths
 from flying.messages import Bind, Command, Group, Preempt, QueuedRequest, Release, RouterState
+from router.cost_model import adopt_moves, kv_transform_ms
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,14 @@ class PolicyConfig:
     ack_timeout_s: float = 2.0  # members must acknowledge a bind within this ...
     bind_timeout_s: float = 60.0  # ... and complete it within this (a sequential bind drains DP work first)
     suspect_s: float = 10.0  # a member that failed a bind is not picked for another one for this long
+    # KV transformation (Bind.adopt / Release.scatter), used only where every member's heartbeat says kv_transform
+    kv_transform: bool = True
+    adopt_max_ms: float = (
+        100.0  # a bind adopts only if its estimated transformation stalls the group at most this
+    )
+    kv_bytes_per_token: int = 163_840  # for that estimate (Llama-3-70B, FP8 KV); see router.cost_model
+    kv_link_gbps: float = 360.0  # per member and direction
+    kv_transform_fixed_ms: float = 4.0
 
     def __post_init__(self) -> None:
         for name in ("light_width", "priority_width"):
@@ -93,6 +102,7 @@ class EngineView:
     pending: int = 0  # a bind it has read and not applied yet
     num_engines: int = 1  # engines its communicator pool spans (1: cannot bind)
     beat_ts: float = 0.0
+    kv_transform: bool = False  # it applies Bind.adopt / Release.scatter
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,7 @@ class Decision:
     notes: list[str] = field(default_factory=list)  # why groups changed, for logs
 
     def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
-        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt)
+        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt)
 
 
 USABLE = ("bound", "binding")
@@ -187,10 +197,23 @@ class _Round:
         self.groups[g.epoch] = g
         self.out.put[g.epoch] = g
 
-    def release(self, g: Group, why: str, retract: bool = False) -> None:
+    def release(self, g: Group, why: str, retract: bool = False, scatter: bool = False) -> None:
         self.put(_replace(g, state="releasing", since=self.now))
-        self.out.commands.append((g.members, Release(epoch=g.epoch, retract=retract)))
-        self.out.notes.append(f"release epoch {g.epoch} {g.members} ({g.reason}): {why}")
+        self.out.commands.append((g.members, Release(epoch=g.epoch, retract=retract, scatter=scatter)))
+        how = " by scatter" if scatter else " retracting" if retract else ""
+        self.out.notes.append(f"release epoch {g.epoch} {g.members} ({g.reason}){how}: {why}")
+
+    def release_now(self, g: Group, why: str) -> None:
+        """Release at once: by scatter where the members transform KV (each TP request continues in DP on its
+        owner, KV moved, no recompute), else by retraction (recomputed in DP on the leader); a group holding a
+        request that needs the pooled KV, or one bound by adoption whose members cannot scatter (its adopted
+        requests' streams are on their owners, not on the leader), waits for its TP requests instead."""
+        if not self.retractable(g):
+            self.release(g, why)
+        elif self.can_transform(g.members):
+            self.release(g, why, scatter=True)
+        else:
+            self.release(g, why, retract=not g.adopt)
 
     def in_groups(self) -> set[int]:
         return {m for g in self.groups.values() for m in g.members} | self.reserved
@@ -234,6 +257,28 @@ class _Round:
             self.suspect[e] = self.now + self.cfg.suspect_s
         self.out.notes.append(f"engines {engines} not picked for binds for {self.cfg.suspect_s:g} s")
 
+    # --- KV transformation (Gyges-style: head slices move within the group) -----------------------------------
+
+    def can_transform(self, members: Sequence[int]) -> bool:
+        """Adopt/scatter only where it is on and every member's heartbeat says it applies them."""
+        return self.cfg.kv_transform and all(m in self.live and self.live[m].kv_transform for m in members)
+
+    def used_kv(self, m: int) -> int:
+        """KV tokens engine ``m``'s DP requests hold (heartbeat), those this round sends it included."""
+        e = self.live[m]
+        return max(0, e.max_total_tokens - e.free_kv_tokens) + self.dp_kv[m]
+
+    def adopt_ms(self, members: Sequence[int]) -> float:
+        """Estimated stall of an adoption: every member's DP KV moves (d-1)/d of its head slices."""
+        c = self.cfg
+        moves = adopt_moves([self.used_kv(m) for m in members])
+        return kv_transform_ms(moves, c.kv_bytes_per_token, c.kv_link_gbps, c.kv_transform_fixed_ms)
+
+    def may_adopt(self, members: Sequence[int]) -> bool:
+        """Adoption beats draining or pausing the members' DP work when its stall is at most ``adopt_max_ms``
+        (a few decode steps); a larger one (members full of KV) drains or pauses as without it."""
+        return self.can_transform(members) and self.adopt_ms(members) <= self.cfg.adopt_max_ms
+
     # --- load adaptation ----------------------------------------------------------------------------------
 
     def fits_one(self, r: QueuedRequest) -> bool:
@@ -265,10 +310,19 @@ class _Round:
 
     # --- releases -----------------------------------------------------------------------------------------
 
-    def paused_dp(self, g: Group) -> int:
-        """DP requests the bind set aside on its members (their inflight, less the group's TP requests)."""
+    def other_work(self, g: Group) -> int:
+        """Requests on the members that were not dispatched to the group (their inflight, less its TP requests):
+        the DP work its bind set aside, or, bound by adoption, the DP requests it adopted."""
         n = sum(self.live[m].inflight for m in g.members if m in self.live)
-        return n - self.tp.get(g.epoch, (0, 0))[0]
+        return n - self.s.tp_load.get(g.epoch, GroupLoad()).inflight  # (the snapshot's: inflight is too)
+
+    def paused_dp(self, g: Group) -> int:
+        """DP requests the bind set aside on its members (none when it adopted them: they run in the group)."""
+        return 0 if g.adopt else self.other_work(g)
+
+    def group_n(self, g: Group) -> int:
+        """The group's TP requests: those dispatched to it, and those it adopted."""
+        return self.tp.get(g.epoch, (0, 0))[0] + (self.other_work(g) if g.adopt else 0)
 
     def releases(self) -> None:
         busy, cfg = self.out.state.busy, self.cfg
@@ -279,19 +333,24 @@ class _Round:
         for g in list(self.groups.values()):
             if g.state == "releasing" or g.reason == "manual":
                 continue
-            tp_busy = self.tp.get(g.epoch, (0, 0))[0] > 0
+            tp_busy = self.group_n(g) > 0
             if g.reason == "load" and busy:
-                # its requests continue in DP on the leader, unless one of them needs the group's pooled KV
-                self.release(g, "load rose", retract=self.retractable(g))
+                # its requests continue in DP (scattered to their owners, or retracted to the leader), unless one
+                # of them needs the group's pooled KV
+                self.release_now(g, "load rose")
             elif (
                 g.state == "bound"
                 and self.now - g.since >= cfg.max_defer_s
                 and (self.paused_dp(g) > 0 or (busy and queued_dp))
             ):
-                # paused DP work resumes now: the group's requests continue in DP on the leader (unless one of them
-                # needs the group's pooled KV); DP work that only queues waits for the group's requests instead
-                retract = self.paused_dp(g) > 0 and self.retractable(g)
-                self.release(g, f"DP work deferred for {cfg.max_defer_s:g} s", retract=retract)
+                # paused DP work resumes now: the group's requests continue in DP (unless one of them needs the
+                # group's pooled KV); DP work that only queues waits for the group's requests instead, unless they
+                # can move to their owners by scatter (no recompute)
+                why = f"DP work deferred for {cfg.max_defer_s:g} s"
+                if self.paused_dp(g) > 0 or self.can_transform(g.members):
+                    self.release_now(g, why)
+                else:
+                    self.release(g, why)
             elif (
                 g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s
             ):
@@ -332,28 +391,32 @@ class _Round:
         them included (with a margin of a tenth, for the tokens they decode before they read the bind)."""
         return int(0.9 * sum(self.live[m].free_kv_tokens - self.dp_kv[m] for m in members))
 
-    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt) -> Group:
+    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt, adopt: bool = False) -> Group:
+        """A new group record; ``adopt``: by adoption (the members' DP requests become its TP requests, their KV
+        transformed; it forms at the members' next step boundary, like a hard bind, and pauses nothing)."""
         g = Group(
             epoch=0,
             members=members,
             reason=reason,  # type: ignore[arg-type]
-            preempt=preempt,
+            preempt="hard" if adopt else preempt,
             since=self.now,
             last_used=self.now,
-            kv_cap=self.hard_cap(members) if preempt == "hard" else 0,
+            kv_cap=self.hard_cap(members) if preempt == "hard" or adopt else 0,
+            adopt=adopt,
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
-        self.out.notes.append(f"bind {members} ({reason}, {preempt} preemption)")
+        how = f"adoption, {self.adopt_ms(members):.0f} ms" if adopt else f"{preempt} preemption"
+        self.out.notes.append(f"bind {members} ({reason}, {how})")
         return g
 
     def group_room(self, g: Group, r: QueuedRequest) -> bool:
         """Room for ``r``: fewer TP requests than the group takes, and KV for it. A hard-bound group's KV is capped
         while its members hold paused DP work (kv_cap); once they hold none, the members' whole KV is the group's."""
-        n, kv = self.tp.get(g.epoch, (0, 0))
+        kv = self.tp.get(g.epoch, (0, 0))[1]
         full = g.width * min(self.live[m].max_total_tokens for m in g.members)
-        pooled = g.kv_cap if g.kv_cap and self.paused_dp(g) > 0 else full
-        return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
+        pooled = g.kv_cap if g.kv_cap and self.other_work(g) > 0 else full
+        return self.group_n(g) < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
 
     def group_for(
         self,
@@ -375,7 +438,7 @@ class _Round:
             and not self.avoid(r, g.members)
             and self.group_room(g, r)
         ]
-        return min(fits, key=lambda g: (g.width, self.tp.get(g.epoch, (0, 0))[0], g.epoch), default=None)
+        return min(fits, key=lambda g: (g.width, self.group_n(g), g.epoch), default=None)
 
     def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired
@@ -411,9 +474,10 @@ class _Round:
         return True
 
     def load_binds(self) -> None:
-        """Light load: blocks bind one after another. A block whose engines are idle binds at once; otherwise it
-        drains first (sequential: its engines get no new work while the rest of the cluster takes it), so no
-        request is paused or recomputed. At most half of the blocks still in DP drain at the same time."""
+        """Light load: blocks bind one after another. A block whose engines are idle binds at once; a busy one binds
+        at once by adoption where its members transform KV and the transformation is cheap (``adopt_max_ms``),
+        otherwise it drains first (sequential: its engines get no new work while the rest of the cluster takes it),
+        so no request is paused or recomputed. At most half of the blocks still in DP drain at the same time."""
         if self.out.state.busy or not self.cfg.load_adaptation:
             return
         if any(need_width(r.kv_tokens, self.s.engines) not in (1, None) for r in self.s.waiting):
@@ -424,6 +488,8 @@ class _Round:
         for ms in sets:  # least loaded first
             if not self.block_load(ms):
                 self.bind(ms, "load", "hard")
+            elif self.may_adopt(ms):
+                self.bind(ms, "load", "hard", adopt=True)
             elif 2 * (draining + 1) <= in_dp:
                 self.bind(ms, "load", "sequential")
                 draining += 1
@@ -450,18 +516,20 @@ class _Round:
         """A group with room that forms at the members' next step boundary, else a new ``priority_width`` group
         that leaves DP engines for everyone else: under light load the least loaded block (hard: its few DP
         requests pause, at most ``max_defer_s``), otherwise only an idle one (pausing a busy engine's DP work costs
-        more than the group saves). Else False: the request jumps the queue in DP (classes dispatch first)."""
+        more than the group saves). A busy block binds by adoption where it may (its DP requests continue in the
+        group instead of pausing). Else False: the request jumps the queue in DP (classes dispatch first)."""
         if (g := self.group_for(r, 1, USABLE, SHORT, imminent=True)) is not None:
             self.to_group(g, r)
             return True
-        if self.adopt_idle(r, 1, ("long",), "priority"):
+        if self.reuse_idle(r, 1, ("long",), "priority"):
             return True  # (an idle long group is kept while a high-priority request waits: it must take it)
         taken = self.in_groups()
         dp = {e.engine for e in self.s.engines if e.mode == "dp" and e.engine not in taken}
         light = not self.out.state.busy
         for ms in self.free_sets(self.cfg.priority_width):
             if dp - set(ms) and (light or not self.block_load(ms)):
-                self.bind(ms, "priority", self.cfg.priority_preempt)
+                adopt = bool(self.block_load(ms)) and self.may_adopt(ms)
+                self.bind(ms, "priority", self.cfg.priority_preempt, adopt=adopt)
                 return True  # it waits for the group (the next round finds it binding)
         return False
 
@@ -474,7 +542,7 @@ class _Round:
         if (g := self.group_for(r, width, USABLE, ("long", "manual"))) is not None:
             self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
             return
-        if self.adopt_idle(r, width, ("load", "priority"), "long"):
+        if self.reuse_idle(r, width, ("load", "priority"), "long"):
             return
         if not cfg.long_context or (self.pressure and self.now - r.enqueued_at < cfg.long_wait_s):
             return
@@ -484,14 +552,16 @@ class _Round:
         if in_long and in_long + width > cfg.long_max_share * len(self.live):
             return  # long groups already hold their share (one is always allowed): the rest stays DP
         if sets := self.free_sets(width):
-            preempt = cfg.long_preempt
+            preempt, adopt = cfg.long_preempt, False
             if preempt == "hard" and r.kv_tokens > self.hard_cap(sets[0]):
                 preempt = "sequential"  # the members' paused DP work would hold KV the request needs
-            self.bind(sets[0], "long", preempt)
+            elif preempt == "hard" and self.block_load(sets[0]):
+                adopt = self.may_adopt(sets[0])  # their DP work continues in the group instead of pausing
+            self.bind(sets[0], "long", preempt, adopt=adopt)
         else:
             self.release_idle_blocking(width)
 
-    def adopt_idle(self, r: QueuedRequest, width: int, reasons: tuple[str, ...], reason: str) -> bool:
+    def reuse_idle(self, r: QueuedRequest, width: int, reasons: tuple[str, ...], reason: str) -> bool:
         """Send ``r`` to a bound group of ``reasons`` that is idle (no TP work, no paused DP work) and holds it,
         the narrowest; the group becomes a ``reason`` group (reused: no release and re-bind)."""
         idle = [
@@ -499,7 +569,7 @@ class _Round:
             for g in self.groups.values()
             if g.state == "bound"
             and g.reason in reasons
-            and not self.tp.get(g.epoch, (0, 0))[0]
+            and not self.group_n(g)
             and not self.paused_dp(g)
             and g.width >= width
             and not self.avoid(r, g.members)
@@ -518,8 +588,7 @@ class _Round:
         for ms in merge_sets(n, (width,)) if 1 < width <= n else []:
             inside = [g for g in self.groups.values() if set(g.members) & set(ms)]
             if all(
-                g.state == "bound" and g.reason != "manual" and not self.tp.get(g.epoch, (0, 0))[0]
-                for g in inside
+                g.state == "bound" and g.reason != "manual" and not self.group_n(g) for g in inside
             ) and all(m in self.live for m in ms):
                 for g in inside:
                     self.release(g, f"making room for a width-{width} group")

@@ -37,6 +37,7 @@ def scenarios(draw):
         long_preempt=draw(st.sampled_from(["hard", "sequential"])),
         ack_timeout_s=0.5,
         bind_timeout_s=draw(st.sampled_from([1.0, 60.0])),
+        adopt_max_ms=draw(st.sampled_from([0.0, 100.0])),  # 0: never adopt (the fixed cost is above it)
     )
     cfg = SimConfig(
         engines=engines,
@@ -52,6 +53,8 @@ def scenarios(draw):
             )
         ),
         horizon_s=2000.0,
+        kv_transform=draw(st.booleans()),
+        no_kv_transform=tuple(draw(st.sets(st.integers(0, engines - 1), max_size=1))),
     )
     return cfg, reqs
 
@@ -60,8 +63,10 @@ def scenarios(draw):
 @given(scenarios())
 def test_random_event_sequences_keep_the_invariants_and_serve_every_request(scenario):
     """Groups never overlap, an engine is in at most one epoch, no request is lost or dispatched twice, deferred DP
-    work is released within max_defer_s (checked after every router round); hung members are rolled back, router
-    outages only delay; in the end every request is served or rejected as too long for any group."""
+    work is released within max_defer_s, adopt/scatter go only to groups whose members all transform KV (checked
+    after every router round); hung members are rolled back, router outages only delay; in the end every request
+    is served or rejected as too long for any group, with all its tokens (an adopted, scattered or retracted
+    request continues where it was)."""
     cfg, reqs = scenario
     sim = Simulator(cfg, reqs, check=True)
     records = sim.run()
@@ -120,7 +125,8 @@ def test_dp_work_paused_by_a_priority_bind_resumes_within_max_defer_s():
         calm_s=0.3, max_defer_s=1.0
     )  # light load from 0.3 s: (0, 1) drains for a load group
     reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(6)] + [SimRequest(0.5, "high", 200, 300)]
-    sim = Simulator(SimConfig(engines=6, cost=SMALL, policy=policy), reqs, check=True)
+    cfg = SimConfig(engines=6, cost=SMALL, policy=policy, kv_transform=False)  # (adoption pauses nothing)
+    sim = Simulator(cfg, reqs, check=True)
     records = sim.run()
     assert all(r.ok and r.output_tokens == s.output for r, s in zip(records, reqs))
     assert any(note == "bind (2, 3) (priority, hard preemption)" for _, note in sim.log), sim.log
