@@ -152,6 +152,9 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
         True  # the router binds groups for requests one engine cannot hold (gateways admit them)
     )
     suspect: dict[int, float] = {}  # engine -> until when it is not picked for a bind (it failed one)
+    rate: float = 0.0  # admissions per second, exponentially weighted (the "rate" regime)
+    rate_ts: float = 0.0  # when ``rate`` was last updated (0: never)
+    admitted: int = 0  # the admission counter (``flying:stats`` admitted) at that time
 
 
 def decode_command(data: bytes | str) -> Command:

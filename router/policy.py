@@ -37,6 +37,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+import math
 
 import msgspec
 
@@ -57,11 +60,15 @@ class PolicyConfig:
     long_preempt: Preempt = "sequential"  # hard only where the members' free KV holds the request
     max_inflight_per_worker: int = 32  # requests one DP engine is handed before the rest wait in Redis
     tp_inflight_per_engine: int = 4  # a group of width w takes w * this TP requests at once
+    regime: Literal["inflight", "rate"] = "inflight"  # what says light or busy load (see update_regime)
     light_load: float = (
         0.5  # light: queued + inflight <= this share of the groups' capacity (all engines bound) ...
     )
     calm_s: float = 2.0  # ... for this long before load groups form
     busy_load: float = 1.0  # busy: queued + inflight above this share of the groups' capacity (or a wait)
+    light_rate: float = 0.75  # rate regime: light at most this many admissions per second per engine ...
+    busy_rate: float = 1.0  # ... busy above this many
+    rate_tau_s: float = 2.0  # time constant of the admission rate's exponential average
     busy_wait_s: float = 0.25  # busy: a normal request has waited this long in the queue
     keep_s: float = 1.0  # a priority/long group without TP work for this long is released
     long_max_share: float = 0.5  # long groups hold at most this share of the engines (the rest stay DP)
@@ -72,9 +79,8 @@ class PolicyConfig:
     suspect_s: float = 10.0  # a member that failed a bind is not picked for another one for this long
     # KV transformation (Bind.adopt / Release.scatter), used only where every member's heartbeat says kv_transform
     kv_transform: bool = True
-    adopt_max_ms: float = (
-        100.0  # a bind adopts only if its estimated transformation stalls the group at most this
-    )
+    adopt_max_ms: float = 100.0  # a bind adopts only if its estimated transformation stalls the group <= this
+    adopt_max_inflight: int = 64  # ... and its members hold at most this many DP requests each
     kv_bytes_per_token: int = 163_840  # for that estimate (Llama-3-70B, FP8 KV); see router.cost_model
     kv_link_gbps: float = 360.0  # per member and direction
     kv_transform_fixed_ms: float = 4.0
@@ -85,6 +91,7 @@ class PolicyConfig:
             assert w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}"
         assert self.max_inflight_per_worker >= 1 and self.tp_inflight_per_engine >= 1
         assert self.light_load >= 0 and self.calm_s >= 0 and self.busy_wait_s > 0
+        assert 0 <= self.light_rate <= self.busy_rate and self.rate_tau_s > 0
         assert 0 < self.ack_timeout_s <= self.bind_timeout_s, "need 0 < ack_timeout_s <= bind_timeout_s"
 
 
@@ -123,6 +130,7 @@ class Snapshot:
     groups: Sequence[Group]  # the router's group records
     tp_load: Mapping[int, GroupLoad] = field(default_factory=dict)
     state: RouterState = field(default_factory=RouterState)
+    admitted: int = 0  # requests admitted so far (a monotonic counter; the rate regime's input)
 
 
 @dataclass(frozen=True)
@@ -287,26 +295,51 @@ class _Round:
     def dp_fit(self, r: QueuedRequest) -> bool:
         return r.priority != "high" and self.fits_one(r)
 
+    def update_rate(self) -> float:
+        """Admissions per second: each admission adds 1/tau, the sum decays with time constant tau (exact for any
+        spacing of rounds). A counter that went back (Redis flushed) restarts the count."""
+        st, tau = self.out.state, self.cfg.rate_tau_s
+        new = self.s.admitted - st.admitted if st.rate_ts and self.s.admitted >= st.admitted else 0
+        dt = max(0.0, self.now - st.rate_ts) if st.rate_ts else 0.0
+        rate = st.rate * math.exp(-dt / tau) + new / tau
+        self.out.state = msgspec.structs.replace(st, rate=rate, rate_ts=self.now, admitted=self.s.admitted)
+        return rate
+
     def update_regime(self) -> None:
-        st, cfg, n = self.out.state, self.cfg, len(self.live)
+        """Light or busy load. ``inflight``: demand (queued + inflight) against the groups' capacity
+        (``light_load`` / ``busy_load``). ``rate``: the admission rate per engine (``light_rate`` /
+        ``busy_rate``), which sees a burst begin and end at once, where demand lags behind the backlog. Either
+        way a normal request that waited ``busy_wait_s`` is pressure, and light must last ``calm_s``."""
+        cfg, n = self.cfg, len(self.live)
+        rate = self.update_rate()
+        st = self.out.state
         demand = self.s.queued + sum(e.inflight for e in self.s.engines)
         oldest = max((self.now - r.enqueued_at for r in self.s.waiting if self.dp_fit(r)), default=0.0)
+        if cfg.regime == "rate":
+            heavy = rate > cfg.busy_rate * n
+            light = rate <= cfg.light_rate * n
+        else:
+            heavy = demand > cfg.busy_load * cfg.tp_inflight_per_engine * n
+            light = demand <= cfg.light_load * cfg.tp_inflight_per_engine * n
         # pressure: normal work queues, or demand is above what the groups would hold (the busy trigger)
-        self.pressure = oldest > cfg.busy_wait_s or demand > cfg.busy_load * cfg.tp_inflight_per_engine * n
+        self.pressure = oldest > cfg.busy_wait_s or heavy
         if not cfg.load_adaptation or n == 0:
             self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0)
             return
-        light = demand <= cfg.light_load * cfg.tp_inflight_per_engine * n
         if st.busy:
             calm = (st.calm_since or self.now) if light else 0.0
             if light and self.now - calm >= cfg.calm_s:
                 self.out.state = msgspec.structs.replace(st, busy=False, calm_since=calm, changed_at=self.now)
-                self.out.notes.append(f"light load ({demand} requests on {n} engines): TP groups allowed")
+                self.out.notes.append(
+                    f"light load ({demand} requests, {rate:.1f}/s on {n} engines): TP groups allowed"
+                )
             else:
                 self.out.state = msgspec.structs.replace(st, busy=True, calm_since=calm)
         elif self.pressure:
             self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0, changed_at=self.now)
-            self.out.notes.append(f"load rising ({demand} requests, oldest waits {oldest:.2f} s): back to DP")
+            self.out.notes.append(
+                f"load rising ({demand} requests, {rate:.1f}/s, oldest waits {oldest:.2f} s): back to DP"
+            )
 
     # --- releases -----------------------------------------------------------------------------------------
 
@@ -416,7 +449,8 @@ class _Round:
         kv = self.tp.get(g.epoch, (0, 0))[1]
         full = g.width * min(self.live[m].max_total_tokens for m in g.members)
         pooled = g.kv_cap if g.kv_cap and self.other_work(g) > 0 else full
-        return self.group_n(g) < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
+        n = self.tp.get(g.epoch, (0, 0))[0]  # (adopted requests do not count: they were the members' own load)
+        return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
 
     def group_for(
         self,
@@ -488,11 +522,18 @@ class _Round:
         for ms in sets:  # least loaded first
             if not self.block_load(ms):
                 self.bind(ms, "load", "hard")
-            elif self.may_adopt(ms):
-                self.bind(ms, "load", "hard", adopt=True)
+            elif self.can_transform(ms):
+                if self.block_load(ms) <= self.adopt_fits(ms) and self.may_adopt(ms):
+                    self.bind(ms, "load", "hard", adopt=True)
+                # else it serves its backlog in DP (new work goes to the groups) and adopts once it fits
             elif 2 * (draining + 1) <= in_dp:
                 self.bind(ms, "load", "sequential")
                 draining += 1
+
+    def adopt_fits(self, ms: tuple[int, ...]) -> float:
+        """The most DP requests a block adopts (``adopt_max_inflight`` per member). A block holding more serves
+        them in DP while new work goes to the groups."""
+        return self.cfg.adopt_max_inflight * len(ms)
 
     def block_load(self, ms: tuple[int, ...]) -> int:
         return sum(self.dp_inflight[m] for m in ms)
@@ -528,7 +569,11 @@ class _Round:
         light = not self.out.state.busy
         for ms in self.free_sets(self.cfg.priority_width):
             if dp - set(ms) and (light or not self.block_load(ms)):
-                adopt = bool(self.block_load(ms)) and self.may_adopt(ms)
+                adopt = False
+                if self.block_load(ms) and self.can_transform(ms):
+                    if self.block_load(ms) > self.adopt_fits(ms) or not self.may_adopt(ms):
+                        break  # a backlog: it would run in TP at lower throughput (the least loaded block first)
+                    adopt = True
                 self.bind(ms, "priority", self.cfg.priority_preempt, adopt=adopt)
                 return True  # it waits for the group (the next round finds it binding)
         return False

@@ -375,6 +375,7 @@ class Simulator:
         self.tp_max: dict[int, int] = {}
         self.dispatched: set[int] = set()
         self.finished = 0
+        self.admitted = 0
         self._router_due: float | None = None
         self.bound_at: dict[int, float] = {}
         self.log: list[tuple[float, str]] = []
@@ -427,6 +428,7 @@ class Simulator:
             self.finished += 1
             return
         self.queue[PRIORITY_CLASS[r.spec.priority]][r.q.id] = r
+        self.admitted += 1
         self.poke_router()
 
     def finish(self, r: Req) -> None:
@@ -469,6 +471,7 @@ class Simulator:
             groups=list(self.records.values()),
             tp_load={ep: GroupLoad(n, kv, self.tp_max.get(ep, 0)) for ep, (n, kv) in self.tp_load.items()},
             state=self.state,
+            admitted=self.admitted,
         )
 
     def router_round(self) -> None:
