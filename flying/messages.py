@@ -155,6 +155,7 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     rate: float = 0.0  # admissions per second, exponentially weighted (the "rate" regime)
     rate_ts: float = 0.0  # when ``rate`` was last updated (0: never)
     admitted: int = 0  # the admission counter (``flying:stats`` admitted) at that time
+    recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (PolicyConfig.spread_s)
 
 
 def decode_command(data: bytes | str) -> Command:

@@ -59,6 +59,7 @@ class PolicyConfig:
     priority_preempt: Preempt = "hard"
     long_preempt: Preempt = "sequential"  # hard only where the members' free KV holds the request
     max_inflight_per_worker: int = 32  # requests one DP engine is handed before the rest wait in Redis
+    spread_s: float = 0.0  # DP dispatch also counts the requests an engine was sent within about this long
     tp_inflight_per_engine: int = 4  # a group of width w takes w * this TP requests at once
     regime: Literal["inflight", "rate"] = "inflight"  # what says light or busy load (see update_regime)
     light_load: float = (
@@ -198,6 +199,15 @@ class _Round:
         self.reserved: set[int] = set()  # members of binds planned this round
         self.pressure = False  # set by update_regime
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
+        self.recent = self.decayed_recent()
+
+    def decayed_recent(self) -> dict[int, float]:
+        """DP dispatches per engine, decayed with time constant ``spread_s`` since the last round (rate_ts)."""
+        st, tau = self.s.state, self.cfg.spread_s
+        if tau <= 0 or not st.recent:
+            return {}
+        f = math.exp(-max(0.0, self.now - st.rate_ts) / tau) if st.rate_ts else 1.0
+        return {e: v * f for e, v in st.recent.items() if v * f >= 0.01 and e in self.live}
 
     # --- group records ------------------------------------------------------------------------------------
 
@@ -501,11 +511,20 @@ class _Round:
         ]
         if not fits:
             return False
-        best = min(fits, key=lambda e: (self.dp_inflight[e.engine], -e.free_kv_tokens, e.engine))
+        best = min(fits, key=lambda e: (self.dp_score(e.engine), -e.free_kv_tokens, e.engine))
         self.dp_inflight[best.engine] += 1
+        if self.cfg.spread_s > 0:
+            self.recent[best.engine] = self.recent.get(best.engine, 0.0) + 1
         self.dp_kv[best.engine] += r.kv_tokens
         self.out.dispatches.append(Dispatch(r, best.engine, best.url))
         return True
+
+    def dp_score(self, e: int) -> float:
+        """Least loaded first: requests in flight, those sent within about ``spread_s`` counted twice (their
+        prefill is still ahead). Without it an engine that has just become free (a released group's member, whose
+        TP requests its leader owns) takes every new request until its count catches up, all of them prefilling
+        at once while the other engines only decode."""
+        return self.dp_inflight[e] + self.recent.get(e, 0.0)
 
     def load_binds(self) -> None:
         """Light load: blocks bind one after another. A block whose engines are idle binds at once; a busy one binds
@@ -654,4 +673,5 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     for r in s.waiting:
         if r.priority != "high":
             rnd.place(r)
+    rnd.out.state = msgspec.structs.replace(rnd.out.state, recent=rnd.recent)
     return rnd.out
