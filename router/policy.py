@@ -35,11 +35,10 @@ roll it back with a release and are not picked for another bind for ``suspect_s`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
-
-import math
 
 import msgspec
 
@@ -315,6 +314,15 @@ class _Round:
         self.out.state = msgspec.structs.replace(st, rate=rate, rate_ts=self.now, admitted=self.s.admitted)
         return rate
 
+    def forming(self) -> bool:
+        """A load group binds at its members' next step boundary (hard or adoption; not one that drains), for at
+        most ``ack_timeout_s`` so far."""
+        return any(
+            g.reason == "load" and g.state == "binding" and g.preempt == "hard"
+            and self.now - g.since <= self.cfg.ack_timeout_s
+            for g in self.groups.values()
+        )  # fmt: skip
+
     def update_regime(self) -> None:
         """Light or busy load. ``inflight``: demand (queued + inflight) against the groups' capacity
         (``light_load`` / ``busy_load``). ``rate``: the admission rate per engine (``light_rate`` /
@@ -325,6 +333,8 @@ class _Round:
         st = self.out.state
         demand = self.s.queued + sum(e.inflight for e in self.s.engines)
         oldest = max((self.now - r.enqueued_at for r in self.s.waiting if self.dp_fit(r)), default=0.0)
+        if not st.busy and self.forming():
+            oldest = 0.0  # light: the queue waits for groups that form at the members' next step boundary
         if cfg.regime == "rate":
             heavy = rate > cfg.busy_rate * n
             light = rate <= cfg.light_rate * n
@@ -459,7 +469,9 @@ class _Round:
         kv = self.tp.get(g.epoch, (0, 0))[1]
         full = g.width * min(self.live[m].max_total_tokens for m in g.members)
         pooled = g.kv_cap if g.kv_cap and self.other_work(g) > 0 else full
-        n = self.tp.get(g.epoch, (0, 0))[0]  # (adopted requests do not count: they were the members' own load)
+        n = self.tp.get(g.epoch, (0, 0))[
+            0
+        ]  # (adopted requests do not count: they were the members' own load)
         return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
 
     def group_for(
@@ -482,7 +494,8 @@ class _Round:
             and not self.avoid(r, g.members)
             and self.group_room(g, r)
         ]
-        return min(fits, key=lambda g: (g.width, self.group_n(g), g.epoch), default=None)
+        # a bound group serves now; a binding one once its members reach a step boundary (one long DP step, maybe)
+        return min(fits, key=lambda g: (g.width, g.state != "bound", self.group_n(g), g.epoch), default=None)
 
     def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired

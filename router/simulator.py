@@ -51,7 +51,20 @@ class SimConfig:
     tp_width: int = 2  # static TP's group width
     policy: PolicyConfig = field(
         default_factory=lambda: PolicyConfig(
-            max_inflight_per_worker=256, tp_inflight_per_engine=8, busy_load=0.5, light_load=0.4, calm_s=3.0
+            max_inflight_per_worker=256,
+            tp_inflight_per_engine=8,
+            busy_load=0.5,
+            light_load=0.4,
+            # issue 12 (docs/benchmarks.md): the admission-rate regime (a burst's start and end show at once),
+            # adoption over busy blocks, DP dispatch that spreads a released group's new work
+            regime="rate",
+            light_rate=0.75,
+            busy_rate=1.0,
+            rate_tau_s=1.5,
+            calm_s=0.5,
+            busy_wait_s=0.1,
+            spread_s=3.0,
+            adopt_max_inflight=128,
         )
     )
     cost: CostModel = H200_LLAMA70B
