@@ -554,11 +554,11 @@ class _Round:
         for ms in sets:  # least loaded first
             if not self.block_load(ms):
                 self.bind(ms, "load", "hard")
-            elif self.can_transform(ms):
-                if self.block_load(ms) <= self.adopt_fits(ms) and self.may_adopt(ms):
-                    self.bind(ms, "load", "hard", adopt=True)
-                # else it serves its backlog in DP (new work goes to the groups) and adopts once it fits
-            elif 2 * (draining + 1) <= in_dp:
+            elif self.can_transform(ms) and self.block_load(ms) > self.adopt_fits(ms):
+                continue  # it serves its backlog in DP (new work goes to the groups) and adopts once it fits
+            elif self.may_adopt(ms):
+                self.bind(ms, "load", "hard", adopt=True)
+            elif 2 * (draining + 1) <= in_dp:  # no KV transformation, or one too costly: drain
                 self.bind(ms, "load", "sequential")
                 draining += 1
 
