@@ -3,6 +3,7 @@ in the simulator, and write the paper-style table, a JSON summary and Figure-8-s
 
 flying-sim --requests 4000 --out sim-out               the paper's two-level workload on 8 simulated H200s
 flying-sim --no-kv-transform --out sim-before          the same, engines without KV transformation (adopt/scatter)
+flying-sim --policy regime=inflight --policy calm_s=3   override the simulator's PolicyConfig fields
 flying-sim --trace my.csv --preset burstgpt --out o    your own trace (loadgen's trace format)
 """
 
@@ -13,11 +14,13 @@ import dataclasses
 import json
 import math
 import time
+import typing
 from pathlib import Path
 
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.trace import PRESETS, read_trace
 from router.cost_model import calibration
+from router.policy import PolicyConfig
 from router.simulator import SimConfig, SimRequest, Simulator, paper_workload, two_level_phase
 
 FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
@@ -119,6 +122,24 @@ def transform_report(sim: Simulator) -> list[str]:
     return out
 
 
+def policy_overrides(items: list[str]) -> dict:
+    """``FIELD=VALUE`` strings -> PolicyConfig fields, each value parsed as its field's type."""
+    hints = typing.get_type_hints(PolicyConfig)
+    out: dict = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in hints:
+            raise SystemExit(f"flying-sim: --policy {item}: PolicyConfig has no field {name!r}")
+        kind = hints[name]
+        if kind is bool:
+            out[name] = value.lower() in ("1", "true", "yes", "on")
+        elif kind in (int, float):
+            out[name] = kind(value)
+        else:
+            out[name] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     d = SimConfig()
     p = argparse.ArgumentParser(prog="flying-sim", description=__doc__.splitlines()[0])
@@ -142,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="native")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a PolicyConfig field of the simulated router (repeatable), e.g. regime=inflight",
+    )
+    p.add_argument(
         "--kv-transform",
         action=argparse.BooleanOptionalAction,
         default=d.kv_transform,
@@ -164,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         phase = lambda t: two_level_phase(t, a.low_s, a.burst_s)  # noqa: E731
         flat = lambda t: flat_period(t, a.low_s, a.burst_s)  # noqa: E731
     base = dataclasses.replace(d, engines=a.engines, tp_width=a.tp_width, kv_transform=a.kv_transform)
-    base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, light_width=a.tp_width))
+    base = dataclasses.replace(
+        base, policy=dataclasses.replace(base.policy, light_width=a.tp_width, **policy_overrides(a.policy))
+    )
     a.out.mkdir(parents=True, exist_ok=True)
     summary, series = {}, {}
     for mode in a.modes.split(","):
