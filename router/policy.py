@@ -5,22 +5,40 @@ No Redis, no clocks, no randomness: the live router (router.dispatcher), the uni
 
 The three use cases, each switchable in :class:`PolicyConfig`:
 
-- *load adaptation*: after ``calm_s`` of light load (queued + inflight at most ``light_load`` of the groups'
-  capacity, ``tp_inflight_per_engine`` per engine) engines bind into ``light_width`` groups and normal traffic goes
-  to them (TP latency). An idle block binds at once; a busy one drains first (sequential: it gets no new work, at
-  most half of the blocks still in DP drain at a time), so nothing is paused or recomputed. Under *pressure* (a
-  normal request waited ``busy_wait_s``, or demand above ``busy_load`` of the capacity) load groups are released by
-  retraction (their requests continue in DP on the leader) and everything runs DP until load is light again;
+- *load adaptation*: after ``calm_s`` of light load engines bind into ``light_width`` groups and normal traffic goes
+  to them (TP latency). Light and busy are judged (``regime``) by demand (queued + inflight against
+  ``light_load`` / ``busy_load`` of the groups' capacity, ``tp_inflight_per_engine`` per engine) or by the admission
+  rate per engine (``light_rate`` / ``busy_rate``, an exponential average over ``rate_tau_s``), which sees a burst
+  begin and end at once while demand lags behind its backlog. An idle block binds at once. A busy one binds at
+  once by *adoption* where every member transforms KV (``kv_transform``) and the transformation is cheap
+  (``adopt_max_ms``; members holding at most ``adopt_max_inflight`` requests each, a larger backlog stays in DP);
+  otherwise it drains first (sequential: it gets no new work, at most half of the blocks still in DP drain at a
+  time), so nothing is paused or recomputed. Under *pressure* (a normal request waited ``busy_wait_s``, or demand or
+  rate above the busy threshold) load groups are released at once, by *scatter* (each TP request continues in DP on
+  the engine that owns it, KV moved, no recompute) where the members transform KV, else by retraction (recomputed
+  in DP on the leader), and everything runs DP until load is light again;
 - *priority*: high-priority requests are placed before anything else. One goes to a group with room that forms
   at the next step boundary, else binds a ``priority_width`` group (``priority_preempt``, hard by default: the
-  members' DP requests pause with their KV kept) that leaves DP engines for everyone else: under light load the
-  least loaded block, under pressure only an idle one (pausing busy engines costs more than the group saves), else
-  it jumps the queue in DP;
+  members' DP requests pause with their KV kept; by adoption where the members transform KV: they continue in the
+  group) that leaves DP engines for everyone else: under light load the least loaded block, under pressure only an
+  idle one (pausing busy engines costs more than the group saves), else it jumps the queue in DP;
 - *long context*: a request whose prompt plus max tokens exceeds one engine's KV goes to the narrowest long group
   whose pooled KV holds it, or an idle group (re-labelled), or binds the smallest width that fits
-  (``long_preempt``, sequential by default so the members' KV is free; hard only where their free KV holds it).
+  (``long_preempt``, sequential by default so the members' KV is free; hard only where their free KV holds it, and
+  then by adoption where the members transform KV).
   Under pressure it waits up to ``long_wait_s`` first, and long groups hold at most ``long_max_share`` of the
   engines (one is always allowed), so a burst is served in DP.
+
+KV transformation (Gyges-style, issue 12) is used only where every member's heartbeat reports ``kv_transform`` and
+``PolicyConfig.kv_transform`` is on (``flying-router --no-kv-transform``); otherwise every decision is as without it.
+Its cost enters the decision: an adoption's stall is estimated from the members' KV in use (head slices of
+``kv_bytes_per_token`` over ``kv_link_gbps`` plus ``kv_transform_fixed_ms``, :mod:`router.cost_model`); above
+``adopt_max_ms`` the block drains instead. A group bound by adoption pauses nothing, so ``max_defer_s`` does not
+apply to it; its adopted requests stay owned by their members, so it is never released by retraction (only by
+scatter, or by waiting). Hysteresis: light needs ``calm_s`` of light load, the thresholds leave a band between
+light and busy, and a queue that only waits for load groups forming at their members' next step boundary is not
+pressure. DP dispatch is least loaded, counting requests sent within about ``spread_s`` twice (a released group's
+follower, whose TP requests its leader owns, would otherwise take every new request at once).
 
 Groups are reused (Gyges): the next high-priority or long request goes to a group that is already bound; priority
 and long groups are released only after ``keep_s`` without TP work. DP work a bind pauses (hard preemption) waits at
