@@ -75,8 +75,14 @@ def bind(
             r.hdel(keys.groups, *(str(g.epoch) for g in inside))
         now = time.time()
         g = Group(
-            epoch=epoch, members=tuple(members), reason="manual", preempt=preempt, since=now, last_used=now
-        )  # type: ignore[arg-type]
+            epoch=epoch,
+            members=tuple(members),
+            reason="manual",
+            preempt=preempt,  # type: ignore[arg-type]
+            since=now,
+            last_used=now,
+            adopt=adopt,
+        )
         r.hset(keys.groups, str(epoch), encode(g))
     cmd = Bind(epoch=epoch, members=tuple(members), preempt=preempt, adopt=adopt)  # type: ignore[arg-type]
     send(r, keys, members, cmd)

@@ -139,6 +139,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     since: float = 0.0  # when it entered ``state`` (router clock, epoch seconds)
     last_used: float = 0.0  # last TP dispatch to it (or its creation)
     kv_cap: int = 0  # KV tokens its TP requests may use (hard: what the members had free; 0: all of their KV)
+    adopt: bool = False  # bound by adoption (Bind.adopt): the members' DP requests became its TP requests
 
     @property
     def width(self) -> int:
@@ -159,6 +160,10 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
         True  # the router binds groups for requests one engine cannot hold (gateways admit them)
     )
     suspect: dict[int, float] = {}  # engine -> until when it is not picked for a bind (it failed one)
+    rate: float = 0.0  # admissions per second, exponentially weighted (the "rate" regime)
+    rate_ts: float = 0.0  # when ``rate`` was last updated (0: never)
+    admitted: int = 0  # the admission counter (``flying:stats`` admitted) at that time
+    recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (PolicyConfig.spread_s)
 
 
 def decode_command(data: bytes | str) -> Command:

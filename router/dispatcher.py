@@ -63,6 +63,7 @@ class Dispatcher:
                 pending=hb.pending,
                 num_engines=hb.num_engines,
                 beat_ts=hb.ts,
+                kv_transform=hb.kv_transform,
             )
             for hb in beats
         ]
@@ -82,6 +83,7 @@ class Dispatcher:
         engines = await self.engine_views()
         groups = await read_groups(self.r, self.keys)
         loads = await self.queue.group_loads([(g.epoch, g.leader) for g in groups if g.state != "releasing"])
+        admitted = int(await self.r.hget(self.keys.stats, "admitted") or 0)
         raw = await self.r.get(self.keys.router_state)
         state = (
             decode(raw, RouterState)
@@ -96,6 +98,7 @@ class Dispatcher:
             groups=groups,
             tp_load={ep: GroupLoad(*load) for ep, load in loads.items()},
             state=state,
+            admitted=admitted,
         )
 
     async def apply(self, d: Decision) -> int:

@@ -5,22 +5,40 @@ No Redis, no clocks, no randomness: the live router (router.dispatcher), the uni
 
 The three use cases, each switchable in :class:`PolicyConfig`:
 
-- *load adaptation*: after ``calm_s`` of light load (queued + inflight at most ``light_load`` of the groups'
-  capacity, ``tp_inflight_per_engine`` per engine) engines bind into ``light_width`` groups and normal traffic goes
-  to them (TP latency). An idle block binds at once; a busy one drains first (sequential: it gets no new work, at
-  most half of the blocks still in DP drain at a time), so nothing is paused or recomputed. Under *pressure* (a
-  normal request waited ``busy_wait_s``, or demand above ``busy_load`` of the capacity) load groups are released by
-  retraction (their requests continue in DP on the leader) and everything runs DP until load is light again;
+- *load adaptation*: after ``calm_s`` of light load engines bind into ``light_width`` groups and normal traffic goes
+  to them (TP latency). Light and busy are judged (``regime``) by demand (queued + inflight against
+  ``light_load`` / ``busy_load`` of the groups' capacity, ``tp_inflight_per_engine`` per engine) or by the admission
+  rate per engine (``light_rate`` / ``busy_rate``, an exponential average over ``rate_tau_s``), which sees a burst
+  begin and end at once while demand lags behind its backlog. An idle block binds at once. A busy one binds at
+  once by *adoption* where every member transforms KV (``kv_transform``) and the transformation is cheap
+  (``adopt_max_ms``; members holding at most ``adopt_max_inflight`` requests each, a larger backlog stays in DP);
+  otherwise it drains first (sequential: it gets no new work, at most half of the blocks still in DP drain at a
+  time), so nothing is paused or recomputed. Under *pressure* (a normal request waited ``busy_wait_s``, or demand or
+  rate above the busy threshold) load groups are released at once, by *scatter* (each TP request continues in DP on
+  the engine that owns it, KV moved, no recompute) where the members transform KV, else by retraction (recomputed
+  in DP on the leader), and everything runs DP until load is light again;
 - *priority*: high-priority requests are placed before anything else. One goes to a group with room that forms
   at the next step boundary, else binds a ``priority_width`` group (``priority_preempt``, hard by default: the
-  members' DP requests pause with their KV kept) that leaves DP engines for everyone else: under light load the
-  least loaded block, under pressure only an idle one (pausing busy engines costs more than the group saves), else
-  it jumps the queue in DP;
+  members' DP requests pause with their KV kept; by adoption where the members transform KV: they continue in the
+  group) that leaves DP engines for everyone else: under light load the least loaded block, under pressure only an
+  idle one (pausing busy engines costs more than the group saves), else it jumps the queue in DP;
 - *long context*: a request whose prompt plus max tokens exceeds one engine's KV goes to the narrowest long group
   whose pooled KV holds it, or an idle group (re-labelled), or binds the smallest width that fits
-  (``long_preempt``, sequential by default so the members' KV is free; hard only where their free KV holds it).
+  (``long_preempt``, sequential by default so the members' KV is free; hard only where their free KV holds it, and
+  then by adoption where the members transform KV).
   Under pressure it waits up to ``long_wait_s`` first, and long groups hold at most ``long_max_share`` of the
   engines (one is always allowed), so a burst is served in DP.
+
+KV transformation (Gyges-style, issue 12) is used only where every member's heartbeat reports ``kv_transform`` and
+``PolicyConfig.kv_transform`` is on (``flying-router --no-kv-transform``); otherwise every decision is as without it.
+Its cost enters the decision: an adoption's stall is estimated from the members' KV in use (head slices of
+``kv_bytes_per_token`` over ``kv_link_gbps`` plus ``kv_transform_fixed_ms``, :mod:`router.cost_model`); above
+``adopt_max_ms`` the block drains instead. A group bound by adoption pauses nothing, so ``max_defer_s`` does not
+apply to it; its adopted requests stay owned by their members, so it is never released by retraction (only by
+scatter, or by waiting). Hysteresis: light needs ``calm_s`` of light load, the thresholds leave a band between
+light and busy, and a queue that only waits for load groups forming at their members' next step boundary is not
+pressure. DP dispatch is least loaded, counting requests sent within about ``spread_s`` twice (a released group's
+follower, whose TP requests its leader owns, would otherwise take every new request at once).
 
 Groups are reused (Gyges): the next high-priority or long request goes to a group that is already bound; priority
 and long groups are released only after ``keep_s`` without TP work. DP work a bind pauses (hard preemption) waits at
@@ -35,14 +53,17 @@ roll it back with a release and are not picked for another bind for ``suspect_s`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
 from flying.groups import merge_sets
 from flying.groups import widths as group_widths
 from flying.messages import Bind, Command, Group, Preempt, QueuedRequest, Release, RouterState
+from router.cost_model import adopt_moves, kv_transform_ms
 
 
 @dataclass(frozen=True)
@@ -55,12 +76,17 @@ class PolicyConfig:
     priority_preempt: Preempt = "hard"
     long_preempt: Preempt = "sequential"  # hard only where the members' free KV holds the request
     max_inflight_per_worker: int = 32  # requests one DP engine is handed before the rest wait in Redis
+    spread_s: float = 0.0  # DP dispatch also counts the requests an engine was sent within about this long
     tp_inflight_per_engine: int = 4  # a group of width w takes w * this TP requests at once
+    regime: Literal["inflight", "rate"] = "inflight"  # what says light or busy load (see update_regime)
     light_load: float = (
         0.5  # light: queued + inflight <= this share of the groups' capacity (all engines bound) ...
     )
     calm_s: float = 2.0  # ... for this long before load groups form
     busy_load: float = 1.0  # busy: queued + inflight above this share of the groups' capacity (or a wait)
+    light_rate: float = 0.75  # rate regime: light at most this many admissions per second per engine ...
+    busy_rate: float = 1.0  # ... busy above this many
+    rate_tau_s: float = 2.0  # time constant of the admission rate's exponential average
     busy_wait_s: float = 0.25  # busy: a normal request has waited this long in the queue
     keep_s: float = 1.0  # a priority/long group without TP work for this long is released
     long_max_share: float = 0.5  # long groups hold at most this share of the engines (the rest stay DP)
@@ -69,6 +95,13 @@ class PolicyConfig:
     ack_timeout_s: float = 2.0  # members must acknowledge a bind within this ...
     bind_timeout_s: float = 60.0  # ... and complete it within this (a sequential bind drains DP work first)
     suspect_s: float = 10.0  # a member that failed a bind is not picked for another one for this long
+    # KV transformation (Bind.adopt / Release.scatter), used only where every member's heartbeat says kv_transform
+    kv_transform: bool = True
+    adopt_max_ms: float = 100.0  # a bind adopts only if its estimated transformation stalls the group <= this
+    adopt_max_inflight: int = 64  # ... and its members hold at most this many DP requests each
+    kv_bytes_per_token: int = 163_840  # for that estimate (Llama-3-70B, FP8 KV); see router.cost_model
+    kv_link_gbps: float = 360.0  # per member and direction
+    kv_transform_fixed_ms: float = 4.0
 
     def __post_init__(self) -> None:
         for name in ("light_width", "priority_width"):
@@ -76,6 +109,7 @@ class PolicyConfig:
             assert w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}"
         assert self.max_inflight_per_worker >= 1 and self.tp_inflight_per_engine >= 1
         assert self.light_load >= 0 and self.calm_s >= 0 and self.busy_wait_s > 0
+        assert 0 <= self.light_rate <= self.busy_rate and self.rate_tau_s > 0
         assert 0 < self.ack_timeout_s <= self.bind_timeout_s, "need 0 < ack_timeout_s <= bind_timeout_s"
 
 
@@ -93,6 +127,7 @@ class EngineView:
     pending: int = 0  # a bind it has read and not applied yet
     num_engines: int = 1  # engines its communicator pool spans (1: cannot bind)
     beat_ts: float = 0.0
+    kv_transform: bool = False  # it applies Bind.adopt / Release.scatter
 
 
 @dataclass(frozen=True)
@@ -113,6 +148,7 @@ class Snapshot:
     groups: Sequence[Group]  # the router's group records
     tp_load: Mapping[int, GroupLoad] = field(default_factory=dict)
     state: RouterState = field(default_factory=RouterState)
+    admitted: int = 0  # requests admitted so far (a monotonic counter; the rate regime's input)
 
 
 @dataclass(frozen=True)
@@ -134,7 +170,7 @@ class Decision:
     notes: list[str] = field(default_factory=list)  # why groups changed, for logs
 
     def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
-        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt)
+        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt)
 
 
 USABLE = ("bound", "binding")
@@ -180,6 +216,15 @@ class _Round:
         self.reserved: set[int] = set()  # members of binds planned this round
         self.pressure = False  # set by update_regime
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
+        self.recent = self.decayed_recent()
+
+    def decayed_recent(self) -> dict[int, float]:
+        """DP dispatches per engine, decayed with time constant ``spread_s`` since the last round (rate_ts)."""
+        st, tau = self.s.state, self.cfg.spread_s
+        if tau <= 0 or not st.recent:
+            return {}
+        f = math.exp(-max(0.0, self.now - st.rate_ts) / tau) if st.rate_ts else 1.0
+        return {e: v * f for e, v in st.recent.items() if v * f >= 0.01 and e in self.live}
 
     # --- group records ------------------------------------------------------------------------------------
 
@@ -187,10 +232,23 @@ class _Round:
         self.groups[g.epoch] = g
         self.out.put[g.epoch] = g
 
-    def release(self, g: Group, why: str, retract: bool = False) -> None:
+    def release(self, g: Group, why: str, retract: bool = False, scatter: bool = False) -> None:
         self.put(_replace(g, state="releasing", since=self.now))
-        self.out.commands.append((g.members, Release(epoch=g.epoch, retract=retract)))
-        self.out.notes.append(f"release epoch {g.epoch} {g.members} ({g.reason}): {why}")
+        self.out.commands.append((g.members, Release(epoch=g.epoch, retract=retract, scatter=scatter)))
+        how = " by scatter" if scatter else " retracting" if retract else ""
+        self.out.notes.append(f"release epoch {g.epoch} {g.members} ({g.reason}){how}: {why}")
+
+    def release_now(self, g: Group, why: str) -> None:
+        """Release at once: by scatter where the members transform KV (each TP request continues in DP on its
+        owner, KV moved, no recompute), else by retraction (recomputed in DP on the leader); a group holding a
+        request that needs the pooled KV, or one bound by adoption whose members cannot scatter (its adopted
+        requests' streams are on their owners, not on the leader), waits for its TP requests instead."""
+        if not self.retractable(g):
+            self.release(g, why)
+        elif self.can_transform(g.members):
+            self.release(g, why, scatter=True)
+        else:
+            self.release(g, why, retract=not g.adopt)
 
     def in_groups(self) -> set[int]:
         return {m for g in self.groups.values() for m in g.members} | self.reserved
@@ -234,6 +292,28 @@ class _Round:
             self.suspect[e] = self.now + self.cfg.suspect_s
         self.out.notes.append(f"engines {engines} not picked for binds for {self.cfg.suspect_s:g} s")
 
+    # --- KV transformation (Gyges-style: head slices move within the group) -----------------------------------
+
+    def can_transform(self, members: Sequence[int]) -> bool:
+        """Adopt/scatter only where it is on and every member's heartbeat says it applies them."""
+        return self.cfg.kv_transform and all(m in self.live and self.live[m].kv_transform for m in members)
+
+    def used_kv(self, m: int) -> int:
+        """KV tokens engine ``m``'s DP requests hold (heartbeat), those this round sends it included."""
+        e = self.live[m]
+        return max(0, e.max_total_tokens - e.free_kv_tokens) + self.dp_kv[m]
+
+    def adopt_ms(self, members: Sequence[int]) -> float:
+        """Estimated stall of an adoption: every member's DP KV moves (d-1)/d of its head slices."""
+        c = self.cfg
+        moves = adopt_moves([self.used_kv(m) for m in members])
+        return kv_transform_ms(moves, c.kv_bytes_per_token, c.kv_link_gbps, c.kv_transform_fixed_ms)
+
+    def may_adopt(self, members: Sequence[int]) -> bool:
+        """Adoption beats draining or pausing the members' DP work when its stall is at most ``adopt_max_ms``
+        (a few decode steps); a larger one (members full of KV) drains or pauses as without it."""
+        return self.can_transform(members) and self.adopt_ms(members) <= self.cfg.adopt_max_ms
+
     # --- load adaptation ----------------------------------------------------------------------------------
 
     def fits_one(self, r: QueuedRequest) -> bool:
@@ -242,33 +322,78 @@ class _Round:
     def dp_fit(self, r: QueuedRequest) -> bool:
         return r.priority != "high" and self.fits_one(r)
 
+    def update_rate(self) -> float:
+        """Admissions per second: each admission adds 1/tau, the sum decays with time constant tau (exact for any
+        spacing of rounds). A counter that went back (Redis flushed) restarts the count."""
+        st, tau = self.out.state, self.cfg.rate_tau_s
+        new = self.s.admitted - st.admitted if st.rate_ts and self.s.admitted >= st.admitted else 0
+        dt = max(0.0, self.now - st.rate_ts) if st.rate_ts else 0.0
+        rate = st.rate * math.exp(-dt / tau) + new / tau
+        self.out.state = msgspec.structs.replace(st, rate=rate, rate_ts=self.now, admitted=self.s.admitted)
+        return rate
+
+    def forming(self) -> bool:
+        """A load group binds at its members' next step boundary (hard or adoption; not one that drains), for at
+        most ``ack_timeout_s`` so far."""
+        return any(
+            g.reason == "load" and g.state == "binding" and g.preempt == "hard"
+            and self.now - g.since <= self.cfg.ack_timeout_s
+            for g in self.groups.values()
+        )  # fmt: skip
+
     def update_regime(self) -> None:
-        st, cfg, n = self.out.state, self.cfg, len(self.live)
+        """Light or busy load. ``inflight``: demand (queued + inflight) against the groups' capacity
+        (``light_load`` / ``busy_load``). ``rate``: the admission rate per engine (``light_rate`` /
+        ``busy_rate``), which sees a burst begin and end at once, where demand lags behind the backlog. Either
+        way a normal request that waited ``busy_wait_s`` is pressure, and light must last ``calm_s``."""
+        cfg, n = self.cfg, len(self.live)
+        rate = self.update_rate()
+        st = self.out.state
         demand = self.s.queued + sum(e.inflight for e in self.s.engines)
         oldest = max((self.now - r.enqueued_at for r in self.s.waiting if self.dp_fit(r)), default=0.0)
+        if not st.busy and self.forming():
+            oldest = 0.0  # light: the queue waits for groups that form at the members' next step boundary
+        if cfg.regime == "rate":
+            heavy = rate > cfg.busy_rate * n
+            light = rate <= cfg.light_rate * n
+        else:
+            heavy = demand > cfg.busy_load * cfg.tp_inflight_per_engine * n
+            light = demand <= cfg.light_load * cfg.tp_inflight_per_engine * n
         # pressure: normal work queues, or demand is above what the groups would hold (the busy trigger)
-        self.pressure = oldest > cfg.busy_wait_s or demand > cfg.busy_load * cfg.tp_inflight_per_engine * n
+        self.pressure = oldest > cfg.busy_wait_s or heavy
         if not cfg.load_adaptation or n == 0:
             self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0)
             return
-        light = demand <= cfg.light_load * cfg.tp_inflight_per_engine * n
         if st.busy:
             calm = (st.calm_since or self.now) if light else 0.0
             if light and self.now - calm >= cfg.calm_s:
                 self.out.state = msgspec.structs.replace(st, busy=False, calm_since=calm, changed_at=self.now)
-                self.out.notes.append(f"light load ({demand} requests on {n} engines): TP groups allowed")
+                self.out.notes.append(
+                    f"light load ({demand} requests, {rate:.1f}/s on {n} engines): TP groups allowed"
+                )
             else:
                 self.out.state = msgspec.structs.replace(st, busy=True, calm_since=calm)
         elif self.pressure:
             self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0, changed_at=self.now)
-            self.out.notes.append(f"load rising ({demand} requests, oldest waits {oldest:.2f} s): back to DP")
+            self.out.notes.append(
+                f"load rising ({demand} requests, {rate:.1f}/s, oldest waits {oldest:.2f} s): back to DP"
+            )
 
     # --- releases -----------------------------------------------------------------------------------------
 
-    def paused_dp(self, g: Group) -> int:
-        """DP requests the bind set aside on its members (their inflight, less the group's TP requests)."""
+    def other_work(self, g: Group) -> int:
+        """Requests on the members that were not dispatched to the group (their inflight, less its TP requests):
+        the DP work its bind set aside, or, bound by adoption, the DP requests it adopted."""
         n = sum(self.live[m].inflight for m in g.members if m in self.live)
-        return n - self.tp.get(g.epoch, (0, 0))[0]
+        return n - self.s.tp_load.get(g.epoch, GroupLoad()).inflight  # (the snapshot's: inflight is too)
+
+    def paused_dp(self, g: Group) -> int:
+        """DP requests the bind set aside on its members (none when it adopted them: they run in the group)."""
+        return 0 if g.adopt else self.other_work(g)
+
+    def group_n(self, g: Group) -> int:
+        """The group's TP requests: those dispatched to it, and those it adopted."""
+        return self.tp.get(g.epoch, (0, 0))[0] + (self.other_work(g) if g.adopt else 0)
 
     def releases(self) -> None:
         busy, cfg = self.out.state.busy, self.cfg
@@ -279,19 +404,24 @@ class _Round:
         for g in list(self.groups.values()):
             if g.state == "releasing" or g.reason == "manual":
                 continue
-            tp_busy = self.tp.get(g.epoch, (0, 0))[0] > 0
+            tp_busy = self.group_n(g) > 0
             if g.reason == "load" and busy:
-                # its requests continue in DP on the leader, unless one of them needs the group's pooled KV
-                self.release(g, "load rose", retract=self.retractable(g))
+                # its requests continue in DP (scattered to their owners, or retracted to the leader), unless one
+                # of them needs the group's pooled KV
+                self.release_now(g, "load rose")
             elif (
                 g.state == "bound"
                 and self.now - g.since >= cfg.max_defer_s
                 and (self.paused_dp(g) > 0 or (busy and queued_dp))
             ):
-                # paused DP work resumes now: the group's requests continue in DP on the leader (unless one of them
-                # needs the group's pooled KV); DP work that only queues waits for the group's requests instead
-                retract = self.paused_dp(g) > 0 and self.retractable(g)
-                self.release(g, f"DP work deferred for {cfg.max_defer_s:g} s", retract=retract)
+                # paused DP work resumes now: the group's requests continue in DP (unless one of them needs the
+                # group's pooled KV); DP work that only queues waits for the group's requests instead, unless they
+                # can move to their owners by scatter (no recompute)
+                why = f"DP work deferred for {cfg.max_defer_s:g} s"
+                if self.paused_dp(g) > 0 or self.can_transform(g.members):
+                    self.release_now(g, why)
+                else:
+                    self.release(g, why)
             elif (
                 g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s
             ):
@@ -332,27 +462,34 @@ class _Round:
         them included (with a margin of a tenth, for the tokens they decode before they read the bind)."""
         return int(0.9 * sum(self.live[m].free_kv_tokens - self.dp_kv[m] for m in members))
 
-    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt) -> Group:
+    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt, adopt: bool = False) -> Group:
+        """A new group record; ``adopt``: by adoption (the members' DP requests become its TP requests, their KV
+        transformed; it forms at the members' next step boundary, like a hard bind, and pauses nothing)."""
         g = Group(
             epoch=0,
             members=members,
             reason=reason,  # type: ignore[arg-type]
-            preempt=preempt,
+            preempt="hard" if adopt else preempt,
             since=self.now,
             last_used=self.now,
-            kv_cap=self.hard_cap(members) if preempt == "hard" else 0,
+            kv_cap=self.hard_cap(members) if preempt == "hard" or adopt else 0,
+            adopt=adopt,
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
-        self.out.notes.append(f"bind {members} ({reason}, {preempt} preemption)")
+        how = f"adoption, {self.adopt_ms(members):.0f} ms" if adopt else f"{preempt} preemption"
+        self.out.notes.append(f"bind {members} ({reason}, {how})")
         return g
 
     def group_room(self, g: Group, r: QueuedRequest) -> bool:
         """Room for ``r``: fewer TP requests than the group takes, and KV for it. A hard-bound group's KV is capped
         while its members hold paused DP work (kv_cap); once they hold none, the members' whole KV is the group's."""
-        n, kv = self.tp.get(g.epoch, (0, 0))
+        kv = self.tp.get(g.epoch, (0, 0))[1]
         full = g.width * min(self.live[m].max_total_tokens for m in g.members)
-        pooled = g.kv_cap if g.kv_cap and self.paused_dp(g) > 0 else full
+        pooled = g.kv_cap if g.kv_cap and self.other_work(g) > 0 else full
+        n = self.tp.get(g.epoch, (0, 0))[
+            0
+        ]  # (adopted requests do not count: they were the members' own load)
         return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
 
     def group_for(
@@ -375,7 +512,8 @@ class _Round:
             and not self.avoid(r, g.members)
             and self.group_room(g, r)
         ]
-        return min(fits, key=lambda g: (g.width, self.tp.get(g.epoch, (0, 0))[0], g.epoch), default=None)
+        # a bound group serves now; a binding one once its members reach a step boundary (one long DP step, maybe)
+        return min(fits, key=lambda g: (g.width, g.state != "bound", self.group_n(g), g.epoch), default=None)
 
     def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired
@@ -404,16 +542,26 @@ class _Round:
         ]
         if not fits:
             return False
-        best = min(fits, key=lambda e: (self.dp_inflight[e.engine], -e.free_kv_tokens, e.engine))
+        best = min(fits, key=lambda e: (self.dp_score(e.engine), -e.free_kv_tokens, e.engine))
         self.dp_inflight[best.engine] += 1
+        if self.cfg.spread_s > 0:
+            self.recent[best.engine] = self.recent.get(best.engine, 0.0) + 1
         self.dp_kv[best.engine] += r.kv_tokens
         self.out.dispatches.append(Dispatch(r, best.engine, best.url))
         return True
 
+    def dp_score(self, e: int) -> float:
+        """Least loaded first: requests in flight, those sent within about ``spread_s`` counted twice (their
+        prefill is still ahead). Without it an engine that has just become free (a released group's member, whose
+        TP requests its leader owns) takes every new request until its count catches up, all of them prefilling
+        at once while the other engines only decode."""
+        return self.dp_inflight[e] + self.recent.get(e, 0.0)
+
     def load_binds(self) -> None:
-        """Light load: blocks bind one after another. A block whose engines are idle binds at once; otherwise it
-        drains first (sequential: its engines get no new work while the rest of the cluster takes it), so no
-        request is paused or recomputed. At most half of the blocks still in DP drain at the same time."""
+        """Light load: blocks bind one after another. A block whose engines are idle binds at once; a busy one binds
+        at once by adoption where its members transform KV and the transformation is cheap (``adopt_max_ms``),
+        otherwise it drains first (sequential: its engines get no new work while the rest of the cluster takes it),
+        so no request is paused or recomputed. At most half of the blocks still in DP drain at the same time."""
         if self.out.state.busy or not self.cfg.load_adaptation:
             return
         if any(need_width(r.kv_tokens, self.s.engines) not in (1, None) for r in self.s.waiting):
@@ -424,9 +572,18 @@ class _Round:
         for ms in sets:  # least loaded first
             if not self.block_load(ms):
                 self.bind(ms, "load", "hard")
-            elif 2 * (draining + 1) <= in_dp:
+            elif self.can_transform(ms) and self.block_load(ms) > self.adopt_fits(ms):
+                continue  # it serves its backlog in DP (new work goes to the groups) and adopts once it fits
+            elif self.may_adopt(ms):
+                self.bind(ms, "load", "hard", adopt=True)
+            elif 2 * (draining + 1) <= in_dp:  # no KV transformation, or one too costly: drain
                 self.bind(ms, "load", "sequential")
                 draining += 1
+
+    def adopt_fits(self, ms: tuple[int, ...]) -> float:
+        """The most DP requests a block adopts (``adopt_max_inflight`` per member). A block holding more serves
+        them in DP while new work goes to the groups."""
+        return self.cfg.adopt_max_inflight * len(ms)
 
     def block_load(self, ms: tuple[int, ...]) -> int:
         return sum(self.dp_inflight[m] for m in ms)
@@ -450,18 +607,24 @@ class _Round:
         """A group with room that forms at the members' next step boundary, else a new ``priority_width`` group
         that leaves DP engines for everyone else: under light load the least loaded block (hard: its few DP
         requests pause, at most ``max_defer_s``), otherwise only an idle one (pausing a busy engine's DP work costs
-        more than the group saves). Else False: the request jumps the queue in DP (classes dispatch first)."""
+        more than the group saves). A busy block binds by adoption where it may (its DP requests continue in the
+        group instead of pausing). Else False: the request jumps the queue in DP (classes dispatch first)."""
         if (g := self.group_for(r, 1, USABLE, SHORT, imminent=True)) is not None:
             self.to_group(g, r)
             return True
-        if self.adopt_idle(r, 1, ("long",), "priority"):
+        if self.reuse_idle(r, 1, ("long",), "priority"):
             return True  # (an idle long group is kept while a high-priority request waits: it must take it)
         taken = self.in_groups()
         dp = {e.engine for e in self.s.engines if e.mode == "dp" and e.engine not in taken}
         light = not self.out.state.busy
         for ms in self.free_sets(self.cfg.priority_width):
             if dp - set(ms) and (light or not self.block_load(ms)):
-                self.bind(ms, "priority", self.cfg.priority_preempt)
+                adopt = False
+                if self.block_load(ms) and self.can_transform(ms):
+                    if self.block_load(ms) > self.adopt_fits(ms) or not self.may_adopt(ms):
+                        break  # a backlog: it would run in TP at lower throughput (the least loaded block first)
+                    adopt = True
+                self.bind(ms, "priority", self.cfg.priority_preempt, adopt=adopt)
                 return True  # it waits for the group (the next round finds it binding)
         return False
 
@@ -474,7 +637,7 @@ class _Round:
         if (g := self.group_for(r, width, USABLE, ("long", "manual"))) is not None:
             self.to_group(g, r)  # bound: dispatched; binding: it waits for this group
             return
-        if self.adopt_idle(r, width, ("load", "priority"), "long"):
+        if self.reuse_idle(r, width, ("load", "priority"), "long"):
             return
         if not cfg.long_context or (self.pressure and self.now - r.enqueued_at < cfg.long_wait_s):
             return
@@ -484,14 +647,16 @@ class _Round:
         if in_long and in_long + width > cfg.long_max_share * len(self.live):
             return  # long groups already hold their share (one is always allowed): the rest stays DP
         if sets := self.free_sets(width):
-            preempt = cfg.long_preempt
+            preempt, adopt = cfg.long_preempt, False
             if preempt == "hard" and r.kv_tokens > self.hard_cap(sets[0]):
                 preempt = "sequential"  # the members' paused DP work would hold KV the request needs
-            self.bind(sets[0], "long", preempt)
+            elif preempt == "hard" and self.block_load(sets[0]):
+                adopt = self.may_adopt(sets[0])  # their DP work continues in the group instead of pausing
+            self.bind(sets[0], "long", preempt, adopt=adopt)
         else:
             self.release_idle_blocking(width)
 
-    def adopt_idle(self, r: QueuedRequest, width: int, reasons: tuple[str, ...], reason: str) -> bool:
+    def reuse_idle(self, r: QueuedRequest, width: int, reasons: tuple[str, ...], reason: str) -> bool:
         """Send ``r`` to a bound group of ``reasons`` that is idle (no TP work, no paused DP work) and holds it,
         the narrowest; the group becomes a ``reason`` group (reused: no release and re-bind)."""
         idle = [
@@ -499,7 +664,7 @@ class _Round:
             for g in self.groups.values()
             if g.state == "bound"
             and g.reason in reasons
-            and not self.tp.get(g.epoch, (0, 0))[0]
+            and not self.group_n(g)
             and not self.paused_dp(g)
             and g.width >= width
             and not self.avoid(r, g.members)
@@ -518,8 +683,7 @@ class _Round:
         for ms in merge_sets(n, (width,)) if 1 < width <= n else []:
             inside = [g for g in self.groups.values() if set(g.members) & set(ms)]
             if all(
-                g.state == "bound" and g.reason != "manual" and not self.tp.get(g.epoch, (0, 0))[0]
-                for g in inside
+                g.state == "bound" and g.reason != "manual" and not self.group_n(g) for g in inside
             ) and all(m in self.live for m in ms):
                 for g in inside:
                     self.release(g, f"making room for a width-{width} group")
@@ -540,4 +704,5 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     for r in s.waiting:
         if r.priority != "high":
             rnd.place(r)
+    rnd.out.state = msgspec.structs.replace(rnd.out.state, recent=rnd.recent)
     return rnd.out

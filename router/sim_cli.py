@@ -2,6 +2,8 @@
 in the simulator, and write the paper-style table, a JSON summary and Figure-8-style plots.
 
 flying-sim --requests 4000 --out sim-out               the paper's two-level workload on 8 simulated H200s
+flying-sim --no-kv-transform --out sim-before          the same, engines without KV transformation (adopt/scatter)
+flying-sim --policy regime=inflight --policy calm_s=3   override the simulator's PolicyConfig fields
 flying-sim --trace my.csv --preset burstgpt --out o    your own trace (loadgen's trace format)
 """
 
@@ -12,20 +14,31 @@ import dataclasses
 import json
 import math
 import time
+import typing
 from pathlib import Path
 
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.trace import PRESETS, read_trace
 from router.cost_model import calibration
+from router.policy import PolicyConfig
 from router.simulator import SimConfig, SimRequest, Simulator, paper_workload, two_level_phase
+
+FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
+
+
+def flat_period(t: float, low_s: float, burst_s: float, skip_s: float = FLAT_SKIP_S) -> bool:
+    """``t`` falls in a low phase, at least ``skip_s`` after it began (the burst's backlog has drained)."""
+    return skip_s <= t % (low_s + burst_s) < low_s
+
 
 MODES = ("dp", "tp", "dynamic")
 
 
-def summarize(records: list[RequestRecord], phase) -> dict:
+def summarize(records: list[RequestRecord], phase, flat=lambda t: False) -> dict:
     ok = [r for r in records if r.ok]
     ms = lambda rs: [r.ttft * 1000 for r in rs]  # noqa: E731
     by_phase = {p: [r for r in ok if phase(r.sent_at) == p] for p in ("low", "burst")}
+    flats = [r for r in ok if flat(r.sent_at)]
     tpots = [r.tpot * 1000 for r in ok if r.tpot is not None]
     cls = {p: [r for r in ok if r.priority == p] for p in ("high", "normal")}
     return {
@@ -33,6 +46,8 @@ def summarize(records: list[RequestRecord], phase) -> dict:
         "rejected": sum(1 for r in records if r.status == 400),
         "ttft_p90_burst_ms": stats(ms(by_phase["burst"]))["p90"],
         "ttft_p90_low_ms": stats(ms(by_phase["low"]))["p90"],
+        "ttft_mean_flat_ms": stats(ms(flats))["mean"],
+        "ttft_p90_flat_ms": stats(ms(flats))["p90"],
         "ttft_mean_ms": stats(ms(ok))["mean"],
         "queue_mean_ms": stats([r.queue_ms for r in ok if r.queue_ms is not None])["mean"],
         "tpot_p50_ms": stats(tpots)["p50"],
@@ -47,6 +62,8 @@ def summarize(records: list[RequestRecord], phase) -> dict:
 ROWS = (
     ("P90 TTFT at burst (ms)", "ttft_p90_burst_ms"),
     ("P90 TTFT at low load (ms)", "ttft_p90_low_ms"),
+    ("mean TTFT in flat periods (ms)", "ttft_mean_flat_ms"),
+    ("P90 TTFT in flat periods (ms)", "ttft_p90_flat_ms"),
     ("mean queue time (ms)", "queue_mean_ms"),
     ("median TPOT (ms)", "tpot_p50_ms"),
     ("peak throughput (tokens/s, 10 s)", "peak_tokens_per_s"),
@@ -76,16 +93,51 @@ def table(summary: dict[str, dict]) -> str:
 
 
 def targets(s: dict[str, dict]) -> list[tuple[str, float, float, bool]]:
-    """(what, ratio, bound, met) for the issue's three simulation targets."""
+    """(what, ratio, bound, met) for the simulation targets (issues 4 and 12)."""
     d, dp, tp = s["dynamic"], s["dp"], s["tp"]
     burst = d["ttft_p90_burst_ms"] / dp["ttft_p90_burst_ms"]
     low = d["ttft_p90_low_ms"] / tp["ttft_p90_low_ms"]
+    flat = d["ttft_mean_flat_ms"] / tp["ttft_mean_flat_ms"]
     peak = d["peak_tokens_per_s"] / dp["peak_tokens_per_s"]
     return [
         ("dynamic / static DP, P90 TTFT at burst", burst, 1.10, burst <= 1.10),
         ("dynamic / static TP, P90 TTFT at low load", low, 1.10, low <= 1.10),
+        ("dynamic / static TP, mean TTFT in flat periods", flat, 1.05, flat <= 1.05),
         ("dynamic / static DP, peak throughput", peak, 0.95, peak >= 0.95),
     ]
+
+
+def transform_report(sim: Simulator) -> list[str]:
+    """What the dynamic run's KV transformations and retractions cost."""
+    out = []
+    for kind in ("adopt", "scatter"):
+        ms = sorted(x[2] for x in sim.transforms if x[1] == kind)
+        n = sum(x[3] for x in sim.transforms if x[1] == kind)
+        if ms:
+            out.append(f"- {kind}: {len(ms)} transformations moving {n} requests, stall median "
+                       f"{ms[len(ms) // 2]:.1f} ms, max {ms[-1]:.1f} ms")  # fmt: skip
+    st = sim.stats
+    out.append(f"- requests scattered: {st['scattered']:.0f}, retracted (recomputed): {st['retracted']:.0f} "
+               f"(of which scatter fallbacks, the owner's KV full: {st['scatter_fallbacks']:.0f})")  # fmt: skip
+    return out
+
+
+def policy_overrides(items: list[str]) -> dict:
+    """``FIELD=VALUE`` strings -> PolicyConfig fields, each value parsed as its field's type."""
+    hints = typing.get_type_hints(PolicyConfig)
+    out: dict = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in hints:
+            raise SystemExit(f"flying-sim: --policy {item}: PolicyConfig has no field {name!r}")
+        kind = hints[name]
+        if kind is bool:
+            out[name] = value.lower() in ("1", "true", "yes", "on")
+        elif kind in (int, float):
+            out[name] = kind(value)
+        else:
+            out[name] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", help="CSV trace instead of the synthetic workload")
     p.add_argument("--preset", choices=sorted(PRESETS), default="native")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a PolicyConfig field of the simulated router (repeatable), e.g. regime=inflight",
+    )
+    p.add_argument(
+        "--kv-transform",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_transform,
+        help="the engines apply Bind.adopt / Release.scatter (off: the 'before' table)",
+    )
     p.add_argument("--out", type=Path, default=Path("sim-out"))
     a = p.parse_args(argv)
     lo_in, hi_in = (int(x) for x in a.input.split(":"))
@@ -118,31 +183,38 @@ def main(argv: list[str] | None = None) -> int:
         rows = read_trace(a.trace, PRESETS[a.preset], limit=a.requests)
         reqs = [SimRequest(r.at, r.priority or "normal", r.input_tokens, r.output_tokens) for r in rows]
         phase = lambda t: "all"  # noqa: E731
+        flat = lambda t: False  # noqa: E731
     else:
         reqs = paper_workload(
             a.requests, a.seed, low_s=a.low_s, burst_s=a.burst_s, input_tokens=(lo_in, hi_in),
             output_tokens=(lo_out, hi_out), high_share=a.high_share, long_share=a.long_share,
         )  # fmt: skip
         phase = lambda t: two_level_phase(t, a.low_s, a.burst_s)  # noqa: E731
-    base = dataclasses.replace(d, engines=a.engines, tp_width=a.tp_width)
-    base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, light_width=a.tp_width))
+        flat = lambda t: flat_period(t, a.low_s, a.burst_s)  # noqa: E731
+    base = dataclasses.replace(d, engines=a.engines, tp_width=a.tp_width, kv_transform=a.kv_transform)
+    base = dataclasses.replace(
+        base, policy=dataclasses.replace(base.policy, light_width=a.tp_width, **policy_overrides(a.policy))
+    )
     a.out.mkdir(parents=True, exist_ok=True)
     summary, series = {}, {}
     for mode in a.modes.split(","):
         t0 = time.perf_counter()
         sim = Simulator(dataclasses.replace(base, mode=mode), reqs)  # type: ignore[arg-type]
         records = sim.run()
-        summary[mode] = summarize(records, phase)
+        summary[mode] = summarize(records, phase, flat)
         series["dynamic" if mode == "dynamic" else f"static {mode.upper()}"] = timeseries(records, 5.0)
         print(f"{mode}: {len(records)} requests simulated in {time.perf_counter() - t0:.1f} s "
               f"({len(sim.log)} policy notes)", flush=True)  # fmt: skip
         if mode == "dynamic":
             (a.out / "dynamic-policy.log").write_text("".join(f"{t:9.3f} {n}\n" for t, n in sim.log))
+            moves = transform_report(sim)
     report = [table(summary), ""]
     if not a.trace and {"dp", "tp", "dynamic"} <= set(summary):
         for what, ratio, bound, met in targets(summary):
             report.append(f"- {what}: {ratio:.3f} (target {'<=' if bound > 1 else '>='} {bound}): "
                           f"{'met' if met else 'NOT met'}")  # fmt: skip
+    if "dynamic" in summary:
+        report += ["", f"KV transformation in the dynamic run ({'on' if a.kv_transform else 'off'}):", *moves]
     report += ["", "cost model calibration (model / published):"]
     report += [f"- {what}: {mine:.3f} / {pub:.3f}" for what, mine, pub in calibration(base.cost)]
     text = "\n".join(report)

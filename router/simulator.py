@@ -8,12 +8,23 @@ there (plus ``switch_ms``), a release takes effect once the group's TP requests 
 resumes where it stopped. The router's state lives where the live router keeps it (group records, regime), so a
 router outage is just time in which no decisions are taken.
 
+KV transformation (``SimConfig.kv_transform``: the engines report ``kv_transform`` and apply it). A bind with
+``adopt`` is applied at the member's next step boundary like a hard one, but its running and waiting DP requests
+become the group's (running ones keep their KV and progress); the group forms ``switch_ms`` plus the transformation
+(:meth:`router.cost_model.CostModel.transform_ms` over each member's moved head slices) after the last member
+arrives. Every request is *owned* by the engine it was dispatched to (a group's leader for TP dispatches) and stays
+assigned there. A release with ``scatter`` takes effect at the leader's next step boundary: each running TP request
+goes back to DP on its owner with its KV if the owner's free KV holds it (whole), else it is retracted there
+(recomputed in DP); unstarted ones join the owner's queue; the members resume DP after ``switch_ms`` plus the
+transformation. A release with ``retract`` recomputes every TP request on its owner.
+
 Static baselines run the same machinery: ``dp`` with every use case off, ``tp`` with every engine in a permanent
 (unmerged) group of ``tp_width``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -27,7 +38,7 @@ import numpy as np
 from flying.groups import pooled_limit
 from flying.messages import PRIORITY_CLASS, Bind, Group, QueuedRequest, Release, RouterState
 from loadgen.metrics import RequestRecord
-from router.cost_model import H200_LLAMA70B, CostModel
+from router.cost_model import H200_LLAMA70B, CostModel, adopt_moves, scatter_moves
 from router.policy import Decision, EngineView, GroupLoad, PolicyConfig, Snapshot, decide
 
 Mode = Literal["dynamic", "dp", "tp"]
@@ -40,7 +51,20 @@ class SimConfig:
     tp_width: int = 2  # static TP's group width
     policy: PolicyConfig = field(
         default_factory=lambda: PolicyConfig(
-            max_inflight_per_worker=256, tp_inflight_per_engine=8, busy_load=0.5, light_load=0.4, calm_s=3.0
+            max_inflight_per_worker=256,
+            tp_inflight_per_engine=8,
+            busy_load=0.5,
+            light_load=0.4,
+            # issue 12 (docs/benchmarks.md): the admission-rate regime (a burst's start and end show at once),
+            # adoption over busy blocks, DP dispatch that spreads a released group's new work
+            regime="rate",
+            light_rate=0.75,
+            busy_rate=1.0,
+            rate_tau_s=1.5,
+            calm_s=0.5,
+            busy_wait_s=0.1,
+            spread_s=3.0,
+            adopt_max_inflight=128,
         )
     )
     cost: CostModel = H200_LLAMA70B
@@ -50,6 +74,10 @@ class SimConfig:
     router_down: tuple[tuple[float, float], ...] = ()  # (from, to): the router is dead (kill -9 and restart)
     ignore_binds: tuple[tuple[int, float, float], ...] = ()  # (engine, from, to): it reads no bind (hung)
     horizon_s: float = 36_000.0  # give up (requests still unfinished count as lost)
+    kv_transform: bool = (
+        True  # the engines apply Bind.adopt / Release.scatter (and say so in their heartbeats) ...
+    )
+    no_kv_transform: tuple[int, ...] = ()  # ... except these (an older worker build)
 
     def effective_policy(self) -> PolicyConfig:
         if self.mode == "dynamic":
@@ -160,12 +188,22 @@ class Engine:
         self.group: SimGroup | None = None
         self.paused_queue: list[Req] = []
         self.paused_running: list[Req] = []
-        self.assigned = 0  # requests assigned to it (DP, paused, and TP when it leads a group)
+        self.assigned = (
+            0  # requests assigned to it (DP, paused, adopted, and TP when it leads a group): it owns them
+        )
         self.beat_ts = 0.0
+        self.adopted: tuple[list[Req], list[Req]] = (
+            [],
+            [],
+        )  # running, waiting: for the group it waits to form
 
     @property
     def mode(self) -> str:
         return "tp" if self.group else "dp"
+
+    @property
+    def transforms(self) -> bool:
+        return self.sim.cfg.kv_transform and self.idx not in self.sim.cfg.no_kv_transform
 
     def view(self) -> EngineView:
         return EngineView(
@@ -179,6 +217,7 @@ class Engine:
             pending=self.pending.epoch if self.pending else 0,
             num_engines=self.sim.cfg.engines,
             beat_ts=self.beat_ts,
+            kv_transform=self.transforms,
         )
 
     def command(self, cmd: Bind | Release) -> None:
@@ -197,7 +236,7 @@ class Engine:
             self.resume()
         elif self.group and cmd.epoch == self.group.epoch:
             self.group.release_asked = True
-            self.group.retract = cmd.retract
+            self.group.retract, self.group.scatter = cmd.retract, cmd.scatter
             self.sim.engines[self.group.leader].boundary()
             return
         self.boundary()
@@ -216,9 +255,13 @@ class Engine:
             # hard: at once (its DP work pauses, KV kept); sequential/soft: once its DP work (running and queued;
             # the router sends no more) has finished. (The worker holds queued, unstarted DP requests with the
             # paused work instead of running them first: a slightly earlier bind there.)
-            ready = b.preempt == "hard" or not (self.dp.running or self.dp.queue)
+            adopt = b.adopt and self.transforms  # (an engine without it reads the bind as hard)
+            ready = b.preempt == "hard" or adopt or not (self.dp.running or self.dp.queue)
             if ready:
-                self.paused_running, self.paused_queue = self.dp.running, self.dp.queue
+                if adopt:  # they become the group's when it forms; their KV stays here until then
+                    self.adopted = (self.dp.running, self.dp.queue)
+                else:
+                    self.paused_running, self.paused_queue = self.dp.running, self.dp.queue
                 self.dp.running, self.dp.queue = [], []
                 self.arrived = b.epoch
                 self.sim.arrive(b, self.idx)
@@ -229,35 +272,87 @@ class Engine:
             self.dp.step()
 
     def resume(self) -> None:
-        self.dp.running = self.paused_running + self.dp.running
-        self.dp.queue = self.paused_queue + self.dp.queue
-        self.paused_running, self.paused_queue = [], []
+        self.dp.running = self.adopted[0] + self.paused_running + self.dp.running
+        self.dp.queue = self.adopted[1] + self.paused_queue + self.dp.queue
+        self.paused_running, self.paused_queue, self.adopted = [], [], ([], [])
+
+
+def kv_in_use(r: Req) -> int:
+    """KV tokens a request holds now (a retracted one recomputes from -generated)."""
+    return r.prefilled + r.generated
 
 
 class SimGroup:
     def __init__(self, sim: Simulator, bind: Bind, merged: bool) -> None:
         self.sim, self.epoch, self.members = sim, bind.epoch, bind.members
         self.leader = bind.members[0]
-        paused_kv = sum(sim.engines[m].dp.kv_used for m in self.members)
+        engines = [sim.engines[m] for m in self.members]
+        self.adopt = bind.adopt and all(e.transforms for e in engines)
+        paused_kv = 0 if self.adopt else sum(e.dp.kv_used for e in engines)
         cap = len(self.members) * sim.cfg.cost.kv_tokens - paused_kv
         self.unit = Unit(sim, len(self.members), cap, merged, self.boundary)
-        self.release_asked = self.retract = False
+        self.release_asked = self.retract = self.scatter = False
         self.formed = False
+        self.transform_ms = 0.0
+        if self.adopt:  # the members' DP requests become this group's, KV by head slices
+            tokens = []
+            for e in engines:
+                running, waiting = e.adopted
+                e.adopted = ([], [])
+                self.unit.running += running
+                self.unit.queue += waiting
+                self.unit.kv_used += e.dp.kv_used
+                e.dp.kv_used = 0
+                tokens.append(sum(kv_in_use(r) for r in running))
+            if any(tokens):
+                self.transform_ms = sim.cfg.cost.transform_ms(adopt_moves(tokens))
+                sim.note_transform("adopt", self.transform_ms, len(self.unit.running) + len(self.unit.queue))
 
     def boundary(self) -> None:
         if self.unit.stepping or not self.formed:
             return
-        if self.release_asked and self.retract and (self.unit.running or self.unit.queue):
-            leader = self.sim.engines[self.leader]
-            for r in self.unit.running:  # recomputed in DP: the prompt and the tokens generated so far
-                r.prefilled = -r.generated
-            leader.paused_queue = self.unit.running + self.unit.queue + leader.paused_queue
-            self.unit.running, self.unit.queue, self.unit.kv_used = [], [], 0
+        delay = 0.0
+        if self.release_asked and (self.retract or self.scatter) and (self.unit.running or self.unit.queue):
+            delay = self.move_out()
         if self.release_asked and not self.unit.running and not self.unit.queue:
             self.formed = False
-            self.sim.at(self.sim.now + self.sim.cfg.cost.switch_ms / 1000, self.sim.dissolve, self)
+            self.sim.at(self.sim.now + self.sim.cfg.cost.switch_ms / 1000 + delay, self.sim.dissolve, self)
         elif self.unit.has_work():
             self.unit.step()
+
+    def move_out(self) -> float:
+        """Release at once: every TP request goes back to DP on its owner, by scatter (its KV moves there if the
+        owner's free KV holds it whole) or else retracted (recomputed there). Returns the transformation's ms."""
+        sim = self.sim
+        scatter = self.scatter and all(sim.engines[m].transforms for m in self.members)
+        owned = dict.fromkeys(self.members, 0)
+        moved: dict[int, list[Req]] = {m: [] for m in self.members}
+        retracted: dict[int, list[Req]] = {m: [] for m in self.members}
+        for r in self.unit.running:
+            owner = sim.engines[r.engine]
+            if scatter and owner.dp.kv_used + r.kv <= owner.dp.kv_cap:
+                owner.dp.kv_used += r.kv
+                owned[r.engine] += kv_in_use(r)
+                moved[r.engine].append(r)
+            else:  # recomputed in DP: the prompt and the tokens generated so far
+                r.prefilled = -r.generated
+                retracted[r.engine].append(r)
+        waiting: dict[int, list[Req]] = {m: [] for m in self.members}
+        for r in self.unit.queue:
+            waiting[r.engine].append(r)
+        for m in self.members:
+            e = sim.engines[m]
+            e.paused_running = moved[m] + e.paused_running
+            e.paused_queue = retracted[m] + waiting[m] + e.paused_queue
+        sim.stats["scattered"] += sum(map(len, moved.values()))
+        sim.stats["retracted"] += sum(map(len, retracted.values()))
+        sim.stats["scatter_fallbacks"] += sum(map(len, retracted.values())) if scatter else 0
+        self.unit.running, self.unit.queue, self.unit.kv_used = [], [], 0
+        if not any(owned.values()):
+            return 0.0
+        ms = sim.cfg.cost.transform_ms(scatter_moves([owned[m] for m in self.members]))
+        sim.note_transform("scatter", ms, sum(map(len, moved.values())))
+        return ms / 1000
 
 
 class Simulator:
@@ -293,9 +388,12 @@ class Simulator:
         self.tp_max: dict[int, int] = {}
         self.dispatched: set[int] = set()
         self.finished = 0
+        self.admitted = 0
         self._router_due: float | None = None
         self.bound_at: dict[int, float] = {}
         self.log: list[tuple[float, str]] = []
+        self.stats: dict[str, float] = collections.Counter()  # transformations and retractions, for reports
+        self.transforms: list[tuple[float, str, float, int]] = []  # (at, "adopt"/"scatter", ms, requests)
         if cfg.mode == "tp":
             self._static_groups()
 
@@ -343,6 +441,7 @@ class Simulator:
             self.finished += 1
             return
         self.queue[PRIORITY_CLASS[r.spec.priority]][r.q.id] = r
+        self.admitted += 1
         self.poke_router()
 
     def finish(self, r: Req) -> None:
@@ -385,6 +484,7 @@ class Simulator:
             groups=list(self.records.values()),
             tp_load={ep: GroupLoad(n, kv, self.tp_max.get(ep, 0)) for ep, (n, kv) in self.tp_load.items()},
             state=self.state,
+            admitted=self.admitted,
         )
 
     def router_round(self) -> None:
@@ -404,6 +504,9 @@ class Simulator:
         self.state = d.state
         self.log += [(self.now, n) for n in d.notes]
         for members, cmd in [*d.commands, *map(d.bind_command, binds)]:
+            if self.check and (getattr(cmd, "adopt", False) or getattr(cmd, "scatter", False)):
+                lacking = [m for m in members if not self.engines[m].transforms]
+                assert not lacking, f"{cmd} sent to {members}, but {lacking} cannot transform KV"
             for m in members:
                 self.at(self.now + self.cfg.command_ms / 1000, self.engines[m].command, cmd)
         for x in d.dispatches:
@@ -432,7 +535,10 @@ class Simulator:
                 e = self.engines[m]
                 e.group, e.pending, e.arrived, e.last_epoch = g, None, 0, b.epoch
             self.groups[b.epoch] = g
-            self.at(self.now + self.cfg.cost.switch_ms / 1000, self.formed, g)
+            self.at(self.now + (self.cfg.cost.switch_ms + g.transform_ms) / 1000, self.formed, g)
+
+    def note_transform(self, kind: str, ms: float, requests: int) -> None:
+        self.transforms.append((self.now, kind, ms, requests))
 
     def formed(self, g: SimGroup) -> None:
         g.formed = True

@@ -393,3 +393,209 @@ def test_config_is_validated(bad):
 def test_priority_group_never_takes_the_last_dp_engines():
     d = decide(snap([req("hi", priority="high")], [eng(0, n=2), eng(1, n=2)]), CFG)
     assert not d.binds and [(x.engine, x.epoch) for x in d.dispatches] == [(0, 0)]
+
+
+# --- KV transformation: adoption and scatter (issue 12) ---------------------------------------------------------
+
+KVT = dict(kv_transform=True)
+
+
+RATE = dataclasses.replace(CFG, regime="rate", light_rate=0.75, busy_rate=1.0, rate_tau_s=2.0, calm_s=1.0)
+
+
+def rate_state(rate: float, busy: bool, admitted: int = 1000, ts: float = 99.9, **kw) -> RouterState:
+    return RouterState(busy=busy, rate=rate, rate_ts=ts, admitted=admitted, **kw)
+
+
+def teng(i: int, inflight: int = 0, used: int = 0, cap: int = 100_000, n: int = 4, **kw) -> EngineView:
+    """An engine that applies adopt/scatter, holding ``used`` KV tokens of DP requests."""
+    return EngineView(
+        i, f"http://e{i}", inflight, cap - used, cap, num_engines=n, beat_ts=kw.pop("ts", 100.0), **KVT, **kw
+    )
+
+
+def tin_epoch(i, epoch, **kw) -> EngineView:
+    return teng(i, mode="tp", epoch=epoch, **kw)
+
+
+def test_light_load_adopts_busy_blocks_at_once_instead_of_draining_them():
+    """Before: a busy block drained first (sequential; at most half of them at a time). Now every block binds at
+    the next step boundary by adoption: its DP requests become the group's, nothing waits or is recomputed."""
+    engines = [teng(i, n=8, inflight=x, used=2000 * x) for i, x in enumerate([0, 0, 1, 0, 0, 1, 2, 1])]
+    d = decide(snap(engines=engines, state=LIGHT), CFG)
+    got = [(g.members, g.preempt, g.adopt) for g in d.binds]
+    assert got == [
+        ((0, 1), "hard", False),
+        ((2, 3), "hard", True),
+        ((4, 5), "hard", True),
+        ((6, 7), "hard", True),
+    ]
+    members, cmd = d.bind_command(msgspec.structs.replace(d.binds[1], epoch=9))
+    assert cmd == Bind(epoch=9, members=(2, 3), preempt="hard", adopt=True)
+    assert any("adoption" in n for n in d.notes)
+
+
+def test_adoption_needs_every_member_to_report_kv_transform_and_the_config_to_allow_it():
+    mixed = [teng(0, inflight=1, used=2000), eng(1, inflight=1), eng(2, inflight=3), eng(3, inflight=3)]
+    d = decide(snap(engines=mixed, state=LIGHT), CFG)
+    assert [(g.members, g.preempt, g.adopt) for g in d.binds] == [((0, 1), "sequential", False)]
+    both = [teng(i, inflight=x, used=2000 * x) for i, x in enumerate([1, 1, 3, 3])]
+    off = dataclasses.replace(CFG, kv_transform=False)
+    assert [(g.preempt, g.adopt) for g in decide(snap(engines=both, state=LIGHT), off).binds] == [
+        ("sequential", False)
+    ]
+
+
+def test_adoption_whose_transformation_costs_more_than_adopt_max_ms_drains_instead():
+    """Transformation-aware: a block nearly full of KV would stall its group for its head slices' transfer
+    (here about 100 K tokens x 160 KB / 2 at 360 GB/s = 23 ms + 4 ms fixed); above the budget it drains as before."""
+    engines = [teng(i, inflight=4, used=100_000) for i in range(4)]
+    assert all(g.adopt for g in decide(snap(engines=engines, state=LIGHT), CFG).binds)
+    tight = dataclasses.replace(CFG, adopt_max_ms=20.0)
+    d = decide(snap(engines=engines, state=LIGHT), tight)
+    assert [(g.preempt, g.adopt) for g in d.binds] == [("sequential", False)]
+
+
+def test_a_block_holding_a_backlog_is_not_adopted_it_serves_it_in_dp():
+    cfg = dataclasses.replace(RATE, adopt_max_inflight=8)
+    engines = [teng(0, inflight=2), teng(1, inflight=3), teng(2, inflight=9), teng(3, inflight=9)]
+    d = decide(snap([req("a")], engines, state=rate_state(2.0, busy=False)), cfg)
+    assert [(g.members, g.adopt) for g in d.binds] == [((0, 1), True)]  # (2, 3) hold 18 > 2 x 8: they stay DP
+    assert [x.engine for x in d.dispatches] == [2]  # (and keep taking DP work while no group has room)
+
+
+def test_load_groups_release_by_scatter_when_load_rises():
+    """Before: released by retraction (the leader recomputes the TP requests). Now by scatter: each continues in DP
+    on its owner with its KV."""
+    g = bound(1, (0, 1), reason="load")
+    engines = [tin_epoch(0, 1, inflight=8), tin_epoch(1, 1), teng(2, inflight=32), teng(3, inflight=32)]
+    waiting = [req("old", at=99.5)]
+    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 100, 20)}), CFG)
+    assert d.state.busy and d.commands == [((0, 1), Release(epoch=1, scatter=True))]
+    assert any("by scatter" in n for n in d.notes)
+    # a request that needs the pooled KV cannot go back to one engine: the group waits for it, as before
+    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 190_000, 150_000)}), CFG)
+    assert d.commands == [((0, 1), Release(epoch=1))]
+
+
+def test_scatter_is_gated_on_kv_transform_and_an_adopted_group_never_retracts():
+    """A member without kv_transform: no scatter. A group that holds no adopted requests retracts as before; one
+    bound by adoption waits for its requests (their streams are on their owners: the leader cannot retract them)."""
+    engines = [tin_epoch(0, 1, inflight=8), in_epoch(1, 1), teng(2, inflight=32), teng(3, inflight=32)]
+    waiting, loads = [req("old", at=99.5)], {1: GroupLoad(8, 100, 20)}
+    g = bound(1, (0, 1), reason="load")
+    d = decide(snap(waiting, engines, [g], state=LIGHT, loads=loads), CFG)
+    assert d.commands == [((0, 1), Release(epoch=1, retract=True))]
+    adopted = msgspec.structs.replace(g, adopt=True)
+    d = decide(snap(waiting, engines, [adopted], state=LIGHT, loads=loads), CFG)
+    assert d.commands == [((0, 1), Release(epoch=1))]
+
+
+def test_priority_bind_under_light_load_adopts_the_blocks_dp_work_instead_of_pausing_it():
+    engines = [teng(0, inflight=5), teng(1, inflight=5), teng(2, inflight=1, used=3000), teng(3)]
+    d = decide(snap([req("hi", priority="high"), req("n")], engines, state=LIGHT), CFG)
+    assert [(g.members, g.reason, g.adopt) for g in d.binds] == [
+        ((2, 3), "priority", True),
+        ((0, 1), "load", True),
+    ]
+    assert d.binds[0].kv_cap > 0  # its adopted requests hold KV: the group's cap counts them
+
+
+def test_a_group_bound_by_adoption_pauses_nothing_so_max_defer_s_does_not_release_it():
+    """Its members' requests beyond the dispatched TP ones are adopted TP requests, not paused DP work: no deferral
+    release, and the group is busy (not released as idle) while they run."""
+    g = msgspec.structs.replace(bound(4, (2, 3), since=100.0, last_used=100.0), adopt=True)
+    engines = [teng(0), teng(1), tin_epoch(2, 4, inflight=3), tin_epoch(3, 4, inflight=2)]
+    loads = {4: GroupLoad(1, 20)}
+    assert not decide(snap(engines=engines, groups=[g], loads=loads, now=106.0), CFG).commands
+    assert not decide(snap(engines=engines, groups=[g], loads={}, now=106.0), CFG).commands
+    paused = msgspec.structs.replace(g, adopt=False)  # the same numbers after a hard bind: paused work
+    assert decide(snap(engines=engines, groups=[paused], loads=loads, now=106.0), CFG).commands
+
+
+def test_adopted_requests_do_not_take_the_groups_room():
+    cfg = dataclasses.replace(RATE, tp_inflight_per_engine=1, adopt_max_inflight=4)  # (2, 3) stay DP
+    g = msgspec.structs.replace(bound(4, (0, 1), reason="load"), adopt=True)
+    engines = [
+        tin_epoch(0, 4, inflight=6),
+        tin_epoch(1, 4, inflight=6),
+        teng(2, inflight=9),
+        teng(3, inflight=9),
+    ]
+    d = decide(snap([req("a"), req("b"), req("c")], engines, [g], state=rate_state(2.0, busy=False)), cfg)
+    assert [x.epoch for x in d.dispatches] == [4, 4, 0]  # two TP requests (width x 1), then DP
+
+
+def test_long_request_adopts_where_hard_preemption_would_pause():
+    cfg = dataclasses.replace(CFG, long_preempt="hard")
+    engines = [teng(i, inflight=1, used=1000, cap=100_000) for i in range(4)]
+    long = req("long", prompt=150_000, out=100)
+    d = decide(snap([long], engines), cfg)
+    assert [(g.members, g.reason, g.preempt, g.adopt) for g in d.binds] == [((0, 1), "long", "hard", True)]
+    assert [g.adopt for g in decide(snap([long], engines), CFG).binds] == [False]  # sequential: it drains
+
+
+# --- the rate regime and hysteresis ------------------------------------------------------------------------------
+
+
+def test_admission_rate_is_an_exponential_average_of_the_admitted_counter():
+    s = dataclasses.replace(snap(state=rate_state(4.0, True, ts=98.0)), admitted=1010)
+    d = decide(s, RATE)
+    import math
+
+    assert d.state.rate == pytest.approx(4.0 * math.exp(-2.0 / 2.0) + 10 / 2.0)
+    assert d.state.admitted == 1010 and d.state.rate_ts == 100.0
+    assert decide(dataclasses.replace(s, admitted=3), RATE).state.rate < 4.0  # a reset counter adds nothing
+
+
+def test_rate_regime_has_a_hysteresis_band_between_light_and_busy():
+    """4 engines: light at most 3/s, busy above 4/s. In between, the regime stays what it was; light needs calm_s
+    of light rate; busy needs no wait (a burst is served in DP at once)."""
+    between = dataclasses.replace(snap(state=rate_state(3.5, busy=False)), admitted=1000)
+    assert not decide(between, RATE).state.busy
+    assert decide(dataclasses.replace(between, state=rate_state(3.5, busy=True)), RATE).state.busy
+    high = dataclasses.replace(snap(state=rate_state(4.5, busy=False)), admitted=1000)
+    assert decide(high, RATE).state.busy
+    low = dataclasses.replace(snap(state=rate_state(2.0, busy=True, calm_since=99.5)), admitted=1000)
+    assert decide(low, RATE).state.busy  # light for 0.5 s only
+    low = dataclasses.replace(low, now=100.6, state=rate_state(2.0, busy=True, calm_since=99.5, ts=100.5))
+    assert not decide(low, RATE).state.busy
+
+
+def test_rate_regime_ignores_demand_a_burst_left_behind():
+    """Hundreds of requests still decode after a burst: the in-flight regime stays busy for tens of seconds, the
+    rate regime goes light once arrivals are low (the backlog is adopted or served in DP)."""
+    engines = [teng(i, inflight=60) for i in range(4)]
+    s = dataclasses.replace(
+        snap(engines=engines, state=rate_state(2.0, True, calm_since=98.0)), admitted=1000
+    )
+    assert not decide(s, RATE).state.busy
+    assert decide(dataclasses.replace(s, state=RouterState(busy=True, calm_since=98.0)), CFG).state.busy
+
+
+def test_no_flip_back_to_busy_while_adoption_groups_form():
+    """Hysteresis: right after load turns light the blocks bind at their next step boundary (a long DP step,
+    maybe); requests queued for those groups are not a sign of load, so the regime does not flap back."""
+    g = bound(1, (0, 1), reason="load", state="binding", since=99.8)
+    engines = [teng(0, pending=1, inflight=9), teng(1, pending=1, inflight=9), teng(2, inflight=9), teng(3)]
+    waiting = [req("a", at=99.5)]
+    st = rate_state(2.0, busy=False)
+    d = decide(dataclasses.replace(snap(waiting, engines, [g], state=st), admitted=1000), RATE)
+    assert not d.state.busy and not d.commands
+    later = dataclasses.replace(snap(waiting, engines, [g], state=st, now=102.0), admitted=1000)
+    assert decide(later, RATE).state.busy  # not formed within ack_timeout_s: a real wait
+
+
+def test_spread_s_counts_recent_dispatches_so_a_fresh_engine_does_not_take_everything():
+    """A released group's follower has nothing in flight (its leader owns the group's requests): least-loaded
+    dispatch would send it every new request, all prefilling at once. spread_s counts recent ones twice."""
+    engines = [teng(0, inflight=4), teng(1), teng(2, inflight=3), teng(3, inflight=3)]
+    waiting = [req(c) for c in "abcdef"]
+    plain = decide(snap(waiting, engines), CFG)
+    assert [x.engine for x in plain.dispatches] == [1, 1, 1, 1, 2, 3]
+    cfg = dataclasses.replace(CFG, spread_s=2.0)
+    d = decide(snap(waiting, engines), cfg)
+    assert [x.engine for x in d.dispatches] == [1, 1, 2, 3, 0, 1]
+    assert d.state.recent == {1: 3.0, 2: 1.0, 3: 1.0, 0: 1.0}
+    later = decide(snap([], engines, state=d.state, now=102.0), cfg)  # decayed by e^-1 (rate_ts: 100)
+    assert later.state.recent[1] == pytest.approx(3.0 * 0.3679, rel=1e-3)

@@ -12,8 +12,9 @@ from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig
 
 
-async def beat(r, keys, engine: int, ready: bool = True) -> None:
+async def beat(r, keys, engine: int, ready: bool = True, **kw) -> None:
     hb = Heartbeat(
+        **kw,
         engine=engine,
         url=f"http://e{engine}",
         pid=1,
@@ -101,3 +102,21 @@ async def test_run_loop_dispatches_new_arrivals_and_stops(aredis, keys):
     await asyncio.wait_for(task, 5)
     assert d.dispatched == 4
     assert await aredis.exists(keys.router_lease) == 0, "a clean stop gives the lease back"
+
+
+async def test_snapshot_carries_kv_transform_and_the_admission_counter(aredis, keys):
+    """The policy adopts/scatters only where heartbeats say kv_transform; the rate regime reads flying:stats."""
+    await beat(aredis, keys, 0, kv_transform=True)
+    await beat(aredis, keys, 1)
+    await admit(RequestQueue(aredis, keys), 3)
+    s = await dispatcher(aredis, keys).snapshot()
+    assert {e.engine: e.kv_transform for e in s.engines} == {0: True, 1: False}
+    assert s.admitted == 3
+
+
+def test_router_flags_turn_kv_transformation_off_and_pick_the_regime():
+    from router.main import parse_args
+
+    assert parse_args([]).policy.kv_transform is True
+    c = parse_args(["--no-kv-transform", "--regime", "rate", "--spread-s", "3"])
+    assert (c.policy.kv_transform, c.policy.regime, c.policy.spread_s) == (False, "rate", 3.0)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.cost_model import CostModel, calibration
+from flying.messages import Bind, Group, Release
+from router.cost_model import CostModel, adopt_moves, calibration, scatter_moves
 from router.policy import PolicyConfig
+from router.sim_cli import flat_period
 from router.simulator import SimConfig, SimRequest, Simulator, paper_workload
 
 SMALL = CostModel(kv_tokens=4000, max_running=16, chunk_tokens=512)
@@ -37,6 +41,13 @@ def scenarios(draw):
         long_preempt=draw(st.sampled_from(["hard", "sequential"])),
         ack_timeout_s=0.5,
         bind_timeout_s=draw(st.sampled_from([1.0, 60.0])),
+        adopt_max_ms=draw(st.sampled_from([0.0, 100.0])),  # 0: never adopt (the fixed cost is above it)
+        adopt_max_inflight=draw(st.sampled_from([2, 64])),
+        regime=draw(st.sampled_from(["inflight", "rate"])),
+        light_rate=draw(st.sampled_from([0.5, 2.0])),
+        busy_rate=2.0,
+        rate_tau_s=draw(st.sampled_from([0.5, 2.0])),
+        spread_s=draw(st.sampled_from([0.0, 2.0])),
     )
     cfg = SimConfig(
         engines=engines,
@@ -52,6 +63,8 @@ def scenarios(draw):
             )
         ),
         horizon_s=2000.0,
+        kv_transform=draw(st.booleans()),
+        no_kv_transform=tuple(draw(st.sets(st.integers(0, engines - 1), max_size=1))),
     )
     return cfg, reqs
 
@@ -60,8 +73,10 @@ def scenarios(draw):
 @given(scenarios())
 def test_random_event_sequences_keep_the_invariants_and_serve_every_request(scenario):
     """Groups never overlap, an engine is in at most one epoch, no request is lost or dispatched twice, deferred DP
-    work is released within max_defer_s (checked after every router round); hung members are rolled back, router
-    outages only delay; in the end every request is served or rejected as too long for any group."""
+    work is released within max_defer_s, adopt/scatter go only to groups whose members all transform KV (checked
+    after every router round); hung members are rolled back, router outages only delay; in the end every request
+    is served or rejected as too long for any group, with all its tokens (an adopted, scattered or retracted
+    request continues where it was)."""
     cfg, reqs = scenario
     sim = Simulator(cfg, reqs, check=True)
     records = sim.run()
@@ -120,10 +135,152 @@ def test_dp_work_paused_by_a_priority_bind_resumes_within_max_defer_s():
         calm_s=0.3, max_defer_s=1.0
     )  # light load from 0.3 s: (0, 1) drains for a load group
     reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(6)] + [SimRequest(0.5, "high", 200, 300)]
-    sim = Simulator(SimConfig(engines=6, cost=SMALL, policy=policy), reqs, check=True)
+    cfg = SimConfig(engines=6, cost=SMALL, policy=policy, kv_transform=False)  # (adoption pauses nothing)
+    sim = Simulator(cfg, reqs, check=True)
     records = sim.run()
     assert all(r.ok and r.output_tokens == s.output for r, s in zip(records, reqs))
     assert any(note == "bind (2, 3) (priority, hard preemption)" for _, note in sim.log), sim.log
     stalls = [max(b - a for a, b in zip(r.event_times, r.event_times[1:])) for r in records[:6]]
     assert max(stalls) > 0.9, "the bind paused a DP request"
     assert max(stalls) < policy.max_defer_s + 0.5, f"DP requests stalled {max(stalls):.2f} s"
+
+
+# --- KV transformation (issue 12) -------------------------------------------------------------------------------
+
+MANUAL = PolicyConfig(load_adaptation=False, priority=False, long_context=False)
+
+
+def operator(sim: Simulator, at: float, members: tuple[int, ...], adopt: bool) -> int:
+    """flyctl bind [--adopt] at ``at``: a manual record, then the commands."""
+    epoch = next(sim.epochs)
+
+    def go():
+        sim.records[epoch] = Group(epoch=epoch, members=members, reason="manual", since=sim.now, adopt=adopt)
+        for m in members:
+            sim.engines[m].command(Bind(epoch=epoch, members=members, adopt=adopt))
+
+    sim.at(at, go)
+    return epoch
+
+
+def release(sim: Simulator, at: float, epoch: int, members: tuple[int, ...], **how) -> None:
+    def go():
+        g = sim.records[epoch]
+        sim.records[epoch] = msgspec.structs.replace(g, state="releasing", since=sim.now)
+        for m in members:
+            sim.engines[m].command(Release(epoch=epoch, **how))
+
+    sim.at(at, go)
+
+
+def where(sim: Simulator, i: int) -> str:
+    r = sim.reqs[i]
+    for e in sim.engines:
+        if r in e.dp.running or r in e.paused_running or r in e.dp.queue or r in e.paused_queue:
+            return f"dp{e.idx}"
+    return next((f"tp{g.epoch}" for g in sim.groups.values() if r in g.unit.running + g.unit.queue), "?")
+
+
+def gaps(rec) -> float:
+    return max((b - a for a, b in zip(rec.event_times, rec.event_times[1:])), default=0.0)
+
+
+def test_adoption_and_scatter_move_requests_without_pause_or_recompute_and_keep_their_owners():
+    """Two engines each decode a DP request; a bind by adoption makes them the group's TP requests at the next
+    step boundary (no drain, no recompute); a request dispatched to the group is owned by the leader; a release by
+    scatter sends each back to DP on its owner with its KV."""
+    reqs = [
+        SimRequest(0.0, "normal", 200, 300),
+        SimRequest(0.0, "normal", 300, 300),
+        SimRequest(1.0, "normal", 100, 200),
+    ]
+    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=MANUAL), reqs, check=True)
+    ep = operator(sim, 0.5, (0, 1), adopt=True)
+    release(sim, 2.0, ep, (0, 1), scatter=True)
+    seen = {}
+    sim.at(1.5, lambda: seen.update(bound={i: where(sim, i) for i in range(3)}))
+    sim.at(2.5, lambda: seen.update(after={i: where(sim, i) for i in range(3)}))
+    records = sim.run()
+    assert all(r.ok and r.output_tokens == s.output for r, s in zip(records, reqs))
+    assert [sim.reqs[i].engine for i in range(3)] == [0, 1, 0]  # owners: DP engines, then the group's leader
+    assert seen["bound"] == {0: f"tp{ep}", 1: f"tp{ep}", 2: f"tp{ep}"}
+    assert seen["after"] == {0: "dp0", 1: "dp1", 2: "dp0"}
+    assert sim.stats["scattered"] == 3 and sim.stats["retracted"] == 0
+    assert [k for _, k, _, n in sim.transforms] == ["adopt", "scatter"]
+    assert max(gaps(r) for r in records) < 0.2, "no request paused across the bind or the release"
+
+
+def test_without_kv_transform_the_same_commands_pause_and_retract():
+    reqs = [SimRequest(0.0, "normal", 200, 300), SimRequest(0.0, "normal", 300, 300)]
+    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=MANUAL, kv_transform=False), reqs)
+    ep = operator(sim, 0.5, (0, 1), adopt=True)  # read as a hard bind: the DP requests pause
+    release(sim, 2.0, ep, (0, 1), retract=True)
+    records = sim.run()
+    assert all(r.ok for r in records) and not sim.transforms
+    assert max(gaps(r) for r in records) > 1.0
+
+
+def test_scatter_retracts_on_the_owner_what_its_kv_cannot_hold():
+    """Three TP requests of 1400 KV tokens each, all owned by the leader (4000 tokens of KV): two come back with
+    their KV, the third is recomputed there; none goes to the other member."""
+    reqs = [SimRequest(0.0, "normal", 1000, 400) for _ in range(3)]
+    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=MANUAL), reqs, check=True)
+    ep = operator(sim, 0.0, (0, 1), adopt=True)
+    release(sim, 2.0, ep, (0, 1), scatter=True)
+    seen = {}
+    sim.at(2.2, lambda: seen.update({i: where(sim, i) for i in range(3)}))
+    records = sim.run()
+    assert all(r.ok and r.output_tokens == 400 for r in records)
+    assert [r.engine for r in sim.reqs] == [0, 0, 0] and set(seen.values()) == {"dp0"}
+    assert sim.stats["scattered"] == 2 and sim.stats["scatter_fallbacks"] == 1
+
+
+def test_light_load_adopts_busy_engines_where_it_used_to_wait_for_them_to_drain():
+    """The policy in the simulator: two busy engines, light load. Without KV transformation the block does not
+    bind while they decode (it would drain); with it, it binds by adoption at once and the next request gets a
+    TP group."""
+    policy = PolicyConfig(calm_s=0.3, tp_inflight_per_engine=4)
+    reqs = [
+        SimRequest(0.0, "normal", 200, 400),
+        SimRequest(0.0, "normal", 200, 400),
+        SimRequest(1.0, "normal", 50, 20),
+    ]
+    for kvt in (True, False):
+        sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=policy, kv_transform=kvt), reqs, check=True)
+        records = sim.run()
+        assert all(r.ok for r in records)
+        adopted = [n for _, n in sim.log if "adoption" in n]
+        assert bool(adopted) == kvt and (sim.reqs[2].epoch != 0) == kvt, sim.log
+        if kvt:
+            assert max(gaps(r) for r in records[:2]) < 0.2
+
+
+def test_engines_without_kv_transform_never_get_adopt_or_scatter():
+    """Gating: one engine of four runs an older worker; the policy never sends adopt/scatter to a group with it
+    (the simulator asserts it on every command), while the others' groups do use them."""
+    reqs = paper_workload(300, seed=3, low_rate=(2, 4), burst_rate=(20, 30), low_s=6, burst_s=3, long_share=0)
+    policy = PolicyConfig(calm_s=0.3, tp_inflight_per_engine=4, max_inflight_per_worker=16)
+    sim = Simulator(SimConfig(engines=4, cost=SMALL, policy=policy, no_kv_transform=(1,)), reqs, check=True)
+    assert all(r.ok for r in sim.run())
+    notes = [n for _, n in sim.log]
+    assert any("(2, 3) (load, adoption" in n for n in notes)
+    assert not any("(0, 1) (load, adoption" in n or ("(0, 1)" in n and "scatter" in n) for n in notes)
+
+
+def test_kv_transformation_cost():
+    """Bytes of the moved head slices over the link plus the fixed part (router.cost_model)."""
+    m = CostModel()
+    assert m.transform_ms([]) == m.transform_fixed_ms == 4.0
+    # Gyges' case on this model: 4 x TP1 -> TP4 at 90 % KV: 3/4 of 315 K tokens x 160 KB per member
+    moves = adopt_moves([0.9 * m.kv_tokens] * 4)
+    assert moves[0] == pytest.approx((0.675 * m.kv_tokens, 0.675 * m.kv_tokens))
+    assert m.transform_ms(moves) == pytest.approx(4.0 + 0.675 * 350_000 * 163_840 / 360e9 * 1000)
+    assert 105 < m.transform_ms(moves) < 112
+    # scatter: the owner receives the other half of its requests; the other member sends it
+    assert scatter_moves([1000, 0]) == [(0, 500), (500, 0)]
+
+
+def test_flat_periods_are_low_phases_less_their_first_15_s():
+    assert [flat_period(t, 60, 30) for t in (10, 15, 59.9, 60, 89, 105, 110)] == [
+        False, True, True, False, False, True, True,
+    ]  # fmt: skip
