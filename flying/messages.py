@@ -112,9 +112,9 @@ class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
     """Router/operator -> every member: end ``epoch`` and return to DP once its TP requests have finished, or,
     with ``retract``, at once: the leader's TP requests are retracted and recomputed in DP on the leader (their
     KV is in the group's layout), the cheap way out when load rises. With ``scatter``, at once and with no
-    recompute: each TP request goes back to DP on the member that owns it (its connection) or, if that one cannot
-    hold it, on the member with the most free KV; the other members send it their head slices. A request that fits
-    nowhere is retracted (recomputed in DP)."""
+    recompute: each TP request goes back to DP on the member that owns it (whose endpoint it arrived on: its
+    stream is there) with its KV; the other members send it their head slices. A request its owner cannot hold is
+    retracted there (recomputed in DP)."""
 
     epoch: int
     retract: bool = False

@@ -42,12 +42,25 @@ class ReqState(msgspec.Struct, kw_only=True):
     logprobs: dict[str, list] = {}
 
 
+# The prompt's log-probs (Req.logprob.*), computed by whoever prefills the request.
+INPUT_LOGPROB_LISTS = (
+    "input_token_logprobs_val",
+    "input_token_logprobs_idx",
+    "input_top_logprobs_val",
+    "input_top_logprobs_idx",
+    "input_token_ids_logprobs_val",
+    "input_token_ids_logprobs_idx",
+)
+
+
 class Emitted(msgspec.Struct, kw_only=True):
-    """New output of a request since the last emission, for the member that streams it."""
+    """New output of a request since the last emission, for the member that streams it (with its first output,
+    the prompt's log-probs, when the leader prefilled it)."""
 
     rid: str
     output_ids: list[int]
     logprobs: dict[str, list] = {}
+    input_logprobs: dict[str, Any] = {}
     finished_reason: Any = None
     finished_len: int | None = None
 
@@ -145,6 +158,8 @@ def emitted_since(req: Any, sent: int, sent_logprobs: int) -> Emitted:
         output_ids=list(req.output_ids[sent:]),
         logprobs={n: list(getattr(lp, n)[sent_logprobs:]) for n in LOGPROB_LISTS if getattr(lp, n, None)},
     )
+    if sent == 0 and req.return_logprob:
+        out.input_logprobs = {n: v for n in INPUT_LOGPROB_LISTS if (v := getattr(lp, n, None)) is not None}
     if req.finished():
         out.finished_reason, out.finished_len = req.finished_reason, req.finished_len
     return out
@@ -159,6 +174,8 @@ def apply_emitted(req: Any, em: Emitted) -> None:
     req.output_ids.extend(em.output_ids)
     for name, values in em.logprobs.items():
         getattr(req.logprob, name).extend(values)
+    for name, value in em.input_logprobs.items():
+        setattr(req.logprob, name, value)
     if em.finished_reason is not None:
         req.finished_reason, req.finished_len = em.finished_reason, em.finished_len
 
