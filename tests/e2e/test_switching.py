@@ -191,7 +191,8 @@ def test_soft_bind_starts_tp_requests_in_dp_and_continues_them_in_tp(cluster, st
     epoch = control.bind(r, cluster.keys, (0, 1), preempt="soft")
     time.sleep(0.1)
     t0 = time.monotonic()
-    tp = threading.Thread(target=lambda: got.update(tp=generate(url, PROMPTS[0], 200)))  # the group's request
+    # the group's request: longer than what is left of the DP one, so it is still running when the group binds
+    tp = threading.Thread(target=lambda: got.update(tp=generate(url, PROMPTS[0], 2 * n)))
     tp.start()
     time.sleep(0.3)
     assert t.is_alive() and control.status(r, cluster.keys)[0].mode == "dp"  # stragglers: not bound yet
@@ -200,7 +201,7 @@ def test_soft_bind_starts_tp_requests_in_dp_and_continues_them_in_tp(cluster, st
     tp.join(60)
     assert got["dp"]["output_ids"] == reference["output_ids"]
     assert got["tp"]["meta_info"]["num_retractions"] >= 1  # started in DP, re-prefilled at width 2
-    assert got["tp"]["output_ids"] == generate(stock_tp2, PROMPTS[0], 200)["output_ids"]
+    assert got["tp"]["output_ids"] == generate(stock_tp2, PROMPTS[0], 2 * n)["output_ids"]
     assert time.monotonic() - t0 < 60
     control.release(r, cluster.keys, (0, 1), epoch)
     wait_mode(cluster, (0, 1), "dp")
