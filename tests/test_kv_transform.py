@@ -47,7 +47,9 @@ class Allocator:
 def _rank(rank: int, width: int, port: int, lengths: dict[int, list[int]], errors) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, width, datetime.timedelta(seconds=30))
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore("t", store), rank, width, datetime.timedelta(seconds=30)
+        )
         alloc = Allocator(SIZE)
         alloc.alloc(7)  # some slots already taken, so slot numbers differ across ranks
         k = [torch.zeros(SIZE + 1, H, D, dtype=torch.float64) for _ in range(LAYERS)]
