@@ -149,6 +149,14 @@ async def redis_error(request: Request, exc: Exception) -> Response:
     return err.response()
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug, not a client error; still OpenAI-shaped so clients can parse it."""
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    err = APIError(f"internal error: {type(exc).__name__}", code="internal_error")
+    err.status, err.type = 500, "server_error"
+    return err.response()
+
+
 def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -181,5 +189,10 @@ def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    handlers = {APIError: api_error, HTTPException: http_error, aioredis.RedisError: redis_error}
+    handlers = {
+        APIError: api_error,
+        HTTPException: http_error,
+        aioredis.RedisError: redis_error,
+        Exception: internal_error,
+    }
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

@@ -84,6 +84,8 @@ def decode(body: bytes, type_: type[_Sampling]) -> _Sampling:
         raise InvalidRequest(f"invalid request: {msg}", param=(m.group(1) or None) if m else None) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # UnicodeDecodeError (invalid UTF-8) and any other decoding failure
+        raise InvalidRequest(f"request body is not valid UTF-8 JSON: {exc}") from None
 
 
 def check_sampling(req: _Sampling) -> None:

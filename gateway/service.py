@@ -104,7 +104,7 @@ class Gateway:
         if not beats:
             raise NoLiveWorkers("no live workers; try again later")
         chat = isinstance(req, ChatCompletionRequest)
-        prompt = self.count_tokens.chat(req) if chat else self.count_tokens.completion(req)
+        prompt = self._count(req, chat)
         limit = self.context_limit(beats, self.pooled_context)
         max_tokens = self._max_tokens(req, prompt, limit)
         rid = uuid.uuid4().hex
@@ -122,6 +122,15 @@ class Gateway:
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return Admitted(record, path, body, bool(req.stream))
+
+    def _count(self, req, chat: bool) -> int:
+        """Prompt tokens; a prompt the tokenizer or chat template rejects (e.g. roles a template does not
+        allow) is the client's error."""
+        try:
+            return self.count_tokens.chat(req) if chat else self.count_tokens.completion(req)
+        except Exception as exc:  # noqa: BLE001 - tokenizers and Jinja templates raise anything
+            param = "messages" if chat else "prompt"
+            raise InvalidRequest(f"the {param} could not be tokenized: {exc}", param=param) from None
 
     def _max_tokens(self, req, prompt: int, limit: int) -> int:
         asked, param = requested_max_tokens(req)
