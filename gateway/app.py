@@ -16,7 +16,14 @@ from starlette.routing import Route
 
 from gateway import schemas
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from gateway.errors import (
+    APIError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    QueueUnavailable,
+)
 from gateway.service import Admitted, ClientGone, Gateway, watch_disconnect
 from gateway.upstream import WorkerUnavailable
 
@@ -144,9 +151,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 async def redis_error(request: Request, exc: Exception) -> Response:
     log.error("redis unavailable: %r", exc)
-    err = APIError("the request queue (Redis) is unavailable", code="queue_unavailable")
-    err.status, err.type = 503, "service_unavailable"
-    return err.response()
+    return QueueUnavailable("the request queue (Redis) is unavailable; retry later").response()
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
@@ -157,6 +162,19 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return err.response()
 
 
+def redis_client(config: GatewayConfig) -> aioredis.Redis:
+    """A bounded pool that makes callers wait for a connection rather than fail: the number of connections does
+    not grow with the number of requests, and a burst queues for a moment instead of getting 503s."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        config.redis_url,
+        max_connections=config.redis_max_connections,
+        timeout=30,
+        client_name=f"flying-gw-{config.gateway_id}",
+        health_check_interval=10,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
 def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -165,7 +183,7 @@ def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
             from gateway.tokens import PromptCounter
 
             counter = PromptCounter(config.model_path)
-        client = aioredis.Redis.from_url(config.redis_url, max_connections=256)
+        client = redis_client(config)
         gw = Gateway(config, client, counter)
         gw.started = time.time()
         await gw.start()

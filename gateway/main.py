@@ -28,6 +28,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--key-prefix", default=settings.key_prefix())
     p.add_argument("--max-queue", type=int, default=d.max_queue)
     p.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s)
+    p.add_argument(
+        "--max-wait-s",
+        type=float,
+        default=d.max_wait_s,
+        help="429 when the recent service rate predicts a longer queue wait (0: bound by count only)",
+    )
+    p.add_argument("--redis-max-connections", type=int, default=d.redis_max_connections)
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     a = p.parse_args(argv)
     return dataclasses.replace(
@@ -40,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         key_prefix=a.key_prefix,
         max_queue=a.max_queue,
         queue_timeout_s=a.queue_timeout_s,
+        max_wait_s=a.max_wait_s,
+        redis_max_connections=a.redis_max_connections,
         default_max_tokens=a.default_max_tokens,
     )
 
