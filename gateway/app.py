@@ -168,7 +168,7 @@ def redis_client(config: GatewayConfig) -> aioredis.Redis:
     pool = aioredis.BlockingConnectionPool.from_url(
         config.redis_url,
         max_connections=config.redis_max_connections,
-        timeout=30,
+        timeout=None,  # wait for a connection as long as it takes (connecting to a dead Redis fails fast)
         client_name=f"flying-gw-{config.gateway_id}",
         health_check_interval=10,
     )
