@@ -119,20 +119,27 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 "ok" while the deployment can serve; 503 "degraded" (with Retry-After and the reasons) when no engine
+    is live or no router holds the lease; 503 "unhealthy" when Redis does not answer."""
     gw: Gateway = request.app.state.gateway
     try:
         beats = await gw.workers(max_age_s=0)
         depth = await gw.queue.depth()
     except aioredis.RedisError as exc:
-        return JSONResponse({"status": "unhealthy", "redis": repr(exc)}, status_code=503)
-    return JSONResponse(
-        {
-            "status": "ok",
-            "gateway_id": gw.config.gateway_id,
-            "live_workers": [hb.engine for hb in beats],
-            "queue_depth": depth,
-        }
-    )
+        return JSONResponse({"status": "unhealthy", "redis": repr(exc)}, status_code=503, headers=RETRY)
+    why = (["no live engine"] if not beats else []) + [w for w in gw.degraded() if w != "no live engine"]
+    body = {
+        "status": "degraded" if why else "ok",
+        "gateway_id": gw.config.gateway_id,
+        "live_workers": [hb.engine for hb in beats],
+        "queue_depth": depth,
+    }
+    if why:
+        return JSONResponse(body | {"reasons": why}, status_code=503, headers=RETRY)
+    return JSONResponse(body)
+
+
+RETRY = {"Retry-After": "2"}
 
 
 async def api_error(request: Request, exc: Exception) -> Response:

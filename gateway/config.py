@@ -19,6 +19,7 @@ class GatewayConfig:
     max_wait_s: float = 60.0  # 429 when the recent service rate predicts a longer wait (low 60%, normal 85%)
     queue_timeout_s: float = 120.0  # 504 if not assigned within this
     no_worker_grace_s: float = 5.0  # 503 if no engine is live for this long while a request waits
+    no_router_grace_s: float = 5.0  # degraded (new requests 503) once no router has held the lease this long
     request_timeout_s: float = 600.0  # upstream read timeout
     default_max_tokens: int = 256
     max_body_bytes: int = 4 * 1024 * 1024

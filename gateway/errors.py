@@ -88,6 +88,13 @@ class NoLiveWorkers(APIError):
     retry_after_s = 2
 
 
+class NoRouter(APIError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_router"
+    retry_after_s = 2
+
+
 class QueueUnavailable(APIError):
     status = 503
     type = "service_unavailable"

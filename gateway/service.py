@@ -28,6 +28,7 @@ from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     NoLiveWorkers,
+    NoRouter,
     QueueFullError,
     QueueTimeout,
     WorkerFailed,
@@ -66,6 +67,7 @@ class Gateway:
         self._workers: tuple[float, list[Heartbeat]] = (-1e9, [])
         self._refresh: asyncio.Task | None = None  # the one in-flight refresh of the cluster view
         self.no_workers_since: float | None = None
+        self.router_seen = time.monotonic()  # last time a router held the lease (start: a grace period)
         self.pooled_context = True  # the router binds groups for long requests (from its published state)
         self._background: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
@@ -111,10 +113,14 @@ class Gateway:
 
     async def observe(self) -> None:
         beats = await self.workers(max_age_s=0)
-        self.backpressure.rate.sample(
-            time.monotonic(), int(await self.r.hget(self.keys.stats, "assigned") or 0)
-        )
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(self.keys.stats, "assigned")
+        pipe.exists(self.keys.router_lease)
+        assigned, lease = await pipe.execute()
         now = time.monotonic()
+        self.backpressure.rate.sample(now, int(assigned or 0))
+        if lease:
+            self.router_seen = now
         if beats:
             self.no_workers_since = None
         elif self.no_workers_since is None:
@@ -125,6 +131,15 @@ class Gateway:
                 lambda: NoLiveWorkers(f"no live workers for {grace:.0f} s; request dropped")
             )
             log.warning("no live workers for %.0f s: %d waiting requests ended with 503", grace, n)
+
+    def degraded(self) -> list[str]:
+        """Why this deployment cannot serve new requests now (empty: it can)."""
+        why = []
+        if self.no_workers_since is not None:
+            why.append("no live engine")
+        if time.monotonic() - self.router_seen > self.config.no_router_grace_s:
+            why.append(f"no router has held the lease for {time.monotonic() - self.router_seen:.0f} s")
+        return why
 
     @staticmethod
     def context_limit(beats: list[Heartbeat], pooled: bool = True) -> int:
@@ -147,6 +162,8 @@ class Gateway:
         beats = await self.workers() or await self.workers(max_age_s=0)  # before a 503, look again
         if not beats:
             raise NoLiveWorkers("no live workers; try again later")
+        if time.monotonic() - self.router_seen > self.config.no_router_grace_s:
+            raise NoRouter("no router is dispatching (none holds the lease); try again later")
         chat = isinstance(req, ChatCompletionRequest)
         prompt = self._count(req, chat)
         limit = self.context_limit(beats, self.pooled_context)

@@ -35,6 +35,7 @@ def connections(sync_redis, name: str) -> int:
 
 async def test_ten_thousand_waiting_requests(redis_server, sync_redis, aredis, keys):
     announce_engine(sync_redis, keys)
+    sync_redis.set(keys.router_lease, "absent-router", px=600_000)  # not degraded: admission stays open
     cfg = GatewayConfig(
         model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, max_queue=2 * N,
         queue_timeout_s=300, reconcile_s=0.5,

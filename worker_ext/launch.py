@@ -2,16 +2,23 @@
 
 The launcher stays as a small parent process: it starts the SGLang server, marks the engine ready in Redis once
 the server's HTTP endpoint answers, and exits (clearing the mark) when the server dies or on SIGTERM/SIGINT.
+
+The ready key is the engine's process-liveness signal: it expires ``READY_TTL_MS`` after the launcher last saw
+the server process alive (it refreshes it every ``READY_REFRESH_S``), so an engine killed with its launcher
+vanishes within that bound however busy its scheduler was, and a Redis that lost its data (a restart without
+persistence) gets the key back within one refresh.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -21,6 +28,10 @@ from flying import settings
 from flying.keys import Keys
 from flying.procs import NotReady, wait_healthy
 from worker_ext.cpu_compat import SGLANG_CPU_ARGS, on_cpu_host, sglang_cpu_env
+
+log = logging.getLogger("flying.worker")
+READY_TTL_MS = 1500
+READY_REFRESH_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,9 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
 
 def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
     keys = Keys(cfg.key_prefix)
-    r = redis.Redis.from_url(cfg.redis_url)
-    r.delete(keys.ready(cfg.engine))
+    r = redis.Redis.from_url(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    with contextlib.suppress(redis.RedisError):
+        r.delete(keys.ready(cfg.engine))
     launch_id = uuid.uuid4().hex[:12]
     # Same process group as this launcher: whoever kills the worker's group kills the server with it.
     proc = subprocess.Popen(sglang_command(cfg), env=sglang_env(cfg, launch_id))
@@ -119,12 +131,32 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
             wait_healthy(proc, cfg.url, ready_timeout_s)
         except NotReady as exc:
             raise SystemExit(f"flying-worker: sglang: {exc}") from None
-        r.set(keys.ready(cfg.engine), launch_id)
         print(f"flying-worker: engine {cfg.engine} ready at {cfg.url}", flush=True)
-        return proc.wait()
+        return keep_ready(r, keys.ready(cfg.engine), launch_id, proc)
     finally:
         _terminate(proc)
-        r.delete(keys.ready(cfg.engine))
+        with contextlib.suppress(redis.RedisError):
+            r.delete(keys.ready(cfg.engine))
+
+
+def keep_ready(r: redis.Redis, key: str, launch_id: str, proc: subprocess.Popen) -> int:
+    """Refresh the ready key while ``proc`` lives; return its exit code. Redis errors (an outage, a restart) are
+    ridden out: the key is written again as soon as Redis answers."""
+    down_since: float | None = None
+    while proc.poll() is None:
+        try:
+            r.set(key, launch_id, px=READY_TTL_MS)
+            if down_since is not None:
+                log.warning(
+                    "redis is back after %.1f s; ready key re-announced", time.monotonic() - down_since
+                )
+                down_since = None
+        except redis.RedisError as exc:
+            if down_since is None:
+                log.warning("redis unavailable (%r); retrying every %.2f s", exc, READY_REFRESH_S)
+                down_since = time.monotonic()
+        time.sleep(READY_REFRESH_S)
+    return proc.returncode
 
 
 def _terminate(proc: subprocess.Popen) -> None:
@@ -139,6 +171,7 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     p = argparse.ArgumentParser(prog="flying-worker", description=__doc__.splitlines()[0])
     p.add_argument("--engine", type=int, required=True, help="engine index i (one per GPU)")
     p.add_argument("--num-engines", type=int, required=True, help="N, engines in the deployment")
