@@ -112,8 +112,12 @@ class AssignmentWaiter:
                     log.info("reconciliation found %d assignments whose message was missed", n)
             except aioredis.RedisError as exc:
                 log.warning("reconciliation failed: %r", exc)
+            except Exception:  # noqa: BLE001 - the loop must outlive any one round
+                log.exception("reconciliation round failed")
 
     async def _listen(self) -> None:
+        """Relay messages to futures; when the connection breaks, subscribe again on a fresh connection (with
+        backoff while Redis is away), then reconcile: messages published meanwhile are gone."""
         backoff = 0.1
         while True:
             try:
@@ -121,10 +125,14 @@ class AssignmentWaiter:
                     backoff = 0.1
                     if msg.get("type") == "message":
                         self.resolve(decode(msg["data"], Assignment))
+                raise aioredis.ConnectionError("subscription ended")
             except aioredis.RedisError as exc:
                 log.warning("assignment subscription lost (%r); resubscribing in %.1f s", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 with contextlib.suppress(aioredis.RedisError):
+                    await self._pubsub.aclose()
+                self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+                with contextlib.suppress(aioredis.RedisError):
                     await self._pubsub.subscribe(self.channel)
-                    await self.reconcile()  # messages published while we were away are gone
+                    await self.reconcile()

@@ -60,7 +60,13 @@ class Gateway:
         self.keys = Keys(config.key_prefix)
         self.r = client
         self.queue = RequestQueue(client, self.keys)
-        self.waiter = AssignmentWaiter(client, self.keys, config.gateway_id, config.reconcile_s)
+        self.waiter = AssignmentWaiter(
+            client, self.keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit
+        )
+        self.holding: dict[
+            str, QueuedRequest
+        ] = {}  # waiting requests' records, to re-admit if Redis lost them
+        self.readmitted = 0
         self.upstream = Upstream(config.request_timeout_s)
         self.count_tokens = count_tokens
         self.backpressure = Backpressure(config.max_queue, config.max_wait_s)
@@ -233,7 +239,20 @@ class Gateway:
             self.waiter.forget(rid)
             raise
         self.waiter.mark_admitted(rid)
+        self.holding[rid] = adm.record
         return fut
+
+    async def readmit(self, rids: list[str]) -> None:
+        """Redis lost these waiting requests (a restart without persistence, or with the last second of AOF
+        lost): admit them again, beyond the backpressure limits (they were accepted), so the router serves
+        them."""
+        for rid in rids:
+            if (record := self.holding.get(rid)) is None:
+                continue
+            with contextlib.suppress(QueueFull, AssertionError):  # AssertionError: its record is back already
+                await self.queue.admit(record)
+            self.readmitted += 1
+        log.warning("re-admitted %d waiting requests that Redis had lost", len(rids))
 
     # -- waiting -----------------------------------------------------------------------------------------------
     async def wait_assignment(
@@ -247,13 +266,16 @@ class Gateway:
                 {fut, disconnected}, timeout=self.config.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if fut in done:
+                self.holding.pop(rid, None)
                 return fut.result()
             if disconnected in done:
                 raise ClientGone(rid)
             raise QueueTimeout(f"request was not scheduled within {self.config.queue_timeout_s:.0f} s")
         except BaseException:
+            self.holding.pop(rid, None)
             self.waiter.forget(rid)
-            await self.queue.finish(rid, None, "cancelled", "not scheduled")
+            with contextlib.suppress(aioredis.RedisError):  # Redis away: the record expires or is reaped
+                await self.queue.finish(rid, None, "cancelled", "not scheduled")
             raise
 
     async def retry_or_fail(self, adm: Admitted, a: Assignment, why: str) -> asyncio.Future[Assignment]:
@@ -267,6 +289,7 @@ class Gateway:
         fut = self.waiter.expect(adm.record.id)
         await self.queue.requeue(adm.record, a.engine, why)
         self.waiter.mark_admitted(adm.record.id)
+        self.holding[adm.record.id] = adm.record
         return fut
 
     # -- forwarding --------------------------------------------------------------------------------------------
@@ -360,9 +383,17 @@ class Gateway:
         await self.queue.finish(adm.record.id, a.engine, "cancelled", why)
 
     def spawn(self, coro: Awaitable) -> None:
-        task = asyncio.ensure_future(coro)
+        task = asyncio.ensure_future(_logged(coro))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+async def _logged(coro: Awaitable) -> None:
+    """A background step (finish, abort) that must not end in an unretrieved exception when Redis is away."""
+    try:
+        await coro
+    except aioredis.RedisError as exc:
+        log.warning("background step failed, redis unavailable: %r", exc)
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
