@@ -10,14 +10,17 @@ import time
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway import schemas
 from gateway.config import GatewayConfig
+from gateway.drain import CountRequests, Drain
 from gateway.errors import (
     APIError,
+    Draining,
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
@@ -53,6 +56,8 @@ def headers_for(adm: Admitted, engine: int, queue_ms: float) -> dict[str, str]:
 
 async def completions(request: Request, kind: str) -> Response:
     gw: Gateway = request.app.state.gateway
+    if request.app.state.drain.draining:
+        raise Draining("this gateway is shutting down; retry on another one")
     body = await read_body(request, gw.config.max_body_bytes)
     req_type = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
     req = schemas.decode(body, req_type)
@@ -122,6 +127,10 @@ async def health(request: Request) -> Response:
     """200 "ok" while the deployment can serve; 503 "degraded" (with Retry-After and the reasons) when no engine
     is live or no router holds the lease; 503 "unhealthy" when Redis does not answer."""
     gw: Gateway = request.app.state.gateway
+    if request.app.state.drain.draining:
+        return JSONResponse(
+            {"status": "draining", "gateway_id": gw.config.gateway_id}, status_code=503, headers=RETRY
+        )
     try:
         beats = await gw.workers(max_age_s=0)
         depth = await gw.queue.depth()
@@ -182,7 +191,10 @@ def redis_client(config: GatewayConfig) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
-def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
+def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = None) -> Starlette:
+    """The app; ``drain`` (made here when not given) counts requests in progress and holds the drain state."""
+    drain = drain or Drain()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         counter = count_tokens
@@ -220,4 +232,11 @@ def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
         aioredis.RedisError: redis_error,
         Exception: internal_error,
     }
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers=handlers,
+        middleware=[Middleware(CountRequests, drain=drain)],
+    )
+    app.state.drain = drain
+    return app

@@ -26,6 +26,7 @@ class GatewayConfig:
     max_attempts: int = 3  # dispatches per request when workers die before answering
     redis_max_connections: int = 32  # the pool blocks beyond this; independent of the number of requests
     reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
+    drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
     monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
 
     def __post_init__(self) -> None:

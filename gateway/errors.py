@@ -95,6 +95,13 @@ class NoRouter(APIError):
     retry_after_s = 2
 
 
+class Draining(APIError):
+    status = 503
+    type = "service_unavailable"
+    code = "draining"
+    retry_after_s = 1
+
+
 class QueueUnavailable(APIError):
     status = 503
     type = "service_unavailable"

@@ -72,11 +72,11 @@ class RouterThread:
 class ServerThread:
     """An ASGI app served by uvicorn on a free port, in a thread; ``url`` once it answers ``health_path``."""
 
-    def __init__(self, app, health_path: str = "/health") -> None:
+    def __init__(self, app, health_path: str = "/health", make_server=uvicorn.Server) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = make_server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.health_path = health_path
 
