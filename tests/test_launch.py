@@ -59,3 +59,25 @@ def test_ready_key_comes_back_after_a_redis_restart(tmp_path, keys):
         proc.kill()
         proc.wait()
         server.stop()
+
+
+def test_a_cpu_worker_without_max_total_tokens_sizes_its_kv_from_the_hosts_memory(tiny_model):
+    gib = 1 << 30
+    two_on_24 = launch.default_kv_tokens(str(tiny_model), 2, "float32", available_bytes=22 * gib)
+    per_token = 2 * 4 * 4 * 32 * 4  # K and V, 4 layers, 4 KV heads of 32, fp32
+    assert two_on_24 * per_token <= 22 * gib * launch.KV_SHARE / 2, "each engine stays within its share"
+    assert two_on_24 == 32 * 4096, "capped at 32 contexts"
+    assert launch.default_kv_tokens(str(tiny_model), 2, "float32", available_bytes=gib // 100) == 4096, (
+        "one context"
+    )
+    cfg = launch.WorkerConfig(engine=0, num_engines=2, model_path=str(tiny_model), port=30000, cpu=True)
+    sized = launch.with_default_kv(cfg)
+    assert sized.max_total_tokens and "--max-total-tokens" in launch.sglang_command(sized)
+    assert (
+        launch.with_default_kv(
+            launch.WorkerConfig(**{**cfg.__dict__, "max_total_tokens": 512})
+        ).max_total_tokens
+        == 512
+    )
+    gpu = launch.WorkerConfig(**{**cfg.__dict__, "cpu": False})
+    assert launch.with_default_kv(gpu).max_total_tokens is None, "GPU engines keep SGLang's own sizing"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import signal
@@ -21,6 +23,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 
@@ -32,6 +35,8 @@ from worker_ext.cpu_compat import SGLANG_CPU_ARGS, on_cpu_host, sglang_cpu_env
 log = logging.getLogger("flying.worker")
 READY_TTL_MS = 1500
 READY_REFRESH_S = 0.25
+KV_SHARE = 0.25  # of the memory available at launch, split among the host's engines, for KV (CPU default)
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2}
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,44 @@ class WorkerConfig:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the host can still give without swapping)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def default_kv_tokens(
+    model_path: str, engines_on_host: int, dtype: str, available_bytes: int | None = None
+) -> int:
+    """KV tokens for a CPU engine started without ``--max-total-tokens``: its share (``KV_SHARE``) of the memory
+    available on the host, split among the host's engines, less its weights; at least one context, at most 32.
+    (SGLang's own CPU default sizes the pool from the whole machine's memory: one engine takes ~20 GB of 24.)"""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    avail = mem_available_bytes() if available_bytes is None else available_bytes
+    budget = KV_SHARE * avail / max(1, engines_on_host) - weights
+    context = int(cfg.get("max_position_embeddings") or 4096)
+    return int(max(context, min(budget // per_token, 32 * context)))
+
+
+def with_default_kv(cfg: WorkerConfig) -> WorkerConfig:
+    """On CPU without ``--max-total-tokens``: size the KV pool with :func:`default_kv_tokens`."""
+    if not cfg.cpu or cfg.max_total_tokens:
+        return cfg
+    tokens = default_kv_tokens(cfg.model_path, cfg.num_engines, cfg.dtype)
+    print(
+        f"flying-worker: engine {cfg.engine}: --max-total-tokens {tokens} (from the memory available for "
+        f"{cfg.num_engines} engines on this host; pass --max-total-tokens to choose)",
+        flush=True,
+    )
+    return dataclasses.replace(cfg, max_total_tokens=tokens)
 
 
 def sglang_command(cfg: WorkerConfig) -> list[str]:
@@ -182,7 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--redis-url", default=settings.redis_url())
     p.add_argument("--key-prefix", default=settings.key_prefix())
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens; on CPU the default is sized from the memory available for the host's engines",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
         "--comm-port", type=int, default=None, help="rendezvous port (same on every engine) to allow binds"
@@ -210,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         comm_host=a.comm_host,
         extra_args=extra,
     )
-    sys.exit(run(cfg))
+    sys.exit(run(with_default_kv(cfg)))
 
 
 if __name__ == "__main__":
