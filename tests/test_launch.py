@@ -81,3 +81,34 @@ def test_a_cpu_worker_without_max_total_tokens_sizes_its_kv_from_the_hosts_memor
     )
     gpu = launch.WorkerConfig(**{**cfg.__dict__, "cpu": False})
     assert launch.with_default_kv(gpu).max_total_tokens is None, "GPU engines keep SGLang's own sizing"
+
+
+def test_drain_withdraws_readiness_then_waits_for_assigned_requests(sync_redis, keys):
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        stop = threading.Event()
+        sync_redis.sadd(keys.inflight(0), "a", "b")
+        t = threading.Thread(target=launch.keep_ready, args=(sync_redis, keys.ready(0), "L1", proc, stop))
+        t.start()
+        wait_for(lambda: sync_redis.exists(keys.ready(0)), 2)
+        stop.set()  # SIGTERM
+        t.join(1)
+        assert not t.is_alive()
+        out: dict = {}
+        d = threading.Thread(
+            target=lambda: out.setdefault(
+                "left", launch.drain(sync_redis, keys.ready(0), keys.inflight(0), proc, grace_s=10)
+            )
+        )
+        d.start()
+        wait_for(lambda: not sync_redis.exists(keys.ready(0)), 1)  # not live any more: no new work
+        time.sleep(0.5)
+        assert d.is_alive(), "still serving its two requests"
+        sync_redis.srem(keys.inflight(0), "a", "b")
+        d.join(2)
+        assert out["left"] == 0 and proc.poll() is None, "the launcher stops the engine after drain() returns"
+        sync_redis.sadd(keys.inflight(0), "c")
+        assert launch.drain(sync_redis, keys.ready(0), keys.inflight(0), proc, grace_s=0.3) == 1, "grace over"
+    finally:
+        proc.kill()
+        proc.wait()

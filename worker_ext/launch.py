@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -153,7 +154,7 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
     return env
 
 
-def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
+def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 30) -> int:
     keys = Keys(cfg.key_prefix)
     r = redis.Redis.from_url(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
     with contextlib.suppress(redis.RedisError):
@@ -161,10 +162,16 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
     launch_id = uuid.uuid4().hex[:12]
     # Same process group as this launcher: whoever kills the worker's group kills the server with it.
     proc = subprocess.Popen(sglang_command(cfg), env=sglang_env(cfg, launch_id))
+    draining = threading.Event()
+    ready = threading.Event()
 
     def stop(signum, frame):
+        if ready.is_set() and not draining.is_set():  # first signal once serving: drain
+            draining.set()
+            return
         _terminate(proc)
-        r.delete(keys.ready(cfg.engine))
+        with contextlib.suppress(redis.RedisError):
+            r.delete(keys.ready(cfg.engine))
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
@@ -175,18 +182,45 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
         except NotReady as exc:
             raise SystemExit(f"flying-worker: sglang: {exc}") from None
         print(f"flying-worker: engine {cfg.engine} ready at {cfg.url}", flush=True)
-        return keep_ready(r, keys.ready(cfg.engine), launch_id, proc)
+        ready.set()
+        rc = keep_ready(r, keys.ready(cfg.engine), launch_id, proc, draining)
+        if draining.is_set():
+            drain(r, keys.ready(cfg.engine), keys.inflight(cfg.engine), proc, drain_grace_s)
+            return 0
+        return rc
     finally:
         _terminate(proc)
         with contextlib.suppress(redis.RedisError):
             r.delete(keys.ready(cfg.engine))
 
 
-def keep_ready(r: redis.Redis, key: str, launch_id: str, proc: subprocess.Popen) -> int:
-    """Refresh the ready key while ``proc`` lives; return its exit code. Redis errors (an outage, a restart) are
-    ridden out: the key is written again as soon as Redis answers."""
+def drain(r: redis.Redis, ready_key: str, inflight_key: str, proc: subprocess.Popen, grace_s: float) -> int:
+    """Graceful stop: withdraw the ready key (routers stop sending work: the engine is no longer live, and a group
+    it is in is released), then wait until the requests assigned to it have finished, at most ``grace_s``.
+    Returns how many were still unfinished."""
+    with contextlib.suppress(redis.RedisError):
+        r.delete(ready_key)
+    deadline = time.monotonic() + grace_s
+    left = -1
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            left = int(r.scard(inflight_key))
+        except redis.RedisError:
+            left = -1
+        if left == 0:
+            break
+        time.sleep(READY_REFRESH_S)
+    log.warning("drained (%s requests unfinished); stopping the engine", max(left, 0))
+    return max(left, 0)
+
+
+def keep_ready(
+    r: redis.Redis, key: str, launch_id: str, proc: subprocess.Popen, stop: threading.Event | None = None
+) -> int | None:
+    """Refresh the ready key while ``proc`` lives (and until ``stop``); return its exit code (None: stopped).
+    Redis errors (an outage, a restart) are ridden out: the key is written again as soon as Redis answers."""
     down_since: float | None = None
-    while proc.poll() is None:
+    while proc.poll() is None and not (stop is not None and stop.is_set()):
         try:
             r.set(key, launch_id, px=READY_TTL_MS)
             if down_since is not None:
@@ -198,8 +232,11 @@ def keep_ready(r: redis.Redis, key: str, launch_id: str, proc: subprocess.Popen)
             if down_since is None:
                 log.warning("redis unavailable (%r); retrying every %.2f s", exc, READY_REFRESH_S)
                 down_since = time.monotonic()
-        time.sleep(READY_REFRESH_S)
-    return proc.returncode
+        if stop is not None:
+            stop.wait(READY_REFRESH_S)
+        else:
+            time.sleep(READY_REFRESH_S)
+    return proc.poll()
 
 
 def _terminate(proc: subprocess.Popen) -> None:
@@ -233,6 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: leave the live set, let assigned requests finish for at most this long, then stop",
+    )
+    p.add_argument(
         "--comm-port", type=int, default=None, help="rendezvous port (same on every engine) to allow binds"
     )
     p.add_argument(
@@ -258,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         comm_host=a.comm_host,
         extra_args=extra,
     )
-    sys.exit(run(with_default_kv(cfg)))
+    sys.exit(run(with_default_kv(cfg), drain_grace_s=a.drain_grace_s))
 
 
 if __name__ == "__main__":
