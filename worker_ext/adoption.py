@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker_ext import kv_transform, step_plan
+from worker_ext import kv_transform, sglang_patches, step_plan
 from worker_ext.kv_transform import Held
 from worker_ext.rank_messages import AdoptManifest
 from worker_ext.sglang_patches import memory_pool
@@ -52,8 +52,6 @@ def adoptable_work(b: Binding) -> tuple[list, list] | None:
 def adopt(b: Binding, e: Epoch, work: tuple[list, list] | None) -> bool:
     """Collective over the group. A member whose work cannot move (``work`` None) pauses it, as a hard bind does;
     if some member cannot hold what it would receive, nothing moves and every member pauses its DP work (False)."""
-    from worker_ext import sglang_patches
-
     s, rank, d = b.s, e.rank, e.width
     if work is None:
         b.stash = sglang_patches.stash_dp_work(s, b.held)
@@ -110,8 +108,6 @@ def _leader_adopts(b: Binding, manifests: list[AdoptManifest], running: list, sl
 
 
 def _follower_adopts(b: Binding, held: list[Held], running: list, waiting: list, slots: dict) -> None:
-    from worker_ext import sglang_patches
-
     s = b.s
     for r in running:
         row, _ = rq.detach_kv(r)
