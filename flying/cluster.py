@@ -69,7 +69,7 @@ class Cluster:
     def start(self, timeout_s: float = 300) -> Cluster:
         try:
             if not self.redis_url:
-                self.redis_server = RedisServer(data_dir=self.config.log_dir / "redis").start()
+                self.redis_server = RedisServer(data_dir=self.config.log_dir / "redis", aof=True).start()
                 self.redis_url = self.redis_server.url
                 self.progress(f"redis-server on {self.redis_url}")
             for i in range(self.config.num_engines):
@@ -132,6 +132,15 @@ class Cluster:
 
     def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
         stop(self.workers.pop(i), sig=sig)
+
+    def restart_redis(self, down_s: float = 1.0) -> None:
+        """Stop the private redis-server, wait ``down_s``, start it again on the same port and data directory
+        (with AOF it comes back with its data)."""
+        assert self.redis_server is not None, "only a Redis this cluster started can be restarted"
+        old = self.redis_server
+        old.stop()
+        time.sleep(down_s)
+        self.redis_server = RedisServer(port=old.port, data_dir=old.data_dir, aof=old.aof).start()
 
     def kill_router(self, sig: int = signal.SIGKILL) -> None:
         stop(self.router, sig=sig)

@@ -20,18 +20,25 @@ CLASS_WEIGHT = 1e12  # score = class * CLASS_WEIGHT + seq: exact in a double for
 FINISHED_TTL_S = 3600
 
 _ADMIT = """
--- KEYS: queue, seq, request hash, wake, stats ; ARGV: id, class, max_queue, then field/value pairs
-if tonumber(ARGV[3]) > 0 and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
+-- KEYS: queue, seq, request hash, wake, stats ; ARGV: id, class, max_queue, max_ahead, then field/value pairs
+-- Refusals return {code, n}: {-1, depth} the queue is full; {-3, ahead} max_ahead requests of this class or
+-- higher already wait (the estimated wait is too long).
+local depth = redis.call('ZCARD', KEYS[1])
+if tonumber(ARGV[3]) > 0 and depth >= tonumber(ARGV[3]) then return {-1, depth} end
+if tonumber(ARGV[4]) > 0 then
+  local ahead = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. string.format('%%.0f', (tonumber(ARGV[2]) + 1) * %d))
+  if ahead >= tonumber(ARGV[4]) then return {-3, ahead} end
+end
 if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
 local seq = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[3], unpack(ARGV, 4))
+redis.call('HSET', KEYS[3], unpack(ARGV, 5))
 redis.call('HSET', KEYS[3], 'seq', seq, 'state', 'queued')
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + seq, ARGV[1])
 redis.call('LPUSH', KEYS[4], 1)
 redis.call('LTRIM', KEYS[4], 0, 0)
 redis.call('HINCRBY', KEYS[5], 'admitted', 1)
 return seq
-""" % int(CLASS_WEIGHT)
+""" % (int(CLASS_WEIGHT), int(CLASS_WEIGHT))
 
 _ASSIGN = """
 -- KEYS: queue, request hash, inflight set, stats ; ARGV: id, engine, now, queue_ms, channel, message, url, epoch
@@ -73,8 +80,31 @@ return 1
 """
 
 
+_STATES = """
+-- KEYS: request hashes ; ARGV: none. One round trip for a gateway's waiting requests: returns {i, 'missing'} for
+-- a record that does not exist and {i, 'assigned', engine, url, queue_ms} for an assigned one (i: 1-based index
+-- into KEYS); queued and finished requests are left out, so the reply stays small.
+local out = {}
+for i, key in ipairs(KEYS) do
+  local row = redis.call('HMGET', key, 'state', 'engine', 'url', 'queue_ms')
+  if not row[1] then
+    out[#out + 1] = {i, 'missing'}
+  elseif row[1] == 'assigned' then
+    out[#out + 1] = {i, 'assigned', row[2] or '', row[3] or '', row[4] or '0'}
+  end
+end
+return out
+"""
+
+
 class QueueFull(Exception):
-    """The global queue holds ``max_queue`` requests already."""
+    """The global queue holds ``max_queue`` requests already (``reason`` "depth"), or ``max_ahead`` requests of
+    the same or higher priority (``reason`` "wait"); ``count`` is that number."""
+
+    def __init__(self, message: str, reason: str = "depth", count: int = 0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.count = count
 
 
 class RequestQueue:
@@ -87,17 +117,22 @@ class RequestQueue:
         self._assign = client.register_script(_ASSIGN)
         self._requeue = client.register_script(_REQUEUE)
         self._finish = client.register_script(_FINISH)
+        self._states = client.register_script(_STATES)
 
-    async def admit(self, req: QueuedRequest, max_queue: int = 0) -> int:
-        """Insert ``req``; return its arrival sequence. Raises QueueFull when the queue is at ``max_queue``."""
+    async def admit(self, req: QueuedRequest, max_queue: int = 0, max_ahead: int = 0) -> int:
+        """Insert ``req``; return its arrival sequence. Raises QueueFull when the queue is at ``max_queue``, or
+        when ``max_ahead`` requests of its priority class or higher wait already (0: no such bound)."""
         k = self.keys
         fields = [x for kv in to_hash(req).items() for x in kv if kv[0] != "seq"]
         seq = await self._admit(
             keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats],
-            args=[req.id, PRIORITY_CLASS[req.priority], max_queue, *fields],
+            args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, *fields],
         )
-        if seq == -1:
-            raise QueueFull(f"queue holds {max_queue} requests")
+        if isinstance(seq, list):
+            code, n = int(seq[0]), int(seq[1])
+            if code == -1:
+                raise QueueFull(f"queue holds {n} requests (limit {max_queue})", "depth", n)
+            raise QueueFull(f"{n} requests of this priority or higher wait (limit {max_ahead})", "wait", n)
         assert seq != -2, f"request id {req.id} admitted twice"
         return int(seq)
 
@@ -147,6 +182,23 @@ class RequestQueue:
             pipe.hgetall(self.keys.request(_s(rid)))
         rows = await pipe.execute()
         return [from_hash(_decode(row), QueuedRequest) for row in rows if row]
+
+    async def assigned_or_missing(self, rids: Sequence[str]) -> tuple[list[Assignment], list[str]]:
+        """For many waiting requests in one round trip: the assignments recorded for those assigned, and the ids
+        whose record does not exist (Redis lost it, or it was never admitted)."""
+        if not rids:
+            return [], []
+        rows = await self._states(keys=[self.keys.request(rid) for rid in rids])
+        assigned, missing = [], []
+        for row in rows:
+            rid = rids[int(row[0]) - 1]
+            if _s(row[1]) == "missing":
+                missing.append(rid)
+            elif row[3]:
+                assigned.append(
+                    Assignment(id=rid, engine=int(row[2]), url=_s(row[3]), queue_ms=float(row[4]))
+                )
+        return assigned, missing
 
     async def get(self, rid: str) -> dict[str, str]:
         return _decode(await self.r.hgetall(self.keys.request(rid)))

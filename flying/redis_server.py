@@ -1,4 +1,5 @@
-"""Run a private ``redis-server`` on a free port (no persistence), for the demo and the tests."""
+"""Run a private ``redis-server`` on a free port, for the demo and the tests: no persistence by default; with
+``aof=True`` an append-only file fsynced every second (a restart loses at most the last second)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from flying.procs import free_port, spawn, stop
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None, data_dir: Path | None = None) -> None:
+    def __init__(self, port: int | None = None, data_dir: Path | None = None, aof: bool = False) -> None:
         self.port = port or free_port()
+        self.aof = aof
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="flying-redis-"))
         self.proc: subprocess.Popen | None = None
 
@@ -38,7 +40,9 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.aof else "no",
+            "--appendfsync",
+            "everysec",
             "--dir",
             str(self.data_dir),
         ]

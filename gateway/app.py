@@ -10,13 +10,23 @@ import time
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway import schemas
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from gateway.drain import CountRequests, Drain
+from gateway.errors import (
+    APIError,
+    Draining,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    QueueUnavailable,
+)
 from gateway.service import Admitted, ClientGone, Gateway, watch_disconnect
 from gateway.upstream import WorkerUnavailable
 
@@ -46,6 +56,8 @@ def headers_for(adm: Admitted, engine: int, queue_ms: float) -> dict[str, str]:
 
 async def completions(request: Request, kind: str) -> Response:
     gw: Gateway = request.app.state.gateway
+    if request.app.state.drain.draining:
+        raise Draining("this gateway is shutting down; retry on another one")
     body = await read_body(request, gw.config.max_body_bytes)
     req_type = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
     req = schemas.decode(body, req_type)
@@ -112,20 +124,31 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 "ok" while the deployment can serve; 503 "degraded" (with Retry-After and the reasons) when no engine
+    is live or no router holds the lease; 503 "unhealthy" when Redis does not answer."""
     gw: Gateway = request.app.state.gateway
+    if request.app.state.drain.draining:
+        return JSONResponse(
+            {"status": "draining", "gateway_id": gw.config.gateway_id}, status_code=503, headers=RETRY
+        )
     try:
         beats = await gw.workers(max_age_s=0)
         depth = await gw.queue.depth()
     except aioredis.RedisError as exc:
-        return JSONResponse({"status": "unhealthy", "redis": repr(exc)}, status_code=503)
-    return JSONResponse(
-        {
-            "status": "ok",
-            "gateway_id": gw.config.gateway_id,
-            "live_workers": [hb.engine for hb in beats],
-            "queue_depth": depth,
-        }
-    )
+        return JSONResponse({"status": "unhealthy", "redis": repr(exc)}, status_code=503, headers=RETRY)
+    why = (["no live engine"] if not beats else []) + [w for w in gw.degraded() if w != "no live engine"]
+    body = {
+        "status": "degraded" if why else "ok",
+        "gateway_id": gw.config.gateway_id,
+        "live_workers": [hb.engine for hb in beats],
+        "queue_depth": depth,
+    }
+    if why:
+        return JSONResponse(body | {"reasons": why}, status_code=503, headers=RETRY)
+    return JSONResponse(body)
+
+
+RETRY = {"Retry-After": "2"}
 
 
 async def api_error(request: Request, exc: Exception) -> Response:
@@ -144,9 +167,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 async def redis_error(request: Request, exc: Exception) -> Response:
     log.error("redis unavailable: %r", exc)
-    err = APIError("the request queue (Redis) is unavailable", code="queue_unavailable")
-    err.status, err.type = 503, "service_unavailable"
-    return err.response()
+    return QueueUnavailable("the request queue (Redis) is unavailable; retry later").response()
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
@@ -157,7 +178,23 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return err.response()
 
 
-def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
+def redis_client(config: GatewayConfig) -> aioredis.Redis:
+    """A bounded pool that makes callers wait for a connection rather than fail: the number of connections does
+    not grow with the number of requests, and a burst queues for a moment instead of getting 503s."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        config.redis_url,
+        max_connections=config.redis_max_connections,
+        timeout=None,  # wait for a connection as long as it takes (connecting to a dead Redis fails fast)
+        client_name=f"flying-gw-{config.gateway_id}",
+        health_check_interval=10,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = None) -> Starlette:
+    """The app; ``drain`` (made here when not given) counts requests in progress and holds the drain state."""
+    drain = drain or Drain()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         counter = count_tokens
@@ -165,7 +202,7 @@ def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
             from gateway.tokens import PromptCounter
 
             counter = PromptCounter(config.model_path)
-        client = aioredis.Redis.from_url(config.redis_url, max_connections=256)
+        client = redis_client(config)
         gw = Gateway(config, client, counter)
         gw.started = time.time()
         await gw.start()
@@ -195,4 +232,11 @@ def create_app(config: GatewayConfig, count_tokens=None) -> Starlette:
         aioredis.RedisError: redis_error,
         Exception: internal_error,
     }
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers=handlers,
+        middleware=[Middleware(CountRequests, drain=drain)],
+    )
+    app.state.drain = drain
+    return app

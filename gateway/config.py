@@ -15,16 +15,25 @@ class GatewayConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "flying"
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    max_queue: int = 4096  # 429 beyond this many waiting requests
+    max_queue: int = 4096  # 429 beyond this many waiting requests (low priority at 60%, normal at 85%)
+    max_wait_s: float = 60.0  # 429 when the recent service rate predicts a longer wait (low 60%, normal 85%)
     queue_timeout_s: float = 120.0  # 504 if not assigned within this
     no_worker_grace_s: float = 5.0  # 503 if no engine is live for this long while a request waits
+    no_router_grace_s: float = 5.0  # degraded (new requests 503) once no router has held the lease this long
     request_timeout_s: float = 600.0  # upstream read timeout
     default_max_tokens: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     max_attempts: int = 3  # dispatches per request when workers die before answering
+    redis_max_connections: int = 32  # the pool blocks beyond this; independent of the number of requests
+    reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
+    drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
+    monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
 
     def __post_init__(self) -> None:
         assert self.max_queue >= 1, "max_queue must be >= 1"
         assert self.queue_timeout_s > 0 and self.request_timeout_s > 0, "timeouts must be > 0"
         assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
         assert self.max_attempts >= 1, "max_attempts must be >= 1"
+        assert self.max_wait_s >= 0, "max_wait_s must be >= 0 (0: no bound by wait)"
+        assert self.redis_max_connections >= 4, "redis_max_connections must be >= 4"
+        assert self.reconcile_s > 0 and self.monitor_s > 0, "reconcile_s and monitor_s must be > 0"

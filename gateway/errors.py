@@ -9,18 +9,30 @@ class APIError(Exception):
     status = 400
     type = "invalid_request_error"
     code: str | None = None
+    retry_after_s: int | None = None  # sent as Retry-After (seconds) when set
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        headers = dict(headers or {})
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
     def __str__(self) -> str:
@@ -61,15 +73,40 @@ class UnsupportedMediaType(APIError):
 
 
 class QueueFullError(APIError):
+    """Backpressure: the queue is full for this priority, or the wait it predicts is too long."""
+
     status = 429
     type = "rate_limit_error"
-    code = "queue_full"
+    code = "rate_limit_exceeded"
+    retry_after_s = 1
 
 
 class NoLiveWorkers(APIError):
     status = 503
     type = "service_unavailable"
     code = "no_live_workers"
+    retry_after_s = 2
+
+
+class NoRouter(APIError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_router"
+    retry_after_s = 2
+
+
+class Draining(APIError):
+    status = 503
+    type = "service_unavailable"
+    code = "draining"
+    retry_after_s = 1
+
+
+class QueueUnavailable(APIError):
+    status = 503
+    type = "service_unavailable"
+    code = "queue_unavailable"
+    retry_after_s = 2
 
 
 class WorkerFailed(APIError):

@@ -11,6 +11,7 @@ import uvicorn
 from flying import settings
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.drain import Drain, DrainingServer
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
@@ -28,6 +29,19 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--key-prefix", default=settings.key_prefix())
     p.add_argument("--max-queue", type=int, default=d.max_queue)
     p.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s)
+    p.add_argument(
+        "--max-wait-s",
+        type=float,
+        default=d.max_wait_s,
+        help="429 when the recent service rate predicts a longer queue wait (0: bound by count only)",
+    )
+    p.add_argument("--redis-max-connections", type=int, default=d.redis_max_connections)
+    p.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=d.drain_grace_s,
+        help="on SIGTERM: stop admitting, let requests in progress finish for at most this long, then exit",
+    )
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     a = p.parse_args(argv)
     return dataclasses.replace(
@@ -40,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         key_prefix=a.key_prefix,
         max_queue=a.max_queue,
         queue_timeout_s=a.queue_timeout_s,
+        max_wait_s=a.max_wait_s,
+        redis_max_connections=a.redis_max_connections,
+        drain_grace_s=a.drain_grace_s,
         default_max_tokens=a.default_max_tokens,
     )
 
@@ -47,13 +64,15 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
-    uvicorn.run(
-        create_app(config),
+    drain = Drain()
+    server_config = uvicorn.Config(
+        create_app(config, drain=drain),
         host=config.host,
         port=config.port,
         log_level="warning",
         timeout_graceful_shutdown=5,
     )
+    DrainingServer(server_config, drain, config.drain_grace_s).run()
 
 
 if __name__ == "__main__":

@@ -21,12 +21,14 @@ from flying.messages import Assignment, Heartbeat, Priority, QueuedRequest, Rout
 from flying.queue import QueueFull, RequestQueue
 from flying.workers import live_workers
 from gateway.assignments import AssignmentWaiter
+from gateway.backpressure import Backpressure
 from gateway.config import GatewayConfig
 from gateway.errors import (
     ContextTooLong,
     InvalidRequest,
     ModelNotFound,
     NoLiveWorkers,
+    NoRouter,
     QueueFullError,
     QueueTimeout,
     WorkerFailed,
@@ -58,29 +60,92 @@ class Gateway:
         self.keys = Keys(config.key_prefix)
         self.r = client
         self.queue = RequestQueue(client, self.keys)
-        self.waiter = AssignmentWaiter(client, self.keys, config.gateway_id)
+        self.waiter = AssignmentWaiter(
+            client, self.keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit
+        )
+        self.holding: dict[
+            str, QueuedRequest
+        ] = {}  # waiting requests' records, to re-admit if Redis lost them
+        self.readmitted = 0
         self.upstream = Upstream(config.request_timeout_s)
         self.count_tokens = count_tokens
-        self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
+        self.backpressure = Backpressure(config.max_queue, config.max_wait_s)
+        self._workers: tuple[float, list[Heartbeat]] = (-1e9, [])
+        self._refresh: asyncio.Task | None = None  # the one in-flight refresh of the cluster view
+        self.no_workers_since: float | None = None
+        self.router_seen = time.monotonic()  # last time a router held the lease (start: a grace period)
         self.pooled_context = True  # the router binds groups for long requests (from its published state)
         self._background: set[asyncio.Task] = set()
+        self._monitor: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.waiter.start()
+        self._monitor = asyncio.create_task(self._watch(), name="gateway-monitor")
 
     async def stop(self) -> None:
+        if self._monitor:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
         await self.waiter.stop()
         await self.upstream.close()
 
     # -- cluster view ------------------------------------------------------------------------------------------
     async def workers(self, max_age_s: float = 0.25) -> list[Heartbeat]:
+        """The live engines, as read at most ``max_age_s`` ago; concurrent callers share one refresh."""
         ts, beats = self._workers
-        if time.monotonic() - ts > max_age_s:
-            beats = await live_workers(self.r, self.keys)
-            self._workers = (time.monotonic(), beats)
-            raw = await self.r.get(self.keys.router_state)
-            self.pooled_context = decode(raw, RouterState).long_context if raw else True
+        if time.monotonic() - ts <= max_age_s:
+            return beats
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._read_workers())
+        return await asyncio.shield(self._refresh)
+
+    async def _read_workers(self) -> list[Heartbeat]:
+        beats = await live_workers(self.r, self.keys)
+        raw = await self.r.get(self.keys.router_state)
+        self.pooled_context = decode(raw, RouterState).long_context if raw else True
+        self._workers = (time.monotonic(), beats)
         return beats
+
+    async def _watch(self) -> None:
+        """Once per ``monitor_s``, whatever the load: refresh the cluster view, sample the service rate, and end
+        the waiting requests when no engine has been live for ``no_worker_grace_s``."""
+        while True:
+            try:
+                await self.observe()
+            except aioredis.RedisError as exc:
+                log.warning("cluster view: redis unavailable (%r)", exc)
+            await asyncio.sleep(self.config.monitor_s)
+
+    async def observe(self) -> None:
+        beats = await self.workers(max_age_s=0)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(self.keys.stats, "assigned")
+        pipe.exists(self.keys.router_lease)
+        assigned, lease = await pipe.execute()
+        now = time.monotonic()
+        self.backpressure.rate.sample(now, int(assigned or 0))
+        if lease:
+            self.router_seen = now
+        if beats:
+            self.no_workers_since = None
+        elif self.no_workers_since is None:
+            self.no_workers_since = now
+        elif now - self.no_workers_since > self.config.no_worker_grace_s and self.waiter.pending:
+            grace = self.config.no_worker_grace_s
+            n = self.waiter.fail_all(
+                lambda: NoLiveWorkers(f"no live workers for {grace:.0f} s; request dropped")
+            )
+            log.warning("no live workers for %.0f s: %d waiting requests ended with 503", grace, n)
+
+    def degraded(self) -> list[str]:
+        """Why this deployment cannot serve new requests now (empty: it can)."""
+        why = []
+        if self.no_workers_since is not None:
+            why.append("no live engine")
+        if time.monotonic() - self.router_seen > self.config.no_router_grace_s:
+            why.append(f"no router has held the lease for {time.monotonic() - self.router_seen:.0f} s")
+        return why
 
     @staticmethod
     def context_limit(beats: list[Heartbeat], pooled: bool = True) -> int:
@@ -100,9 +165,11 @@ class Gateway:
                 f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",
                 param="model",
             )
-        beats = await self.workers()
+        beats = await self.workers() or await self.workers(max_age_s=0)  # before a 503, look again
         if not beats:
             raise NoLiveWorkers("no live workers; try again later")
+        if time.monotonic() - self.router_seen > self.config.no_router_grace_s:
+            raise NoRouter("no router is dispatching (none holds the lease); try again later")
         chat = isinstance(req, ChatCompletionRequest)
         prompt = self._count(req, chat)
         limit = self.context_limit(beats, self.pooled_context)
@@ -152,50 +219,63 @@ class Gateway:
         return asked
 
     async def enqueue(self, adm: Admitted) -> asyncio.Future[Assignment]:
-        fut = self.waiter.expect(adm.record.id)
+        """Admit to the global queue, within the backpressure limits for its priority (else 429)."""
+        rid = adm.record.id
+        limits = self.backpressure.limits(adm.record.priority)
+        fut = self.waiter.expect(rid)
         try:
-            await self.queue.admit(adm.record, self.config.max_queue)
-        except QueueFull:
-            self.waiter.forget(adm.record.id)
-            raise QueueFullError(
-                f"the queue is full ({self.config.max_queue} waiting requests); retry later"
-            ) from None
+            await self.queue.admit(adm.record, limits.max_depth, limits.max_ahead)
+        except QueueFull as exc:
+            self.waiter.forget(rid)
+            bound = limits.max_depth if exc.reason == "depth" else limits.max_ahead
+            retry = self.backpressure.retry_after_s(exc.count - bound + 1)
+            why = (
+                f"the queue is full for {adm.record.priority} priority ({exc.count} waiting)"
+                if exc.reason == "depth"
+                else f"the estimated wait is too long ({exc.count} requests ahead)"
+            )
+            raise QueueFullError(f"{why}; retry after {retry} s", retry_after_s=retry) from None
+        except BaseException:
+            self.waiter.forget(rid)
+            raise
+        self.waiter.mark_admitted(rid)
+        self.holding[rid] = adm.record
         return fut
+
+    async def readmit(self, rids: list[str]) -> None:
+        """Redis lost these waiting requests (a restart without persistence, or with the last second of AOF
+        lost): admit them again, beyond the backpressure limits (they were accepted), so the router serves
+        them."""
+        for rid in rids:
+            if (record := self.holding.get(rid)) is None:
+                continue
+            with contextlib.suppress(QueueFull, AssertionError):  # AssertionError: its record is back already
+                await self.queue.admit(record)
+            self.readmitted += 1
+        log.warning("re-admitted %d waiting requests that Redis had lost", len(rids))
 
     # -- waiting -----------------------------------------------------------------------------------------------
     async def wait_assignment(
         self, adm: Admitted, fut: asyncio.Future[Assignment], disconnected: asyncio.Task
     ) -> Assignment:
+        """The assignment (from the subscription or the reconciliation); no Redis call of its own while it
+        waits. Raises ClientGone, QueueTimeout, or NoLiveWorkers (set on the future by the monitor)."""
         rid = adm.record.id
-        deadline = time.monotonic() + self.config.queue_timeout_s
-        no_workers_since: float | None = None
         try:
-            while True:
-                done, _ = await asyncio.wait(
-                    {fut, disconnected}, timeout=0.5, return_when=asyncio.FIRST_COMPLETED
-                )
-                if fut in done:
-                    return fut.result()
-                if disconnected in done:
-                    raise ClientGone(rid)
-                if (a := await self.waiter.from_record(rid)) is not None:
-                    return a
-                now = time.monotonic()
-                if await self.workers():
-                    no_workers_since = None
-                elif no_workers_since is None:
-                    no_workers_since = now
-                elif now - no_workers_since > self.config.no_worker_grace_s:
-                    raise NoLiveWorkers(
-                        f"no live workers for {self.config.no_worker_grace_s:.0f} s; request dropped"
-                    )
-                if now > deadline:
-                    raise QueueTimeout(
-                        f"request was not scheduled within {self.config.queue_timeout_s:.0f} s"
-                    )
+            done, _ = await asyncio.wait(
+                {fut, disconnected}, timeout=self.config.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if fut in done:
+                self.holding.pop(rid, None)
+                return fut.result()
+            if disconnected in done:
+                raise ClientGone(rid)
+            raise QueueTimeout(f"request was not scheduled within {self.config.queue_timeout_s:.0f} s")
         except BaseException:
+            self.holding.pop(rid, None)
             self.waiter.forget(rid)
-            await self.queue.finish(rid, None, "cancelled", "not scheduled")
+            with contextlib.suppress(aioredis.RedisError):  # Redis away: the record expires or is reaped
+                await self.queue.finish(rid, None, "cancelled", "not scheduled")
             raise
 
     async def retry_or_fail(self, adm: Admitted, a: Assignment, why: str) -> asyncio.Future[Assignment]:
@@ -208,6 +288,8 @@ class Gateway:
         log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why)
         fut = self.waiter.expect(adm.record.id)
         await self.queue.requeue(adm.record, a.engine, why)
+        self.waiter.mark_admitted(adm.record.id)
+        self.holding[adm.record.id] = adm.record
         return fut
 
     # -- forwarding --------------------------------------------------------------------------------------------
@@ -301,9 +383,17 @@ class Gateway:
         await self.queue.finish(adm.record.id, a.engine, "cancelled", why)
 
     def spawn(self, coro: Awaitable) -> None:
-        task = asyncio.ensure_future(coro)
+        task = asyncio.ensure_future(_logged(coro))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+async def _logged(coro: Awaitable) -> None:
+    """A background step (finish, abort) that must not end in an unretrieved exception when Redis is away."""
+    try:
+        await coro
+    except aioredis.RedisError as exc:
+        log.warning("background step failed, redis unavailable: %r", exc)
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

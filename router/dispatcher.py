@@ -7,6 +7,7 @@ one atomic script."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -24,6 +25,11 @@ from router.policy import Decision, EngineView, GroupLoad, Snapshot, decide
 
 log = logging.getLogger("flying.router")
 
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
@@ -38,6 +44,8 @@ class Dispatcher:
         self.queue = RequestQueue(client, self.keys)
         self.router_id = uuid.uuid4().hex[:12]
         self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+        self.leader = False
         self._live: set[int] = set()
         self._last_reap = 0.0
         self.dispatched = 0
@@ -138,32 +146,61 @@ class Dispatcher:
                 log.info("engine %d: dropped %d stale inflight entries", e, dropped)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Dispatch while holding the lease, until ``stop``. Redis errors (an outage, a restart) are ridden out:
+        retry with backoff, then take the lease again and resume from what Redis holds."""
         log.info(
             "router %s starting (redis %s, prefix %s)",
             self.router_id,
             self.config.redis_url,
             self.keys.prefix,
         )
-        leader = False
+        self.leader, backoff, down_since = False, 0.1, None
         while not stop.is_set():
-            if not await self.hold_lease():
-                if leader:
-                    log.warning("lost the router lease; standing by")
-                leader = False
-                await asyncio.sleep(self.config.lease_ms / 4000)
+            try:
+                await self.step()
+            except aioredis.RedisError as exc:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("redis unavailable (%r); retrying with backoff", exc)
+                self.leader = False
+                await _sleep_or_stop(stop, backoff)
+                backoff = min(backoff * 2, 2.0)
                 continue
-            if not leader:
-                groups = await read_groups(self.r, self.keys)
-                log.info(
-                    "router %s holds the lease; dispatching (%d group records resumed)",
-                    self.router_id,
-                    len(groups),
-                )
-                leader = True
-            if await self.round() == 0:
-                await self.r.blpop([self.keys.wake], timeout=self.config.poll_s)
-            await self.maintenance()
-        await self.r.delete(self.keys.router_lease) if leader else None
+            if down_since is not None:
+                log.warning("redis is back after %.1f s; resuming", time.monotonic() - down_since)
+                down_since, backoff = None, 0.1
+        if self.leader:
+            with contextlib.suppress(aioredis.RedisError):
+                await self.release_lease()
+
+    async def step(self) -> None:
+        """Renew (or wait for) the lease; as leader, one policy round, then block on the wake list."""
+        if not await self.hold_lease():
+            if self.leader:
+                log.warning("lost the router lease; standing by")
+            self.leader = False
+            await asyncio.sleep(self.config.lease_ms / 4000)
+            return
+        if not self.leader:
+            groups = await read_groups(self.r, self.keys)
+            log.info(
+                "router %s holds the lease; dispatching (%d group records resumed)",
+                self.router_id,
+                len(groups),
+            )
+            self.leader = True
+        if await self.round() == 0:
+            await self.r.blpop([self.keys.wake], timeout=self.config.poll_s)
+        await self.maintenance()
+
+    async def release_lease(self) -> None:
+        """Hand the lease over at once (a standby takes it at its next try instead of after it expires)."""
+        await self._release(keys=[self.keys.router_lease], args=[self.router_id])
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
 
 
 async def read_groups(r: aioredis.Redis, keys: Keys) -> list[Group]:

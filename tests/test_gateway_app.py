@@ -100,7 +100,9 @@ def test_unassigned_request_times_out_with_504_and_leaves_the_queue(client, sync
 def test_queue_full_is_429(client, sync_redis, keys):
     fake_worker(sync_redis, keys)
     sync_redis.zadd(keys.queue, {"x1": 1, "x2": 2})
-    assert_error(client.post("/v1/chat/completions", json=ok_body(max_tokens=4)), 429, "queue_full")
+    resp = client.post("/v1/chat/completions", json=ok_body(max_tokens=4))
+    assert_error(resp, 429, "rate_limit_exceeded")
+    assert int(resp.headers["retry-after"]) >= 1
 
 
 def test_routes_methods_body_size(client):
@@ -116,3 +118,30 @@ def test_health_and_models(client, sync_redis, keys):
     assert client.get("/health").json()["live_workers"] == [0]
     card = client.get("/v1/models").json()["data"][0]
     assert card["id"] == "tiny-llama" and card["max_model_len"] == 64
+
+
+def test_health_is_degraded_without_a_live_engine_or_a_router(redis_server, sync_redis, keys):
+    """No engine: /health 503 degraded with Retry-After. An engine and a router lease: 200. The lease gone for
+    longer than the grace: /health degraded again and new requests 503 no_router with Retry-After."""
+    cfg = GatewayConfig(
+        model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, no_router_grace_s=0.5,
+        monitor_s=0.05,
+    )  # fmt: skip
+    with TestClient(create_app(cfg, count_tokens=CountWords())) as c:
+        resp = c.get("/health")
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "2"
+        assert resp.json()["status"] == "degraded" and resp.json()["reasons"] == ["no live engine"]
+        fake_worker(sync_redis, keys)
+        sync_redis.set(keys.router_lease, "r1", px=60_000)
+        time.sleep(0.2)
+        assert c.get("/health").json()["status"] == "ok"
+        sync_redis.delete(keys.router_lease)
+        time.sleep(0.8)
+        resp = c.get("/health")
+        assert resp.status_code == 503 and "no router" in resp.json()["reasons"][0]
+        resp = c.post("/v1/chat/completions", json=ok_body(max_tokens=4))
+        assert_error(resp, 503, "no_router")
+        assert resp.headers["retry-after"] == "2"
+        sync_redis.set(keys.router_lease, "r2", px=60_000)  # a standby took over
+        time.sleep(0.2)
+        assert c.get("/health").status_code == 200

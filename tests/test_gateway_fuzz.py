@@ -4,10 +4,7 @@ thread); only the engine is an httpx mock that answers every request it gets."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-import time
 
 import httpx
 import pytest
@@ -15,42 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from flying.messages import Heartbeat, encode
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from router.config import RouterConfig
-from router.dispatcher import Dispatcher
-from router.policy import PolicyConfig
-
-
-class RouterThread:
-    """The real router's loop in a thread of its own (TestClient runs the app in another thread)."""
-
-    def __init__(self, redis_url: str, prefix: str) -> None:
-        self.redis_url, self.prefix = redis_url, prefix
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
-
-    async def _main(self) -> None:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(self.redis_url)
-        self.loop, self.stop_event = asyncio.get_running_loop(), asyncio.Event()
-        policy = PolicyConfig(load_adaptation=False, priority=False, long_context=False)
-        self.ready.set()
-        try:
-            await Dispatcher(RouterConfig(key_prefix=self.prefix, policy=policy), client).run(self.stop_event)
-        finally:
-            await client.aclose()
-
-    def __enter__(self) -> RouterThread:
-        self.thread.start()
-        self.ready.wait(5)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.loop.call_soon_threadsafe(self.stop_event.set)
-        self.thread.join(5)
+from tests.stack import RouterThread, announce_engine
 
 
 def engine(request: httpx.Request) -> httpx.Response:
@@ -62,21 +26,11 @@ def engine(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "hi"}}]})
 
 
-def live_engine(sync_redis, keys) -> None:
-    hb = Heartbeat(
-        engine=0, url="http://e0", pid=1, model="tiny-llama", launch_id="L", context_len=2048,
-        max_total_tokens=4096, free_kv_tokens=4096, ts=time.time(),
-    )  # fmt: skip
-    sync_redis.set(keys.worker(0), encode(hb), px=600_000)
-    sync_redis.sadd(keys.workers, 0)
-    sync_redis.set(keys.ready(0), "L")
-
-
 @pytest.fixture
 def app_client(redis_server, sync_redis, keys, tiny_model):
     from gateway.tokens import PromptCounter
 
-    live_engine(sync_redis, keys)
+    announce_engine(sync_redis, keys)
     cfg = GatewayConfig(model_path=str(tiny_model), redis_url=redis_server.url, key_prefix=keys.prefix)
     app = create_app(cfg, count_tokens=PromptCounter(str(tiny_model)))
     with RouterThread(redis_server.url, keys.prefix), TestClient(app, raise_server_exceptions=False) as c:

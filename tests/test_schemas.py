@@ -96,5 +96,5 @@ def test_priority_header_wins_and_is_validated():
 def test_error_body_is_openai_shaped():
     body = QueueFullError("full").body()
     assert body == {
-        "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "queue_full"}
+        "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}
     }

@@ -2,8 +2,11 @@
 when the switching state (mode, epoch) changes. Never once per step: a busy engine steps every few ms, and a
 Redis write per step costs the scheduler thread measurable time (the GIL).
 
-A heartbeat key expires ``ttl_ms`` after the last write, so a dead worker vanishes from Redis within about 1 s.
-Writes happen on a background thread; the scheduler step only swaps an in-memory snapshot and sets an event.
+A heartbeat key expires ``ttl_ms`` (3 s) after the last write: long enough that a scheduler starved of CPU (or of
+the GIL) for a few seconds is not declared dead; a dead engine is found sooner by its ready key, which its launcher
+refreshes while the server process lives (``worker_ext.launch``, 1.5 s). Writes happen on a background thread;
+the scheduler step only swaps an in-memory snapshot and sets an event. Every write also re-adds the engine to the
+registry, so after Redis lost its data the engine is back within one interval.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class HeartbeatConfig:
     launch_id: str = ""
     key_prefix: str = "flying"
     interval_s: float = 0.05
-    ttl_ms: int = 1000
+    ttl_ms: int = 3000
 
     def __post_init__(self) -> None:
         assert self.engine >= 0, f"engine index must be >= 0, got {self.engine}"
@@ -89,6 +92,7 @@ class HeartbeatPublisher:
         pipe.execute()
 
     def _run(self) -> None:
+        failing_since: float | None = None
         while not self._stopped.is_set():
             self._wake.wait(self.config.interval_s)  # every interval, or at once on a switching-state change
             self._wake.clear()
@@ -96,6 +100,13 @@ class HeartbeatPublisher:
                 return
             try:
                 self.write()
-            except redis.RedisError as exc:  # keep beating; the key expiring is the failure signal
-                log.warning("heartbeat write failed: %s", exc)
-                time.sleep(self.config.interval_s)
+                if failing_since is not None:
+                    log.warning("heartbeats resumed after %.1f s", time.monotonic() - failing_since)
+                    failing_since = None
+            except (
+                redis.RedisError
+            ) as exc:  # keep beating (redis-py reconnects); the key expiring is the signal
+                if failing_since is None:
+                    log.warning("heartbeat write failed (%s); retrying", exc)
+                    failing_since = time.monotonic()
+                time.sleep(min(0.5, self.config.interval_s * 4))

@@ -2,18 +2,29 @@
 
 The launcher stays as a small parent process: it starts the SGLang server, marks the engine ready in Redis once
 the server's HTTP endpoint answers, and exits (clearing the mark) when the server dies or on SIGTERM/SIGINT.
+
+The ready key is the engine's process-liveness signal: it expires ``READY_TTL_MS`` after the launcher last saw
+the server process alive (it refreshes it every ``READY_REFRESH_S``), so an engine killed with its launcher
+vanishes within that bound however busy its scheduler was, and a Redis that lost its data (a restart without
+persistence) gets the key back within one refresh.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 
@@ -21,6 +32,12 @@ from flying import settings
 from flying.keys import Keys
 from flying.procs import NotReady, wait_healthy
 from worker_ext.cpu_compat import SGLANG_CPU_ARGS, on_cpu_host, sglang_cpu_env
+
+log = logging.getLogger("flying.worker")
+READY_TTL_MS = 1500
+READY_REFRESH_S = 0.25
+KV_SHARE = 0.25  # of the memory available at launch, split among the host's engines, for KV (CPU default)
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2}
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,44 @@ class WorkerConfig:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the host can still give without swapping)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def default_kv_tokens(
+    model_path: str, engines_on_host: int, dtype: str, available_bytes: int | None = None
+) -> int:
+    """KV tokens for a CPU engine started without ``--max-total-tokens``: its share (``KV_SHARE``) of the memory
+    available on the host, split among the host's engines, less its weights; at least one context, at most 32.
+    (SGLang's own CPU default sizes the pool from the whole machine's memory: one engine takes ~20 GB of 24.)"""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    avail = mem_available_bytes() if available_bytes is None else available_bytes
+    budget = KV_SHARE * avail / max(1, engines_on_host) - weights
+    context = int(cfg.get("max_position_embeddings") or 4096)
+    return int(max(context, min(budget // per_token, 32 * context)))
+
+
+def with_default_kv(cfg: WorkerConfig) -> WorkerConfig:
+    """On CPU without ``--max-total-tokens``: size the KV pool with :func:`default_kv_tokens`."""
+    if not cfg.cpu or cfg.max_total_tokens:
+        return cfg
+    tokens = default_kv_tokens(cfg.model_path, cfg.num_engines, cfg.dtype)
+    print(
+        f"flying-worker: engine {cfg.engine}: --max-total-tokens {tokens} (from the memory available for "
+        f"{cfg.num_engines} engines on this host; pass --max-total-tokens to choose)",
+        flush=True,
+    )
+    return dataclasses.replace(cfg, max_total_tokens=tokens)
 
 
 def sglang_command(cfg: WorkerConfig) -> list[str]:
@@ -99,17 +154,24 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
     return env
 
 
-def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
+def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 30) -> int:
     keys = Keys(cfg.key_prefix)
-    r = redis.Redis.from_url(cfg.redis_url)
-    r.delete(keys.ready(cfg.engine))
+    r = redis.Redis.from_url(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    with contextlib.suppress(redis.RedisError):
+        r.delete(keys.ready(cfg.engine))
     launch_id = uuid.uuid4().hex[:12]
     # Same process group as this launcher: whoever kills the worker's group kills the server with it.
     proc = subprocess.Popen(sglang_command(cfg), env=sglang_env(cfg, launch_id))
+    draining = threading.Event()
+    ready = threading.Event()
 
     def stop(signum, frame):
+        if ready.is_set() and not draining.is_set():  # first signal once serving: drain
+            draining.set()
+            return
         _terminate(proc)
-        r.delete(keys.ready(cfg.engine))
+        with contextlib.suppress(redis.RedisError):
+            r.delete(keys.ready(cfg.engine))
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
@@ -119,12 +181,62 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300) -> int:
             wait_healthy(proc, cfg.url, ready_timeout_s)
         except NotReady as exc:
             raise SystemExit(f"flying-worker: sglang: {exc}") from None
-        r.set(keys.ready(cfg.engine), launch_id)
         print(f"flying-worker: engine {cfg.engine} ready at {cfg.url}", flush=True)
-        return proc.wait()
+        ready.set()
+        rc = keep_ready(r, keys.ready(cfg.engine), launch_id, proc, draining)
+        if draining.is_set():
+            drain(r, keys.ready(cfg.engine), keys.inflight(cfg.engine), proc, drain_grace_s)
+            return 0
+        return rc
     finally:
         _terminate(proc)
-        r.delete(keys.ready(cfg.engine))
+        with contextlib.suppress(redis.RedisError):
+            r.delete(keys.ready(cfg.engine))
+
+
+def drain(r: redis.Redis, ready_key: str, inflight_key: str, proc: subprocess.Popen, grace_s: float) -> int:
+    """Graceful stop: withdraw the ready key (routers stop sending work: the engine is no longer live, and a group
+    it is in is released), then wait until the requests assigned to it have finished, at most ``grace_s``.
+    Returns how many were still unfinished."""
+    with contextlib.suppress(redis.RedisError):
+        r.delete(ready_key)
+    deadline = time.monotonic() + grace_s
+    left = -1
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            left = int(r.scard(inflight_key))
+        except redis.RedisError:
+            left = -1
+        if left == 0:
+            break
+        time.sleep(READY_REFRESH_S)
+    log.warning("drained (%s requests unfinished); stopping the engine", max(left, 0))
+    return max(left, 0)
+
+
+def keep_ready(
+    r: redis.Redis, key: str, launch_id: str, proc: subprocess.Popen, stop: threading.Event | None = None
+) -> int | None:
+    """Refresh the ready key while ``proc`` lives (and until ``stop``); return its exit code (None: stopped).
+    Redis errors (an outage, a restart) are ridden out: the key is written again as soon as Redis answers."""
+    down_since: float | None = None
+    while proc.poll() is None and not (stop is not None and stop.is_set()):
+        try:
+            r.set(key, launch_id, px=READY_TTL_MS)
+            if down_since is not None:
+                log.warning(
+                    "redis is back after %.1f s; ready key re-announced", time.monotonic() - down_since
+                )
+                down_since = None
+        except redis.RedisError as exc:
+            if down_since is None:
+                log.warning("redis unavailable (%r); retrying every %.2f s", exc, READY_REFRESH_S)
+                down_since = time.monotonic()
+        if stop is not None:
+            stop.wait(READY_REFRESH_S)
+        else:
+            time.sleep(READY_REFRESH_S)
+    return proc.poll()
 
 
 def _terminate(proc: subprocess.Popen) -> None:
@@ -139,6 +251,7 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     p = argparse.ArgumentParser(prog="flying-worker", description=__doc__.splitlines()[0])
     p.add_argument("--engine", type=int, required=True, help="engine index i (one per GPU)")
     p.add_argument("--num-engines", type=int, required=True, help="N, engines in the deployment")
@@ -149,8 +262,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--redis-url", default=settings.redis_url())
     p.add_argument("--key-prefix", default=settings.key_prefix())
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens; on CPU the default is sized from the memory available for the host's engines",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: leave the live set, let assigned requests finish for at most this long, then stop",
+    )
     p.add_argument(
         "--comm-port", type=int, default=None, help="rendezvous port (same on every engine) to allow binds"
     )
@@ -177,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         comm_host=a.comm_host,
         extra_args=extra,
     )
-    sys.exit(run(cfg))
+    sys.exit(run(with_default_kv(cfg), drain_grace_s=a.drain_grace_s))
 
 
 if __name__ == "__main__":

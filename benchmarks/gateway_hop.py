@@ -1,0 +1,111 @@
+"""The gateway's hop: streaming TTFT through gateway + Redis queue + router, against the same request sent straight
+to the engine, at light load (one request at a time, alternating).
+
+The engine is ``loadgen.fake_server`` (its own process) behind the workers' real liveness code (heartbeat thread,
+launcher's ready key); Redis, the router (``--manual``) and the gateway are real processes.
+
+    .venv/bin/python benchmarks/gateway_hop.py --pairs 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+from flying.keys import Keys
+from flying.procs import free_port, spawn, stop, wait_healthy
+from flying.redis_server import RedisServer
+from loadgen.fake_server import start_process
+from worker_ext import launch
+from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
+from worker_ext.tinymodel import ensure
+
+BODY = {
+    "model": "tiny-llama",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 4,
+    "stream": True,
+}
+
+
+async def ttft_ms(c: httpx.AsyncClient, url: str) -> float:
+    t0 = time.perf_counter()
+    async with c.stream("POST", url + "/v1/chat/completions", json=BODY) as r:
+        assert r.status_code == 200, await r.aread()
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data:"):
+                first = (time.perf_counter() - t0) * 1000
+                break
+        async for _ in lines:
+            pass
+    return first
+
+
+async def measure(gateway: str, engine: str, pairs: int, warmup: int = 20) -> tuple[list[float], list[float]]:
+    via, direct = [], []
+    async with httpx.AsyncClient(timeout=30) as c:
+        for i in range(warmup + pairs):
+            a, b = await ttft_ms(c, gateway), await ttft_ms(c, engine)
+            if i % 2:  # alternate which goes first
+                b, a = await ttft_ms(c, engine), await ttft_ms(c, gateway)
+            if i >= warmup:
+                via.append(a)
+                direct.append(b)
+    return via, direct
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if q < 100 else max(xs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=int, default=300)
+    a = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="gateway-hop-"))
+    model = ensure(Path(".flying/test-model"), seed=0)
+    server = RedisServer(data_dir=tmp / "redis").start()
+    keys = Keys("flying")
+    engine, engine_url = start_process(tmp / "engine.log", ttft_ms=0, itl_ms=0)
+    hb = HeartbeatPublisher(
+        HeartbeatConfig(engine=0, url=engine_url, model="tiny-llama", redis_url=server.url, launch_id="L")
+    )
+    hb.beat(context_len=4096, max_total_tokens=65536, free_kv_tokens=65536)
+    hb.start()
+    r = redis.Redis.from_url(server.url)
+    threading.Thread(target=launch.keep_ready, args=(r, keys.ready(0), "L", engine), daemon=True).start()
+    common = ["--redis-url", server.url]
+    router = spawn([sys.executable, "-m", "router.main", *common, "--manual"], tmp / "router.log")
+    port = free_port()
+    gw_cmd = [sys.executable, "-m", "gateway.main", *common, "--model-path", str(model), "--port", str(port)]
+    gateway = spawn(gw_cmd, tmp / "gateway.log")
+    gw_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(gateway, gw_url, 60)
+        via, direct = asyncio.run(measure(gw_url, engine_url, a.pairs))
+    finally:
+        for proc in (gateway, router, engine):
+            stop(proc)
+        hb.stop()
+        server.stop()
+    added = [v - d for v, d in zip(via, direct)]
+    print(f"{a.pairs} alternating pairs, streaming, max_tokens 4, one at a time (logs in {tmp})")
+    for name, xs in (("direct", direct), ("via gateway", via), ("added (pairwise)", added)):
+        print(
+            f"  {name:18s} TTFT p50 {pct(xs, 50):6.2f} ms  p90 {pct(xs, 90):6.2f} ms  p99 {pct(xs, 99):6.2f} ms"
+        )
+    print(f"  added p50 {pct(via, 50) - pct(direct, 50):.2f} ms, p99 {pct(via, 99) - pct(direct, 99):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""In-process pieces of a deployment for the gateway's tests: the real router and a real gateway (uvicorn) each in
+a thread of their own, and a fake engine's heartbeat. Real Redis comes from the ``redis_server`` fixture."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import redis.asyncio as aioredis
+import uvicorn
+
+from flying.keys import Keys
+from flying.messages import Heartbeat, encode
+from flying.procs import free_port, wait_healthy
+from router.config import RouterConfig
+from router.dispatcher import Dispatcher
+from router.policy import PolicyConfig
+
+
+class CountWords:
+    """Prompt tokens without a tokenizer: words, plus 3 for the chat template."""
+
+    def chat(self, req):
+        return sum(len(m.text().split()) for m in req.messages) + 3
+
+    def completion(self, req):
+        return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.split())
+
+
+def announce_engine(sync_redis, keys: Keys, engine: int = 0, url: str = "http://e0", **load) -> None:
+    """A live engine as the router and gateways see it: heartbeat (10 min TTL), registry, ready key."""
+    fields = dict(context_len=2048, max_total_tokens=4096, free_kv_tokens=4096) | load
+    hb = Heartbeat(engine=engine, url=url, pid=1, model="tiny-llama", launch_id="L", ts=time.time(), **fields)
+    sync_redis.set(keys.worker(engine), encode(hb), px=600_000)
+    sync_redis.sadd(keys.workers, engine)
+    sync_redis.set(keys.ready(engine), "L")
+
+
+class RouterThread:
+    """The real router's loop in a thread of its own (TestClient and uvicorn run the app in other threads)."""
+
+    def __init__(self, redis_url: str, prefix: str, **policy) -> None:
+        self.redis_url, self.prefix = redis_url, prefix
+        self.policy = PolicyConfig(
+            **({"load_adaptation": False, "priority": False, "long_context": False} | policy)
+        )
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
+
+    async def _main(self) -> None:
+        client = aioredis.Redis.from_url(self.redis_url)
+        self.loop, self.stop_event = asyncio.get_running_loop(), asyncio.Event()
+        self.ready.set()
+        try:
+            await Dispatcher(RouterConfig(key_prefix=self.prefix, policy=self.policy), client).run(
+                self.stop_event
+            )
+        finally:
+            await client.aclose()
+
+    def __enter__(self) -> RouterThread:
+        self.thread.start()
+        self.ready.wait(5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(5)
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn on a free port, in a thread; ``url`` once it answers ``health_path``."""
+
+    def __init__(self, app, health_path: str = "/health", make_server=uvicorn.Server) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = make_server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.health_path = health_path
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        wait_healthy(None, self.url, 30, path=self.health_path)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)

@@ -1,0 +1,140 @@
+"""Backpressure: per-priority limits by count and by predicted wait, Retry-After, and a burst against a real
+gateway (uvicorn), the real router and a fake engine process that ends in 200 or 429 only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from flying.queue import QueueFull, RequestQueue
+from gateway.app import create_app
+from gateway.backpressure import Backpressure, Limits, ServiceRate
+from gateway.config import GatewayConfig
+from loadgen import fake_server
+from tests.stack import CountWords, RouterThread, ServerThread, announce_engine
+from tests.test_queue import mk
+
+
+def test_service_rate_needs_history_then_follows_the_window():
+    rate = ServiceRate(window_s=10, min_span_s=2)
+    assert rate.per_s() is None
+    rate.sample(0.0, 100)
+    rate.sample(1.0, 110)
+    assert rate.per_s() is None, "1 s of history is too little"
+    for t in range(2, 30):
+        rate.sample(float(t), 110 + 10 * (t - 1))
+    assert rate.per_s() == pytest.approx(10)
+    for t in range(30, 45):
+        rate.sample(float(t), 390 + 2 * (t - 29))  # slows down: the old samples leave the window
+    assert rate.per_s() == pytest.approx(2, rel=0.2)
+    rate.sample(46.0, 5)  # counter reset (Redis lost it): no negative rate
+    assert rate.per_s() is None
+
+
+def test_limits_shed_low_first_and_bound_the_wait_once_the_rate_is_known():
+    bp = Backpressure(max_queue=100, max_wait_s=10)
+    assert (
+        bp.limits("high") == Limits(100, 0)
+        and bp.limits("low").max_depth < bp.limits("normal").max_depth < 100
+    )
+    assert bp.retry_after_s(50) == 1, "unknown rate: retry soon"
+    for t in range(5):
+        bp.rate.sample(float(t), 20 * t)  # 20 requests/s
+    assert bp.limits("high") == Limits(100, 200)
+    assert bp.limits("low").max_ahead < bp.limits("normal").max_ahead < 200
+    assert bp.retry_after_s(50) == 3 and bp.retry_after_s(10**6) == 60
+
+
+async def test_admit_refuses_by_depth_and_by_requests_ahead(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    for i in range(3):
+        await q.admit(mk(f"n{i}"))
+    await q.admit(mk("l0", "low"))
+    with pytest.raises(QueueFull) as exc:
+        await q.admit(mk("x"), max_queue=4)
+    assert (exc.value.reason, exc.value.count) == ("depth", 4)
+    with pytest.raises(QueueFull) as exc:
+        await q.admit(
+            mk("n9"), max_ahead=3
+        )  # 3 normal requests wait ahead of it (the low one does not count)
+    assert (exc.value.reason, exc.value.count) == ("wait", 3)
+    await q.admit(mk("h0", "high"), max_ahead=1)  # nothing of high priority waits: admitted
+    assert await q.depth() == 5
+
+
+@pytest.fixture
+def engine_url(tmp_path):
+    proc, url = fake_server.start_process(tmp_path / "engine.log", ttft_ms=20, itl_ms=5)
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+async def burst(url: str, n: int, priority: str) -> list[httpx.Response]:
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "stream": True,
+    }
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
+        headers = {"X-Priority": priority}
+        return await asyncio.gather(
+            *(c.post("/v1/chat/completions", json=body, headers=headers) for _ in range(n))
+        )
+
+
+def test_a_burst_gets_200_or_429_with_retry_after_only(redis_server, sync_redis, keys, engine_url):
+    """300 requests at once, a queue of 100 and a Redis pool of 8 connections: every answer is 200 or a 429 with
+    Retry-After and an OpenAI-shaped rate_limit_exceeded body; the pool makes callers wait, it never refuses."""
+    announce_engine(sync_redis, keys, url=engine_url)
+    cfg = GatewayConfig(
+        model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, max_queue=100,
+        redis_max_connections=8, queue_timeout_s=60,
+    )  # fmt: skip
+    with (
+        RouterThread(redis_server.url, keys.prefix, max_inflight_per_worker=8),
+        ServerThread(create_app(cfg, count_tokens=CountWords())) as gw,
+    ):
+        answers = asyncio.run(burst(gw.url, 300, "normal"))
+    statuses = [r.status_code for r in answers]
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
+    assert statuses.count(200) >= 85, (
+        f"at least the queue's share for normal priority is served: {statuses.count(200)}"
+    )
+    refused = [r for r in answers if r.status_code == 429]
+    assert refused, "a queue of 100 cannot take 300 at once"
+    for r in refused:
+        assert int(r.headers["retry-after"]) >= 1
+        assert (
+            r.json()["error"]["code"] == "rate_limit_exceeded"
+            and r.json()["error"]["type"] == "rate_limit_error"
+        )
+    for r in answers:
+        if r.status_code == 200:
+            assert r.text.rstrip().endswith("data: [DONE]")
+
+
+async def test_low_priority_is_shed_before_high(redis_server, aredis, sync_redis, keys):
+    """At the same queue depth a low-priority request is refused and a high-priority one admitted."""
+    from gateway.errors import QueueFullError
+    from gateway.schemas import ChatCompletionRequest, Message
+    from gateway.service import Gateway
+
+    announce_engine(sync_redis, keys)
+    cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, max_queue=10)
+    gw = Gateway(cfg, aredis, CountWords())
+    q = RequestQueue(aredis, keys)
+    for i in range(7):  # 70% full: above low's share (60%), below normal's (85%)
+        await q.admit(mk(f"n{i}"))
+    req = ChatCompletionRequest(model="tiny-llama", messages=[Message(role="user", content="hi")])
+    with pytest.raises(QueueFullError) as exc:
+        await gw.enqueue(await gw.admit(req, "chat", "low"))
+    assert exc.value.retry_after_s >= 1 and "low priority" in exc.value.message
+    for p in ("normal", "high"):
+        await gw.enqueue(await gw.admit(req, "chat", p))
+    assert await q.depth() == 9
+    assert not gw.waiter.pending.keys() - gw.waiter.admitted

@@ -1,0 +1,87 @@
+"""Waiting does not scale with the queue: a gateway holding 10,000 waiting requests uses a bounded number of Redis
+connections, its event loop stays responsive, and assignments still arrive by message or by reconciliation."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import msgspec
+
+from flying.queue import RequestQueue
+from gateway.app import redis_client
+from gateway.config import GatewayConfig
+from gateway.schemas import ChatCompletionRequest, Message
+from gateway.service import Gateway
+from tests.stack import CountWords, announce_engine
+
+N = 10_000
+
+
+async def loop_lag(seconds: float, tick_s: float = 0.01) -> list[float]:
+    """How late each of many short sleeps wakes up, over ``seconds``."""
+    lags, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.monotonic()
+        await asyncio.sleep(tick_s)
+        lags.append(time.monotonic() - t - tick_s)
+    return lags
+
+
+def connections(sync_redis, name: str) -> int:
+    return sum(1 for c in sync_redis.client_list() if c.get("name") == name)
+
+
+async def test_ten_thousand_waiting_requests(redis_server, sync_redis, aredis, keys):
+    announce_engine(sync_redis, keys)
+    sync_redis.set(keys.router_lease, "absent-router", px=600_000)  # not degraded: admission stays open
+    cfg = GatewayConfig(
+        model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, max_queue=2 * N,
+        queue_timeout_s=300, reconcile_s=0.5,
+    )  # fmt: skip
+    gw = Gateway(cfg, redis_client(cfg), CountWords())
+    await gw.start()
+    req = ChatCompletionRequest(model="tiny-llama", messages=[Message(role="user", content="hi")])
+    connected = asyncio.create_task(asyncio.Event().wait())
+
+    async def one():
+        adm = await gw.admit(req, "chat", "normal")
+        return await gw.wait_assignment(adm, await gw.enqueue(adm), connected)
+
+    try:
+        idle = await loop_lag(1.0)
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(one()) for _ in range(N)]
+        while len(gw.waiter.admitted) < N:
+            await asyncio.sleep(0.1)
+            assert time.monotonic() - t0 < 120, f"only {len(gw.waiter.admitted)} admitted"
+        admit_s = time.monotonic() - t0
+        busy = await loop_lag(3.0)  # six reconciliation rounds over all 10,000
+        used = connections(sync_redis, f"flying-gw-{cfg.gateway_id}")
+        print(
+            f"\nadmitted {N} in {admit_s:.1f} s; {used} Redis connections; loop lag p50/max "
+            f"idle {statistics.median(idle) * 1e3:.1f}/{max(idle) * 1e3:.1f} ms, "
+            f"with {N} waiting {statistics.median(busy) * 1e3:.1f}/{max(busy) * 1e3:.1f} ms"
+        )
+        assert used <= cfg.redis_max_connections + 1 < 50
+        assert statistics.median(busy) < 0.02 and max(busy) < 0.3, "the event loop stays responsive"
+        assert all(not t.done() for t in tasks), "nobody was assigned, nobody gave up"
+
+        q = RequestQueue(aredis, keys)
+        heads = await q.peek(20)
+        for r in heads[:10]:  # the message goes to another gateway's channel: only reconciliation finds these
+            await q.assign(msgspec.structs.replace(r, gateway="elsewhere"), 0, "http://e0")
+        for r in heads[10:]:
+            await q.assign(r, 0, "http://e0")
+        await asyncio.sleep(1.2)
+        done = [t.result() for t in tasks if t.done()]
+        assert sorted(a.id for a in done) == sorted(r.id for r in heads)
+        assert gw.waiter.reconciled == 10
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        connected.cancel()
+        await gw.stop()
+        await gw.r.aclose()

@@ -1,0 +1,114 @@
+"""The launcher's liveness signal: the ready key lives exactly as long as the server process (refreshed with a
+TTL), and rides out Redis losing its data or restarting."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import redis
+
+from flying.redis_server import RedisServer
+from worker_ext import launch
+
+
+def keep_ready_in_thread(r, key, proc) -> dict:
+    out: dict = {}
+    t = threading.Thread(
+        target=lambda: out.setdefault("rc", launch.keep_ready(r, key, "L1", proc)), daemon=True
+    )
+    t.start()
+    out["thread"] = t
+    return out
+
+
+def wait_for(pred, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < timeout_s, "condition not met in time"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_ready_key_expires_with_the_server_process(sync_redis, keys):
+    proc = subprocess.Popen(["sleep", "1.5"])
+    out = keep_ready_in_thread(sync_redis, keys.ready(0), proc)
+    wait_for(lambda: sync_redis.get(keys.ready(0)) == b"L1", 2)
+    assert 0 < sync_redis.pttl(keys.ready(0)) <= launch.READY_TTL_MS
+    sync_redis.delete(keys.ready(0))  # Redis lost it: back within one refresh
+    assert wait_for(lambda: sync_redis.exists(keys.ready(0)), 1) < 2 * launch.READY_REFRESH_S
+    out["thread"].join(5)
+    assert out["rc"] == 0
+    assert wait_for(lambda: not sync_redis.exists(keys.ready(0)), 2) <= launch.READY_TTL_MS / 1000
+
+
+def test_ready_key_comes_back_after_a_redis_restart(tmp_path, keys):
+    server = RedisServer(data_dir=tmp_path).start()
+    r = redis.Redis.from_url(server.url, socket_timeout=1, socket_connect_timeout=1)
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        out = keep_ready_in_thread(r, keys.ready(0), proc)
+        wait_for(lambda: r.exists(keys.ready(0)), 2)
+        server.stop()
+        time.sleep(1.0)  # the launcher keeps going while Redis is away
+        assert out["thread"].is_alive()
+        server = RedisServer(port=server.port, data_dir=tmp_path).start()  # no persistence: the data is gone
+        assert wait_for(lambda: r.exists(keys.ready(0)), 5) < 2
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop()
+
+
+def test_a_cpu_worker_without_max_total_tokens_sizes_its_kv_from_the_hosts_memory(tiny_model):
+    gib = 1 << 30
+    two_on_24 = launch.default_kv_tokens(str(tiny_model), 2, "float32", available_bytes=22 * gib)
+    per_token = 2 * 4 * 4 * 32 * 4  # K and V, 4 layers, 4 KV heads of 32, fp32
+    assert two_on_24 * per_token <= 22 * gib * launch.KV_SHARE / 2, "each engine stays within its share"
+    assert two_on_24 == 32 * 4096, "capped at 32 contexts"
+    assert launch.default_kv_tokens(str(tiny_model), 2, "float32", available_bytes=gib // 100) == 4096, (
+        "one context"
+    )
+    cfg = launch.WorkerConfig(engine=0, num_engines=2, model_path=str(tiny_model), port=30000, cpu=True)
+    sized = launch.with_default_kv(cfg)
+    assert sized.max_total_tokens and "--max-total-tokens" in launch.sglang_command(sized)
+    assert (
+        launch.with_default_kv(
+            launch.WorkerConfig(**{**cfg.__dict__, "max_total_tokens": 512})
+        ).max_total_tokens
+        == 512
+    )
+    gpu = launch.WorkerConfig(**{**cfg.__dict__, "cpu": False})
+    assert launch.with_default_kv(gpu).max_total_tokens is None, "GPU engines keep SGLang's own sizing"
+
+
+def test_drain_withdraws_readiness_then_waits_for_assigned_requests(sync_redis, keys):
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        stop = threading.Event()
+        sync_redis.sadd(keys.inflight(0), "a", "b")
+        t = threading.Thread(target=launch.keep_ready, args=(sync_redis, keys.ready(0), "L1", proc, stop))
+        t.start()
+        wait_for(lambda: sync_redis.exists(keys.ready(0)), 2)
+        stop.set()  # SIGTERM
+        t.join(1)
+        assert not t.is_alive()
+        out: dict = {}
+        d = threading.Thread(
+            target=lambda: out.setdefault(
+                "left", launch.drain(sync_redis, keys.ready(0), keys.inflight(0), proc, grace_s=10)
+            )
+        )
+        d.start()
+        wait_for(lambda: not sync_redis.exists(keys.ready(0)), 1)  # not live any more: no new work
+        time.sleep(0.5)
+        assert d.is_alive(), "still serving its two requests"
+        sync_redis.srem(keys.inflight(0), "a", "b")
+        d.join(2)
+        assert out["left"] == 0 and proc.poll() is None, "the launcher stops the engine after drain() returns"
+        sync_redis.sadd(keys.inflight(0), "c")
+        assert launch.drain(sync_redis, keys.ready(0), keys.inflight(0), proc, grace_s=0.3) == 1, "grace over"
+    finally:
+        proc.kill()
+        proc.wait()
