@@ -133,12 +133,12 @@ class Cluster:
     def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
         stop(self.workers.pop(i), sig=sig)
 
-    def restart_redis(self, down_s: float = 1.0) -> None:
-        """Stop the private redis-server, wait ``down_s``, start it again on the same port and data directory
-        (with AOF it comes back with its data)."""
+    def restart_redis(self, down_s: float = 1.0, sig: int = signal.SIGTERM) -> None:
+        """Stop the private redis-server with ``sig``, wait ``down_s``, start it again on the same port and data
+        directory (with AOF it comes back with its data, all but the last second after a SIGKILL)."""
         assert self.redis_server is not None, "only a Redis this cluster started can be restarted"
         old = self.redis_server
-        old.stop()
+        stop(old.proc, sig=sig)
         time.sleep(down_s)
         self.redis_server = RedisServer(port=old.port, data_dir=old.data_dir, aof=old.aof).start()
 
