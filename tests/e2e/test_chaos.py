@@ -77,6 +77,17 @@ def test_300_at_once_get_200_or_429_with_retry_after(stack):
     assert counts(results).get(200, 0) >= 80
 
 
+def test_overload_ends_every_request_with_200_429_or_a_deadline_504(stack):
+    """40 requests/s for 30 s (about 4x what two CPU engines serve): nothing but 200, 429 with Retry-After, or
+    504 queue_timeout."""
+    t0 = time.monotonic()
+    results = asyncio.run(paced(stack.config.gateway_url, 1200, 40))
+    print(f"overload 40 req/s x 30 s: {counts(results)} in {time.monotonic() - t0:.0f} s")
+    assert set(counts(results)) <= {200, 429, 504}, counts(results)
+    assert all(int(ra) >= 1 for s, ra, _ in results if s == 429)
+    assert counts(results).get(200, 0) >= 100
+
+
 def test_redis_kill_and_restart_under_load_loses_no_accepted_request(stack):
     """SIGKILL Redis mid-load, restart after 1 s (AOF everysec): every request accepted before the kill is
     served; requests during the outage get 503 + Retry-After; a request 5 s after the restart is served."""
