@@ -38,6 +38,7 @@ class ClusterConfig:
     bindable: bool = True  # workers build the communicator pool and accept bind/release commands
     comm_port: int = field(default_factory=free_port)
     gateway_args: tuple[str, ...] = ()
+    standby_router: bool = False  # a second router waiting for the lease (the demo runs one)
 
     def __post_init__(self) -> None:
         assert self.num_engines >= 1, "num_engines must be >= 1"
@@ -63,6 +64,7 @@ class Cluster:
         self.redis_url = config.redis_url or ""
         self.workers: dict[int, subprocess.Popen] = {}
         self.router: subprocess.Popen | None = None
+        self.standby: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -75,6 +77,8 @@ class Cluster:
             for i in range(self.config.num_engines):
                 self.start_worker(i)
             self.start_router()
+            if self.config.standby_router:
+                self.start_standby()
             self.start_gateway()
             self.wait_live(range(self.config.num_engines), timeout_s)
             self.wait_gateway(timeout_s=60)
@@ -84,7 +88,7 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        stop_all([self.gateway, self.router, *self.workers.values()])
+        stop_all([self.gateway, self.router, self.standby, *self.workers.values()])
         if self.redis_server:
             self.redis_server.stop()
 
@@ -120,6 +124,16 @@ class Cluster:
         args = self.config.router_args if args is None else args
         self.router = spawn(self._command("router.main", *args), self.log("router"))
         self.progress("router starting")
+
+    def start_standby(self, args: tuple[str, ...] | None = None) -> None:
+        """A second router with the same arguments: it dispatches only once the router's lease is free."""
+        args = self.config.router_args if args is None else args
+        self.standby = spawn(self._command("router.main", *args), self.log("router-standby"))
+        self.progress("standby router starting")
+
+    def kill_standby(self, sig: int = signal.SIGKILL) -> None:
+        stop(self.standby, sig=sig)
+        self.standby = None
 
     def start_gateway(self) -> None:
         c = self.config

@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     say(f"tiny model at {model}")
     cluster = Cluster(
         ClusterConfig(
-            model_path=model, num_engines=a.engines, log_dir=a.workdir / "logs", redis_url=a.redis_url
+            model_path=model,
+            num_engines=a.engines,
+            log_dir=a.workdir / "logs",
+            redis_url=a.redis_url,
+            standby_router=True,
         ),
         progress=say,
     )

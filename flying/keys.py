@@ -67,6 +67,11 @@ class Keys:
         """SET of request ids assigned to engine and not yet finished."""
         return f"{self.prefix}:inflight:{engine}"
 
+    def gateway(self, gateway_id: str) -> str:
+        """STRING (PX 3 s, refreshed every 0.25 s): a live gateway. The router ends the requests of a gateway
+        whose key has been gone for a few seconds (they have no client any more) and aborts them on the engines."""
+        return f"{self.prefix}:gateway:{gateway_id}"
+
     def gateway_channel(self, gateway_id: str) -> str:
         """Pub/sub channel on which the router tells one gateway where its requests go."""
         return f"{self.prefix}:gw:{gateway_id}"

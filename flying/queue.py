@@ -179,9 +179,9 @@ class RequestQueue:
             return []
         pipe = self.r.pipeline(transaction=False)
         for rid in ids:
-            pipe.hgetall(self.keys.request(_s(rid)))
+            pipe.hgetall(self.keys.request(text(rid)))
         rows = await pipe.execute()
-        return [from_hash(_decode(row), QueuedRequest) for row in rows if row]
+        return [from_hash(decode_row(row), QueuedRequest) for row in rows if row]
 
     async def assigned_or_missing(self, rids: Sequence[str]) -> tuple[list[Assignment], list[str]]:
         """For many waiting requests in one round trip: the assignments recorded for those assigned, and the ids
@@ -192,59 +192,38 @@ class RequestQueue:
         assigned, missing = [], []
         for row in rows:
             rid = rids[int(row[0]) - 1]
-            if _s(row[1]) == "missing":
+            if text(row[1]) == "missing":
                 missing.append(rid)
             elif row[3]:
                 assigned.append(
-                    Assignment(id=rid, engine=int(row[2]), url=_s(row[3]), queue_ms=float(row[4]))
+                    Assignment(id=rid, engine=int(row[2]), url=text(row[3]), queue_ms=float(row[4]))
                 )
         return assigned, missing
 
     async def get(self, rid: str) -> dict[str, str]:
-        return _decode(await self.r.hgetall(self.keys.request(rid)))
+        return decode_row(await self.r.hgetall(self.keys.request(rid)))
 
     async def depth(self) -> int:
         return int(await self.r.zcard(self.keys.queue))
-
-    async def inflight_counts(self, engines: Sequence[int]) -> dict[int, int]:
-        pipe = self.r.pipeline(transaction=False)
-        for e in engines:
-            pipe.scard(self.keys.inflight(e))
-        return dict(zip(engines, map(int, await pipe.execute())))
-
-    async def group_loads(self, groups: Sequence[tuple[int, int]]) -> dict[int, tuple[int, int, int]]:
-        """(epoch, leader) pairs -> (TP requests assigned in that epoch and unfinished, their KV tokens, the
-        largest one's KV tokens)."""
-        out: dict[int, tuple[int, int, int]] = {}
-        for epoch, leader in groups:
-            rids = [_s(m) for m in await self.r.smembers(self.keys.inflight(leader))]
-            pipe = self.r.pipeline(transaction=False)
-            for rid in rids:
-                pipe.hmget(self.keys.request(rid), ["epoch", "prompt_tokens", "max_tokens"])
-            n = kv = top = 0
-            for ep, p, m in await pipe.execute() if rids else []:
-                if ep is not None and int(ep) == epoch:
-                    one = int(p or 0) + int(m or 0)
-                    n, kv, top = n + 1, kv + one, max(top, one)
-            out[epoch] = (n, kv, top)
-        return out
 
     async def wake_router(self) -> None:
         await self.r.lpush(self.keys.wake, 1)
 
 
-def _s(x: bytes | str) -> str:
+def text(x: bytes | str) -> str:
+    """A Redis reply value as str."""
     return x.decode() if isinstance(x, bytes) else x
 
 
-def _decode(row: dict) -> dict[str, str]:
-    return {_s(k): _s(v) for k, v in row.items()}
+def decode_row(row: dict) -> dict[str, str]:
+    """A Redis hash reply as str -> str."""
+    return {text(k): text(v) for k, v in row.items()}
 
 
 async def reap_stale_inflight(q: RequestQueue, engine: int) -> int:
     """Drop ids from an engine's inflight set whose request is no longer assigned to it (e.g. its gateway died
     and the record expired). Returns how many were dropped."""
-    members = [_s(m) for m in await q.r.smembers(q.keys.inflight(engine))]
+    members = [text(m) for m in await q.r.smembers(q.keys.inflight(engine))]
     if not members:
         return 0
     pipe = q.r.pipeline(transaction=False)
@@ -254,8 +233,37 @@ async def reap_stale_inflight(q: RequestQueue, engine: int) -> int:
     stale = [
         rid
         for rid, (state, eng) in zip(members, rows)
-        if _s(state or b"") != "assigned" or _s(eng or b"") != str(engine)
+        if text(state or b"") != "assigned" or text(eng or b"") != str(engine)
     ]
     if stale:
         await q.r.srem(q.keys.inflight(engine), *stale)
     return len(stale)
+
+
+async def orphans(q: RequestQueue, engines: Sequence[int]) -> dict[str, list[tuple[str, int | None, str]]]:
+    """Waiting and assigned requests by gateway id, for the gateways whose liveness key is gone: gateway ->
+    [(request id, engine or None while queued, engine url)]."""
+    k = q.keys
+    pipe = q.r.pipeline(transaction=False)
+    pipe.zrange(k.queue, 0, -1)
+    for e in engines:
+        pipe.smembers(k.inflight(e))
+    rows = await pipe.execute()
+    held = [(text(rid), None) for rid in rows[0]]
+    held += [(text(rid), e) for e, members in zip(engines, rows[1:]) for rid in members]
+    if not held:
+        return {}
+    pipe = q.r.pipeline(transaction=False)
+    for rid, _ in held:
+        pipe.hmget(k.request(rid), ["gateway", "url"])
+    records = await pipe.execute()
+    by_gateway: dict[str, list[tuple[str, int | None, str]]] = {}
+    for (rid, engine), (gw, url) in zip(held, records):
+        if gw:
+            by_gateway.setdefault(text(gw), []).append((rid, engine, text(url or b"")))
+    names = list(by_gateway)
+    pipe = q.r.pipeline(transaction=False)
+    for gw in names:
+        pipe.exists(k.gateway(gw))
+    alive = await pipe.execute()
+    return {gw: by_gateway[gw] for gw, up in zip(names, alive) if not up}

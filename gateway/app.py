@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from flying import taskdump
 from gateway import schemas
 from gateway.config import GatewayConfig
 from gateway.drain import CountRequests, Drain
@@ -207,6 +208,7 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
         gw.started = time.time()
         await gw.start()
         app.state.gateway = gw
+        taskdump.install(asyncio.get_running_loop())
         log.info(
             "gateway %s serving %s on %s:%d",
             config.gateway_id,

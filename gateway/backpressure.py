@@ -1,9 +1,10 @@
 """Backpressure: how many requests the queue may hold for a new request of each priority, by count and by the
-wait the recent service rate predicts, and how long a refused client should wait before retrying.
+wait the measured service capacity predicts, and how long a refused client should wait before retrying.
 
 Low priority is shed first, high last: each class may fill only its share of the queue (``SHARE``), and waits only
-its share of ``max_wait_s`` behind the requests ahead of it. The service rate is the router's assignment rate,
-read from the shared ``assigned`` counter over a sliding window, so every gateway sees the deployment's rate.
+its share of ``max_wait_s`` behind the requests ahead of it. The capacity is the router's assignment rate while
+requests were waiting, read from the shared ``assigned`` counter over a sliding window, so every gateway sees the
+deployment's; until it is known (cold start, light load) only the count bounds the queue.
 """
 
 from __future__ import annotations
@@ -27,28 +28,34 @@ class Limits:
 
 
 class ServiceRate:
-    """Requests served per second over the last ``window_s``, from samples of a monotonic counter."""
+    """The deployment's service capacity: requests dispatched per second while the queue was backlogged, over the
+    last ``window_s``, from samples of the monotonic ``assigned`` counter and the queue depth.
+
+    Only intervals that began and ended with requests waiting count: at light load the dispatch rate is the
+    arrival rate, not what the engines can serve, and a wait predicted from it would refuse a burst that the
+    engines take at once. With less than ``min_span_s`` of backlog in the window the capacity is unknown."""
 
     def __init__(self, window_s: float = 10.0, min_span_s: float = 2.0) -> None:
         self.window_s = window_s
         self.min_span_s = min_span_s
-        self.samples: deque[tuple[float, int]] = deque()
+        self.samples: deque[tuple[float, int, bool]] = deque()
 
-    def sample(self, now: float, count: int) -> None:
+    def sample(self, now: float, count: int, backlogged: bool = True) -> None:
         if self.samples and count < self.samples[-1][1]:  # the counter was reset (Redis lost it): start over
             self.samples.clear()
-        self.samples.append((now, count))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+        self.samples.append((now, count, backlogged))
+        while self.samples and now - self.samples[0][0] > self.window_s:
             self.samples.popleft()
 
     def per_s(self) -> float | None:
-        """The rate, or None while the window holds too little history to tell."""
-        if len(self.samples) < 2:
+        """The capacity, or None while the window holds too little backlogged history to tell."""
+        span = served = 0.0
+        for (t0, c0, b0), (t1, c1, b1) in zip(self.samples, list(self.samples)[1:]):
+            if b0 and b1:
+                span, served = span + (t1 - t0), served + (c1 - c0)
+        if span < self.min_span_s:
             return None
-        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
-        if t1 - t0 < self.min_span_s:
-            return None
-        return (c1 - c0) / (t1 - t0)
+        return served / span
 
 
 class Backpressure:

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+import httpx
 import msgspec
 import redis.asyncio as aioredis
 
@@ -33,11 +34,15 @@ from gateway.errors import (
     QueueTimeout,
     WorkerFailed,
 )
+from gateway.resume import Resumable, upstream_body
 from gateway.schemas import ChatCompletionRequest, requested_max_tokens
 from gateway.upstream import Upstream, WorkerUnavailable
 
 log = logging.getLogger("flying.gateway")
 SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
+GATEWAY_TTL_MS = (
+    3000  # the liveness key's TTL; refreshed every monitor_s (the router reaps a dead gateway's work)
+)
 
 
 class ClientGone(Exception):
@@ -52,6 +57,7 @@ class Admitted:
     path: str  # SGLang endpoint
     body: dict
     stream: bool
+    resume: Resumable | None = None  # a stream that can continue on another engine (see gateway.resume)
 
 
 class Gateway:
@@ -79,6 +85,7 @@ class Gateway:
         self._monitor: asyncio.Task | None = None
 
     async def start(self) -> None:
+        await self.r.set(self.keys.gateway(self.config.gateway_id), self.config.gateway_id, px=GATEWAY_TTL_MS)
         await self.waiter.start()
         self._monitor = asyncio.create_task(self._watch(), name="gateway-monitor")
 
@@ -89,6 +96,8 @@ class Gateway:
                 await self._monitor
         await self.waiter.stop()
         await self.upstream.close()
+        with contextlib.suppress(aioredis.RedisError):
+            await self.r.delete(self.keys.gateway(self.config.gateway_id))
 
     # -- cluster view ------------------------------------------------------------------------------------------
     async def workers(self, max_age_s: float = 0.25) -> list[Heartbeat]:
@@ -120,11 +129,13 @@ class Gateway:
     async def observe(self) -> None:
         beats = await self.workers(max_age_s=0)
         pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.keys.gateway(self.config.gateway_id), self.config.gateway_id, px=GATEWAY_TTL_MS)
         pipe.hget(self.keys.stats, "assigned")
         pipe.exists(self.keys.router_lease)
-        assigned, lease = await pipe.execute()
+        pipe.zcard(self.keys.queue)
+        _, assigned, lease, depth = await pipe.execute()
         now = time.monotonic()
-        self.backpressure.rate.sample(now, int(assigned or 0))
+        self.backpressure.rate.sample(now, int(assigned or 0), backlogged=depth > 0)
         if lease:
             self.router_seen = now
         if beats:
@@ -171,7 +182,8 @@ class Gateway:
         if time.monotonic() - self.router_seen > self.config.no_router_grace_s:
             raise NoRouter("no router is dispatching (none holds the lease); try again later")
         chat = isinstance(req, ChatCompletionRequest)
-        prompt = self._count(req, chat)
+        ids = self._tokens(req, chat)
+        prompt = ids if isinstance(ids, int) else len(ids)
         limit = self.context_limit(beats, self.pooled_context)
         max_tokens = self._max_tokens(req, prompt, limit)
         rid = uuid.uuid4().hex
@@ -188,13 +200,21 @@ class Gateway:
             enqueued_at=time.time(),
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        return Admitted(record, path, body, bool(req.stream))
+        if not req.stream or req.logprobs or (not chat and req.echo):  # these keep the engine's own endpoint
+            return Admitted(record, path, body, bool(req.stream))
+        up = upstream_body(body, chat, ids if chat else None)
+        known = (
+            up["prompt"] if isinstance(up["prompt"], list) else None
+        )  # a text prompt's: from the first chunk
+        return Admitted(
+            record, "/v1/completions", up, True, Resumable(up, max_tokens, chat=chat, prompt_ids=known)
+        )
 
-    def _count(self, req, chat: bool) -> int:
-        """Prompt tokens; a prompt the tokenizer or chat template rejects (e.g. roles a template does not
-        allow) is the client's error."""
+    def _tokens(self, req, chat: bool) -> list[int] | int:
+        """The chat prompt's token ids, or a completion prompt's length; a prompt the tokenizer or chat
+        template rejects (e.g. roles a template does not allow) is the client's error."""
         try:
-            return self.count_tokens.chat(req) if chat else self.count_tokens.completion(req)
+            return self.count_tokens.chat_ids(req) if chat else self.count_tokens.completion(req)
         except Exception as exc:  # noqa: BLE001 - tokenizers and Jinja templates raise anything
             param = "messages" if chat else "prompt"
             raise InvalidRequest(f"the {param} could not be tokenized: {exc}", param=param) from None
@@ -350,25 +370,31 @@ class Gateway:
     async def relay(
         self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[str]
     ) -> AsyncIterator[bytes]:
-        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`); a stream that breaks, or that
-        the engine aborts (its TP group lost a member), after the first event ends with an error event."""
+        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`). A resumable stream whose engine
+        dies, or aborts it (its TP group lost a member), after the first event continues on another engine from
+        the tokens already sent (:mod:`gateway.resume`, within ``max_attempts``); any other broken stream ends
+        with an error event."""
         state, error = "cancelled", "client disconnected"
         try:
-            async for line in events:
-                if not line.startswith("data:"):
-                    continue
-                yield (line + "\n\n").encode()
-                if line.strip() == "data: [DONE]":
+            while True:
+                try:
+                    async for chunk in self._events(adm, a, events):
+                        yield chunk
                     state, error = "done", ""
-                elif why := unavailable(line):
-                    raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
-            if state != "done":
-                raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
-        except (
-            Exception
-        ) as exc:  # any upstream failure (httpx, early close) ends the stream with an error event
+                    break
+                except WorkerUnavailable as exc:
+                    if adm.resume is None or adm.resume.prompt_ids is None:
+                        raise
+                    with contextlib.suppress(Exception):
+                        await resp.aclose()
+                    if adm.resume.remaining() <= 0:  # it broke after its last token: nothing left to ask
+                        yield b"data: [DONE]\n\n"
+                        state, error = "done", ""
+                        break
+                    a, resp, events = await self._resume(adm, a, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any upstream failure that cannot be resumed: an error event
             state, error = "failed", f"engine {a.engine} failed mid-stream: {exc!r}"
-            yield sse_error(WorkerFailed(error))
+            yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error))
             yield b"data: [DONE]\n\n"
         finally:
             with contextlib.suppress(Exception):
@@ -377,6 +403,46 @@ class Gateway:
                 self.spawn(self._abandon(adm, a, error))
             else:
                 self.spawn(self.queue.finish(adm.record.id, a.engine, state, error))
+
+    async def _events(self, adm: Admitted, a: Assignment, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        """One engine's events as the client gets them, through ``[DONE]``; WorkerUnavailable if the engine fails,
+        aborts the request or closes the stream before its end."""
+        try:
+            async for line in events:
+                if not line.startswith("data:"):
+                    continue
+                if line.strip() == "data: [DONE]":
+                    yield b"data: [DONE]\n\n"
+                    return
+                if adm.resume is None:
+                    yield (line + "\n\n").encode()
+                    if why := unavailable(line):
+                        raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
+                    continue
+                event, out = adm.resume.event(line[5:].strip())
+                if why := unavailable_event(event):
+                    raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
+                if out is not None:
+                    yield b"data: " + out + b"\n\n"
+        except httpx.HTTPError as exc:
+            raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}") from exc
+        raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
+
+    async def _resume(self, adm: Admitted, a: Assignment, why: str):
+        """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),
+        then the remaining tokens from a new engine. Returns (assignment, response, events)."""
+        body = adm.resume.continuation()
+        log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated))
+        fut = await self.retry_or_fail(adm, a, why)
+        never = (
+            asyncio.get_running_loop().create_future()
+        )  # a client that leaves cancels this generator instead
+        a = await self.wait_assignment(adm, fut, never)
+        resp = await self.upstream.open_stream(a.url, adm.path, body)
+        if resp.status_code != 200:
+            await resp.aread()
+            raise WorkerUnavailable(f"engine {a.engine} answered {resp.status_code}: {resp.text[:200]}")
+        return a, resp, await self.first_event(adm, a, resp, never)
 
     async def _abandon(self, adm: Admitted, a: Assignment, why: str) -> None:
         await self.upstream.abort(a.url, adm.record.id)
@@ -403,17 +469,22 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def unavailable(line: str) -> str:
-    """Why an SSE event says the engine gave up on the request ('' if it does not): a 503 error event, or an
-    abort (SGLang's end of a TP request whose group lost a member). Before the first token the request is
-    re-dispatched; after it the stream ends with an error event."""
+    """Why an SSE line says the engine gave up on the request ('' if it does not): see unavailable_event."""
     with contextlib.suppress(ValueError):
-        event = json.loads(line[5:])
-        if isinstance(event, dict):
-            err = event.get("error")
-            if isinstance(err, dict) and err.get("code") in (503, "503", "SERVICE_UNAVAILABLE"):
-                return str(err.get("message", "503"))
-            if any(c.get("finish_reason") == "abort" for c in event.get("choices") or ()):
-                return "aborted"
+        return unavailable_event(json.loads(line[5:]))
+    return ""
+
+
+def unavailable_event(event) -> str:
+    """Why an event says the engine gave up on the request ('' if it does not): a 503 error event, or an abort
+    (SGLang's end of a TP request whose group lost a member). Before the first token the request is
+    re-dispatched; after it a resumable stream continues elsewhere, any other ends with an error event."""
+    if isinstance(event, dict):
+        err = event.get("error")
+        if isinstance(err, dict) and err.get("code") in (503, "503", "SERVICE_UNAVAILABLE"):
+            return str(err.get("message", "503"))
+        if any(c.get("finish_reason") == "abort" for c in event.get("choices") or ()):
+            return "aborted"
     return ""
 
 

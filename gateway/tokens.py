@@ -11,10 +11,14 @@ class PromptCounter:
 
         self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
 
-    def chat(self, req: ChatCompletionRequest) -> int:
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids as the engine's chat endpoint would make them (template, then tokenizer)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return len(self.tok(text, add_special_tokens=False).input_ids)
+        return self.tok(text, add_special_tokens=False).input_ids
+
+    def chat(self, req: ChatCompletionRequest) -> int:
+        return len(self.chat_ids(req))
 
     def completion(self, req: CompletionRequest) -> int:
         if isinstance(req.prompt, list):

@@ -1,7 +1,8 @@
 """A minimal, fast OpenAI-style streaming endpoint: loadgen's self-test target and the "fast endpoint" of its
 dispatch benchmark. Raw asyncio HTTP/1.1 with keep-alive and chunked SSE, so it costs far less CPU than the
 client it serves. Each request streams ``max_tokens`` tokens (one per chunk, usage in every chunk when asked),
-``itl_ms`` apart, after ``ttft_ms``; ``/v1/models`` lists one model.
+``itl_ms`` apart, after ``ttft_ms``; ``/v1/models`` lists one model; ``/abort_request`` (SGLang's, by ``rid``)
+ends a running stream with ``finish_reason`` "abort".
 
     python -m loadgen.fake_server --port 9000 --ttft-ms 5 --itl-ms 2
 """
@@ -14,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MODEL = "fake-model"
@@ -23,9 +25,18 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+@dataclass
+class EngineState:
+    """What one fake engine is doing: the request ids streaming now, and those it was asked to abort."""
+
+    running: set[str] = field(default_factory=set)
+    aborted: list[str] = field(default_factory=list)
+
+
 class _Conn(asyncio.Protocol):
-    def __init__(self, ttft_ms: float, itl_ms: float) -> None:
+    def __init__(self, ttft_ms: float, itl_ms: float, state: EngineState) -> None:
         self.ttft, self.itl = ttft_ms / 1000, itl_ms / 1000
+        self.state = state
         self.buf = b""
         self.transport: asyncio.Transport | None = None
 
@@ -59,13 +70,29 @@ class _Conn(asyncio.Protocol):
                 % (len(doc), doc)
             )
             return
+        if method == b"POST" and path == b"/abort_request":
+            self.state.aborted.append(json.loads(body).get("rid", ""))
+            t.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            return
         if method != b"POST" or path not in (b"/v1/chat/completions", b"/v1/completions"):
             t.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             return
         req = json.loads(body)
+        rid = str(req.get("rid") or id(req))
+        self.state.running.add(rid)
+        try:
+            await self.stream(t, req, rid, path == b"/v1/chat/completions")
+        finally:
+            self.state.running.discard(rid)
+
+    async def stream(self, t: asyncio.Transport, req: dict, rid: str, chat: bool) -> None:
+        """Token i of a prompt of p tokens has id p + i and text " t<id>" (p: the ids of a token-id prompt, else
+        its words), so a stream resumed from prompt + streamed ids continues exactly where it broke."""
         n = int(req.get("max_tokens") or 16)
         every = bool((req.get("stream_options") or {}).get("continuous_usage_stats"))
-        chat = path == b"/v1/chat/completions"
+        prompt = req.get("prompt") or ""
+        p = len(prompt) if isinstance(prompt, list) else len(str(prompt).split()) or 8
+        ids = bool(req.get("return_token_ids"))
         t.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-queue-time-ms: 0.5\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
@@ -74,23 +101,41 @@ class _Conn(asyncio.Protocol):
         for i in range(n):
             if i:
                 await asyncio.sleep(self.itl)
-            choice = {"index": 0, "delta": {"content": " tok"}} if chat else {"index": 0, "text": " tok"}
+            text = f" t{p + i}" if ids else " tok"
+            choice: dict = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            if ids:
+                choice["token_ids"] = [p + i]
+                if i == 0:
+                    choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else list(range(p))
+            if i == n - 1:
+                choice["finish_reason"] = "length"
             event: dict = {"id": "x", "created": int(time.time()), "model": MODEL, "choices": [choice]}
             if every:
-                event["usage"] = {"prompt_tokens": 8, "completion_tokens": i + 1, "total_tokens": 9 + i}
+                event["usage"] = {"prompt_tokens": p, "completion_tokens": i + 1, "total_tokens": p + i + 1}
             if t.is_closing():
                 return
+            if rid in self.state.aborted:
+                choice |= {"finish_reason": "abort"}
+                t.write(
+                    _chunk(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n") + b"0\r\n\r\n"
+                )
+                return
             t.write(_chunk(b"data: " + json.dumps(event).encode() + b"\n\n"))
-        usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
+        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
         tail = {"id": "x", "model": MODEL, "choices": [], "usage": usage}
         t.write(_chunk(b"data: " + json.dumps(tail).encode() + b"\n\ndata: [DONE]\n\n") + b"0\r\n\r\n")
 
 
 async def serve(
-    port: int, ttft_ms: float = 0.0, itl_ms: float = 0.0, host: str = "127.0.0.1"
+    port: int,
+    ttft_ms: float = 0.0,
+    itl_ms: float = 0.0,
+    host: str = "127.0.0.1",
+    state: EngineState | None = None,
 ) -> asyncio.Server:
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Conn(ttft_ms, itl_ms), host, port, backlog=4096)
+    state = state or EngineState()
+    return await loop.create_server(lambda: _Conn(ttft_ms, itl_ms, state), host, port, backlog=4096)
 
 
 def start_process(log: Path, ttft_ms: float = 0.0, itl_ms: float = 0.0) -> tuple[subprocess.Popen, str]:

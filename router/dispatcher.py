@@ -12,18 +12,22 @@ import logging
 import time
 import uuid
 
+import httpx
 import msgspec
 import redis.asyncio as aioredis
 
 from flying import control
 from flying.keys import Keys
-from flying.messages import Group, RouterState, decode, encode
-from flying.queue import RequestQueue, reap_stale_inflight
-from flying.workers import live_workers, registered_engines
+from flying.messages import Group, QueuedRequest, RouterState, decode, encode, from_hash
+from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
+from flying.workers import live_heartbeat, registered_engines
 from router.config import RouterConfig
 from router.policy import Decision, EngineView, GroupLoad, Snapshot, decide
 
 log = logging.getLogger("flying.router")
+GATEWAY_GRACE_S = (
+    5.0  # a gateway's liveness key gone this long: its requests are ended (a Redis restart is shorter)
+)
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -48,33 +52,24 @@ class Dispatcher:
         self.leader = False
         self._live: set[int] = set()
         self._last_reap = 0.0
+        self._gateways_gone: dict[str, float] = {}  # gateway id -> when its liveness key was first seen gone
+        self._http: httpx.AsyncClient | None = None  # for aborting a lost gateway's requests on their engines
+        self._renewed_at = -1e9
+        self._state_written = b""
         self.dispatched = 0
 
     async def hold_lease(self) -> bool:
-        return bool(
+        """Take or renew the lease; a leader renews once per quarter lease, not every round (a round at light
+        load is a request's hop: it should cost as few round trips as possible)."""
+        now = time.monotonic()
+        if self.leader and now - self._renewed_at < self.config.lease_ms / 4000:
+            return True
+        held = bool(
             await self._renew(keys=[self.keys.router_lease], args=[self.router_id, self.config.lease_ms])
         )
-
-    async def engine_views(self) -> list[EngineView]:
-        beats = await live_workers(self.r, self.keys)
-        self._note_liveness({hb.engine for hb in beats})
-        counts = await self.queue.inflight_counts([hb.engine for hb in beats])
-        return [
-            EngineView(
-                hb.engine,
-                hb.url,
-                counts[hb.engine],
-                hb.free_kv_tokens,
-                hb.max_total_tokens,
-                mode=hb.mode,
-                epoch=hb.epoch,
-                pending=hb.pending,
-                num_engines=hb.num_engines,
-                beat_ts=hb.ts,
-                kv_transform=hb.kv_transform,
-            )
-            for hb in beats
-        ]
+        if held:
+            self._renewed_at = now
+        return held
 
     def _note_liveness(self, live: set[int]) -> None:
         for e in sorted(live - self._live):
@@ -86,40 +81,104 @@ class Dispatcher:
         self._live = live
 
     async def snapshot(self) -> Snapshot:
-        waiting = await self.queue.peek(self.config.peek)
-        queued = await self.queue.depth()
-        engines = await self.engine_views()
-        groups = await read_groups(self.r, self.keys)
-        loads = await self.queue.group_loads([(g.epoch, g.leader) for g in groups if g.state != "releasing"])
-        admitted = int(await self.r.hget(self.keys.stats, "admitted") or 0)
-        raw = await self.r.get(self.keys.router_state)
+        """Everything the policy reads, in two pipelined round trips (three while groups hold TP requests): the
+        router's round costs a few Redis round trips, not one per key, so the hop a request pays stays short."""
+        k, r = self.keys, self.r
+        pipe = r.pipeline(transaction=False)
+        pipe.zrange(k.queue, 0, self.config.peek - 1)
+        pipe.zcard(k.queue)
+        pipe.smembers(k.workers)
+        pipe.hgetall(k.groups)
+        pipe.hget(k.stats, "admitted")
+        pipe.get(k.router_state)
+        ids, queued, registered, group_rows, admitted, raw_state = await pipe.execute()
+        ids, engines = [text(x) for x in ids], sorted(int(x) for x in registered)
+        groups = control.decode_groups(group_rows)
+        counted = [g for g in groups if g.state != "releasing"]
+        pipe = r.pipeline(transaction=False)
+        for rid in ids:
+            pipe.hgetall(k.request(rid))
+        for e in engines:
+            pipe.get(k.worker(e))
+            pipe.get(k.ready(e))
+            pipe.scard(k.inflight(e))
+        for g in counted:
+            pipe.smembers(k.inflight(g.leader))
+        rows = await pipe.execute()
+        requests, rows = rows[: len(ids)], rows[len(ids) :]
+        waiting = [from_hash(decode_row(row), QueuedRequest) for row in requests if row]
+        beats, counts = [], {}
+        for i, e in enumerate(engines):
+            hb = live_heartbeat(rows[3 * i], rows[3 * i + 1])
+            if hb is not None:
+                beats.append(hb)
+                counts[e] = int(rows[3 * i + 2])
+        members = [[text(x) for x in m] for m in rows[3 * len(engines) :]]
+        self._note_liveness({hb.engine for hb in beats})
         state = (
-            decode(raw, RouterState)
-            if raw
+            decode(raw_state, RouterState)
+            if raw_state
             else RouterState(busy=True, calm_since=0.0, changed_at=time.time())
         )
         return Snapshot(
             now=time.time(),
             waiting=waiting,
-            queued=queued,
-            engines=engines,
+            queued=int(queued),
+            engines=[
+                EngineView(
+                    hb.engine,
+                    hb.url,
+                    counts[hb.engine],
+                    hb.free_kv_tokens,
+                    hb.max_total_tokens,
+                    mode=hb.mode,
+                    epoch=hb.epoch,
+                    pending=hb.pending,
+                    num_engines=hb.num_engines,
+                    beat_ts=hb.ts,
+                    kv_transform=hb.kv_transform,
+                )
+                for hb in beats
+            ],
             groups=groups,
-            tp_load={ep: GroupLoad(*load) for ep, load in loads.items()},
+            tp_load=await self._group_loads(counted, members),
             state=state,
-            admitted=admitted,
+            admitted=int(admitted or 0),
         )
+
+    async def _group_loads(self, groups: list[Group], members: list[list[str]]) -> dict[int, GroupLoad]:
+        """Per group: its TP requests (assigned to its leader in its epoch and unfinished), their KV tokens and
+        the largest one's, from one pipelined read of the leaders' inflight requests."""
+        pipe = self.r.pipeline(transaction=False)
+        for rids in members:
+            for rid in rids:
+                pipe.hmget(self.keys.request(rid), ["epoch", "prompt_tokens", "max_tokens"])
+        rows = iter(await pipe.execute() if any(members) else [])
+        out = {}
+        for g, rids in zip(groups, members):
+            n = kv = top = 0
+            for _ in rids:
+                ep, p, m = next(rows)
+                if ep is not None and int(ep) == g.epoch:
+                    one = int(p or 0) + int(m or 0)
+                    n, kv, top = n + 1, kv + one, max(top, one)
+            out[g.epoch] = GroupLoad(n, kv, top)
+        return out
 
     async def apply(self, d: Decision) -> int:
         """Records, then commands, then assignments; returns how many requests were assigned."""
         k = self.keys
         binds = [msgspec.structs.replace(g, epoch=int(await self.r.incr(k.epoch))) for g in d.binds]
-        pipe = self.r.pipeline(transaction=True)
-        for g in [*d.put.values(), *binds]:
-            pipe.hset(k.groups, str(g.epoch), encode(g))
-        if d.drop:
-            pipe.hdel(k.groups, *map(str, d.drop))
-        pipe.set(k.router_state, encode(d.state))
-        await pipe.execute()
+        state = encode(d.state)
+        if d.put or binds or d.drop or state != self._state_written:
+            pipe = self.r.pipeline(transaction=True)
+            for g in [*d.put.values(), *binds]:
+                pipe.hset(k.groups, str(g.epoch), encode(g))
+            if d.drop:
+                pipe.hdel(k.groups, *map(str, d.drop))
+            pipe.set(k.router_state, state)
+            await pipe.execute()
+            self._state_written = state
         for note in d.notes:
             log.info("%s", note)
         for members, cmd in [*d.commands, *map(d.bind_command, binds)]:
@@ -137,13 +196,34 @@ class Dispatcher:
         return await self.apply(d) + changed
 
     async def maintenance(self) -> None:
+        """Every 2 s: drop inflight entries whose request is no longer assigned there, and end the requests of
+        gateways that died (their liveness key gone for ``GATEWAY_GRACE_S``): they have no client any more, so
+        they leave the queue, and the engines running them are told to abort."""
         now = time.monotonic()
-        if now - self._last_reap < 5:
+        if now - self._last_reap < 2:
             return
         self._last_reap = now
-        for e in await registered_engines(self.r, self.keys):
+        engines = await registered_engines(self.r, self.keys)
+        for e in engines:
             if dropped := await reap_stale_inflight(self.queue, e):
                 log.info("engine %d: dropped %d stale inflight entries", e, dropped)
+        lost = await orphans(self.queue, engines)
+        self._gateways_gone = {gw: self._gateways_gone.get(gw, now) for gw in lost}
+        for gw, held in lost.items():
+            if now - self._gateways_gone[gw] < GATEWAY_GRACE_S:
+                continue
+            for rid, engine, url in held:
+                await self.queue.finish(rid, engine, "cancelled", f"gateway {gw} lost")
+                if engine is not None and url:
+                    await self._abort(url, rid)
+            log.warning("gateway %s lost: ended its %d requests (%d were running)", gw, len(held),
+                        sum(e is not None for _, e, _ in held))  # fmt: skip
+
+    async def _abort(self, url: str, rid: str) -> None:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=2)
+        with contextlib.suppress(httpx.HTTPError):
+            await self._http.post(f"{url}/abort_request", json={"rid": rid})
 
     async def run(self, stop: asyncio.Event) -> None:
         """Dispatch while holding the lease, until ``stop``. Redis errors (an outage, a restart) are ridden out:
@@ -172,6 +252,12 @@ class Dispatcher:
         if self.leader:
             with contextlib.suppress(aioredis.RedisError):
                 await self.release_lease()
+        await self.close()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     async def step(self) -> None:
         """Renew (or wait for) the lease; as leader, one policy round, then block on the wake list."""
@@ -188,7 +274,7 @@ class Dispatcher:
                 self.router_id,
                 len(groups),
             )
-            self.leader = True
+            self.leader, self._state_written = True, b""  # write the regime again: Redis may have lost it
         if await self.round() == 0:
             await self.r.blpop([self.keys.wake], timeout=self.config.poll_s)
         await self.maintenance()

@@ -11,7 +11,7 @@ import typing
 
 import redis.asyncio as aioredis
 
-from flying import settings
+from flying import settings, taskdump
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig
@@ -62,6 +62,7 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    taskdump.install(loop)
     try:
         await Dispatcher(config, client).run(stop)
     finally:

@@ -33,6 +33,22 @@ def test_service_rate_needs_history_then_follows_the_window():
     assert rate.per_s() is None
 
 
+def test_service_rate_counts_only_backlogged_time():
+    """At light load the dispatch rate is the arrival rate, not the capacity: a trickle of 0.1/s with an empty
+    queue must not predict a long wait for the next burst (it would refuse what the engines take at once)."""
+    rate = ServiceRate(window_s=30, min_span_s=2)
+    for t in range(20):
+        rate.sample(float(t), t // 10, backlogged=False)
+    assert rate.per_s() is None
+    bp = Backpressure(max_queue=100, max_wait_s=60, rate=rate)
+    assert bp.limits("normal").max_ahead == 0, "no bound by wait while the capacity is unknown"
+    for t in range(20, 25):  # then a backlog: 10/s served while requests wait
+        rate.sample(float(t), 1 + 10 * (t - 20), backlogged=True)
+    assert rate.per_s() == pytest.approx(10)
+    rate.sample(25.0, 45, backlogged=False)  # the interval that ends with an empty queue does not count
+    assert rate.per_s() == pytest.approx(10)
+
+
 def test_limits_shed_low_first_and_bound_the_wait_once_the_rate_is_known():
     bp = Backpressure(max_queue=100, max_wait_s=10)
     assert (

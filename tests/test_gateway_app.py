@@ -13,8 +13,8 @@ from gateway.config import GatewayConfig
 
 
 class CountWords:
-    def chat(self, req):
-        return sum(len(m.text().split()) for m in req.messages) + 3
+    def chat_ids(self, req):
+        return [1] * (sum(len(m.text().split()) for m in req.messages) + 3)
 
     def completion(self, req):
         return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.split())

@@ -170,7 +170,7 @@ def test_a_prompt_the_tokenizer_rejects_is_a_400(app_client):
     client's error, a 400 naming the parameter, not a 500."""
 
     class Rejecting:
-        def chat(self, req):
+        def chat_ids(self, req):
             raise RuntimeError("Conversation roles must alternate user/assistant/user/assistant/...")
 
     app_client.app.state.gateway.count_tokens = Rejecting()

@@ -1,5 +1,7 @@
 """The gateway's streaming path against a real Redis and the real router; the engine is an httpx mock that breaks
-its stream on purpose (the one thing a live SGLang engine cannot be made to do on cue)."""
+its stream on purpose (the one thing a live SGLang engine cannot be made to do on cue). A streaming chat request
+travels upstream as a token-id completion (gateway.resume): the mock answers in SGLang's completion chunks with
+``token_ids``, and the client gets chat chunks."""
 
 from __future__ import annotations
 
@@ -19,12 +21,30 @@ from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig
 
-EVENTS = [{"choices": [{"index": 0, "delta": {"content": w}}]} for w in ("one", "two", "three")]
+PROMPT = [1, 1, 1, 1]  # CountWords' chat template: one word, plus 3
+WORDS = ("one", "two", "three")
+# what SGLang streams for a completion with return_token_ids: ids per chunk, the prompt's in the first
+EVENTS = [
+    {"id": f"c{i}", "object": "text_completion", "choices": [{"index": 0, "text": w, "token_ids": [10 + i]}]}
+    for i, w in enumerate(WORDS)
+]
+EVENTS[0]["choices"][0]["prompt_token_ids"] = PROMPT
+EVENTS[-1]["choices"][0]["finish_reason"] = "length"
+
+
+def chat_chunks(words=WORDS) -> list[dict]:
+    """What the client gets: chat chunks under the first event's id, the role first."""
+    out = []
+    for i, w in enumerate(words):
+        delta = {"role": "assistant", "content": w} if i == 0 else {"content": w}
+        finish = "length" if i == len(WORDS) - 1 else None
+        out.append({"id": "c0", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})  # fmt: skip
+    return out
 
 
 class CountWords:
-    def chat(self, req):
-        return sum(len(m.text().split()) for m in req.messages) + 3
+    def chat_ids(self, req):
+        return [1] * (sum(len(m.text().split()) for m in req.messages) + 3)
 
 
 async def sse(events, fail_after: int | None = None):
@@ -34,6 +54,12 @@ async def sse(events, fail_after: int | None = None):
         yield f"data: {json.dumps(e)}\n\n".encode()
     if fail_after is None:
         yield b"data: [DONE]\n\n"
+
+
+async def cut(events):
+    """The events, then the connection closes cleanly without [DONE] (an engine process that exited)."""
+    for e in events:
+        yield f"data: {json.dumps(e)}\n\n".encode()
 
 
 async def empty():
@@ -63,7 +89,7 @@ async def gateway(redis_server, aredis, keys):
     await asyncio.wait_for(task, 5)
 
 
-async def stream_through(gw: Gateway, responses: list) -> tuple[list[dict], list]:
+async def stream_through(gw: Gateway, responses: list, **extra) -> tuple[list[dict], list]:
     """One streaming chat request through admission, the router and ``dispatch``; the engine answers its n-th
     call with ``responses[n]`` (an async byte iterator)."""
     calls = []
@@ -74,7 +100,7 @@ async def stream_through(gw: Gateway, responses: list) -> tuple[list[dict], list
 
     await gw.upstream.client.aclose()
     gw.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stream": True} | extra
     adm = await gw.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "chat", "normal")
     connected = asyncio.create_task(asyncio.Event().wait())
     try:
@@ -87,9 +113,7 @@ async def stream_through(gw: Gateway, responses: list) -> tuple[list[dict], list
 
 
 GROUP_LOST = "tensor-parallel group lost a member; request aborted"
-ABORTED = {
-    "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}]
-}  # SGLang, no token yet
+ABORTED = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}  # SGLang, no token yet
 ERROR_503 = {"error": {"message": GROUP_LOST, "type": "SERVICE_UNAVAILABLE", "param": None, "code": 503}}
 
 
@@ -100,16 +124,65 @@ ERROR_503 = {"error": {"message": GROUP_LOST, "type": "SERVICE_UNAVAILABLE", "pa
 )
 async def test_a_stream_that_breaks_before_its_first_event_is_redispatched(gateway, aredis, keys, broken):
     events, calls = await stream_through(gateway, [broken(), sse(EVENTS)])
-    assert events == EVENTS, "the client sees the second engine's stream only, whole"
+    assert events == chat_chunks(), "the client sees the second engine's stream only, whole"
     assert len(calls) == 2
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
     await asyncio.sleep(0.1)  # the finish is recorded in the background
     assert await aredis.scard(keys.inflight(0)) == 0
 
 
-async def test_a_stream_that_breaks_after_its_first_event_ends_with_an_error_event(gateway, aredis, keys):
-    events, calls = await stream_through(gateway, [sse(EVENTS, fail_after=2)])
-    assert events[:2] == EVENTS[:2]
+def resumed_events(after: int) -> list[dict]:
+    """The second engine's answer to prompt + the first ``after`` ids: the rest, with its own id and the longer
+    prompt in its first chunk."""
+    rest = [json.loads(json.dumps(e)) for e in EVENTS[after:]]
+    for e in rest:
+        e["id"] = "other"
+        e["choices"][0].pop("prompt_token_ids", None)
+    rest[0]["choices"][0]["prompt_token_ids"] = PROMPT + [10 + i for i in range(after)]
+    return rest
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [lambda: sse(EVENTS, fail_after=2), lambda: sse([*EVENTS[:2], ABORTED]), lambda: cut(EVENTS[:2])],
+    ids=["reset", "aborted", "closed"],
+)
+async def test_a_stream_that_breaks_after_tokens_continues_on_another_engine(gateway, aredis, keys, broken):
+    """The engine dies (or aborts: its TP group lost a member) after two tokens: the rest comes from another
+    engine asked for prompt + those two ids, and the client sees one unbroken stream."""
+    events, calls = await stream_through(gateway, [broken(), sse(resumed_events(2))])
+    assert events == chat_chunks()
+    assert len(calls) == 2 and calls[0].url.path == calls[1].url.path == "/v1/completions"
+    first, second = (json.loads(c.content) for c in calls)
+    assert first["prompt"] == PROMPT and first["return_token_ids"] and "messages" not in first
+    assert second["prompt"] == PROMPT + [10, 11]
+    assert second["max_tokens"] == first["max_tokens"] - 2
+    assert int(await aredis.hget(keys.stats, "requeued")) == 1
+    await asyncio.sleep(0.1)
+    assert await aredis.hget(keys.stats, "completed") == b"1" and not await aredis.hget(keys.stats, "failed")
+
+
+async def test_a_resumed_stream_fails_cleanly_when_its_attempts_are_used_up(gateway, aredis, keys):
+    """max_attempts (3) engines die mid-stream: an OpenAI-shaped error event, then [DONE]; nothing hangs."""
+    events, calls = await stream_through(
+        gateway, [sse(EVENTS, fail_after=1), sse(resumed_events(1), fail_after=1), empty()]
+    )
+    assert events[0]["choices"][0]["delta"]["content"] == "one"
+    assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
+    assert events[-1]["error"]["code"] == "worker_failed" and len(calls) == 3
+    await asyncio.sleep(0.1)
+    assert await aredis.hget(keys.stats, "failed") == b"1"
+
+
+CHAT_EVENTS = [{"choices": [{"index": 0, "delta": {"content": w}}]} for w in WORDS]
+
+
+async def test_a_stream_that_cannot_resume_ends_with_an_error_event(gateway, aredis, keys):
+    """A chat request with log-probabilities keeps SGLang's chat endpoint (no token ids to resume from): after
+    its first event, a broken stream ends with an error event."""
+    events, calls = await stream_through(gateway, [sse(CHAT_EVENTS, fail_after=2)], logprobs=True)
+    assert calls[0].url.path == "/v1/chat/completions"
+    assert events[:2] == CHAT_EVENTS[:2]
     assert events[2]["error"]["code"] == "worker_failed" and len(events) == 3
     assert len(calls) == 1, "tokens were already sent: no re-dispatch"
     assert not await aredis.hget(keys.stats, "requeued")
@@ -140,15 +213,3 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
     assert resp.status_code == 200 and json.loads(resp.body)["choices"][0]["message"]["content"] == "one two"
     assert len(calls) == 2
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
-
-
-async def test_an_engine_abort_after_the_first_event_ends_with_an_error_event(gateway, aredis, keys):
-    """SGLang ends a TP request whose group lost a member with an abort chunk; after tokens were sent the client
-    gets that chunk and then an OpenAI-shaped error, not a silent finish_reason nobody knows."""
-    aborted = {"choices": [{"index": 0, "delta": {"content": " two"}, "finish_reason": "abort"}]}
-    events, calls = await stream_through(gateway, [sse([EVENTS[0], aborted])])
-    assert events[:2] == [EVENTS[0], aborted]
-    assert events[2]["error"]["code"] == "worker_failed" and len(events) == 3
-    assert len(calls) == 1
-    await asyncio.sleep(0.1)
-    assert await aredis.hget(keys.stats, "failed") == b"1" and not await aredis.hget(keys.stats, "completed")

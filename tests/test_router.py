@@ -120,3 +120,35 @@ def test_router_flags_turn_kv_transformation_off_and_pick_the_regime():
     assert parse_args([]).policy.kv_transform is True
     c = parse_args(["--no-kv-transform", "--regime", "rate", "--spread-s", "3"])
     assert (c.policy.kv_transform, c.policy.regime, c.policy.spread_s) == (False, "rate", 3.0)
+
+
+async def test_a_lost_gateways_requests_are_ended_and_aborted(aredis, keys, monkeypatch):
+    """Gateway "g" died (no liveness key): after the grace its queued and running requests are finished as
+    cancelled, leave the queue and the inflight set, and the engine is asked to abort the running one; a live
+    gateway's request is left alone, and nothing is ended before the grace."""
+    import router.dispatcher as mod
+    from flying.procs import free_port
+    from loadgen import fake_server
+
+    await beat(aredis, keys, 0)
+    q = RequestQueue(aredis, keys)
+    await admit(q, 2)  # gateway "g", no liveness key
+    alive = QueuedRequest(id="kept", priority="normal", model="m", prompt_tokens=1, max_tokens=1, gateway="g2", enqueued_at=time.time())  # fmt: skip
+    await q.admit(alive)
+    await aredis.set(keys.gateway("g2"), "g2", px=10_000)
+    engine, port = fake_server.EngineState(), free_port()
+    async with await fake_server.serve(port, state=engine):
+        await q.assign((await q.peek(1))[0], 0, f"http://127.0.0.1:{port}")
+        d = dispatcher(aredis, keys)
+        await d.maintenance()  # first sighting: within the grace
+        assert await q.depth() == 2 and await aredis.scard(keys.inflight(0)) == 1
+        monkeypatch.setattr(mod, "GATEWAY_GRACE_S", 0.0)
+        d._last_reap = 0.0
+        await d.maintenance()
+        assert engine.aborted == ["normal0"]
+    assert [r.id for r in await q.peek(10)] == ["kept"]
+    assert await aredis.scard(keys.inflight(0)) == 0
+    for rid in ("normal0", "normal1"):
+        rec = await q.get(rid)
+        assert rec["state"] == "cancelled" and rec["error"] == "gateway g lost"
+    await d.close()

@@ -1,0 +1,85 @@
+"""A stream that survives its engine. The gateway forwards a streaming request as a token-id completion
+(``return_token_ids``): it knows the prompt's ids (the chat template applied by its own tokenizer, or the
+engine's first chunk) and collects the ids of every token streamed. If the engine dies mid-way, the rest is asked
+of another engine with the prompt plus the streamed ids as its input and the remaining ``max_tokens``, so the
+client sees one unbroken stream, and greedy output is identical to an uninterrupted run.
+
+A chat request travels as a completion of its templated prompt; its chunks are turned back into
+``chat.completion.chunk`` events here (content deltas, the role first, the finish reason, usage), under one id for
+the whole stream. Chat requests that ask for log-probabilities keep SGLang's chat endpoint (and are not resumed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass
+class Resumable:
+    """One streaming request's progress: what is needed to continue it elsewhere."""
+
+    body: dict  # the completion body sent upstream (prompt as ids once known)
+    max_tokens: int
+    chat: bool = False  # the client speaks chat: convert the chunks
+    prompt_ids: list[int] | None = None  # None until the engine's first chunk says (a text prompt)
+    generated: list[int] = field(default_factory=list)
+    resumed: int = 0  # tokens generated before the current attempt
+    stream_id: str = ""  # the id every event of this stream carries (the first attempt's)
+    role_sent: bool = False
+
+    def event(self, data: bytes | str) -> tuple[dict, bytes | None]:
+        """Parse one engine event, record its ids, and return it with the bytes the client gets (None: none)."""
+        event = _decoder.decode(data)
+        if not isinstance(event, dict) or "error" in event:
+            return event, data.encode() if isinstance(data, str) else data
+        self.stream_id = self.stream_id or str(event.get("id", ""))
+        if self.stream_id:
+            event["id"] = self.stream_id
+        for choice in event.get("choices") or ():
+            prompt = choice.pop("prompt_token_ids", None)
+            if prompt and self.prompt_ids is None:
+                self.prompt_ids = list(prompt)
+            self.generated.extend(choice.pop("token_ids", None) or ())
+        if self.resumed and isinstance(usage := event.get("usage"), dict):
+            usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.resumed
+            usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.resumed
+        if self.chat:
+            event = self._as_chat(event)
+        return event, _encoder.encode(event)
+
+    def _as_chat(self, event: dict) -> dict:
+        choices = []
+        for c in event.get("choices") or ():
+            delta: dict = {}
+            if not self.role_sent:
+                delta["role"], self.role_sent = "assistant", True
+            if c.get("text"):
+                delta["content"] = c["text"]
+            choice = {"index": c.get("index", 0), "delta": delta, "logprobs": None, "finish_reason": c.get("finish_reason")}  # fmt: skip
+            if c.get("matched_stop") is not None:
+                choice["matched_stop"] = c["matched_stop"]
+            choices.append(choice)
+        return event | {"object": "chat.completion.chunk", "choices": choices}
+
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.generated)
+
+    def continuation(self) -> dict:
+        """The body that asks another engine for the rest: prompt + streamed ids in, the remaining tokens out."""
+        assert self.prompt_ids is not None, "the prompt's ids are known once a token was streamed"
+        self.resumed = len(self.generated)
+        return self.body | {"prompt": self.prompt_ids + self.generated, "max_tokens": self.remaining()}
+
+
+def upstream_body(body: dict, chat: bool, prompt_ids: list[int] | None) -> dict:
+    """The completion body a streaming request is forwarded as: chat fields folded into a token-id prompt."""
+    out = {k: v for k, v in body.items() if k not in ("messages", "logprobs", "top_logprobs")}
+    if chat:
+        assert prompt_ids is not None
+        out["prompt"] = prompt_ids
+    return out | {"return_token_ids": True}
