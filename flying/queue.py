@@ -151,6 +151,32 @@ class RequestQueue:
         )
         return bool(done)
 
+    async def assign_many(self, moves: Sequence[tuple[QueuedRequest, int, str, int]]) -> int:
+        """``assign`` for many (request, engine, url, epoch) in one pipelined round trip (each move still one
+        atomic script); returns how many were still queued and moved."""
+        if not moves:
+            return 0
+        now, k = time.time(), self.keys
+        pipe = self.r.pipeline(transaction=False)
+        for req, engine, url, epoch in moves:
+            queue_ms = max(0.0, (now - req.enqueued_at) * 1000)
+            msg = encode(Assignment(id=req.id, engine=engine, url=url, queue_ms=queue_ms))
+            await self._assign(
+                keys=[k.queue, k.request(req.id), k.inflight(engine), k.stats],
+                args=[
+                    req.id,
+                    engine,
+                    now,
+                    f"{queue_ms:.3f}",
+                    k.gateway_channel(req.gateway),
+                    msg,
+                    url,
+                    epoch,
+                ],
+                client=pipe,
+            )
+        return sum(bool(x) for x in await pipe.execute())
+
     async def requeue(self, req: QueuedRequest, engine: int, reason: str) -> bool:
         """Put an assigned request back at its original place in the queue (its worker could not take it); the
         router sends it elsewhere than ``engine`` while another engine is live."""

@@ -183,9 +183,8 @@ class Dispatcher:
             log.info("%s", note)
         for members, cmd in [*d.commands, *map(d.bind_command, binds)]:
             await control.send_async(self.r, k, members, cmd)
-        assigned = 0
-        for x in d.dispatches:
-            assigned += await self.queue.assign(x.request, x.engine, x.url, epoch=x.epoch)
+        moves = [(x.request, x.engine, x.url, x.epoch) for x in d.dispatches]
+        assigned = await self.queue.assign_many(moves)
         self.dispatched += assigned
         return assigned
 

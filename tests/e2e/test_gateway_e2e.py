@@ -174,6 +174,26 @@ def test_greedy_text_identical_to_a_stock_sglang_server(oai, stock_server):
         assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
 
 
+def test_streamed_greedy_text_identical_to_a_stock_sglang_server(oai, stock_server):
+    """A streaming chat request travels upstream as a token-id completion of the templated prompt (so it can
+    resume elsewhere): the client's chunks say what stock SGLang's chat endpoint says."""
+    stock = openai.OpenAI(base_url=stock_server + "/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "Tell me a story about a dragon and a castle."}]
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    theirs = stock.chat.completions.create(model="x", messages=msgs, max_tokens=24, temperature=0)
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == theirs.choices[0].message.content
+    )
+    assert chunks[0].choices[0].delta.role == "assistant" and all(
+        c.object == "chat.completion.chunk" for c in chunks
+    )
+    assert len({c.id for c in chunks}) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == theirs.choices[0].finish_reason
+    assert chunks[-1].usage.prompt_tokens == theirs.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == theirs.usage.completion_tokens
+
+
 def test_client_disconnect_aborts_the_request_on_the_worker(cluster):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.stream(

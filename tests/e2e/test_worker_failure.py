@@ -1,4 +1,6 @@
-"""Killing a worker mid-burst: its requests are re-dispatched (or end with a clear error), the gateway stays up."""
+"""Killing a worker mid-burst: requests it had not answered are re-dispatched, streams it was running continue on
+the other engine from the tokens already sent (greedy text identical to an uninterrupted run), the gateway stays
+up."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ BODY = {
     "messages": [{"role": "user", "content": "a long story please"}],
     "max_tokens": 400,
     "ignore_eos": True,
+    "temperature": 0,
 }
 
 
@@ -37,33 +40,35 @@ async def stream(client: httpx.AsyncClient, url: str) -> tuple[int, list[dict]]:
         return resp.status_code, events
 
 
-def test_worker_kill_redispatches_or_fails_clearly(cluster):
+def text(events: list[dict]) -> str:
+    return "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices") or ())
+
+
+def test_worker_kill_redispatches_and_streams_continue_unbroken(cluster):
     url = cluster.config.gateway_url
     r = cluster.client()
     requeued_before = int(r.hget("flying:stats", "requeued") or 0)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=180) as client:
+            reference = await stream(client, url)  # uninterrupted
             tasks = [asyncio.create_task(non_stream(client, url)) for _ in range(8)]
             tasks += [asyncio.create_task(stream(client, url)) for _ in range(4)]
             await asyncio.sleep(1.0)
             assert r.scard("flying:inflight:1") > 0, "engine 1 must hold requests when it dies"
             cluster.kill_worker(1, signal.SIGKILL)
-            return await asyncio.gather(*tasks)
+            return reference, await asyncio.gather(*tasks)
 
-    results = asyncio.run(scenario())
+    (_, reference), results = asyncio.run(scenario())
     for status, body in results[:8]:  # nothing was sent to these clients yet: re-dispatched to engine 0
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == 400
-    for status, events in results[8:]:
+    for status, events in results[8:]:  # every stream, the killed engine's too, ends whole and identical
         assert status == 200
-        errors = [e for e in events if "error" in e]
-        if errors:  # a stream that was running on the killed engine ends with a clear error event
-            assert errors[0]["error"]["code"] == "worker_failed"
-        else:
-            assert events[-1]["usage"]["completion_tokens"] == 400
-    stream_errors = sum(1 for _, events in results[8:] if any("error" in e for e in events))
-    assert int(r.hget("flying:stats", "requeued") or 0) > requeued_before or stream_errors
+        assert not [e for e in events if "error" in e], events[-3:]
+        assert events[-1]["usage"]["completion_tokens"] == 400
+        assert text(events) == text(reference)
+    assert int(r.hget("flying:stats", "requeued") or 0) > requeued_before
     deadline = time.monotonic() + 5
     while (health := httpx.get(url + "/health", timeout=5).json())["live_workers"] != [0]:
         assert time.monotonic() < deadline, f"dead engine still listed: {health}"

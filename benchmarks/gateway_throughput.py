@@ -1,0 +1,149 @@
+"""How many short streaming requests per second one gateway process sustains, and the TTFT it adds at that rate.
+
+Two ``loadgen.fake_server`` engines (own processes, TTFT 0) behind the workers' real liveness code (heartbeat
+thread, launcher's ready key); Redis, the router (``--manual``) and one gateway are real processes. The client is
+a lean raw-socket HTTP/1.1 client on keep-alive connections (httpx would cost more CPU than the gateway), open
+loop at ``--rate`` for ``--seconds``; the same client then sends the same load straight to the engines, and the
+difference of the TTFT percentiles is what the hop adds at that rate.
+
+    .venv/bin/python benchmarks/gateway_throughput.py --rate 400 --seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from flying.keys import Keys
+from flying.procs import free_port, spawn, stop, wait_healthy
+from flying.redis_server import RedisServer
+from loadgen.fake_server import start_process
+from worker_ext import launch
+from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
+from worker_ext.tinymodel import ensure
+
+BODY = json.dumps(
+    {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+).encode()
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection; ``post`` returns (status, seconds to the first event, to the end)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str) -> tuple[int, float, float]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        t0 = time.perf_counter()
+        head = f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
+        self.writer.write(f"{head}content-length: {len(BODY)}\r\n\r\n".encode() + BODY)
+        r = self.reader
+        status = int((await r.readline()).split()[1])
+        chunked, length = False, 0
+        while (line := await r.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            chunked |= k.lower() == "transfer-encoding" and "chunked" in v
+            length = int(v) if k.lower() == "content-length" else length
+        first = None
+        if not chunked:
+            await r.readexactly(length)
+            return status, time.perf_counter() - t0, time.perf_counter() - t0
+        while (size := int((await r.readline()).strip() or b"0", 16)) > 0:
+            data = await r.readexactly(size + 2)
+            if first is None and b"data:" in data:
+                first = time.perf_counter() - t0
+        await r.readline()
+        return status, first or 0.0, time.perf_counter() - t0
+
+
+async def drive(host: str, port: int, path: str, rate: float, seconds: float, conns: int = 256):
+    pool = [Conn(host, port) for _ in range(conns)]
+    results: list[tuple[int, float, float]] = []
+
+    async def one(c: Conn) -> None:
+        try:
+            results.append(await c.post(path))
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            results.append((-1, 0.0, 0.0))
+            c.writer = None
+        pool.append(c)
+
+    tasks, n, t0 = [], int(rate * seconds), time.perf_counter()
+    for i in range(n):
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        c = pool.pop() if pool else Conn(host, port)
+        tasks.append(asyncio.create_task(one(c)))
+    await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
+def pct(xs: list[float], q: int) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] * 1000 if len(xs) > 1 else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rate", type=float, default=400)
+    p.add_argument("--seconds", type=float, default=10)
+    a = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="gateway-throughput-"))
+    model = ensure(Path(".flying/test-model"), seed=0)
+    server = RedisServer(data_dir=tmp / "redis").start()
+    keys, engines, beats = Keys("flying"), [], []
+    r = redis.Redis.from_url(server.url)
+    for e in range(2):
+        proc, url = start_process(tmp / f"engine{e}.log", ttft_ms=0, itl_ms=0)
+        hb = HeartbeatPublisher(HeartbeatConfig(engine=e, url=url, model="tiny-llama", redis_url=server.url, launch_id="L"))  # fmt: skip
+        hb.beat(context_len=4096, max_total_tokens=1 << 20, free_kv_tokens=1 << 20, num_engines=2)
+        hb.start()
+        threading.Thread(target=launch.keep_ready, args=(r, keys.ready(e), "L", proc), daemon=True).start()
+        engines.append((proc, url))
+        beats.append(hb)
+    common = ["--redis-url", server.url]
+    router = spawn([sys.executable, "-m", "router.main", *common, "--manual", "--max-inflight-per-worker", "4096"], tmp / "router.log")  # fmt: skip
+    port = free_port()
+    gw_cmd = [sys.executable, "-m", "gateway.main", *common, "--model-path", str(model), "--port", str(port), "--max-queue", "100000"]  # fmt: skip
+    gateway = spawn(gw_cmd, tmp / "gateway.log")
+    try:
+        wait_healthy(gateway, f"http://127.0.0.1:{port}", 60)
+        asyncio.run(drive("127.0.0.1", port, "/v1/chat/completions", 50, 2))  # warm-up
+        via, via_s = asyncio.run(drive("127.0.0.1", port, "/v1/chat/completions", a.rate, a.seconds))
+        eng_port = int(engines[0][1].rsplit(":", 1)[1])
+        direct, direct_s = asyncio.run(
+            drive("127.0.0.1", eng_port, "/v1/chat/completions", a.rate, a.seconds)
+        )
+    finally:
+        for proc in (gateway, router, *(e[0] for e in engines)):
+            stop(proc)
+        for hb in beats:
+            hb.stop()
+        server.stop()
+    print(f"offered {a.rate:g} req/s for {a.seconds:g} s, streaming chat, max_tokens 2 (logs in {tmp})")
+    for name, res, took in (("via gateway", via, via_s), ("direct", direct, direct_s)):
+        ok = [x for x in res if x[0] == 200]
+        ttft = [x[1] for x in ok]
+        print(
+            f"  {name:12s} {len(ok)}/{len(res)} ok, {len(ok) / took:7.1f} req/s achieved; TTFT p50 {pct(ttft, 50):6.2f}"
+            f" ms  p90 {pct(ttft, 90):6.2f} ms  p99 {pct(ttft, 99):7.2f} ms"
+        )
+    v, d = [x[1] for x in via if x[0] == 200], [x[1] for x in direct if x[0] == 200]
+    print(f"  added TTFT p50 {pct(v, 50) - pct(d, 50):.2f} ms, p99 {pct(v, 99) - pct(d, 99):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
