@@ -156,6 +156,10 @@ class Cluster:
         time.sleep(down_s)
         self.redis_server = RedisServer(port=old.port, data_dir=old.data_dir, aof=old.aof).start()
 
+    def kill_gateway(self, sig: int = signal.SIGKILL) -> None:
+        stop(self.gateway, sig=sig)
+        self.gateway = None
+
     def kill_router(self, sig: int = signal.SIGKILL) -> None:
         stop(self.router, sig=sig)
         self.router = None

@@ -37,6 +37,12 @@ class Keys:
         return f"{self.prefix}:router:state"
 
     @property
+    def fast_path(self) -> str:
+        """STRING (JSON list of FastTarget, PX 1000, rewritten every round): where the admission script sends a
+        short request at once while the queue is empty; gone (no fast path) when no router runs."""
+        return f"{self.prefix}:router:fast"
+
+    @property
     def groups(self) -> str:
         """HASH epoch -> JSON Group: every TP group the router (or flyctl) bound and has not seen released."""
         return f"{self.prefix}:groups"
@@ -66,6 +72,11 @@ class Keys:
     def inflight(self, engine: int) -> str:
         """SET of request ids assigned to engine and not yet finished."""
         return f"{self.prefix}:inflight:{engine}"
+
+    @property
+    def inflight_prefix(self) -> str:
+        """``inflight(i)`` is this plus ``i`` (for scripts that pick the engine themselves)."""
+        return f"{self.prefix}:inflight:"
 
     def gateway(self, gateway_id: str) -> str:
         """STRING (PX 3 s, refreshed every 0.25 s): a live gateway. The router ends the requests of a gateway

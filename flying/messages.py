@@ -40,6 +40,19 @@ class Assignment(msgspec.Struct, frozen=True, kw_only=True):
     queue_ms: float
 
 
+class FastTarget(msgspec.Struct, frozen=True, kw_only=True):
+    """Router -> gateways' admission script (``flying:router:fast``): where a short normal or low priority request
+    arriving before the next round goes at once, without waiting for that round, while the queue is empty: to
+    ``engine`` (a group's leader when ``epoch`` > 0) while its inflight set holds fewer than ``cap`` requests and
+    the request's KV (prompt + max_tokens) is at most ``max_kv``."""
+
+    engine: int
+    url: str
+    epoch: int = 0
+    cap: int
+    max_kv: int
+
+
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """Worker -> Redis, every scheduler step and at least every 100 ms when idle."""
 

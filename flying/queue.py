@@ -20,9 +20,12 @@ CLASS_WEIGHT = 1e12  # score = class * CLASS_WEIGHT + seq: exact in a double for
 FINISHED_TTL_S = 3600
 
 _ADMIT = """
--- KEYS: queue, seq, request hash, wake, stats ; ARGV: id, class, max_queue, max_ahead, then field/value pairs
+-- KEYS: queue, seq, request hash, wake, stats, fast-path targets ; ARGV: id, class, max_queue, max_ahead,
+-- kv tokens, now, inflight key prefix, channel, then field/value pairs.
 -- Refusals return {code, n}: {-1, depth} the queue is full; {-3, ahead} max_ahead requests of this class or
--- higher already wait (the estimated wait is too long).
+-- higher already wait (the estimated wait is too long). Queued: the arrival sequence. Fast path (the queue is
+-- empty, normal or low priority, a target the router published has a free slot and KV for it): assigned at once
+-- to the least loaded such target, returns {seq, engine, url, epoch}.
 local depth = redis.call('ZCARD', KEYS[1])
 if tonumber(ARGV[3]) > 0 and depth >= tonumber(ARGV[3]) then return {-1, depth} end
 if tonumber(ARGV[4]) > 0 then
@@ -31,12 +34,32 @@ if tonumber(ARGV[4]) > 0 then
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
 local seq = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[3], unpack(ARGV, 5))
+redis.call('HSET', KEYS[3], unpack(ARGV, 9))
+redis.call('HINCRBY', KEYS[5], 'admitted', 1)
+local raw = depth == 0 and tonumber(ARGV[2]) > 0 and redis.call('GET', KEYS[6])
+if raw then
+  local best, best_n = nil, 0
+  for _, t in ipairs(cjson.decode(raw)) do
+    if tonumber(ARGV[5]) <= t.max_kv then
+      local n = redis.call('SCARD', ARGV[7] .. t.engine)
+      if n < t.cap and (best == nil or n < best_n) then best, best_n = t, n end
+    end
+  end
+  if best then
+    local epoch = best.epoch or 0
+    redis.call('HSET', KEYS[3], 'seq', seq, 'state', 'assigned', 'engine', best.engine, 'url', best.url,
+      'assigned_at', ARGV[6], 'queue_ms', '0', 'epoch', epoch)
+    redis.call('SADD', ARGV[7] .. best.engine, ARGV[1])
+    redis.call('HINCRBY', KEYS[5], 'assigned', 1)
+    redis.call('HINCRBY', KEYS[5], 'fast', 1)
+    redis.call('PUBLISH', ARGV[8], cjson.encode({id = ARGV[1], engine = best.engine, url = best.url, queue_ms = 0}))
+    return {seq, best.engine, best.url, epoch}
+  end
+end
 redis.call('HSET', KEYS[3], 'seq', seq, 'state', 'queued')
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + seq, ARGV[1])
 redis.call('LPUSH', KEYS[4], 1)
 redis.call('LTRIM', KEYS[4], 0, 0)
-redis.call('HINCRBY', KEYS[5], 'admitted', 1)
 return seq
 """ % (int(CLASS_WEIGHT), int(CLASS_WEIGHT))
 
@@ -119,22 +142,26 @@ class RequestQueue:
         self._finish = client.register_script(_FINISH)
         self._states = client.register_script(_STATES)
 
-    async def admit(self, req: QueuedRequest, max_queue: int = 0, max_ahead: int = 0) -> int:
-        """Insert ``req``; return its arrival sequence. Raises QueueFull when the queue is at ``max_queue``, or
-        when ``max_ahead`` requests of its priority class or higher wait already (0: no such bound)."""
+    async def admit(self, req: QueuedRequest, max_queue: int = 0, max_ahead: int = 0) -> Assignment | None:
+        """Insert ``req``. Raises QueueFull when the queue is at ``max_queue``, or when ``max_ahead`` requests of
+        its priority class or higher wait already (0: no such bound). Returns None (queued: the router assigns it)
+        or, on the fast path (the queue empty and a target the router published free), its assignment."""
         k = self.keys
         fields = [x for kv in to_hash(req).items() for x in kv if kv[0] != "seq"]
-        seq = await self._admit(
-            keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats],
-            args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, *fields],
-        )
-        if isinstance(seq, list):
-            code, n = int(seq[0]), int(seq[1])
+        out = await self._admit(
+            keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats, k.fast_path],
+            args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
+                  k.inflight_prefix, k.gateway_channel(req.gateway), *fields],
+        )  # fmt: skip
+        if isinstance(out, list) and len(out) == 2:
+            code, n = int(out[0]), int(out[1])
             if code == -1:
                 raise QueueFull(f"queue holds {n} requests (limit {max_queue})", "depth", n)
             raise QueueFull(f"{n} requests of this priority or higher wait (limit {max_ahead})", "wait", n)
-        assert seq != -2, f"request id {req.id} admitted twice"
-        return int(seq)
+        assert out != -2, f"request id {req.id} admitted twice"
+        if isinstance(out, list):
+            return Assignment(id=req.id, engine=int(out[1]), url=text(out[2]), queue_ms=0.0)
+        return None
 
     async def assign(
         self, req: QueuedRequest, engine: int, url: str, now: float | None = None, epoch: int = 0

@@ -244,7 +244,7 @@ class Gateway:
         limits = self.backpressure.limits(adm.record.priority)
         fut = self.waiter.expect(rid)
         try:
-            await self.queue.admit(adm.record, limits.max_depth, limits.max_ahead)
+            fast = await self.queue.admit(adm.record, limits.max_depth, limits.max_ahead)
         except QueueFull as exc:
             self.waiter.forget(rid)
             bound = limits.max_depth if exc.reason == "depth" else limits.max_ahead
@@ -258,6 +258,9 @@ class Gateway:
         except BaseException:
             self.waiter.forget(rid)
             raise
+        if fast is not None:  # assigned at admission (the queue was empty): no wait for the router's round
+            self.waiter.resolve(fast)
+            return fut
         self.waiter.mark_admitted(rid)
         self.holding[rid] = adm.record
         return fut

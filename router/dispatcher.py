@@ -56,6 +56,7 @@ class Dispatcher:
         self._http: httpx.AsyncClient | None = None  # for aborting a lost gateway's requests on their engines
         self._renewed_at = -1e9
         self._state_written = b""
+        self._fast_written, self._fast_at = b"", 0.0  # the fast-path targets last published, and when
         self.dispatched = 0
 
     async def hold_lease(self) -> bool:
@@ -186,7 +187,20 @@ class Dispatcher:
         moves = [(x.request, x.engine, x.url, x.epoch) for x in d.dispatches]
         assigned = await self.queue.assign_many(moves)
         self.dispatched += assigned
+        await self.publish_fast(d.fast)
         return assigned
+
+    async def publish_fast(self, targets: list) -> None:
+        """The fast-path targets for the gateways' admission script (PX 1 s: they vanish with the router); written
+        when they change and at least every 0.3 s, deleted when there are none."""
+        raw, now = encode(targets), time.monotonic()
+        if raw == self._fast_written and now - self._fast_at < 0.3:
+            return
+        if targets:
+            await self.r.set(self.keys.fast_path, raw, px=1000)
+        elif self._fast_written != b"[]":
+            await self.r.delete(self.keys.fast_path)
+        self._fast_written, self._fast_at = raw, now
 
     async def round(self) -> int:
         """One policy round; returns how many requests were assigned (or groups changed)."""

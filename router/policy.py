@@ -62,7 +62,7 @@ import msgspec
 
 from flying.groups import merge_sets
 from flying.groups import widths as group_widths
-from flying.messages import Bind, Command, Group, Preempt, QueuedRequest, Release, RouterState
+from flying.messages import Bind, Command, FastTarget, Group, Preempt, QueuedRequest, Release, RouterState
 from router.cost_model import adopt_moves, kv_transform_ms
 
 
@@ -168,6 +168,7 @@ class Decision:
     commands: list[tuple[tuple[int, ...], Command]] = field(default_factory=list)  # releases
     state: RouterState = field(default_factory=RouterState)
     notes: list[str] = field(default_factory=list)  # why groups changed, for logs
+    fast: list[FastTarget] = field(default_factory=list)  # where a short request may go before the next round
 
     def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
         return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt)
@@ -603,6 +604,35 @@ class _Round:
         elif not self.to_dp(r) and (g := self.group_for(r, 1, ("bound",), reasons=("manual",))) is not None:
             self.to_group(g, r)  # an operator bound the engines: traffic still flows through their groups
 
+    def fast_targets(self) -> list[FastTarget]:
+        """Where ``place`` would send a short normal request arriving after this round: the light load's group,
+        or the DP engines with a free slot (the admission script picks the least loaded). None while a group
+        forms (requests wait for it) or when a round would bind or choose among groups for it."""
+        probe = QueuedRequest(id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=self.now)  # fmt: skip
+        if self.forming() or not self.live:
+            return []
+        if (
+            not self.out.state.busy
+            and (g := self.group_for(probe, 1, USABLE, SHORT, imminent=True)) is not None
+        ):
+            if g.state != "bound" or g.leader not in self.live:
+                return []
+            n, kv = self.tp.get(g.epoch, (0, 0))
+            full = g.width * min(self.live[m].max_total_tokens for m in g.members)
+            pooled = g.kv_cap if g.kv_cap and self.other_work(g) > 0 else full
+            room = g.width * self.cfg.tp_inflight_per_engine - n
+            leader = self.live[g.leader]
+            sent = sum(1 for x in self.out.dispatches if x.engine == leader.engine)
+            return [FastTarget(engine=leader.engine, url=leader.url, epoch=g.epoch, cap=leader.inflight + sent + room, max_kv=pooled - kv)]  # fmt: skip
+        taken = self.in_groups()
+        return [
+            FastTarget(
+                engine=e.engine, url=e.url, cap=self.cfg.max_inflight_per_worker, max_kv=e.max_total_tokens
+            )
+            for e in self.s.engines
+            if e.mode == "dp" and not e.pending and e.engine not in taken
+        ]
+
     def place_priority(self, r: QueuedRequest) -> bool:
         """A group with room that forms at the members' next step boundary, else a new ``priority_width`` group
         that leaves DP engines for everyone else: under light load the least loaded block (hard: its few DP
@@ -705,4 +735,5 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
         if r.priority != "high":
             rnd.place(r)
     rnd.out.state = msgspec.structs.replace(rnd.out.state, recent=rnd.recent)
+    rnd.out.fast = [] if rnd.out.binds or rnd.out.commands else rnd.fast_targets()  # a switch: the next round
     return rnd.out

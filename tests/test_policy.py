@@ -599,3 +599,24 @@ def test_spread_s_counts_recent_dispatches_so_a_fresh_engine_does_not_take_every
     assert d.state.recent == {1: 3.0, 2: 1.0, 3: 1.0, 0: 1.0}
     later = decide(snap([], engines, state=d.state, now=102.0), cfg)  # decayed by e^-1 (rate_ts: 100)
     assert later.state.recent[1] == pytest.approx(3.0 * 0.3679, rel=1e-3)
+
+
+# --- fast path ---------------------------------------------------------------------------------------------------
+
+
+def test_fast_targets_follow_where_a_short_request_would_go():
+    """Busy: every DP engine outside a group, capped at the per-worker slots. Light with a bound load group: its
+    leader, capped at the group's room. A group forming (requests wait for it): none."""
+    g = bound(7, (0, 1), reason="manual")
+    d = decide(snap([], [in_epoch(0, 7), in_epoch(1, 7), eng(2, inflight=3), eng(3)], [g]), DP_ONLY)
+    assert [(t.engine, t.epoch, t.cap, t.max_kv) for t in d.fast] == [(2, 0, 8, 1000), (3, 0, 8, 1000)]
+    load = bound(5, (0, 1), reason="load")
+    engines = [in_epoch(0, 5, inflight=1, n=2), in_epoch(1, 5, n=2)]  # (no idle block left to bind)
+    d = decide(snap([], engines, [load], state=LIGHT, loads={5: GroupLoad(1, 20, 20)}), CFG)
+    (t,) = d.fast
+    room = 2 * CFG.tp_inflight_per_engine - 1
+    assert (t.engine, t.epoch, t.cap, t.max_kv) == (0, 5, 1 + room, 2000 - 20)
+    forming = bound(5, (0, 1), reason="load", state="binding")
+    assert not decide(snap([], [eng(i) for i in range(4)], [forming], state=LIGHT), CFG).fast
+    assert decide(snap([], [eng(i) for i in range(4)], [], state=LIGHT), CFG).binds, "idle blocks bind ..."
+    assert not decide(snap([], [eng(i) for i in range(4)], [], state=LIGHT), CFG).fast, "... so requests wait"

@@ -107,3 +107,43 @@ async def test_reap_drops_only_stale_inflight_entries(aredis, keys):
     await aredis.sadd(keys.inflight(0), "ghost")
     assert await reap_stale_inflight(q, 0) == 1
     assert await aredis.smembers(keys.inflight(0)) == {b"live"}
+
+
+async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, keys):
+    """With targets published, a normal or low request admitted to an empty queue is assigned at once to the
+    least loaded target with a free slot and KV for it (its gateway told on its channel too); high priority, a
+    non-empty queue, a full target or too much KV: queued for the router."""
+    from flying.messages import FastTarget, encode
+
+    q = RequestQueue(aredis, keys)
+    targets = [FastTarget(engine=0, url="http://e0", cap=2, max_kv=100), FastTarget(engine=1, url="http://e1", cap=1, max_kv=100)]  # fmt: skip
+    assert await q.admit(mk("none")) is None, "no targets published: queued"
+    await q.finish("none", None, "cancelled")
+    await aredis.set(keys.fast_path, encode(targets))
+    pubsub = aredis.pubsub()
+    await pubsub.subscribe(keys.gateway_channel("g"))
+    a = await q.admit(mk("a"))
+    assert (a.id, a.engine, a.url) == ("a", 0, "http://e0")
+    assert (await q.get("a"))["state"] == "assigned" and await aredis.sismember(keys.inflight(0), "a")
+    assert (await q.admit(mk("b", "low"))).engine == 1, "the least loaded target"
+    assert (await q.admit(mk("c"))).engine == 0
+    assert await q.admit(mk("d")) is None, "every target full: queued"
+    assert await q.admit(mk("e")) is None, "the queue is not empty: behind d"
+    await q.finish("d", None, "cancelled")
+    await q.finish("e", None, "cancelled")
+    await q.finish("a", 0, "done")
+    assert await q.admit(mk("h", "high")) is None, "high priority: the router may bind a group for it"
+    await q.finish("h", None, "cancelled")
+    big = QueuedRequest(id="big", priority="normal", model="m", prompt_tokens=90, max_tokens=20, gateway="g", enqueued_at=0)  # fmt: skip
+    assert await q.admit(big) is None, "more KV than the target holds"
+    await q.finish("big", None, "cancelled")
+    assert (await q.admit(mk("f"))).engine == 0
+    msgs = []
+    for _ in range(10):
+        m = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+        if m is not None:
+            msgs.append(decode(m["data"], Assignment).id)
+    assert msgs == ["a", "b", "c", "f"]
+    stats = await aredis.hgetall(keys.stats)
+    assert stats[b"fast"] == b"4" and stats[b"assigned"] == b"4"
+    await pubsub.aclose()
