@@ -36,7 +36,7 @@ from gateway.errors import (
 )
 from gateway.resume import Resumable, upstream_body
 from gateway.schemas import ChatCompletionRequest, requested_max_tokens
-from gateway.upstream import Upstream, WorkerUnavailable
+from gateway.upstream import StreamBroken, Upstream, WorkerUnavailable
 
 log = logging.getLogger("flying.gateway")
 SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
@@ -427,7 +427,7 @@ class Gateway:
                     raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
                 if out is not None:
                     yield b"data: " + out + b"\n\n"
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, StreamBroken) as exc:
             raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}") from exc
         raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
 

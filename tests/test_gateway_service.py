@@ -47,30 +47,69 @@ class CountWords:
         return [1] * (sum(len(m.text().split()) for m in req.messages) + 3)
 
 
-async def sse(events, fail_after: int | None = None):
-    for i, e in enumerate(events):
-        if i == fail_after:
-            raise httpx.ReadError("connection reset by peer")
-        yield f"data: {json.dumps(e)}\n\n".encode()
-    if fail_after is None:
-        yield b"data: [DONE]\n\n"
+def sse(events, fail_after: int | None = None):
+    """The engine's answer: ``events`` then [DONE]; with ``fail_after``, that many events, then a connection
+    reset."""
+    return (events, "done") if fail_after is None else (events[:fail_after], "reset")
 
 
-async def cut(events):
-    """The events, then the connection closes cleanly without [DONE] (an engine process that exited)."""
-    for e in events:
-        yield f"data: {json.dumps(e)}\n\n".encode()
+def cut(events):
+    """The events, then the connection closes without the stream's end (an engine process that exited)."""
+    return events, "cut"
 
 
-async def empty():
-    return
-    yield b""
+def empty():
+    return [], "cut"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class ScriptedEngine:
+    """A raw HTTP/1.1 engine that answers its n-th request with ``scripts[n]`` (events, end): SSE events, then
+    [DONE] ("done"), a connection reset ("reset") or a close without the stream's end ("cut"). Records
+    ``calls`` as (path, JSON body)."""
+
+    def __init__(self) -> None:
+        self.scripts: list = []
+        self.calls: list[tuple[str, dict]] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            length = next(
+                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+            )
+            self.calls.append((head.split()[1].decode(), json.loads(await reader.readexactly(length))))
+            events, end = self.scripts[len(self.calls) - 1]
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for e in events:
+                writer.write(_chunk(f"data: {json.dumps(e)}\n\n".encode()))
+            await writer.drain()
+            if end == "done":
+                writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                await writer.drain()
+                continue
+            if end == "reset":
+                writer.transport.abort()
+            else:
+                writer.close()
+            return
 
 
 @pytest.fixture
 async def gateway(redis_server, aredis, keys):
+    engine = ScriptedEngine()
+    server = await asyncio.start_server(engine.handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     hb = Heartbeat(
-        engine=0, url="http://e0", pid=1, model="tiny-llama", launch_id="L", context_len=4096,
+        engine=0, url=url, pid=1, model="tiny-llama", launch_id="L", context_len=4096,
         max_total_tokens=4096, free_kv_tokens=4096, ts=time.time(),
     )  # fmt: skip
     await aredis.set(keys.worker(0), encode(hb), px=60_000)
@@ -82,24 +121,20 @@ async def gateway(redis_server, aredis, keys):
     task = asyncio.create_task(router.run(stop))
     cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix)
     gw = Gateway(cfg, aredis, CountWords())
+    gw.engine = engine
     await gw.start()
     yield gw
     await gw.stop()
+    server.close()
     stop.set()
     await asyncio.wait_for(task, 5)
 
 
 async def stream_through(gw: Gateway, responses: list, **extra) -> tuple[list[dict], list]:
     """One streaming chat request through admission, the router and ``dispatch``; the engine answers its n-th
-    call with ``responses[n]`` (an async byte iterator)."""
-    calls = []
-
-    def engine(request: httpx.Request) -> httpx.Response:
-        calls.append(request)
-        return httpx.Response(200, content=responses[len(calls) - 1])
-
-    await gw.upstream.client.aclose()
-    gw.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    call with ``responses[n]`` (see ScriptedEngine)."""
+    gw.engine.scripts = responses
+    calls = gw.engine.calls
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stream": True} | extra
     adm = await gw.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "chat", "normal")
     connected = asyncio.create_task(asyncio.Event().wait())
@@ -152,8 +187,8 @@ async def test_a_stream_that_breaks_after_tokens_continues_on_another_engine(gat
     engine asked for prompt + those two ids, and the client sees one unbroken stream."""
     events, calls = await stream_through(gateway, [broken(), sse(resumed_events(2))])
     assert events == chat_chunks()
-    assert len(calls) == 2 and calls[0].url.path == calls[1].url.path == "/v1/completions"
-    first, second = (json.loads(c.content) for c in calls)
+    assert len(calls) == 2 and calls[0][0] == calls[1][0] == "/v1/completions"
+    first, second = (body for _, body in calls)
     assert first["prompt"] == PROMPT and first["return_token_ids"] and "messages" not in first
     assert second["prompt"] == PROMPT + [10, 11]
     assert second["max_tokens"] == first["max_tokens"] - 2
@@ -181,7 +216,7 @@ async def test_a_stream_that_cannot_resume_ends_with_an_error_event(gateway, are
     """A chat request with log-probabilities keeps SGLang's chat endpoint (no token ids to resume from): after
     its first event, a broken stream ends with an error event."""
     events, calls = await stream_through(gateway, [sse(CHAT_EVENTS, fail_after=2)], logprobs=True)
-    assert calls[0].url.path == "/v1/chat/completions"
+    assert calls[0][0] == "/v1/chat/completions"
     assert events[:2] == CHAT_EVENTS[:2]
     assert events[2]["error"]["code"] == "worker_failed" and len(events) == 3
     assert len(calls) == 1, "tokens were already sent: no re-dispatch"
