@@ -8,6 +8,8 @@ import logging
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -188,6 +190,9 @@ def redis_client(config: GatewayConfig) -> aioredis.Redis:
         timeout=None,  # wait for a connection as long as it takes (connecting to a dead Redis fails fast)
         client_name=f"flying-gw-{config.gateway_id}",
         health_check_interval=10,
+        # a pooled connection that died with a Redis restart is replaced, not reported as an outage
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
+        retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError],
     )
     return aioredis.Redis(connection_pool=pool)
 

@@ -14,11 +14,13 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from loadgen import fake_server
 from tests.stack import RouterThread, announce_engine
 
 
 def engine(request: httpx.Request) -> httpx.Response:
-    """An engine that answers every request: SSE when asked to stream, else one JSON completion."""
+    """An engine that answers every non-streaming request with one JSON completion (streams go to a fake engine
+    process over the gateway's own stream client)."""
     body = json.loads(request.content)
     if body.get("stream"):
         chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
@@ -27,17 +29,20 @@ def engine(request: httpx.Request) -> httpx.Response:
 
 
 @pytest.fixture
-def app_client(redis_server, sync_redis, keys, tiny_model):
+def app_client(redis_server, sync_redis, keys, tiny_model, tmp_path):
     from gateway.tokens import PromptCounter
 
-    announce_engine(sync_redis, keys)
+    engine_proc, engine_url = fake_server.start_process(tmp_path / "engine.log")  # streams: the raw client
+    announce_engine(sync_redis, keys, url=engine_url)
     cfg = GatewayConfig(model_path=str(tiny_model), redis_url=redis_server.url, key_prefix=keys.prefix)
     app = create_app(cfg, count_tokens=PromptCounter(str(tiny_model)))
     with RouterThread(redis_server.url, keys.prefix), TestClient(app, raise_server_exceptions=False) as c:
         gw = app.state.gateway
         c.portal.call(gw.upstream.client.aclose)
-        gw.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        gw.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))  # non-streaming
         yield c
+    engine_proc.kill()
+    engine_proc.wait()
 
 
 # -- strategies ---------------------------------------------------------------------------------------------------
