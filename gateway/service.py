@@ -448,8 +448,12 @@ class Gateway:
         return a, resp, await self.first_event(adm, a, resp, never)
 
     async def _abandon(self, adm: Admitted, a: Assignment, why: str) -> None:
-        await self.upstream.abort(a.url, adm.record.id)
-        await self.queue.finish(adm.record.id, a.engine, "cancelled", why)
+        """The client left: free its slot in Redis and stop it on the engine, both at once (an engine busy with
+        many aborts must not hold the slot)."""
+        await asyncio.gather(
+            self.upstream.abort(a.url, adm.record.id),
+            self.queue.finish(adm.record.id, a.engine, "cancelled", why),
+        )
 
     def spawn(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(_logged(coro))
