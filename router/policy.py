@@ -406,6 +406,11 @@ class _Round:
             if g.state == "releasing" or g.reason == "manual":
                 continue
             tp_busy = self.group_n(g) > 0
+            if tp_busy and g.state == "bound" and self.now - g.last_used > 0.5:
+                g = _replace(
+                    g, last_used=self.now
+                )  # in use, maybe by fast-path requests the round never placed
+                self.put(g)
             if g.reason == "load" and busy:
                 # its requests continue in DP (scattered to their owners, or retracted to the leader), unless one
                 # of them needs the group's pooled KV

@@ -620,3 +620,12 @@ def test_fast_targets_follow_where_a_short_request_would_go():
     assert not decide(snap([], [eng(i) for i in range(4)], [forming], state=LIGHT), CFG).fast
     assert decide(snap([], [eng(i) for i in range(4)], [], state=LIGHT), CFG).binds, "idle blocks bind ..."
     assert not decide(snap([], [eng(i) for i in range(4)], [], state=LIGHT), CFG).fast, "... so requests wait"
+
+
+def test_a_group_with_tp_requests_in_flight_counts_as_used():
+    """Requests the admission fast path sent a group never pass through a round: while the group has TP requests
+    in flight its last use is now, so it is not released keep_s after the round's last dispatch."""
+    load = bound(5, (0, 1), reason="load", last_used=10.0)
+    engines = [in_epoch(0, 5, inflight=1, n=2), in_epoch(1, 5, n=2)]
+    d = decide(snap([], engines, [load], state=LIGHT, loads={5: GroupLoad(1, 20, 20)}), CFG)
+    assert d.put[5].last_used == 100.0 and not d.commands
