@@ -168,22 +168,16 @@ class RequestQueue:
     ) -> bool:
         """Atomically move ``req`` from the queue to ``engine`` (a TP group's leader when ``epoch`` is set);
         False if it was no longer queued."""
-        now = time.time() if now is None else now
-        queue_ms = max(0.0, (now - req.enqueued_at) * 1000)
-        msg = encode(Assignment(id=req.id, engine=engine, url=url, queue_ms=queue_ms))
-        k = self.keys
-        done = await self._assign(
-            keys=[k.queue, k.request(req.id), k.inflight(engine), k.stats],
-            args=[req.id, engine, now, f"{queue_ms:.3f}", k.gateway_channel(req.gateway), msg, url, epoch],
-        )
-        return bool(done)
+        return await self.assign_many([(req, engine, url, epoch)], now) == 1
 
-    async def assign_many(self, moves: Sequence[tuple[QueuedRequest, int, str, int]]) -> int:
+    async def assign_many(
+        self, moves: Sequence[tuple[QueuedRequest, int, str, int]], now: float | None = None
+    ) -> int:
         """``assign`` for many (request, engine, url, epoch) in one pipelined round trip (each move still one
         atomic script); returns how many were still queued and moved."""
         if not moves:
             return 0
-        now, k = time.time(), self.keys
+        now, k = time.time() if now is None else now, self.keys
         pipe = self.r.pipeline(transaction=False)
         for req, engine, url, epoch in moves:
             queue_ms = max(0.0, (now - req.enqueued_at) * 1000)
