@@ -89,16 +89,18 @@ return 1
 """ % int(CLASS_WEIGHT)
 
 _FINISH = """
--- KEYS: queue, request hash, inflight set (may be a dummy), wake, stats ; ARGV: id, state, now, error, ttl
+-- KEYS: queue, request hash, wake, stats ; ARGV: id, state, now, error, ttl, inflight key prefix. The inflight set
+-- is the one of the engine the record names (an assignment that raced a cancel is cleared too).
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('SREM', KEYS[3], ARGV[1])
+local engine = redis.call('HGET', KEYS[2], 'engine')
+if engine then redis.call('SREM', ARGV[6] .. engine, ARGV[1]) end
 redis.call('HSET', KEYS[2], 'state', ARGV[2], 'finished_at', ARGV[3], 'error', ARGV[4])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
-redis.call('LPUSH', KEYS[4], 1)
-redis.call('LTRIM', KEYS[4], 0, 0)
+redis.call('LPUSH', KEYS[3], 1)
+redis.call('LTRIM', KEYS[3], 0, 0)
 local counter = ARGV[2] == 'done' and 'completed' or ARGV[2]
-redis.call('HINCRBY', KEYS[5], counter, 1)
+redis.call('HINCRBY', KEYS[4], counter, 1)
 return 1
 """
 
@@ -208,14 +210,14 @@ class RequestQueue:
         )
         return bool(done)
 
-    async def finish(self, rid: str, engine: int | None, state: str, error: str = "") -> bool:
-        """Mark a request done/failed/cancelled, drop it from queue and inflight set, let its record expire."""
+    async def finish(self, rid: str, state: str, error: str = "") -> bool:
+        """Mark a request done/failed/cancelled, drop it from the queue and from the inflight set of the engine its
+        record names, let its record expire."""
         assert state in ("done", "failed", "cancelled"), state
         k = self.keys
-        inflight = k.inflight(engine) if engine is not None else f"{k.prefix}:inflight:none"
         done = await self._finish(
-            keys=[k.queue, k.request(rid), inflight, k.wake, k.stats],
-            args=[rid, state, time.time(), error, FINISHED_TTL_S],
+            keys=[k.queue, k.request(rid), k.wake, k.stats],
+            args=[rid, state, time.time(), error, FINISHED_TTL_S, k.inflight_prefix],
         )
         return bool(done)
 

@@ -94,14 +94,27 @@ async def dispatch(gw: Gateway, adm: Admitted, disconnected: asyncio.Task) -> Re
             continue
         if resp.status_code != 200:
             await resp.aread()
-            await gw.queue.finish(adm.record.id, a.engine, "failed", resp.text[:200])
+            await gw.queue.finish(adm.record.id, "failed", resp.text[:200])
             return Response(resp.content, status_code=resp.status_code, media_type="application/json")
         disconnected.cancel()  # StreamingResponse watches for disconnects itself from here on
-        return StreamingResponse(
+        return RelayResponse(
             gw.relay(adm, a, resp, events),
             media_type="text/event-stream",
             headers=headers_for(adm, a.engine, a.queue_ms),
         )
+
+
+class RelayResponse(StreamingResponse):
+    """A stream whose relay generator is closed as soon as the response ends, however it ends. A client that
+    leaves cancels the response; if that finds the generator suspended at a ``yield`` nothing closes it but the
+    garbage collector, and its cleanup (the abort on the engine, the slot freed in Redis) could come seconds
+    later."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 async def chat_completions(request: Request) -> Response:

@@ -298,7 +298,7 @@ class Gateway:
             self.holding.pop(rid, None)
             self.waiter.forget(rid)
             with contextlib.suppress(aioredis.RedisError):  # Redis away: the record expires or is reaped
-                await self.queue.finish(rid, None, "cancelled", "not scheduled")
+                await self.queue.finish(rid, "cancelled", "not scheduled")
             raise
 
     async def retry_or_fail(self, adm: Admitted, a: Assignment, why: str) -> asyncio.Future[Assignment]:
@@ -306,7 +306,7 @@ class Gateway:
         rec = await self.queue.get(adm.record.id)
         attempts = int(rec.get("attempts", 0)) + 1
         if attempts >= self.config.max_attempts:
-            await self.queue.finish(adm.record.id, a.engine, "failed", why)
+            await self.queue.finish(adm.record.id, "failed", why)
             raise WorkerFailed(f"engine {a.engine} failed and {attempts} attempts are used up: {why}")
         log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why)
         fut = self.waiter.expect(adm.record.id)
@@ -322,7 +322,7 @@ class Gateway:
         if resp.status_code == 503:  # the engine cannot serve it (its TP group lost a member): try another
             raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}")
         state = "done" if resp.status_code == 200 else "failed"
-        await self.queue.finish(adm.record.id, a.engine, state, "" if state == "done" else resp.text[:200])
+        await self.queue.finish(adm.record.id, state, "" if state == "done" else resp.text[:200])
         return resp.status_code, resp.json()
 
     async def first_event(
@@ -399,13 +399,13 @@ class Gateway:
             state, error = "failed", f"engine {a.engine} failed mid-stream: {exc!r}"
             yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error))
             yield b"data: [DONE]\n\n"
-        finally:
-            with contextlib.suppress(Exception):
-                await resp.aclose()
+        finally:  # spawned first: an await here may be cancelled again (the response's cancelled task group)
             if state == "cancelled":
                 self.spawn(self._abandon(adm, a, error))
             else:
-                self.spawn(self.queue.finish(adm.record.id, a.engine, state, error))
+                self.spawn(self.queue.finish(adm.record.id, state, error))
+            with contextlib.suppress(Exception):
+                await resp.aclose()
 
     async def _events(self, adm: Admitted, a: Assignment, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
         """One engine's events as the client gets them, through ``[DONE]``; WorkerUnavailable if the engine fails,
@@ -452,7 +452,7 @@ class Gateway:
         many aborts must not hold the slot)."""
         await asyncio.gather(
             self.upstream.abort(a.url, adm.record.id),
-            self.queue.finish(adm.record.id, a.engine, "cancelled", why),
+            self.queue.finish(adm.record.id, "cancelled", why),
         )
 
     def spawn(self, coro: Awaitable) -> None:

@@ -226,7 +226,7 @@ class Dispatcher:
             if now - self._gateways_gone[gw] < GATEWAY_GRACE_S:
                 continue
             for rid, engine, url in held:
-                await self.queue.finish(rid, engine, "cancelled", f"gateway {gw} lost")
+                await self.queue.finish(rid, "cancelled", f"gateway {gw} lost")
                 if engine is not None and url:
                     await self._abort(url, rid)
             log.warning("gateway %s lost: ended its %d requests (%d were running)", gw, len(held),

@@ -91,7 +91,7 @@ async def test_finish_clears_inflight_and_sets_a_ttl(aredis, keys):
     await q.admit(mk("a"))
     [a] = await q.peek(1)
     await q.assign(a, 1, "http://e1")
-    assert await q.finish("a", 1, "done")
+    assert await q.finish("a", "done")
     assert await aredis.scard(keys.inflight(1)) == 0
     assert (await q.get("a"))["state"] == "done"
     assert 0 < await aredis.ttl(keys.request("a")) <= 3600
@@ -118,7 +118,7 @@ async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, k
     q = RequestQueue(aredis, keys)
     targets = [FastTarget(engine=0, url="http://e0", cap=2, max_kv=100), FastTarget(engine=1, url="http://e1", cap=1, max_kv=100)]  # fmt: skip
     assert await q.admit(mk("none")) is None, "no targets published: queued"
-    await q.finish("none", None, "cancelled")
+    await q.finish("none", "cancelled")
     await aredis.set(keys.fast_path, encode(targets))
     pubsub = aredis.pubsub()
     await pubsub.subscribe(keys.gateway_channel("g"))
@@ -129,14 +129,14 @@ async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, k
     assert (await q.admit(mk("c"))).engine == 0
     assert await q.admit(mk("d")) is None, "every target full: queued"
     assert await q.admit(mk("e")) is None, "the queue is not empty: behind d"
-    await q.finish("d", None, "cancelled")
-    await q.finish("e", None, "cancelled")
-    await q.finish("a", 0, "done")
+    await q.finish("d", "cancelled")
+    await q.finish("e", "cancelled")
+    await q.finish("a", "done")
     assert await q.admit(mk("h", "high")) is None, "high priority: the router may bind a group for it"
-    await q.finish("h", None, "cancelled")
+    await q.finish("h", "cancelled")
     big = QueuedRequest(id="big", priority="normal", model="m", prompt_tokens=90, max_tokens=20, gateway="g", enqueued_at=0)  # fmt: skip
     assert await q.admit(big) is None, "more KV than the target holds"
-    await q.finish("big", None, "cancelled")
+    await q.finish("big", "cancelled")
     assert (await q.admit(mk("f"))).engine == 0
     msgs = []
     for _ in range(10):

@@ -145,10 +145,21 @@ def idle(stack) -> bool:
     )
 
 
+def busy(stack) -> str:
+    """What is still waiting or running: the queue, each inflight set (with its records' states), the engines."""
+    r = stack.client()
+    held = {e: sorted(r.smembers(stack.keys.inflight(e))) for e in range(stack.config.num_engines)}
+    states = {
+        rid: r.hget(stack.keys.request(rid.decode()), "state") for ids in held.values() for rid in ids[:5]
+    }
+    running = {e: (hb.running, hb.waiting) for e, hb in stack.heartbeats().items()}
+    return f"queue {r.zcard(stack.keys.queue)}, inflight {held}, states {states}, engines (running, waiting) {running}"
+
+
 def wait_idle(stack, timeout_s: float) -> float:
     t0 = time.monotonic()
     while not idle(stack):
-        assert time.monotonic() - t0 < timeout_s, f"not idle {timeout_s} s later: {stack.heartbeats()}"
+        assert time.monotonic() - t0 < timeout_s, f"not idle {timeout_s} s later: {busy(stack)}"
         time.sleep(0.1)
     return time.monotonic() - t0
 
