@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import redis
 
+from devstack.redis_server import RedisServer
 from flying.keys import Keys
 from flying.procs import free_port, spawn, stop, wait_healthy
-from flying.redis_server import RedisServer
 from loadgen.fake_server import start_process
 from worker_ext import launch
 from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher

@@ -108,8 +108,8 @@ def live(cycles: int) -> list[str]:
     import httpx
     import psutil
 
+    from devstack.cluster import Cluster, ClusterConfig
     from flying import control
-    from flying.cluster import Cluster, ClusterConfig
     from worker_ext.tinymodel import ensure
 
     model = ensure(Path(".flying/test-model"), seed=0)

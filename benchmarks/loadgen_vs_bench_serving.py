@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from _loadgen import run_loadgen
 
-from flying.stock_server import StockServer
+from devstack.stock_server import StockServer
 from loadgen.workload import PromptMaker
 from worker_ext.cpu_compat import sglang_cpu_env
 from worker_ext.tinymodel import ensure

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from devstack.cluster import Cluster, ClusterConfig
+from devstack.stock_server import StockServer
 from flying import control
-from flying.cluster import Cluster, ClusterConfig
-from flying.stock_server import StockServer
 from loadgen import metrics, runner
 from loadgen.arrivals import Arrivals
 from loadgen.workload import Lengths, PromptMaker, Workload, plan

@@ -30,8 +30,7 @@ from gateway.errors import (
     PayloadTooLarge,
     QueueUnavailable,
 )
-from gateway.service import Admitted, ClientGone, Gateway, watch_disconnect
-from gateway.upstream import WorkerUnavailable
+from gateway.service import ClientGone, Gateway, watch_disconnect
 
 log = logging.getLogger("flying.gateway")
 
@@ -49,14 +48,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def headers_for(adm: Admitted, engine: int, queue_ms: float) -> dict[str, str]:
-    return {
-        "X-Request-Id": adm.record.id,
-        "X-Queue-Time-Ms": f"{queue_ms:.1f}",
-        "X-Flying-Engine": str(engine),
-    }
-
-
 async def completions(request: Request, kind: str) -> Response:
     gw: Gateway = request.app.state.gateway
     if request.app.state.drain.draining:
@@ -66,42 +57,24 @@ async def completions(request: Request, kind: str) -> Response:
     req = schemas.decode(body, req_type)
     (schemas.check_chat if kind == "chat" else schemas.check_completion)(req)
     priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority)
-    adm = await gw.admit(req, kind, priority)
+    adm = await gw.admit(req, priority)
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
     try:
-        return await dispatch(gw, adm, disconnected)
+        reply = await gw.serve(adm, disconnected)
     except ClientGone:
         return Response(status_code=499)
     finally:
-        disconnected.cancel()
-
-
-async def dispatch(gw: Gateway, adm: Admitted, disconnected: asyncio.Task) -> Response:
-    fut = await gw.enqueue(adm)
-    while True:
-        a = await gw.wait_assignment(adm, fut, disconnected)
-        try:
-            if not adm.stream:
-                status, payload = await gw.forward(adm, a, disconnected)
-                return JSONResponse(
-                    payload, status_code=status, headers=headers_for(adm, a.engine, a.queue_ms)
-                )
-            resp = await gw.upstream.open_stream(a.url, adm.path, adm.body)
-            if resp.status_code == 200:  # nothing goes to the client before the engine's first event
-                events = await gw.first_event(adm, a, resp, disconnected)
-        except WorkerUnavailable as exc:
-            fut = await gw.retry_or_fail(adm, a, str(exc))
-            continue
-        if resp.status_code != 200:
-            await resp.aread()
-            await gw.queue.finish(adm.record.id, "failed", resp.text[:200])
-            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
-        disconnected.cancel()  # StreamingResponse watches for disconnects itself from here on
-        return RelayResponse(
-            gw.relay(adm, a, resp, events),
-            media_type="text/event-stream",
-            headers=headers_for(adm, a.engine, a.queue_ms),
-        )
+        disconnected.cancel()  # a stream's response watches for disconnects itself from here on
+    headers = {
+        "X-Request-Id": adm.record.id,
+        "X-Queue-Time-Ms": f"{reply.assignment.queue_ms:.1f}",
+        "X-Flying-Engine": str(reply.assignment.engine),
+    }
+    if reply.stream is not None:
+        return RelayResponse(reply.stream, media_type="text/event-stream", headers=headers)
+    if reply.raw is not None:
+        return Response(reply.raw, status_code=reply.status, media_type="application/json", headers=headers)
+    return JSONResponse(reply.body, status_code=reply.status, headers=headers)
 
 
 class RelayResponse(StreamingResponse):

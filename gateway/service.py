@@ -1,5 +1,7 @@
 """The gateway's request path: validate -> admit to the Redis queue -> await the router's assignment ->
-forward to the engine -> stream back. HTTP framing lives in :mod:`gateway.app`."""
+forward to the engine (re-dispatched if it fails before answering) -> stream back (resumed elsewhere if it fails
+mid-stream). :meth:`Gateway.serve` is that whole path after validation; HTTP framing lives in
+:mod:`gateway.app`."""
 
 from __future__ import annotations
 
@@ -58,6 +60,18 @@ class Admitted:
     body: dict
     stream: bool
     resume: Resumable | None = None  # a stream that can continue on another engine (see gateway.resume)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a request is answered with: a JSON ``body``, an engine's error bytes (``raw``), or an SSE ``stream``;
+    ``assignment`` names the engine that served it (response headers)."""
+
+    status: int
+    assignment: Assignment
+    body: dict | None = None
+    raw: bytes | None = None
+    stream: AsyncIterator[bytes] | None = None
 
 
 class Gateway:
@@ -170,7 +184,7 @@ class Gateway:
         return min(max(hb.context_len for hb in beats), kv)
 
     # -- admission ---------------------------------------------------------------------------------------------
-    async def admit(self, req, kind: str, priority: Priority) -> Admitted:
+    async def admit(self, req, priority: Priority) -> Admitted:
         if req.model != self.config.served_model_name:
             raise ModelNotFound(
                 f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",
@@ -276,6 +290,30 @@ class Gateway:
                 await self.queue.admit(record)
             self.readmitted += 1
         log.warning("re-admitted %d waiting requests that Redis had lost", len(rids))
+
+    # -- the request's path ----------------------------------------------------------------------------------
+    async def serve(self, adm: Admitted, disconnected: asyncio.Task) -> Reply:
+        """Queue ``adm``, wait for its assignment and forward it; an engine that fails before answering (or, for
+        a stream, before its first event) sends it back to the queue, within ``max_attempts``. Raises ClientGone
+        when ``disconnected`` completes first, and the API errors of the steps (429, 503, 504)."""
+        fut = await self.enqueue(adm)
+        while True:
+            a = await self.wait_assignment(adm, fut, disconnected)
+            try:
+                if not adm.stream:
+                    status, payload = await self.forward(adm, a, disconnected)
+                    return Reply(status, a, body=payload)
+                resp = await self.upstream.open_stream(a.url, adm.path, adm.body)
+                if resp.status_code == 200:  # nothing goes to the client before the engine's first event
+                    events = await self.first_event(adm, a, resp, disconnected)
+            except WorkerUnavailable as exc:
+                fut = await self.retry_or_fail(adm, a, str(exc))
+                continue
+            if resp.status_code != 200:
+                await resp.aread()
+                await self.queue.finish(adm.record.id, "failed", resp.text[:200])
+                return Reply(resp.status_code, a, raw=resp.content)
+            return Reply(200, a, stream=self.relay(adm, a, resp, events))
 
     # -- waiting -----------------------------------------------------------------------------------------------
     async def wait_assignment(

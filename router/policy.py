@@ -1,7 +1,7 @@
 """The bind/release policy (paper section 5): a pure, deterministic function of a cluster snapshot -> decisions.
 
 No Redis, no clocks, no randomness: the live router (router.dispatcher), the unit tests and the simulator
-(router.simulator) all call :func:`decide` with a :class:`Snapshot` and apply the :class:`Decision` it returns.
+(sim.simulator) all call :func:`decide` with a :class:`Snapshot` and apply the :class:`Decision` it returns.
 
 The three use cases, each switchable in :class:`PolicyConfig`:
 
@@ -32,7 +32,7 @@ The three use cases, each switchable in :class:`PolicyConfig`:
 KV transformation (Gyges-style, issue 12) is used only where every member's heartbeat reports ``kv_transform`` and
 ``PolicyConfig.kv_transform`` is on (``flying-router --no-kv-transform``); otherwise every decision is as without it.
 Its cost enters the decision: an adoption's stall is estimated from the members' KV in use (head slices of
-``kv_bytes_per_token`` over ``kv_link_gbps`` plus ``kv_transform_fixed_ms``, :mod:`router.cost_model`); above
+``kv_bytes_per_token`` over ``kv_link_gbps`` plus ``kv_transform_fixed_ms``, :mod:`router.transform_cost`); above
 ``adopt_max_ms`` the block drains instead. A group bound by adoption pauses nothing, so ``max_defer_s`` does not
 apply to it; its adopted requests stay owned by their members, so it is never released by retraction (only by
 scatter, or by waiting). Hysteresis: light needs ``calm_s`` of light load, the thresholds leave a band between
@@ -63,7 +63,7 @@ import msgspec
 from flying.groups import merge_sets
 from flying.groups import widths as group_widths
 from flying.messages import Bind, Command, FastTarget, Group, Preempt, QueuedRequest, Release, RouterState
-from router.cost_model import adopt_moves, kv_transform_ms
+from router.transform_cost import adopt_moves, kv_transform_ms
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class PolicyConfig:
     kv_transform: bool = True
     adopt_max_ms: float = 100.0  # a bind adopts only if its estimated transformation stalls the group <= this
     adopt_max_inflight: int = 64  # ... and its members hold at most this many DP requests each
-    kv_bytes_per_token: int = 163_840  # for that estimate (Llama-3-70B, FP8 KV); see router.cost_model
+    kv_bytes_per_token: int = 163_840  # for that estimate (Llama-3-70B, FP8 KV); see router.transform_cost
     kv_link_gbps: float = 360.0  # per member and direction
     kv_transform_fixed_ms: float = 4.0
 

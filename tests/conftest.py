@@ -9,8 +9,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from devstack.redis_server import RedisServer
 from flying.keys import Keys
-from flying.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

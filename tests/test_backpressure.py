@@ -148,9 +148,9 @@ async def test_low_priority_is_shed_before_high(redis_server, aredis, sync_redis
         await q.admit(mk(f"n{i}"))
     req = ChatCompletionRequest(model="tiny-llama", messages=[Message(role="user", content="hi")])
     with pytest.raises(QueueFullError) as exc:
-        await gw.enqueue(await gw.admit(req, "chat", "low"))
+        await gw.enqueue(await gw.admit(req, "low"))
     assert exc.value.retry_after_s >= 1 and "low priority" in exc.value.message
     for p in ("normal", "high"):
-        await gw.enqueue(await gw.admit(req, "chat", p))
+        await gw.enqueue(await gw.admit(req, p))
     assert await q.depth() == 9
     assert not gw.waiter.pending.keys() - gw.waiter.admitted

@@ -2,8 +2,8 @@
 
 import time
 
+from flyctl.cli import main
 from flying import control
-from flying.flyctl import main
 from flying.messages import Bind, Heartbeat, Release, RouterState, decode_command, encode
 from flying.queue import CLASS_WEIGHT
 

@@ -46,7 +46,7 @@ async def test_ten_thousand_waiting_requests(redis_server, sync_redis, aredis, k
     connected = asyncio.create_task(asyncio.Event().wait())
 
     async def one():
-        adm = await gw.admit(req, "chat", "normal")
+        adm = await gw.admit(req, "normal")
         return await gw.wait_assignment(adm, await gw.enqueue(adm), connected)
 
     try:

@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from flying.messages import Heartbeat, encode
-from gateway.app import dispatch
 from gateway.config import GatewayConfig
 from gateway.schemas import ChatCompletionRequest, decode
 from gateway.service import Gateway
@@ -131,16 +130,16 @@ async def gateway(redis_server, aredis, keys):
 
 
 async def stream_through(gw: Gateway, responses: list, **extra) -> tuple[list[dict], list]:
-    """One streaming chat request through admission, the router and ``dispatch``; the engine answers its n-th
+    """One streaming chat request through admission, the router and ``Gateway.serve``; the engine answers its n-th
     call with ``responses[n]`` (see ScriptedEngine)."""
     gw.engine.scripts = responses
     calls = gw.engine.calls
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stream": True} | extra
-    adm = await gw.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "chat", "normal")
+    adm = await gw.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
     connected = asyncio.create_task(asyncio.Event().wait())
     try:
-        resp = await asyncio.wait_for(dispatch(gw, adm, connected), 10)
-        chunks = [c async for c in resp.body_iterator]
+        reply = await asyncio.wait_for(gw.serve(adm, connected), 10)
+        chunks = [c async for c in reply.stream]
     finally:
         connected.cancel()
     lines = b"".join(chunks).decode().split("\n\n")
@@ -239,12 +238,12 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
     await gateway.upstream.client.aclose()
     gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
-    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "chat", "normal")
+    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
     connected = asyncio.create_task(asyncio.Event().wait())
     try:
-        resp = await asyncio.wait_for(dispatch(gateway, adm, connected), 10)
+        reply = await asyncio.wait_for(gateway.serve(adm, connected), 10)
     finally:
         connected.cancel()
-    assert resp.status_code == 200 and json.loads(resp.body)["choices"][0]["message"]["content"] == "one two"
+    assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
     assert len(calls) == 2
     assert int(await aredis.hget(keys.stats, "requeued")) == 1

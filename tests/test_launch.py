@@ -9,7 +9,7 @@ import time
 
 import redis
 
-from flying.redis_server import RedisServer
+from devstack.redis_server import RedisServer
 from worker_ext import launch
 
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import redis
 
+from devstack.redis_server import RedisServer
 from flying.keys import Keys
-from flying.redis_server import RedisServer
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from loadgen import fake_server

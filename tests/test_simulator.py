@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flying.messages import Bind, Group, Release
-from router.cost_model import CostModel, adopt_moves, calibration, scatter_moves
 from router.policy import PolicyConfig
-from router.sim_cli import flat_period
-from router.simulator import SimConfig, SimRequest, Simulator, paper_workload
+from router.transform_cost import adopt_moves, scatter_moves
+from sim.cli import flat_period
+from sim.cost_model import CostModel, calibration
+from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload
 
 SMALL = CostModel(kv_tokens=4000, max_running=16, chunk_tokens=512)
 
@@ -268,7 +269,7 @@ def test_engines_without_kv_transform_never_get_adopt_or_scatter():
 
 
 def test_kv_transformation_cost():
-    """Bytes of the moved head slices over the link plus the fixed part (router.cost_model)."""
+    """Bytes of the moved head slices over the link plus the fixed part (sim.cost_model)."""
     m = CostModel()
     assert m.transform_ms([]) == m.transform_fixed_ms == 4.0
     # Gyges' case on this model: 4 x TP1 -> TP4 at 90 % KV: 3/4 of 315 K tokens x 160 KB per member

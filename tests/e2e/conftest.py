@@ -7,8 +7,8 @@ import contextlib
 
 import pytest
 
-from flying.cluster import Cluster, ClusterConfig
-from flying.stock_server import StockServer
+from devstack.cluster import Cluster, ClusterConfig
+from devstack.stock_server import StockServer
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from flying.cluster import Cluster, ClusterConfig
+from devstack.cluster import Cluster, ClusterConfig
 from flying.procs import free_port, spawn, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos, pytest.mark.timeout(600)]

@@ -1,6 +1,6 @@
 """A discrete-event, trace-driven simulation of N engines run by the *live* policy (:func:`router.policy.decide`).
 
-Each engine is a continuous-batching scheduler whose step times come from :mod:`router.cost_model`; a bound group is
+Each engine is a continuous-batching scheduler whose step times come from :mod:`sim.cost_model`; a bound group is
 one scheduler at its width with the members' pooled KV. Commands behave as the workers' (worker_ext.binding) do:
 a member acknowledges a bind on reading it (``pending``), applies it at its next step boundary (hard: its DP work
 pauses with its KV kept; sequential: once its running DP requests finish), the group forms when every member is
@@ -11,7 +11,7 @@ router outage is just time in which no decisions are taken.
 KV transformation (``SimConfig.kv_transform``: the engines report ``kv_transform`` and apply it). A bind with
 ``adopt`` is applied at the member's next step boundary like a hard one, but its running and waiting DP requests
 become the group's (running ones keep their KV and progress); the group forms ``switch_ms`` plus the transformation
-(:meth:`router.cost_model.CostModel.transform_ms` over each member's moved head slices) after the last member
+(:meth:`sim.cost_model.CostModel.transform_ms` over each member's moved head slices) after the last member
 arrives. Every request is *owned* by the engine it was dispatched to (a group's leader for TP dispatches) and stays
 assigned there. A release with ``scatter`` takes effect at the leader's next step boundary: each running TP request
 goes back to DP on its owner with its KV if the owner's free KV holds it (whole), else it is retracted there
@@ -38,8 +38,9 @@ import numpy as np
 from flying.groups import pooled_limit
 from flying.messages import PRIORITY_CLASS, Bind, Group, QueuedRequest, Release, RouterState
 from loadgen.metrics import RequestRecord
-from router.cost_model import H200_LLAMA70B, CostModel, adopt_moves, scatter_moves
 from router.policy import Decision, EngineView, GroupLoad, PolicyConfig, Snapshot, decide
+from router.transform_cost import adopt_moves, scatter_moves
+from sim.cost_model import H200_LLAMA70B, CostModel
 
 Mode = Literal["dynamic", "dp", "tp"]
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.trace import PRESETS, read_trace
-from router.cost_model import calibration
 from router.policy import PolicyConfig
-from router.simulator import SimConfig, SimRequest, Simulator, paper_workload, two_level_phase
+from sim.cost_model import calibration
+from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload, two_level_phase
 
 FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
 

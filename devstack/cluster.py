@@ -16,10 +16,10 @@ from pathlib import Path
 
 import redis
 
+from devstack.redis_server import RedisServer
 from flying.keys import Keys
 from flying.messages import Heartbeat
 from flying.procs import NotReady, free_port, spawn, stop, stop_all, tail, wait_healthy
-from flying.redis_server import RedisServer
 from flying.workers import live_heartbeat
 
 

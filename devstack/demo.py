@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from flying.cluster import Cluster, ClusterConfig
+from devstack.cluster import Cluster, ClusterConfig
 from loadgen import metrics, report, runner
 from loadgen.arrivals import Arrivals
 from loadgen.workload import PromptMaker, Workload, plan
