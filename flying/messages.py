@@ -196,3 +196,33 @@ def from_hash(fields: dict[str, str], type_: type[msgspec.Struct]):
     """Redis hash fields -> struct (extra fields such as ``state`` are ignored)."""
     names = set(type_.__struct_fields__)
     return msgspec.convert({k: v for k, v in fields.items() if k in names}, type_, strict=False)
+
+
+class GroupLost(msgspec.Struct, frozen=True, kw_only=True):
+    """Worker -> gateway, through SGLang: how a worker ends the TP requests of a group that lost a member (an
+    abort finish reason with this status and type; SGLang answers a non-streaming request with the status and ends
+    a stream with an abort event or an error event carrying it), so the gateway can re-dispatch or resume them."""
+
+    message: str = "tensor-parallel group lost a member; request aborted"
+    status: int = 503
+    err_type: str = "ServiceUnavailable"
+
+
+GROUP_LOST = GroupLost()
+
+
+def engine_gave_up(event: object) -> str:
+    """Why an engine's SSE event (decoded JSON) says it gave up on the request, '' if it does not: an error event
+    with the GROUP_LOST status, or any abort finish (SGLang's end of a TP request whose group lost a member, or of
+    one aborted on the engine)."""
+    if isinstance(event, dict):
+        err = event.get("error")
+        if isinstance(err, dict) and err.get("code") in (
+            GROUP_LOST.status,
+            str(GROUP_LOST.status),
+            "SERVICE_UNAVAILABLE",
+        ):
+            return str(err.get("message", GROUP_LOST.status))
+        if any(c.get("finish_reason") == "abort" for c in event.get("choices") or ()):
+            return "aborted"
+    return ""

@@ -20,7 +20,16 @@ import redis.asyncio as aioredis
 
 from flying.groups import merge_sets
 from flying.keys import Keys
-from flying.messages import Assignment, Heartbeat, Priority, QueuedRequest, RouterState, decode
+from flying.messages import (
+    GROUP_LOST,
+    Assignment,
+    Heartbeat,
+    Priority,
+    QueuedRequest,
+    RouterState,
+    decode,
+    engine_gave_up,
+)
 from flying.queue import QueueFull, RequestQueue
 from flying.workers import live_workers
 from gateway.assignments import AssignmentWaiter
@@ -357,7 +366,7 @@ class Gateway:
     async def forward(self, adm: Admitted, a: Assignment, disconnected: asyncio.Task):
         """Non-streaming: the engine's (status, JSON body). Raises WorkerUnavailable or ClientGone."""
         resp = await self._unless_gone(adm, a, self.upstream.post(a.url, adm.path, adm.body), disconnected)
-        if resp.status_code == 503:  # the engine cannot serve it (its TP group lost a member): try another
+        if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
             raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}")
         state = "done" if resp.status_code == 200 else "failed"
         await self.queue.finish(adm.record.id, state, "" if state == "done" else resp.text[:200])
@@ -461,7 +470,7 @@ class Gateway:
                         raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
                     continue
                 event, out = adm.resume.event(line[5:].strip())
-                if why := unavailable_event(event):
+                if why := engine_gave_up(event):
                     raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
                 if out is not None:
                     yield b"data: " + out + b"\n\n"
@@ -514,22 +523,9 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def unavailable(line: str) -> str:
-    """Why an SSE line says the engine gave up on the request ('' if it does not): see unavailable_event."""
+    """Why an SSE line says the engine gave up on the request ('' if it does not): see engine_gave_up."""
     with contextlib.suppress(ValueError):
-        return unavailable_event(json.loads(line[5:]))
-    return ""
-
-
-def unavailable_event(event) -> str:
-    """Why an event says the engine gave up on the request ('' if it does not): a 503 error event, or an abort
-    (SGLang's end of a TP request whose group lost a member). Before the first token the request is
-    re-dispatched; after it a resumable stream continues elsewhere, any other ends with an error event."""
-    if isinstance(event, dict):
-        err = event.get("error")
-        if isinstance(err, dict) and err.get("code") in (503, "503", "SERVICE_UNAVAILABLE"):
-            return str(err.get("message", "503"))
-        if any(c.get("finish_reason") == "abort" for c in event.get("choices") or ()):
-            return "aborted"
+        return engine_gave_up(json.loads(line[5:]))
     return ""
 
 

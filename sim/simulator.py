@@ -41,6 +41,7 @@ from loadgen.metrics import RequestRecord
 from router.policy import Decision, EngineView, GroupLoad, PolicyConfig, Snapshot, decide
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cost_model import H200_LLAMA70B, CostModel
+from worker_ext.intake import Intake, intake
 
 Mode = Literal["dynamic", "dp", "tp"]
 
@@ -222,23 +223,25 @@ class Engine:
         )
 
     def command(self, cmd: Bind | Release) -> None:
+        """The worker's own intake rule (:func:`worker_ext.intake.intake`); width changes are not modelled (the
+        policy issues none)."""
         self.beat_ts = self.sim.now
-        if isinstance(cmd, Bind):
-            if (
-                cmd.epoch <= self.last_epoch
-                or self.group is not None
-                or any(e == self.idx and a <= self.sim.now < b for e, a, b in self.sim.cfg.ignore_binds)
-            ):
+        g, pending = self.group, self.pending
+        what = intake(cmd, self.idx, self.last_epoch, g.epoch if g else 0, pending.epoch if pending else 0)
+        if what is Intake.BIND and g is None:
+            if any(e == self.idx and a <= self.sim.now < b for e, a, b in self.sim.cfg.ignore_binds):
                 return
             self.pending = cmd
-        elif self.pending and cmd.epoch == self.pending.epoch:
+        elif what is Intake.CANCEL:
             self.pending, self.arrived, self.last_epoch = None, 0, max(self.last_epoch, cmd.epoch)
             self.dp.admit = True
             self.resume()
-        elif self.group and cmd.epoch == self.group.epoch:
-            self.group.release_asked = True
-            self.group.retract, self.group.scatter = cmd.retract, cmd.scatter
-            self.sim.engines[self.group.leader].boundary()
+        elif what is Intake.RELEASE:
+            g.release_asked = True
+            g.retract, g.scatter = cmd.retract, cmd.scatter
+            self.sim.engines[g.leader].boundary()
+            return
+        elif isinstance(cmd, Bind):
             return
         self.boundary()
 

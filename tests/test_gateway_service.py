@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from flying.messages import GROUP_LOST as LOST
 from flying.messages import Heartbeat, encode
 from gateway.config import GatewayConfig
 from gateway.schemas import ChatCompletionRequest, decode
@@ -146,7 +147,7 @@ async def stream_through(gw: Gateway, responses: list, **extra) -> tuple[list[di
     return [json.loads(x[5:]) for x in lines if x.startswith("data:") and x != "data: [DONE]"], calls
 
 
-GROUP_LOST = "tensor-parallel group lost a member; request aborted"
+GROUP_LOST = LOST.message
 ABORTED = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}  # SGLang, no token yet
 ERROR_503 = {"error": {"message": GROUP_LOST, "type": "SERVICE_UNAVAILABLE", "param": None, "code": 503}}
 

@@ -1,4 +1,8 @@
-from flying.messages import Heartbeat, QueuedRequest, decode, encode, from_hash, to_hash
+import json
+
+import pytest
+
+from flying.messages import GROUP_LOST, Heartbeat, QueuedRequest, decode, encode, from_hash, to_hash
 
 
 def test_request_round_trips_through_a_redis_hash():
@@ -21,3 +25,20 @@ def test_request_round_trips_through_a_redis_hash():
 def test_heartbeat_json_round_trip():
     hb = Heartbeat(engine=1, url="http://x", pid=9, model="m", free_kv_tokens=100, step=4)
     assert decode(encode(hb), Heartbeat) == hb
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # SGLang's OpenAI server warns on import without CUDA
+def test_the_gateway_knows_how_a_worker_ends_a_request_whose_group_was_lost():
+    """Both sides of the GroupLost contract: the finish reason the worker sets, rendered by SGLang's own OpenAI
+    server as a stream's error event, is what the gateway re-dispatches on; a normal event is not."""
+    from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+
+    from flying.messages import engine_gave_up
+    from worker_ext.sglang_patches import group_lost
+
+    reason = group_lost().to_json()
+    code = reason["status_code"]
+    event = OpenAIServingBase.create_streaming_error_response(None, reason["message"], code.name, code.value)
+    assert engine_gave_up(json.loads(event)) == GROUP_LOST.message
+    assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "abort"}]}) == "aborted"
+    assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "length"}]}) == ""

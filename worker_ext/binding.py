@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flying.messages import Bind, Command, Release
+from flying.messages import Bind, Command
 from worker_ext import adoption, preemption, sglang_patches, step_plan
 from worker_ext.comm_pool import CommPool, MergedGroup
+from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import ExchangeStats
 from worker_ext.rank_messages import Handshake, Noop, ReleasePlan
 from worker_ext.sglang_patches import memory_pool, model
@@ -108,6 +109,9 @@ class Binding:
             "comm_rebuilds": self.pool.rebuilds,
             "num_engines": self.pool.num_engines,
             "param_bytes": self.param_bytes,
+            **(
+                {"max_total_tokens": self.dp_limits.max_total_tokens} if e else {}
+            ),  # its own, not the group's
             "kv_transform": True,
             **self.transform,
         }
@@ -138,20 +142,18 @@ class Binding:
 
     def on_step(self, commands: list[Command]) -> None:
         for cmd in commands:
-            if cmd.epoch <= self.last_epoch and isinstance(cmd, Bind):
-                continue  # already served (a follower reads its stream only between epochs)
-            if isinstance(cmd, Bind) and self.engine in cmd.members:
-                if self.epoch is not None and cmd.epoch != self.epoch.epoch:
-                    self.epoch.next_bind, self.epoch.release_asked = cmd, True  # a width change
-                else:
+            e, pending = self.epoch, self.pending
+            match intake(
+                cmd, self.engine, self.last_epoch, e.epoch if e else 0, pending.epoch if pending else 0
+            ):
+                case Intake.BIND:
                     self.pending = cmd
-            elif isinstance(cmd, Release) and self.epoch and cmd.epoch == self.epoch.epoch:
-                self.epoch.release_asked, self.epoch.retract = True, cmd.retract
-                self.epoch.scatter = cmd.scatter
-            elif isinstance(cmd, Release) and self.pending and cmd.epoch == self.pending.epoch:
-                preemption.cancel_pending(
-                    self
-                )  # the router rolled the bind back before this engine applied it
+                case Intake.WIDTH_CHANGE:
+                    e.next_bind, e.release_asked = cmd, True
+                case Intake.RELEASE:
+                    e.release_asked, e.retract, e.scatter = True, cmd.retract, cmd.scatter
+                case Intake.CANCEL:  # the router rolled the bind back before this engine applied it
+                    preemption.cancel_pending(self)
         if self.epoch is None and self.pending is not None:
             if self.pending.preempt == "soft":
                 if preemption.soft_ready(self, self.pending):
@@ -331,7 +333,7 @@ class Binding:
         self.weights.release()
         sglang_patches.restore_dp_work(self.s, self.stash)
         sglang_patches.resume_idle_checks(self.s)
-        sglang_patches.restore_request_limits(self.s, self.dp_limits)
+        sglang_patches.set_request_limits(self.s, self.dp_limits, 1)
         self.stash = None
 
     def abort(self, exc: BaseException) -> None:
@@ -342,7 +344,7 @@ class Binding:
         if e is not None:
             sglang_patches.drop_tp_requests(self.s)
             for req in self.owned.values():  # a follower's own requests the leader ran: end them here
-                req.finished_reason = sglang_patches._group_lost("tensor-parallel group lost a member")
+                req.finished_reason = sglang_patches.group_lost()
             rq.stream(self.s, list(self.owned.values()))
             self.owned = {}
             self._unbind("aborted")

@@ -94,7 +94,4 @@ def _beat(scheduler) -> None:
     from worker_ext import sglang_patches
 
     switching = _binding.status() if _binding is not None else {}
-    load = sglang_patches.scheduler_load(scheduler)
-    # bound: the scheduler counts the group's pooled KV; the heartbeat reports this engine's own
-    load["max_total_tokens"] //= switching.get("width", 1)
-    _publisher.beat(**load, **switching)
+    _publisher.beat(**(sglang_patches.scheduler_load(scheduler) | switching))

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
+
+from flying.messages import GROUP_LOST
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SUPPORTED_SGLANG = "0.5.23"
@@ -274,20 +277,20 @@ class _LocalReduce:
 LOCAL_GROUP = _LocalReduce()
 
 
-def _group_lost(message: str) -> Any:
-    """The finish reason of a TP request whose group lost a member: an abort with status 503, so a request whose
-    client has nothing yet (non-streaming: SGLang answers 503; streaming: its first event is the abort) can be
-    re-dispatched by the gateway."""
+def group_lost(message: str = GROUP_LOST.message) -> Any:
+    """The finish reason of a TP request whose group lost a member (:class:`flying.messages.GroupLost`): an abort
+    with its status, so a request whose client has nothing yet (non-streaming: SGLang answers that status;
+    streaming: its first event is the abort) can be re-dispatched by the gateway."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    return FINISH_ABORT(message, status_code=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailable")
+    return FINISH_ABORT(message, status_code=HTTPStatus(GROUP_LOST.status), err_type=GROUP_LOST.err_type)
 
 
 def abort_batch(scheduler: Any, message: str) -> None:
     """Make every request of the batch being run finish with an abort when its result is processed."""
     batch = getattr(scheduler, "cur_batch_for_debug", None)
     for req in batch.reqs if batch is not None else []:
-        req.to_finish = _group_lost(message)
+        req.to_finish = group_lost(message)
 
 
 def drop_tp_requests(scheduler: Any) -> list[str]:
@@ -297,7 +300,7 @@ def drop_tp_requests(scheduler: Any) -> list[str]:
     from worker_ext.sglang_patches.requests import release_kv
 
     for req in reqs:
-        req.finished_reason = _group_lost("tensor-parallel group lost a member; request aborted")
+        req.finished_reason = group_lost()
         release_kv(scheduler, req)  # its KV back while the TP sub-slot allocator is still in place
     if reqs:
         scheduler.stream_output(reqs, any(r.return_logprob for r in reqs))
@@ -334,27 +337,29 @@ def resume_idle_checks(scheduler: Any) -> None:
         scheduler.invariant_checker = scheduler.invariant_checker._checker
 
 
-def request_limits(scheduler: Any) -> tuple[int, int, int]:
-    """The scheduler's (max_req_len, max_req_input_len, max_total_num_tokens)."""
-    return scheduler.max_req_len, scheduler.max_req_input_len, scheduler.max_total_num_tokens
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the scheduler admits: the longest request and prompt, and the KV tokens it budgets. A bound engine's
+    scheduler holds its group's (``width`` times the KV); its heartbeat reports its own DP limits."""
+
+    max_req_len: int
+    max_req_input_len: int
+    max_total_tokens: int
 
 
-def widen_request_limits(scheduler: Any, width: int) -> tuple[int, int, int]:
-    """A group of ``width`` pools ``width`` times the KV tokens: let the leader admit prompts that long (up to the
-    model's context length). Returns the DP limits for :func:`restore_request_limits`."""
-    old = request_limits(scheduler)
-    kv_capacity = int(scheduler.max_total_num_tokens) * width
+def request_limits(scheduler: Any) -> RequestLimits:
+    return RequestLimits(
+        int(scheduler.max_req_len), int(scheduler.max_req_input_len), int(scheduler.max_total_num_tokens)
+    )
+
+
+def set_request_limits(scheduler: Any, dp: RequestLimits, width: int) -> None:
+    """The limits of a group of ``width`` computed from the engine's DP limits (so width changes never compound):
+    it pools ``width`` times the KV tokens, so the leader admits prompts that long (up to the model's context
+    length). Width 1 restores the DP limits."""
+    kv_capacity = dp.max_total_tokens * width
+    context = int(scheduler.model_config.context_len)
+    max_req_len = dp.max_req_len if width == 1 else min(context - 1, kv_capacity - 1)
     scheduler.max_total_num_tokens = kv_capacity  # the admission budget: KV tokens at this width
-    scheduler.max_req_len = min(int(scheduler.model_config.context_len) - 1, kv_capacity - 1)
-    scheduler.max_req_input_len = scheduler.max_req_len - (old[0] - old[1])
-    return old
-
-
-def set_request_limits(scheduler: Any, dp_limits: tuple[int, int, int], width: int) -> None:
-    """The limits for ``width`` computed from the engine's DP limits (so width changes never compound)."""
-    restore_request_limits(scheduler, dp_limits)
-    widen_request_limits(scheduler, width)
-
-
-def restore_request_limits(scheduler: Any, old: tuple[int, int, int]) -> None:
-    scheduler.max_req_len, scheduler.max_req_input_len, scheduler.max_total_num_tokens = old
+    scheduler.max_req_len = max_req_len
+    scheduler.max_req_input_len = max_req_len - (dp.max_req_len - dp.max_req_input_len)
