@@ -23,6 +23,7 @@ import redis
 from flying import control, settings
 from flying.keys import Keys
 from flying.messages import RouterState, decode
+from flying.queue import text
 
 
 def render_status(r: redis.Redis, keys: Keys) -> str:
@@ -48,9 +49,7 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
         regime += "; left out of binds: " + ", ".join(
             f"{e} ({t - time.time():.0f} s)" for e, t in held.items()
         )
-    lines.append(
-        f"router: {'lease held by ' + lease.decode() if lease else 'none holds the lease'}; {regime}"
-    )
+    lines.append(f"router: {'lease held by ' + text(lease) if lease else 'none holds the lease'}; {regime}")
     groups = control.groups(r, keys)
     lines.append(f"groups: {len(groups) or 'none'}")
     now = time.time()

@@ -8,6 +8,7 @@ hand has reason ``manual``: the router dispatches high-priority and long request
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import msgspec
 import redis
@@ -15,13 +16,15 @@ import redis.asyncio as aioredis
 
 from flying.keys import Keys
 from flying.messages import PRIORITY_CLASS, Bind, Command, Group, Heartbeat, Release, decode, encode
-from flying.queue import CLASS_WEIGHT
+from flying.queue import CLASS_WEIGHT, text
 from flying.workers import live_heartbeat
 
 STREAM_MAXLEN = 1000
 
 
-def _xadd_all(pipe, keys: Keys, members: tuple[int, ...], cmd: Command) -> None:
+def _xadd_all(
+    pipe: redis.client.Pipeline | aioredis.client.Pipeline, keys: Keys, members: tuple[int, ...], cmd: Command
+) -> None:
     for m in members:
         pipe.xadd(keys.commands(m), {"msg": encode(cmd)}, maxlen=STREAM_MAXLEN, approximate=True)
 
@@ -43,7 +46,7 @@ def next_epoch(r: redis.Redis, keys: Keys) -> int:
     return int(r.incr(keys.epoch))
 
 
-def decode_groups(rows: dict) -> list[Group]:
+def decode_groups(rows: Mapping[bytes | str, bytes | str]) -> list[Group]:
     """The records of an HGETALL of ``flying:groups``, by epoch."""
     return sorted((decode(v, Group) for v in rows.values()), key=lambda g: g.epoch)
 
@@ -119,7 +122,7 @@ def queue_depths(r: redis.Redis, keys: Keys) -> dict[str, tuple[int, float]]:
         lo, hi = cls * CLASS_WEIGHT, (cls + 1) * CLASS_WEIGHT - 1
         n = int(r.zcount(keys.queue, lo, hi))
         first = r.zrangebyscore(keys.queue, lo, hi, start=0, num=1)
-        t0 = r.hget(keys.request(first[0].decode()), "enqueued_at") if first else None
+        t0 = r.hget(keys.request(text(first[0])), "enqueued_at") if first else None
         out[name] = (n, max(0.0, time.time() - float(t0)) if t0 else 0.0)
     return out
 
@@ -129,7 +132,7 @@ def waiting(r: redis.Redis, keys: Keys, limit: int = 20) -> list[dict[str, str]]
     ids = r.zrange(keys.queue, 0, limit - 1)
     pipe = r.pipeline(transaction=False)
     for rid in ids:
-        pipe.hgetall(keys.request(rid.decode()))
+        pipe.hgetall(keys.request(text(rid)))
     return [{k.decode(): v.decode() for k, v in row.items()} for row in pipe.execute() if row]
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
 Priority = Literal["high", "normal", "low"]
 PRIORITY_CLASS: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
 RequestState = Literal["queued", "assigned", "done", "failed", "cancelled"]
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,7 +98,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
 _encoder = msgspec.json.Encoder()
 
 
-def encode(msg: msgspec.Struct) -> bytes:
+def encode(msg: msgspec.Struct | list[msgspec.Struct]) -> bytes:
     return _encoder.encode(msg)
 
 
@@ -180,10 +181,11 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def decode_command(data: bytes | str) -> Command:
-    return msgspec.json.decode(data, type=Command)
+    cmd: Command = msgspec.json.decode(data, type=Command)
+    return cmd
 
 
-def decode(data: bytes | str, type_: type[msgspec.Struct]):
+def decode(data: bytes | str, type_: type[S]) -> S:
     return msgspec.json.decode(data, type=type_)
 
 
@@ -192,7 +194,7 @@ def to_hash(msg: msgspec.Struct) -> dict[str, str]:
     return {k: str(v) for k, v in msgspec.structs.asdict(msg).items()}
 
 
-def from_hash(fields: dict[str, str], type_: type[msgspec.Struct]):
+def from_hash(fields: dict[str, str], type_: type[S]) -> S:
     """Redis hash fields -> struct (extra fields such as ``state`` are ignored)."""
     names = set(type_.__struct_fields__)
     return msgspec.convert({k: v for k, v in fields.items() if k in names}, type_, strict=False)

@@ -20,13 +20,14 @@ class NotReady(RuntimeError):
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        return subprocess.Popen(
+        return subprocess.Popen[bytes](
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -36,7 +37,7 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
         )
 
 
-def stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
+def stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
     """Signal the process group, wait, escalate to SIGKILL."""
     if proc is None or proc.poll() is not None:
         return
@@ -50,7 +51,7 @@ def stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: fl
         proc.wait(timeout=5)
 
 
-def stop_all(procs: list[subprocess.Popen | None], timeout_s: float = 15) -> None:
+def stop_all(procs: list[subprocess.Popen[bytes] | None], timeout_s: float = 15) -> None:
     """SIGTERM every process group at once, then wait for (and if needed kill) each."""
     for proc in procs:
         if proc is not None and proc.poll() is None:
@@ -60,7 +61,9 @@ def stop_all(procs: list[subprocess.Popen | None], timeout_s: float = 15) -> Non
         stop(proc, timeout_s=timeout_s)
 
 
-def wait_healthy(proc: subprocess.Popen | None, url: str, timeout_s: float, path: str = "/health") -> None:
+def wait_healthy(
+    proc: subprocess.Popen[bytes] | None, url: str, timeout_s: float, path: str = "/health"
+) -> None:
     """Poll ``url + path`` until it answers 200; raise NotReady if ``proc`` exits first or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -9,7 +9,7 @@ killed at any point neither loses nor duplicates a request: a request is either 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
 
@@ -259,12 +259,12 @@ class RequestQueue:
         await self.r.lpush(self.keys.wake, 1)
 
 
-def text(x: bytes | str) -> str:
+def text(x: object) -> str:
     """A Redis reply value as str."""
-    return x.decode() if isinstance(x, bytes) else x
+    return x.decode() if isinstance(x, bytes) else str(x)
 
 
-def decode_row(row: dict) -> dict[str, str]:
+def decode_row(row: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
     """A Redis hash reply as str -> str."""
     return {text(k): text(v) for k, v in row.items()}
 
@@ -298,7 +298,7 @@ async def orphans(q: RequestQueue, engines: Sequence[int]) -> dict[str, list[tup
     for e in engines:
         pipe.smembers(k.inflight(e))
     rows = await pipe.execute()
-    held = [(text(rid), None) for rid in rows[0]]
+    held: list[tuple[str, int | None]] = [(text(rid), None) for rid in rows[0]]
     held += [(text(rid), e) for e, members in zip(engines, rows[1:]) for rid in members]
     if not held:
         return {}

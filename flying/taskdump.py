@@ -14,7 +14,8 @@ log = logging.getLogger("flying.tasks")
 def task_stacks() -> str:
     lines = []
     for task in asyncio.all_tasks():
-        frames, coro = [], task.get_coro()
+        frames: list[str] = []
+        coro: object = task.get_coro()
         while coro is not None:  # follow the await chain to the innermost coroutine
             frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
             if frame is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+from collections.abc import AsyncGenerator
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from flying import taskdump
 from gateway import schemas
@@ -55,7 +56,11 @@ async def completions(request: Request, kind: str) -> Response:
     body = await read_body(request, gw.config.max_body_bytes)
     req_type = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
     req = schemas.decode(body, req_type)
-    (schemas.check_chat if kind == "chat" else schemas.check_completion)(req)
+    if isinstance(req, schemas.ChatCompletionRequest):
+        schemas.check_chat(req)
+    else:
+        assert isinstance(req, schemas.CompletionRequest)
+        schemas.check_completion(req)
     priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority)
     adm = await gw.admit(req, priority)
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
@@ -71,7 +76,7 @@ async def completions(request: Request, kind: str) -> Response:
         "X-Flying-Engine": str(reply.assignment.engine),
     }
     if reply.stream is not None:
-        return RelayResponse(reply.stream, media_type="text/event-stream", headers=headers)
+        return RelayResponse(reply.stream, headers)
     if reply.raw is not None:
         return Response(reply.raw, status_code=reply.status, media_type="application/json", headers=headers)
     return JSONResponse(reply.body, status_code=reply.status, headers=headers)
@@ -83,11 +88,15 @@ class RelayResponse(StreamingResponse):
     garbage collector, and its cleanup (the abort on the engine, the slot freed in Redis) could come seconds
     later."""
 
-    async def __call__(self, scope, receive, send) -> None:
+    def __init__(self, relay: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+        super().__init__(relay, media_type="text/event-stream", headers=headers)
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self.relay.aclose()
 
 
 async def chat_completions(request: Request) -> Response:
@@ -196,7 +205,6 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
             counter = PromptCounter(config.model_path)
         client = redis_client(config)
         gw = Gateway(config, client, counter)
-        gw.started = time.time()
         await gw.start()
         app.state.gateway = gw
         taskdump.install(asyncio.get_running_loop())

@@ -38,10 +38,9 @@ class AssignmentWaiter:
         self.admitted: set[str] = set()  # pending ids known to be in Redis (so a missing record means lost)
         self.reconciled = 0  # assignments found by reconciliation rather than by message
         self._tasks: list[asyncio.Task] = []
-        self._pubsub = None
+        self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)  # connects at its first subscribe
 
     async def start(self) -> None:
-        self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         await self._pubsub.subscribe(self.channel)
         self._tasks = [
             asyncio.create_task(self._listen(), name="assignment-listener"),

@@ -11,12 +11,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import msgspec
 import redis.asyncio as aioredis
+from starlette.types import Receive
 
 from flying.groups import merge_sets
 from flying.keys import Keys
@@ -80,12 +82,13 @@ class Reply:
     assignment: Assignment
     body: dict | None = None
     raw: bytes | None = None
-    stream: AsyncIterator[bytes] | None = None
+    stream: AsyncGenerator[bytes, None] | None = None
 
 
 class Gateway:
     def __init__(self, config: GatewayConfig, client: aioredis.Redis, count_tokens) -> None:
         self.config = config
+        self.started = time.time()  # the model card's "created"
         self.keys = Keys(config.key_prefix)
         self.r = client
         self.queue = RequestQueue(client, self.keys)
@@ -225,7 +228,7 @@ class Gateway:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         if not req.stream or req.logprobs or (not chat and req.echo):  # these keep the engine's own endpoint
             return Admitted(record, path, body, bool(req.stream))
-        up = upstream_body(body, chat, ids if chat else None)
+        up = upstream_body(body, chat, ids if isinstance(ids, list) else None)
         known = (
             up["prompt"] if isinstance(up["prompt"], list) else None
         )  # a text prompt's: from the first chunk
@@ -301,7 +304,7 @@ class Gateway:
         log.warning("re-admitted %d waiting requests that Redis had lost", len(rids))
 
     # -- the request's path ----------------------------------------------------------------------------------
-    async def serve(self, adm: Admitted, disconnected: asyncio.Task) -> Reply:
+    async def serve(self, adm: Admitted, disconnected: asyncio.Future[None]) -> Reply:
         """Queue ``adm``, wait for its assignment and forward it; an engine that fails before answering (or, for
         a stream, before its first event) sends it back to the queue, within ``max_attempts``. Raises ClientGone
         when ``disconnected`` completes first, and the API errors of the steps (429, 503, 504)."""
@@ -326,14 +329,15 @@ class Gateway:
 
     # -- waiting -----------------------------------------------------------------------------------------------
     async def wait_assignment(
-        self, adm: Admitted, fut: asyncio.Future[Assignment], disconnected: asyncio.Task
+        self, adm: Admitted, fut: asyncio.Future[Assignment], disconnected: asyncio.Future[None]
     ) -> Assignment:
         """The assignment (from the subscription or the reconciliation); no Redis call of its own while it
         waits. Raises ClientGone, QueueTimeout, or NoLiveWorkers (set on the future by the monitor)."""
         rid = adm.record.id
         try:
+            waits: set[asyncio.Future[Any]] = {fut, disconnected}
             done, _ = await asyncio.wait(
-                {fut, disconnected}, timeout=self.config.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                waits, timeout=self.config.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if fut in done:
                 self.holding.pop(rid, None)
@@ -363,7 +367,7 @@ class Gateway:
         return fut
 
     # -- forwarding --------------------------------------------------------------------------------------------
-    async def forward(self, adm: Admitted, a: Assignment, disconnected: asyncio.Task):
+    async def forward(self, adm: Admitted, a: Assignment, disconnected: asyncio.Future[None]):
         """Non-streaming: the engine's (status, JSON body). Raises WorkerUnavailable or ClientGone."""
         resp = await self._unless_gone(adm, a, self.upstream.post(a.url, adm.path, adm.body), disconnected)
         if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
@@ -373,7 +377,7 @@ class Gateway:
         return resp.status_code, resp.json()
 
     async def first_event(
-        self, adm: Admitted, a: Assignment, resp, disconnected: asyncio.Task
+        self, adm: Admitted, a: Assignment, resp, disconnected: asyncio.Future[None]
     ) -> AsyncIterator[str]:
         """Streaming: wait for the engine's first SSE event before the client gets anything, so an engine that
         dies (or a group that loses a member) before it can still be replaced: raises WorkerUnavailable and the
@@ -404,7 +408,9 @@ class Gateway:
             raise
         return _prepend(first, lines)
 
-    async def _unless_gone(self, adm: Admitted, a: Assignment, coro: Awaitable, disconnected: asyncio.Task):
+    async def _unless_gone(
+        self, adm: Admitted, a: Assignment, coro: Awaitable, disconnected: asyncio.Future[None]
+    ):
         """``await coro``, unless the client disconnects first: then it is cancelled, the engine is told to abort
         the request, and ClientGone is raised."""
         task = asyncio.ensure_future(coro)
@@ -419,7 +425,7 @@ class Gateway:
 
     async def relay(
         self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[str]
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`). A resumable stream whose engine
         dies, or aborts it (its TP group lost a member), after the first event continues on another engine from
         the tokens already sent (:mod:`gateway.resume`, within ``max_attempts``); any other broken stream ends
@@ -481,6 +487,7 @@ class Gateway:
     async def _resume(self, adm: Admitted, a: Assignment, why: str):
         """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),
         then the remaining tokens from a new engine. Returns (assignment, response, events)."""
+        assert adm.resume is not None, "only a resumable stream is resumed"
         body = adm.resume.continuation()
         log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated))
         fut = await self.retry_or_fail(adm, a, why)
@@ -533,7 +540,7 @@ def sse_error(err) -> bytes:
     return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
 
 
-async def watch_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+async def watch_disconnect(receive: Receive) -> None:
     """Completes when the ASGI server reports that the client went away."""
     while True:
         if (await receive())["type"] == "http.disconnect":

@@ -46,7 +46,8 @@ class StreamResponse:
     def __init__(
         self, upstream: Upstream, key: tuple[str, int], conn: _Conn, status: int, headers: dict
     ) -> None:
-        self._upstream, self._key, self._conn = upstream, key, conn
+        self._upstream, self._key = upstream, key
+        self._conn: _Conn | None = conn
         self.status_code, self.headers = status, headers
         self.content = b""
         self._done = False
@@ -61,11 +62,12 @@ class StreamResponse:
     async def _read(self, coro):
         try:
             return await asyncio.wait_for(coro, self._upstream.read_timeout_s)
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
             await self.aclose()
             raise StreamBroken(f"engine connection failed: {exc!r}") from exc
 
     async def _chunks(self) -> AsyncIterator[bytes]:
+        assert self._conn is not None, "read after close"
         r = self._conn.reader
         if "chunked" not in self.headers.get("transfer-encoding", ""):
             self.content = await self._read(r.readexactly(int(self.headers.get("content-length", "0"))))
@@ -167,13 +169,7 @@ class Upstream:
                     k, _, v = line.decode("latin-1").partition(":")
                     headers[k.strip().lower()] = v.strip()
                 return StreamResponse(self, key, conn, int(status_line.split()[1]), headers)
-            except (
-                OSError,
-                asyncio.TimeoutError,
-                asyncio.IncompleteReadError,
-                ValueError,
-                IndexError,
-            ) as exc:
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
                 if conn is not None:
                     conn.close()
                 if not reused:

@@ -40,7 +40,7 @@ class _Conn(asyncio.Protocol):
         self.buf = b""
         self.transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:

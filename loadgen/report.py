@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from loadgen.metrics import RequestRecord
 
@@ -75,6 +75,10 @@ COMPARE_ROWS = (
 )
 
 
+def _class_ttft_p90(cls: str) -> Callable[[dict], float | None]:
+    return lambda s: s["by_priority"].get(cls, {}).get("ttft_ms", {}).get("p90")
+
+
 def compare(summaries: dict[str, dict]) -> str:
     """Runs side by side, one column each; a high-priority TTFT row per run that has the class."""
     labels = list(summaries)
@@ -82,13 +86,7 @@ def compare(summaries: dict[str, dict]) -> str:
     rows = list(COMPARE_ROWS)
     for cls in ("high", "normal", "low"):
         if any(cls in s["by_priority"] for s in summaries.values()):
-            rows.append(
-                (
-                    f"{cls} TTFT p90 ms",
-                    lambda s, c=cls: s["by_priority"].get(c, {}).get("ttft_ms", {}).get("p90"),
-                    ".1f",
-                )
-            )
+            rows.append((f"{cls} TTFT p90 ms", _class_ttft_p90(cls), ".1f"))
     lines = [f"{'metric':<20} " + " ".join(f"{x:>{w}}" for x in labels)]
     lines.append("-" * len(lines[0]))
     for name, get, fmt in rows:

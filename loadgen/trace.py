@@ -88,7 +88,7 @@ def read_trace(
                         at=_seconds(rec[columns.timestamp], time_unit),
                         input_tokens=max(1, int(float(rec[columns.input_tokens]))),
                         output_tokens=max(1, int(float(rec[columns.output_tokens]))),
-                        priority=(rec[columns.priority] or None) if has_priority else None,  # type: ignore[index]
+                        priority=(rec[columns.priority] or None) if has_priority else None,
                     )
                 )
             except (TypeError, ValueError) as exc:

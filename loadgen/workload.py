@@ -51,7 +51,7 @@ class Lengths:
         if self.dist == "fixed":
             x = self.a
         elif self.dist == "uniform":
-            x = rng.integers(int(self.a), int(self.b) + 1)
+            x = float(rng.integers(int(self.a), int(self.b) + 1))
         elif self.dist == "normal":
             x = rng.normal(self.a, self.b)
         else:

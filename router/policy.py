@@ -182,7 +182,7 @@ SHORT = (
 )  # groups a request one engine holds may go to (a long prefill would stall it)
 
 
-def _replace(g: Group, **kw) -> Group:
+def _replace(g: Group, **kw: object) -> Group:
     return msgspec.structs.replace(g, **kw)
 
 
@@ -708,7 +708,7 @@ class _Round:
         if not idle:
             return False
         g = min(idle, key=lambda g: (g.width, g.epoch))
-        self.put(_replace(g, reason=reason))  # type: ignore[arg-type]
+        self.put(_replace(g, reason=reason))
         self.to_group(self.groups[g.epoch], r)
         return True
 

@@ -8,8 +8,8 @@ PY=${PYTHON:-python3}
 VENV=${FLYING_VENV:-$ROOT/.venv}
 
 die() { echo "setup: $*" >&2; exit 1; }
-command -v "$PY" >/dev/null || die "python3 not found (need Python >= 3.10)"
-"$PY" -c 'import sys; assert sys.version_info >= (3, 10)' || die "need Python >= 3.10, got $($PY -V)"
+command -v "$PY" >/dev/null || die "python3 not found (need Python >= 3.11)"
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11)' || die "need Python >= 3.11, got $($PY -V)"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"

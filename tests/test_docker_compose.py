@@ -1,8 +1,8 @@
 """docker-compose.yml cannot run here (no Docker engine, no GPU); check it parses and names real commands."""
 
+import tomllib
 from pathlib import Path
 
-import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]

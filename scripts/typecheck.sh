@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The type check CI runs: strict on the shared core, the policy and the command intake; mypy's defaults elsewhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MYPY=${MYPY:-.venv/bin/mypy}
+"$MYPY" --strict flying router/policy.py router/transform_cost.py worker_ext/intake.py
+"$MYPY" gateway router loadgen flyctl
