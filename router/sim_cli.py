@@ -141,7 +141,9 @@ def shift_report(sim: Simulator) -> list[str]:
     ]
 
 
-def picture(sims: dict[str, Simulator], series: dict[str, dict], bursts: list, out: Path, title: str) -> None:
+def picture(
+    sims: dict[str, Simulator], series: dict[str, dict], bursts: list, out: Path, title: str, dpi: int
+) -> None:
     t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=BUCKET_S)
     dyn, shift = sims.get("dynamic"), sims.get("shift")
     # matplotlib is a dependency; a trimmed install still gets the table
@@ -155,6 +157,7 @@ def picture(sims: dict[str, Simulator], series: dict[str, dict], bursts: list, o
             bursts=bursts,
             bucket_s=BUCKET_S,
             title=title,
+            dpi=dpi,
         )
 
 
@@ -218,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the engines apply Bind.adopt / Release.scatter (off: the 'before' table)",
     )
     p.add_argument("--out", type=Path, default=Path("sim-out"))
+    p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
     a = p.parse_args(argv)
     lo_in, hi_in = (int(x) for x in a.input.split(":"))
     lo_out, hi_out = (int(x) for x in a.output.split(":"))
@@ -275,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    indent=1, default=float))  # fmt: skip
     t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=0.0)
     bursts = [] if a.trace else burst_spans(a.low_s, a.burst_s, t_end)
-    picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {a.engines} engines")
+    picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {a.engines} engines", a.dpi)
     return 0
 
 
