@@ -170,7 +170,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             "argv": sys.argv[1:],
         }
         js, csv_path = results.write(a.out, config, summary, series, records)
-        png = plots.timeline({config["label"]: series}, a.out.with_suffix(".png"), title=config["label"])
+        png = plots.timeline({config["label"]: series}, a.out.with_suffix(".png"))
         print(f"wrote {js}, {csv_path}, {png}")
     return 0 if summary["completed"] else 1
 

@@ -31,9 +31,25 @@ async def send(
     clock0: float,
     timeout_s: float,
 ) -> RequestRecord:
-    """POST a streaming request; fill ``rec`` with times relative to ``clock0``. ``timeout_s`` bounds the whole
-    request (a server trickling tokens forever times out too). Never raises."""
+    """POST a streaming request; fill ``rec`` with times relative to ``clock0`` (``ended_at``: when it ended,
+    whether it succeeded or failed). ``timeout_s`` bounds the whole request (a server trickling tokens forever times
+    out too). Never raises."""
     rec.sent_at = time.perf_counter() - clock0
+    try:
+        return await _stream(client, url, payload, headers, rec, clock0, timeout_s)
+    finally:
+        rec.ended_at = time.perf_counter() - clock0
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    url: str,
+    payload: dict,
+    headers: dict,
+    rec: RequestRecord,
+    clock0: float,
+    timeout_s: float,
+) -> RequestRecord:
     seen = 0  # completion tokens reported so far (per-chunk usage)
     per_chunk_usage = True
     try:

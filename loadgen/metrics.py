@@ -29,10 +29,20 @@ class RequestRecord:
     status: int = 0
     error: str = ""
     warmup: bool = False
+    ended_at: float = (
+        math.nan
+    )  # when it ended: its last event, or the failure (NaN: not recorded, older files)
 
     @property
     def ok(self) -> bool:
         return not self.error and self.status == 200 and bool(self.event_times)
+
+    @property
+    def end(self) -> float:
+        """When the request ended (run clock): ``ended_at``, else its last event, else its send time."""
+        if not math.isnan(self.ended_at):
+            return self.ended_at
+        return self.event_times[-1] if self.event_times else self.sent_at
 
     @property
     def dispatch_lag(self) -> float:
@@ -101,12 +111,8 @@ def peak_output_throughput(records: Sequence[RequestRecord], bucket_s: float = 1
 
 def concurrency_series(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[float]:
     """Mean number of requests in flight during each bucket [k*bucket_s, (k+1)*bucket_s) (time-weighted: a
-    request in flight for half the bucket counts 0.5), from send to last event (or to the failure)."""
-    spans = [
-        (r.sent_at, r.event_times[-1] if r.event_times else r.sent_at)
-        for r in records
-        if not r.warmup and not math.isnan(r.sent_at)
-    ]
+    request in flight for half the bucket counts 0.5), from send to its end (the last event, or the failure)."""
+    spans = [(r.sent_at, r.end) for r in records if not r.warmup and not math.isnan(r.sent_at)]
     if not spans:
         return []
     n = int(max(e for _, e in spans) // bucket_s) + 1
@@ -155,6 +161,7 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: dict[str, 
             p: _latency([r for r in ok if r.priority == p]) for p in sorted({r.priority for r in recs})
         },
         "errors": _errors(recs),
+        "errors_span_s": _error_spans(recs),
         "tokens_counted_client_side": sum(1 for r in ok if not r.tokens_from_usage),
     }
     if slo:
@@ -174,35 +181,62 @@ def _latency(ok: Sequence[RequestRecord]) -> dict:
     }
 
 
+def error_kind(r: RequestRecord) -> str:
+    """A failure's kind: "HTTP 503", "timeout", "transport", "stream error", ..."""
+    return r.error.split(":")[0] or f"HTTP {r.status}"
+
+
 def _errors(recs: Sequence[RequestRecord]) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in recs:
         if not r.ok:
-            key = r.error.split(":")[0] or f"HTTP {r.status}"
-            out[key] = out.get(key, 0) + 1
+            out[error_kind(r)] = out.get(error_kind(r), 0) + 1
     return out
 
 
-def timeseries(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> dict[str, list[float]]:
-    """Per bucket of the run clock: requests in flight, P90 TTFT and P90 queue time of the requests sent in the
-    bucket (ms; NaN where none), and output tokens/s. The series of the paper's Figure 8."""
-    recs = [r for r in records if not r.warmup]
+def _error_spans(recs: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    """Per failure kind, when the first and the last such failure ended (run clock, s)."""
+    ends: dict[str, list[float]] = {}
+    for r in recs:
+        if not r.ok and not math.isnan(r.end):
+            ends.setdefault(error_kind(r), []).append(r.end)
+    return {k: [min(v), max(v)] for k, v in ends.items()}
+
+
+def _p90(xs: Sequence[float]) -> float:
+    return float(np.percentile(xs, 90)) if len(xs) else float("nan")
+
+
+def timeseries(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> dict:
+    """Per bucket of the run clock, from the first send to the last request's end (failures included, so the
+    series covers what ended after the last arrival): requests in flight, P90 TTFT and P90 queue time of the
+    requests sent in the bucket (ms; NaN where none), P90 TTFT per priority, output tokens/s, and failures per
+    second by kind (counted when they ended). The series of the paper's Figure 8; ``last_sent_s`` marks the last
+    send."""
+    recs = [r for r in records if not r.warmup and not math.isnan(r.sent_at)]
     conc = concurrency_series(recs, bucket_s)
     n = len(conc)
+    at = lambda x: min(int(x // bucket_s), n - 1)  # noqa: E731
     by_bucket: list[list[RequestRecord]] = [[] for _ in range(n)]
-    for r in recs:
-        if r.ok:
-            by_bucket[min(int(r.sent_at // bucket_s), n - 1)].append(r)
     tokens = [0.0] * n
+    failed: dict[str, list[float]] = {}
     for r in recs:
         if r.ok:
+            by_bucket[at(r.sent_at)].append(r)
             for x in token_times(r):
-                tokens[min(int(x // bucket_s), n - 1)] += 1 / bucket_s
-    p90 = lambda xs: float(np.percentile(xs, 90)) if xs else float("nan")  # noqa: E731
+                tokens[at(x)] += 1 / bucket_s
+        else:
+            failed.setdefault(error_kind(r), [0.0] * n)[at(r.end)] += 1 / bucket_s
+    priorities = sorted({r.priority for r in recs})
     return {
         "t": [k * bucket_s for k in range(n)],
         "concurrency": conc,
-        "ttft_p90_ms": [p90([r.ttft * 1000 for r in b]) for b in by_bucket],
-        "queue_p90_ms": [p90([r.queue_ms for r in b if r.queue_ms is not None]) for b in by_bucket],
+        "ttft_p90_ms": [_p90([r.ttft * 1000 for r in b]) for b in by_bucket],
+        "ttft_p90_ms_by_priority": {
+            p: [_p90([r.ttft * 1000 for r in b if r.priority == p]) for b in by_bucket] for p in priorities
+        },
+        "queue_p90_ms": [_p90([r.queue_ms for r in b if r.queue_ms is not None]) for b in by_bucket],
         "output_tokens_per_s": tokens,
+        "failed_per_s": dict(sorted(failed.items())),
+        "last_sent_s": max((r.sent_at for r in recs), default=0.0),
     }

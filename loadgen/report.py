@@ -29,6 +29,10 @@ def _row(name: str, lat: dict) -> str:
     return f"{name:<8} {t['n']:>5} " + " ".join(f"{_f(c):>9}" for c in cells)
 
 
+def _span(span: list[float] | None) -> str:
+    return f" (ended {span[0]:.1f}-{span[1]:.1f} s)" if span else ""
+
+
 def table(summary: dict) -> str:
     names = ("TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "ITL p50", "queue p50", "queue p90")
     head = f"{'class':<8} {'n':>5} " + " ".join(f"{n:>9}" for n in names) + "   (ms)"
@@ -53,7 +57,10 @@ def table(summary: dict) -> str:
             f"note: {summary['tokens_counted_client_side']} requests had no usage; tokens counted from events"
         )
     if summary["errors"]:
-        lines.append("errors: " + ", ".join(f"{k} x{v}" for k, v in summary["errors"].items()))
+        spans = summary.get("errors_span_s", {})
+        lines.append(
+            "errors: " + ", ".join(f"{k} x{v}{_span(spans.get(k))}" for k, v in summary["errors"].items())
+        )
     return "\n".join(lines)
 
 
@@ -79,11 +86,17 @@ def _class_ttft_p90(cls: str) -> Callable[[dict], float | None]:
     return lambda s: s["by_priority"].get(cls, {}).get("ttft_ms", {}).get("p90")
 
 
+def _failed(kind: str) -> Callable[[dict], int]:
+    return lambda s: s.get("errors", {}).get(kind, 0)
+
+
 def compare(summaries: dict[str, dict]) -> str:
     """Runs side by side, one column each; a high-priority TTFT row per run that has the class."""
     labels = list(summaries)
     w = max(12, *(len(x) for x in labels))
     rows = list(COMPARE_ROWS)
+    for kind in sorted({k for s in summaries.values() for k in s.get("errors", {})}):
+        rows.append((f"failed: {kind}"[:20], _failed(kind), "d"))
     for cls in ("high", "normal", "low"):
         if any(cls in s["by_priority"] for s in summaries.values()):
             rows.append((f"{cls} TTFT p90 ms", _class_ttft_p90(cls), ".1f"))

@@ -28,6 +28,7 @@ CSV_COLUMNS = (
     "tpot_ms",
     "e2el_ms",
     "events",
+    "ended_at",
 )
 
 
@@ -54,6 +55,7 @@ def csv_row(r: RequestRecord) -> dict:
         "tpot_ms": _ms(r.tpot) if r.ok else None,
         "e2el_ms": _ms(r.e2el) if r.ok else None,
         "events": len(r.event_times),
+        "ended_at": None if math.isnan(r.ended_at) else round(r.ended_at, 6),
     }
 
 
@@ -67,7 +69,7 @@ def write(
         "config": config,
         "summary": summary,
         "series": series,
-        "records": [{**asdict(r), "sent_at": None if math.isnan(r.sent_at) else r.sent_at} for r in records],
+        "records": [asdict(r) for r in records],  # NaN times (never sent, end unknown) become null
     }
     path.write_text(json.dumps(_finite(doc), indent=1, allow_nan=False))
     csv_path = path.with_suffix(".csv")
@@ -98,6 +100,7 @@ def read(path: Path) -> dict:
             **{
                 **{k: v for k, v in r.items() if k in names},
                 "sent_at": r["sent_at"] if r["sent_at"] is not None else math.nan,
+                "ended_at": r["ended_at"] if r.get("ended_at") is not None else math.nan,
             }
         )
         for r in doc["records"]

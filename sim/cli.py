@@ -1,15 +1,19 @@
-"""``flying-sim``: replay a workload (the paper's, or a CSV trace) through static DP, static TP and dynamic binding
-in the simulator, and write the paper-style table, a JSON summary and Figure-8-style plots.
+"""``flying-sim``: replay a workload (the paper's, or a CSV trace) through static DP, static TP, Shift Parallelism
+and dynamic binding in the simulator, and write the paper-style table, a JSON summary and a Figure-8-style
+timeline (``timeline.png``: the dynamic run's engines by mode with its bind/release decisions, shift's TP/SP
+steps, latency and throughput of every system; ``sim/plots.py``).
 
 flying-sim --requests 4000 --out sim-out               the paper's two-level workload on 8 simulated H200s
 flying-sim --no-kv-transform --out sim-before          the same, engines without KV transformation (adopt/scatter)
 flying-sim --policy regime=inflight --policy calm_s=3   override the simulator's PolicyConfig fields
 flying-sim --trace my.csv --preset burstgpt --out o    your own trace (loadgen's trace format)
+flying-sim --modes shift,dynamic --shift-threshold 512  Shift Parallelism with the code's threshold
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,6 +25,7 @@ from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timese
 from loadgen.trace import PRESETS, read_trace
 from router.policy import PolicyConfig
 from sim.cost_model import calibration
+from sim.plots import burst_spans, mode_counts, plot, shift_share
 from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload, two_level_phase
 
 FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
@@ -31,7 +36,12 @@ def flat_period(t: float, low_s: float, burst_s: float, skip_s: float = FLAT_SKI
     return skip_s <= t % (low_s + burst_s) < low_s
 
 
-MODES = ("dp", "tp", "dynamic")
+MODES = ("dp", "tp", "shift", "dynamic")
+BUCKET_S = 5.0  # the timeline's bucket
+
+
+def system_name(mode: str) -> str:
+    return {"dynamic": "dynamic", "shift": "shift"}.get(mode, f"static {mode.upper()}")
 
 
 def summarize(records: list[RequestRecord], phase, flat=lambda t: False) -> dict:
@@ -77,11 +87,7 @@ ROWS = (
 
 def table(summary: dict[str, dict]) -> str:
     modes = [m for m in MODES if m in summary]
-    lines = [
-        "| metric | "
-        + " | ".join(f"static {m.upper()}" if m != "dynamic" else "dynamic" for m in modes)
-        + " |"
-    ]
+    lines = ["| metric | " + " | ".join(map(system_name, modes)) + " |"]
     lines.append("|---" * (len(modes) + 1) + "|")
     for label, key in ROWS:
         if key is None:
@@ -120,6 +126,39 @@ def transform_report(sim: Simulator) -> list[str]:
     out.append(f"- requests scattered: {st['scattered']:.0f}, retracted (recomputed): {st['retracted']:.0f} "
                f"(of which scatter fallbacks, the owner's KV full: {st['scatter_fallbacks']:.0f})")  # fmt: skip
     return out
+
+
+def shift_report(sim: Simulator) -> list[str]:
+    """Where the shift run's time went: full-TP (shift) and SP (base) steps, and the KV the weight copy left."""
+    tp = sum(s for _, s, shifted in sim.shift_steps if shifted)
+    sp = sum(s for _, s, shifted in sim.shift_steps if not shifted)
+    n_tp = sum(1 for *_, shifted in sim.shift_steps if shifted)
+    return [
+        f"- threshold {sim.cfg.shift_threshold} batched tokens: {n_tp} of {len(sim.shift_steps)} steps in full TP "
+        f"({tp:.0f} s), the rest in SP ({sp:.0f} s)",
+        f"- KV per GPU {sim.kv_per_engine:,} tokens (the TP-sharded weight copy takes "
+        f"{sim.cfg.cost.kv_tokens - sim.kv_per_engine:,})",
+    ]
+
+
+def picture(
+    sims: dict[str, Simulator], series: dict[str, dict], bursts: list, out: Path, title: str, dpi: int
+) -> None:
+    t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=BUCKET_S)
+    dyn, shift = sims.get("dynamic"), sims.get("shift")
+    # matplotlib is a dependency; a trimmed install still gets the table
+    with contextlib.suppress(ImportError):
+        plot(
+            {system_name(m): s for m, s in series.items()},
+            out,
+            track=mode_counts(dyn.track, t_end, BUCKET_S) if dyn else None,
+            decisions=dyn.decisions if dyn else (),
+            shift=shift_share(shift.shift_steps, t_end, BUCKET_S) if shift else None,
+            bursts=bursts,
+            bucket_s=BUCKET_S,
+            title=title,
+            dpi=dpi,
+        )
 
 
 def policy_overrides(items: list[str]) -> dict:
@@ -161,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-share", type=float, default=0.0025)
     p.add_argument("--trace", help="CSV trace instead of the synthetic workload")
     p.add_argument("--preset", choices=sorted(PRESETS), default="native")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help="systems to run: dp, tp, shift, dynamic")
+    p.add_argument(
+        "--shift-threshold",
+        type=int,
+        default=d.shift_threshold,
+        help="shift: a step batching at most this many tokens runs in full TP (docs 256, code 512)",
+    )
     p.add_argument(
         "--policy",
         action="append",
@@ -176,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the engines apply Bind.adopt / Release.scatter (off: the 'before' table)",
     )
     p.add_argument("--out", type=Path, default=Path("sim-out"))
+    p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
     a = p.parse_args(argv)
     lo_in, hi_in = (int(x) for x in a.input.split(":"))
     lo_out, hi_out = (int(x) for x in a.output.split(":"))
@@ -191,18 +237,24 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         phase = lambda t: two_level_phase(t, a.low_s, a.burst_s)  # noqa: E731
         flat = lambda t: flat_period(t, a.low_s, a.burst_s)  # noqa: E731
-    base = dataclasses.replace(d, engines=a.engines, tp_width=a.tp_width, kv_transform=a.kv_transform)
+    base = dataclasses.replace(
+        d,
+        engines=a.engines,
+        tp_width=a.tp_width,
+        kv_transform=a.kv_transform,
+        shift_threshold=a.shift_threshold,
+    )
     base = dataclasses.replace(
         base, policy=dataclasses.replace(base.policy, light_width=a.tp_width, **policy_overrides(a.policy))
     )
     a.out.mkdir(parents=True, exist_ok=True)
-    summary, series = {}, {}
+    summary, series, sims = {}, {}, {}
     for mode in a.modes.split(","):
         t0 = time.perf_counter()
-        sim = Simulator(dataclasses.replace(base, mode=mode), reqs)  # type: ignore[arg-type]
+        sim = sims[mode] = Simulator(dataclasses.replace(base, mode=mode), reqs)  # type: ignore[arg-type]
         records = sim.run()
         summary[mode] = summarize(records, phase, flat)
-        series["dynamic" if mode == "dynamic" else f"static {mode.upper()}"] = timeseries(records, 5.0)
+        series[mode] = timeseries(records, BUCKET_S)
         print(f"{mode}: {len(records)} requests simulated in {time.perf_counter() - t0:.1f} s "
               f"({len(sim.log)} policy notes)", flush=True)  # fmt: skip
         if mode == "dynamic":
@@ -215,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{'met' if met else 'NOT met'}")  # fmt: skip
     if "dynamic" in summary:
         report += ["", f"KV transformation in the dynamic run ({'on' if a.kv_transform else 'off'}):", *moves]
+    if "shift" in sims:
+        report += ["", "Shift Parallelism (SP over every engine, full-TP steps below the threshold):"]
+        report += shift_report(sims["shift"])
     report += ["", "cost model calibration (model / published):"]
     report += [f"- {what}: {mine:.3f} / {pub:.3f}" for what, mine, pub in calibration(base.cost)]
     text = "\n".join(report)
@@ -222,12 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     (a.out / "table.md").write_text(text + "\n")
     (a.out / "summary.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "summary": summary},
                                                    indent=1, default=float))  # fmt: skip
-    try:
-        from loadgen.plots import timeline
-
-        timeline(series, a.out / "timeline.png", title=f"simulated, {a.engines} engines")
-    except ImportError:  # matplotlib is a dependency; a trimmed install still gets the table
-        pass
+    t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=0.0)
+    bursts = [] if a.trace else burst_spans(a.low_s, a.burst_s, t_end)
+    picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {a.engines} engines", a.dpi)
     return 0
 
 

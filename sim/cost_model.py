@@ -18,6 +18,22 @@ the model reproduces the published numbers it can be checked against (see :func:
 
 KV transformation costs are the router's own model (:mod:`router.transform_cost`); the simulator charges them
 the same way.
+
+Shift Parallelism (seed 001; issue 18: the ``shift`` system of the simulator) runs one scheduler over ``sp`` GPUs
+in two configurations that share one KV layout (every GPU holds ``1/sp`` of the KV heads of every token):
+
+- base, Ulysses sequence parallelism (:meth:`CostModel.sp_step_ms`): every GPU runs ``1/sp`` of the step's tokens
+  (padded to a multiple of ``sp``) through the *full* weights, so it stays weight-read-bound like a DP engine;
+  attention reads ``1/sp`` of the context; two all-to-alls per layer cost a latency term and ``1/sp`` of TP's
+  volume (seed 001, Table 2); the one scheduler keeps a share of the per-sequence host work
+  (``sp_host_ms_per_seq``, the rest is split over the ranks), set so the saturated throughput per GPU is 0.82 of
+  DP: the Shift Parallelism paper's own figure (SP and Shift lose 17-18 % against DP on Llama-70B, section 4.3) and
+  Flying Serving's (1.22x lower peak throughput than Flying Serving);
+- shift, full TP over the same ``sp`` GPUs (:meth:`CostModel.step_ms` at width ``sp``, a static layout: a second,
+  TP-sharded copy of the weights), taken when the step batches at most the threshold's tokens (256 in the docs,
+  512 in the code);
+- memory (:meth:`CostModel.shift_kv_tokens`): the second copy costs ``1/sp`` of the weights on every GPU (seed 001,
+  eq. 1: 8.75 GB at SP 8 here), KV the engines do not have.
 """
 
 from __future__ import annotations
@@ -51,6 +67,13 @@ class CostModel:
     link_gbps: float = 360.0  # KV head slices between the members of a group, per member and direction (GB/s)
     transform_fixed_ms: float = 4.0  # per KV transformation (adopt or scatter), see router.transform_cost
     transform_overlap: float = 0.0  # share of the bytes term hidden behind compute (Gyges' overlap: 0.86)
+    weight_gb: float = 70.0  # one full copy of the weights (Shift Parallelism keeps a second, TP-sharded one)
+    sp_alltoall_ms: float = (
+        4.0  # Ulysses' all-to-alls, all layers of one step: latency, as one all-reduce round
+    )
+    sp_host_ms_per_seq: float = (
+        0.006  # per sequence: the one SP scheduler's unsplit host work (calibrated, above)
+    )
 
     def transform_ms(self, moved: list[tuple[int, int]]) -> float:
         """One KV transformation: ``moved`` holds each member's (sent, received) KV tokens, counted as head slices
@@ -70,6 +93,31 @@ class CostModel:
         t = self.overhead_ms + body + comm
         return t * (1 + self.merged_overhead) if merged and w > 1 else t
 
+    def sp_step_ms(self, sp: int, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        """One step of Shift Parallelism's base configuration, sequence parallelism over ``sp`` GPUs."""
+        per_gpu = -(-(prefill_tokens + decode_seqs) // sp)  # each rank's slice, padded
+        body = max(
+            self.weight_read_ms, per_gpu * self.prefill_ms_per_token
+        )  # every rank reads all the weights
+        body += context_tokens / 1000 * self.kv_ms_per_1k_tokens / sp  # head-parallel attention
+        host = decode_seqs * (self.decode_ms_per_seq / sp + self.sp_host_ms_per_seq)
+        comm = self.sp_alltoall_ms + per_gpu * self.allreduce_ms_per_token
+        return self.overhead_ms + body + host + comm
+
+    def shift_step_ms(
+        self, sp: int, threshold: int, prefill_tokens: int, decode_seqs: int, context_tokens: int
+    ) -> tuple[float, bool]:
+        """(ms, shifted): full TP over the ``sp`` GPUs when the step batches at most ``threshold`` tokens (the
+        shift configuration), else sequence parallelism (the base configuration)."""
+        if prefill_tokens + decode_seqs <= threshold:
+            return self.step_ms(sp, prefill_tokens, decode_seqs, context_tokens, merged=False), True
+        return self.sp_step_ms(sp, prefill_tokens, decode_seqs, context_tokens), False
+
+    def shift_kv_tokens(self, sp: int) -> int:
+        """KV tokens per GPU under Shift Parallelism: the TP-sharded second copy (1/sp of the weights) is resident
+        too."""
+        return self.kv_tokens - int(self.weight_gb * 1e9 / sp / self.kv_bytes_per_token)
+
 
 H200_LLAMA70B = CostModel()
 
@@ -81,8 +129,11 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[tuple[str, float, float]]:
     tp = m.step_ms(2, 0, 4, ctx, merged=False)
     merged = m.step_ms(2, 0, 4, ctx, merged=True)
     sat = lambda w: w * m.max_running / m.step_ms(w, 0, w * m.max_running, w * m.max_running * 1200, False)  # noqa: E731
+    n = 8 * m.max_running  # Shift Parallelism's base config, SP 8, as busy per GPU as a saturated DP engine
+    sp8 = n / m.sp_step_ms(8, 0, n, n * 1200)
     return [
         ("saturated throughput per GPU, static TP2 / DP", sat(2) / 2 / sat(1), 2530 / 3164),
+        ("saturated throughput per GPU, SP8 (shift's base) / DP", sp8 / 8 / sat(1), 0.82),
         ("TPOT static DP, 4 running (ms)", dp, 32.0),
         ("TPOT static TP2, 4 running (ms)", tp, 22.0),
         ("merged TP2 / static TP2 TPOT", merged / tp, 1.01),

@@ -19,7 +19,15 @@ goes back to DP on its owner with its KV if the owner's free KV holds it (whole)
 transformation. A release with ``retract`` recomputes every TP request on its owner.
 
 Static baselines run the same machinery: ``dp`` with every use case off, ``tp`` with every engine in a permanent
-(unmerged) group of ``tp_width``.
+(unmerged) group of ``tp_width``. ``shift`` is Shift Parallelism (seed 001): one permanent scheduler over all the
+engines whose every step runs in sequence parallelism, or in full TP when it batches at most ``shift_threshold``
+tokens (:meth:`sim.cost_model.CostModel.shift_step_ms`), with as many running requests and prefill tokens per
+step per GPU as a DP engine and the KV that the second, TP-sharded weight copy leaves.
+
+For pictures (issue 18) the simulator records each engine's mode whenever it changes (:attr:`Simulator.track`:
+``dp``, ``binding``, ``tp<width>``, ``releasing``, with the paused DP requests), the router's bind and release
+decisions with their reason (:attr:`Simulator.decisions`) and, under ``shift``, which configuration each step ran
+in (:attr:`Simulator.shift_steps`).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -43,7 +52,7 @@ from router.transform_cost import adopt_moves, scatter_moves
 from sim.cost_model import H200_LLAMA70B, CostModel
 from worker_ext.intake import Intake, intake
 
-Mode = Literal["dynamic", "dp", "tp"]
+Mode = Literal["dynamic", "dp", "tp", "shift"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class SimConfig:
     engines: int = 8
     mode: Mode = "dynamic"
     tp_width: int = 2  # static TP's group width
+    shift_threshold: int = 256  # shift: a step batching at most this many tokens runs in full TP (seed 001)
     policy: PolicyConfig = field(
         default_factory=lambda: PolicyConfig(
             max_inflight_per_worker=256,
@@ -118,13 +128,42 @@ class Req:
         return self.spec.prompt + self.spec.output
 
 
+@dataclass(frozen=True)
+class SimDecision:
+    """A bind or release the router decided: ``reason`` is the group's (load, priority, long), ``cause`` why a
+    release was sent (e.g. "load rose", "no TP work")."""
+
+    at: float
+    kind: Literal["bind", "release"]
+    epoch: int
+    members: tuple[int, ...]
+    reason: str
+    cause: str = ""
+
+
+def release_cause(note: str) -> str:
+    """The policy's release note -> its cause without numbers: "... : no TP work for 0.5 s" -> "no TP work"."""
+    why = note.partition(": ")[2]
+    return re.sub(r" (for|within) [\d.]+ s", "", why).split(":")[0]
+
+
 class Unit:
-    """One scheduler: a DP engine, or a group run by its leader."""
+    """One scheduler: a DP engine, or a group run by its leader (under ``shift``, every engine's one scheduler)."""
 
     def __init__(
-        self, sim: Simulator, width: int, kv_cap: int, merged: bool, on_idle: Callable[[], None]
+        self,
+        sim: Simulator,
+        width: int,
+        kv_cap: int,
+        merged: bool,
+        on_idle: Callable[[], None],
+        shift: bool = False,
     ) -> None:
         self.sim, self.width, self.kv_cap, self.merged, self.on_idle = sim, width, kv_cap, merged, on_idle
+        self.shift = shift
+        scale = width if shift else 1  # a shift scheduler runs as much per GPU as a DP engine
+        self.max_running = sim.cfg.cost.max_running * scale
+        self.chunk_tokens = sim.cfg.cost.chunk_tokens * scale
         self.queue: list[Req] = []
         self.running: list[Req] = []
         self.kv_used = 0
@@ -135,11 +174,11 @@ class Unit:
         return bool(self.running or (self.queue and self.admit))
 
     def step(self) -> None:
-        cost, now = self.sim.cfg.cost, self.sim.now
+        now = self.sim.now
         while (
             self.admit
             and self.queue
-            and len(self.running) < cost.max_running
+            and len(self.running) < self.max_running
             and self.kv_used + self.queue[0].kv <= self.kv_cap
         ):
             r = self.queue.pop(0)
@@ -148,7 +187,7 @@ class Unit:
             r.started = now
         if not self.running:
             return  # idle (or the head does not fit yet); the next dispatch or finish pokes it
-        budget, prefill, decode = cost.chunk_tokens, [], []
+        budget, prefill, decode = self.chunk_tokens, [], []
         for r in self.running:
             if r.prefilled < r.spec.prompt:
                 take = min(budget, r.spec.prompt - r.prefilled)
@@ -158,9 +197,19 @@ class Unit:
             else:
                 decode.append(r)
         ctx = sum(r.prefilled + r.generated for r in decode)
-        ms = cost.step_ms(self.width, cost.chunk_tokens - budget, len(decode), ctx, self.merged)
+        ms = self.step_ms(self.chunk_tokens - budget, len(decode), ctx)
         self.stepping = True
         self.sim.at(now + ms / 1000, self.end_step, prefill, decode)
+
+    def step_ms(self, prefill_tokens: int, decode_seqs: int, ctx: int) -> float:
+        cost = self.sim.cfg.cost
+        if not self.shift:
+            return cost.step_ms(self.width, prefill_tokens, decode_seqs, ctx, self.merged)
+        ms, shifted = cost.shift_step_ms(
+            self.width, self.sim.cfg.shift_threshold, prefill_tokens, decode_seqs, ctx
+        )
+        self.sim.shift_steps.append((self.sim.now, ms / 1000, shifted))
+        return ms
 
     def end_step(self, prefill: list[tuple[Req, int]], decode: list[Req]) -> None:
         now = self.sim.now
@@ -183,7 +232,7 @@ class Unit:
 class Engine:
     def __init__(self, sim: Simulator, idx: int) -> None:
         self.sim, self.idx = sim, idx
-        self.dp = Unit(sim, 1, sim.cfg.cost.kv_tokens, False, self.boundary)
+        self.dp = Unit(sim, 1, sim.kv_per_engine, False, self.boundary)
         self.pending: Bind | None = None
         self.arrived = 0  # the epoch whose group this engine waits to form
         self.last_epoch = 0
@@ -204,6 +253,20 @@ class Engine:
         return "tp" if self.group else "dp"
 
     @property
+    def state(self) -> str:
+        """For the mode track: dp, binding (a bind read, the group not formed yet), tp<width>, releasing."""
+        g = self.group
+        if g is None:
+            return "binding" if self.pending else "dp"
+        if g.release_asked:
+            return "releasing"
+        return f"tp{len(g.members)}" if g.formed else "binding"
+
+    @property
+    def paused(self) -> int:
+        return len(self.paused_running) + len(self.paused_queue)
+
+    @property
     def transforms(self) -> bool:
         return self.sim.cfg.kv_transform and self.idx not in self.sim.cfg.no_kv_transform
 
@@ -212,8 +275,8 @@ class Engine:
             self.idx,
             f"sim://{self.idx}",
             self.assigned,
-            self.sim.cfg.cost.kv_tokens - self.dp.kv_used,
-            self.sim.cfg.cost.kv_tokens,
+            self.sim.kv_per_engine - self.dp.kv_used,
+            self.sim.kv_per_engine,
             mode=self.mode,
             epoch=self.group.epoch if self.group else 0,
             pending=self.pending.epoch if self.pending else 0,
@@ -240,10 +303,12 @@ class Engine:
             g.release_asked = True
             g.retract, g.scatter = cmd.retract, cmd.scatter
             self.sim.engines[g.leader].boundary()
+            self.sim.note_states()
             return
         elif isinstance(cmd, Bind):
             return
         self.boundary()
+        self.sim.note_states()
 
     def boundary(self) -> None:
         """A step boundary (or an idle engine poked): apply commands, then run the next step."""
@@ -287,14 +352,14 @@ def kv_in_use(r: Req) -> int:
 
 
 class SimGroup:
-    def __init__(self, sim: Simulator, bind: Bind, merged: bool) -> None:
+    def __init__(self, sim: Simulator, bind: Bind, merged: bool, shift: bool = False) -> None:
         self.sim, self.epoch, self.members = sim, bind.epoch, bind.members
         self.leader = bind.members[0]
         engines = [sim.engines[m] for m in self.members]
         self.adopt = bind.adopt and all(e.transforms for e in engines)
         paused_kv = 0 if self.adopt else sum(e.dp.kv_used for e in engines)
-        cap = len(self.members) * sim.cfg.cost.kv_tokens - paused_kv
-        self.unit = Unit(sim, len(self.members), cap, merged, self.boundary)
+        cap = len(self.members) * sim.kv_per_engine - paused_kv
+        self.unit = Unit(sim, len(self.members), cap, merged, self.boundary, shift)
         self.release_asked = self.retract = self.scatter = False
         self.formed = False
         self.transform_ms = 0.0
@@ -318,6 +383,7 @@ class SimGroup:
         delay = 0.0
         if self.release_asked and (self.retract or self.scatter) and (self.unit.running or self.unit.queue):
             delay = self.move_out()
+            self.sim.note_states()
         if self.release_asked and not self.unit.running and not self.unit.queue:
             self.formed = False
             self.sim.at(self.sim.now + self.sim.cfg.cost.switch_ms / 1000 + delay, self.sim.dissolve, self)
@@ -398,8 +464,25 @@ class Simulator:
         self.log: list[tuple[float, str]] = []
         self.stats: dict[str, float] = collections.Counter()  # transformations and retractions, for reports
         self.transforms: list[tuple[float, str, float, int]] = []  # (at, "adopt"/"scatter", ms, requests)
-        if cfg.mode == "tp":
-            self._static_groups()
+        self.track: list[
+            tuple[float, tuple[str, ...], int]
+        ] = []  # (at, every engine's state, paused DP requests)
+        self.decisions: list[SimDecision] = []
+        self.shift_steps: list[tuple[float, float, bool]] = []  # (at, seconds, full TP) of every shift step
+        if cfg.mode in ("tp", "shift"):
+            self._static_groups(cfg.engines if cfg.mode == "shift" else cfg.tp_width, cfg.mode == "shift")
+        self.note_states()
+
+    @property
+    def kv_per_engine(self) -> int:
+        cost = self.cfg.cost
+        return cost.shift_kv_tokens(self.cfg.engines) if self.cfg.mode == "shift" else cost.kv_tokens
+
+    def note_states(self) -> None:
+        """Append to the mode track if an engine's state or the paused DP work changed."""
+        entry = (tuple(e.state for e in self.engines), sum(e.paused for e in self.engines))
+        if not self.track or self.track[-1][1:] != entry:
+            self.track.append((self.now, *entry))
 
     # --- event loop ---------------------------------------------------------------------------------------
 
@@ -434,9 +517,11 @@ class Simulator:
     # --- requests -----------------------------------------------------------------------------------------
 
     def context_limit(self) -> int:
-        kv, cfg = self.cfg.cost.kv_tokens, self.cfg
+        kv, cfg = self.kv_per_engine, self.cfg
         if cfg.mode == "tp":
             return cfg.tp_width * kv
+        if cfg.mode == "shift":
+            return cfg.engines * kv
         return pooled_limit(cfg.engines, kv) if self.policy.long_context else kv
 
     def arrive_request(self, r: Req) -> None:
@@ -466,6 +551,7 @@ class Simulator:
             scheduled_at=r.spec.at,
             sent_at=r.spec.at,
             event_times=list(r.times),
+            ended_at=r.times[-1] if r.times else r.spec.at,
             event_tokens=[1] * len(r.times),
             output_tokens=len(r.times),
             prompt_tokens=r.spec.prompt,
@@ -507,6 +593,7 @@ class Simulator:
             self.records.pop(ep, None)
         self.state = d.state
         self.log += [(self.now, n) for n in d.notes]
+        self.note_decisions(d, binds)
         for members, cmd in [*d.commands, *map(d.bind_command, binds)]:
             if self.check and (getattr(cmd, "adopt", False) or getattr(cmd, "scatter", False)):
                 lacking = [m for m in members if not self.engines[m].transforms]
@@ -530,6 +617,18 @@ class Simulator:
             unit.queue.append(r)
             (g.boundary if unit is not e.dp else e.boundary)()  # type: ignore[union-attr]
 
+    def note_decisions(self, d: Decision, binds: list[Group]) -> None:
+        self.decisions += [SimDecision(self.now, "bind", g.epoch, g.members, g.reason) for g in binds]
+        notes = [n for n in d.notes if n.startswith("release epoch")]  # one per release command, in order
+        releases = [cmd for _, cmd in d.commands if isinstance(cmd, Release)]
+        assert len(notes) == len(releases), f"{len(releases)} releases but notes {notes}"
+        for cmd, note in zip(releases, notes):
+            g = self.records.get(cmd.epoch)
+            members, reason = (g.members, g.reason) if g else ((), "")
+            self.decisions.append(
+                SimDecision(self.now, "release", cmd.epoch, members, reason, release_cause(note))
+            )
+
     # --- binding ------------------------------------------------------------------------------------------
 
     def arrive(self, b: Bind, idx: int) -> None:
@@ -540,6 +639,7 @@ class Simulator:
                 e.group, e.pending, e.arrived, e.last_epoch = g, None, 0, b.epoch
             self.groups[b.epoch] = g
             self.at(self.now + (self.cfg.cost.switch_ms + g.transform_ms) / 1000, self.formed, g)
+        self.note_states()
 
     def note_transform(self, kind: str, ms: float, requests: int) -> None:
         self.transforms.append((self.now, kind, ms, requests))
@@ -549,6 +649,7 @@ class Simulator:
         self.bound_at[g.epoch] = self.now
         for m in g.members:
             self.engines[m].beat_ts = self.now
+        self.note_states()
         self.poke_router()
         g.boundary()
 
@@ -561,15 +662,15 @@ class Simulator:
             e.resume()
         for m in g.members:
             self.engines[m].boundary()
+        self.note_states()
         self.poke_router()
 
-    def _static_groups(self) -> None:
-        w = self.cfg.tp_width
+    def _static_groups(self, w: int, shift: bool) -> None:
         for start in range(0, self.cfg.engines - w + 1, w):
             epoch = next(self.epochs)
             members = tuple(range(start, start + w))
             b = Bind(epoch=epoch, members=members)
-            g = SimGroup(self, b, merged=False)
+            g = SimGroup(self, b, merged=False, shift=shift)
             g.formed = True
             for m in members:
                 self.engines[m].group = g

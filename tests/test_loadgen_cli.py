@@ -165,7 +165,9 @@ def test_http_errors_are_counted(fake, tmp_path):
     assert rc == 1 and s["errors"] == {"HTTP 404": 2}
 
 
-def test_timeouts_are_counted(tmp_path):
+def test_timeouts_are_counted(tmp_path, capsys):
+    """...in the summary (with when they ended) and in the plotted series, which run to the failures' end, past
+    the last arrival."""
     proc, url = start_process(tmp_path / "slow.log", ttft_ms=3000)
     try:
         assert (
@@ -180,6 +182,8 @@ def test_timeouts_are_counted(tmp_path):
                     "inf",
                     "--timeout",
                     "0.3",
+                    "--bucket",
+                    "0.1",
                     "--out",
                     str(tmp_path / "t"),
                     "--quiet",
@@ -189,7 +193,15 @@ def test_timeouts_are_counted(tmp_path):
         )
     finally:
         stop(proc)
-    assert json.loads((tmp_path / "t.json").read_text())["summary"]["errors"] == {"timeout": 2}
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["summary"]["errors"] == {"timeout": 2}
+    first, last = doc["summary"]["errors_span_s"]["timeout"]
+    assert 0.3 <= first <= last < 1.0
+    assert "errors: timeout x2 (ended 0.3-" in capsys.readouterr().out
+    series = doc["series"]
+    assert series["last_sent_s"] < 0.1 and series["t"][-1] >= 0.2  # the plot runs to the timeouts
+    assert sum(series["failed_per_s"]["timeout"]) * 0.1 == pytest.approx(2)
+    assert series["failed_per_s"]["timeout"][int(first // 0.1)] > 0
 
 
 @pytest.mark.parametrize(

@@ -121,3 +121,46 @@ def test_warmup_records_are_excluded():
     r = rec(1, 0.0, [0.1], n=1)
     s = summarize([w, r], 1.0)
     assert (s["requests"], s["ttft_ms"]["p50"]) == (1, pytest.approx(100))
+
+
+def test_timeseries_runs_to_the_last_failure_and_counts_failures_by_kind_when_they_ended():
+    """An overload run: the last request is sent at 1.0 s, a timeout ends at 9.2 s; the series covers the whole
+    run, the timed-out request is in flight until then, and each failure is counted in the bucket it ended in."""
+    ok = rec(0, 0.0, [0.2, 0.4], n=2, priority="high")
+    timeout = RequestRecord(
+        index=1, priority="normal", scheduled_at=0.5, sent_at=0.5, error="timeout: no complete response within 8.7 s",
+        ended_at=9.2,
+    )  # fmt: skip
+    busy = RequestRecord(
+        index=2,
+        priority="normal",
+        scheduled_at=1.0,
+        sent_at=1.0,
+        status=503,
+        error="HTTP 503: busy",
+        ended_at=1.1,
+    )
+    s = timeseries([ok, timeout, busy])
+    assert s["t"] == [float(k) for k in range(10)]
+    assert s["last_sent_s"] == 1.0
+    assert s["failed_per_s"] == {"HTTP 503": [0, 1] + [0] * 8, "timeout": [0] * 9 + [1]}
+    assert s["concurrency"][5] == pytest.approx(1.0)  # the timed-out request, in flight
+    summary = summarize([ok, timeout, busy], duration=9.2)
+    assert summary["errors"] == {"timeout": 1, "HTTP 503": 1}
+    assert summary["errors_span_s"] == {"timeout": [9.2, 9.2], "HTTP 503": [1.1, 1.1]}
+
+
+def test_ttft_per_priority_series():
+    a = rec(0, 0.0, [0.1], n=1, priority="high")
+    b = rec(1, 0.2, [0.7], n=1, priority="normal")
+    c = rec(2, 1.0, [1.3], n=1, priority="normal")
+    s = timeseries([a, b, c])
+    by = s["ttft_p90_ms_by_priority"]
+    assert by["high"][0] == pytest.approx(100) and math.isnan(by["high"][1])
+    assert by["normal"] == pytest.approx([500, 300])
+
+
+def test_end_of_a_record_without_ended_at_is_its_last_event_or_its_send():
+    assert rec(0, 0.0, [0.2, 0.4], n=2).end == 0.4
+    failed = RequestRecord(index=1, priority="normal", scheduled_at=0.0, sent_at=0.3, error="transport: x")
+    assert failed.end == 0.3

@@ -15,6 +15,7 @@ from router.policy import PolicyConfig
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cli import flat_period
 from sim.cost_model import CostModel, calibration
+from sim.plots import mode_counts
 from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload
 
 SMALL = CostModel(kv_tokens=4000, max_running=16, chunk_tokens=512)
@@ -285,3 +286,77 @@ def test_flat_periods_are_low_phases_less_their_first_15_s():
     assert [flat_period(t, 60, 30) for t in (10, 15, 59.9, 60, 89, 105, 110)] == [
         False, True, True, False, False, True, True,
     ]  # fmt: skip
+
+
+# --- the mode track and Shift Parallelism (issue 18) ---------------------------------------------------------------
+
+
+def test_mode_track_and_decisions_follow_the_simulated_bind_and_release():
+    """The priority bind of the test above, as the timeline shows it: its members turn "binding" when they read
+    the bind, "tp2" when the group forms, "releasing" when they read the release, and the paused DP work shows
+    until they are back in DP; the per-bucket counts add up to the engine count."""
+    policy = PolicyConfig(calm_s=0.3, max_defer_s=1.0)
+    reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(6)] + [SimRequest(0.5, "high", 200, 300)]
+    cfg = SimConfig(engines=6, cost=SMALL, policy=policy, kv_transform=False)
+    sim = Simulator(cfg, reqs, check=True)
+    sim.run()
+    bind = next(d for d in sim.decisions if d.kind == "bind" and d.reason == "priority")
+    rel = next(d for d in sim.decisions if d.kind == "release" and d.epoch == bind.epoch)
+    assert bind.members == (2, 3) and rel.members == (2, 3)
+    assert rel.cause == "DP work deferred"
+    read = cfg.command_ms / 1000
+    first = lambda state: next(t for t, st, _ in sim.track if st[2] == state)  # noqa: E731
+    assert first("binding") == pytest.approx(bind.at + read)
+    assert first("tp2") == sim.bound_at[bind.epoch]
+    assert first("releasing") == pytest.approx(rel.at + read)
+    assert sim.track[0][1:] == (("dp",) * 6, 0)
+    assert any(t > first("releasing") and st[2:4] == ("dp", "dp") for t, st, _ in sim.track), "back to DP"
+    paused = [(t, p) for t, _, p in sim.track if p]
+    # hard: each member's DP request pauses at its next step boundary after it read the bind, then the group forms
+    assert [p for _, p in paused[:2]] == [1, 2]
+    assert bind.at + read <= paused[0][0] <= paused[1][0] <= first("tp2")
+    resumed = next(t for t, st, p in sim.track if t > paused[-1][0] and p == 0)
+    assert resumed == next(t for t, st, _ in sim.track if t > first("releasing") and st[2] == "dp")
+
+    counts = mode_counts(sim.track, sim.now, 0.1)
+    for k in range(len(counts["dp"])):
+        assert sum(v[k] for s, v in counts.items() if s != "paused") == pytest.approx(6)
+    # engine-seconds in TP2, from the decisions and the formation times: every group (load ones too) is TP2 from
+    # its formation until its members read the release, or to the end of the run
+    widths = [min(0.1, sim.now - k * 0.1) for k in range(len(counts["dp"]))]
+    released = {d.epoch: d.at + read for d in sim.decisions if d.kind == "release"}
+    expected = sum(2 * (released.get(ep, sim.now) - t) for ep, t in sim.bound_at.items())
+    assert sum(c * w for c, w in zip(counts["tp2"], widths)) == pytest.approx(expected, abs=1e-6)
+    assert max(counts["paused"]) == max(p for _, p in paused)
+
+
+def test_shift_steps_run_full_tp_at_or_below_the_threshold_and_sp_above():
+    m = CostModel()
+    ctx = 30 * 2000
+    assert m.shift_step_ms(8, 256, 226, 30, ctx) == (m.step_ms(8, 226, 30, ctx, merged=False), True)
+    assert m.shift_step_ms(8, 256, 227, 30, ctx) == (m.sp_step_ms(8, 227, 30, ctx), False)
+    # why it shifts: a small batch decodes faster in TP, a large one runs cheaper per token in SP
+    assert m.step_ms(8, 0, 30, ctx, False) < m.sp_step_ms(8, 0, 30, ctx)
+    assert m.sp_step_ms(8, 4096, 30, ctx) < m.step_ms(8, 4096, 30, ctx, False)
+    # the second, TP-sharded weight copy: 1/8 of 70 GB at 160 KB per token
+    assert m.shift_kv_tokens(8) == m.kv_tokens - int(70e9 / 8 / 163_840)
+
+
+SHIFT_SMALL = dataclasses.replace(
+    SMALL, weight_gb=4 * 1000 * 163_840 / 1e9
+)  # the copy: 1000 tokens per GPU at SP 4
+
+
+def test_shift_is_one_scheduler_over_every_engine_with_the_kv_its_weight_copy_leaves():
+    """A prompt above the threshold prefills in an SP step, the decode steps after it run in full TP; a request
+    longer than one engine's KV is served from the pooled KV of 4 x 3000 tokens, and one longer than that is
+    rejected."""
+    cfg = SimConfig(engines=4, cost=SHIFT_SMALL, mode="shift", shift_threshold=64)
+    one = Simulator(cfg, [SimRequest(0.0, "normal", 1000, 5)], check=True)
+    assert one.run()[0].ok
+    assert [shifted for *_, shifted in one.shift_steps] == [False, True, True, True, True]
+    assert all(e.state == "tp4" for e in one.engines)
+    reqs = [SimRequest(0.0, "normal", 11_000, 4), SimRequest(0.1, "normal", 12_000, 4)]
+    recs = Simulator(cfg, reqs, check=True).run()
+    assert [r.status for r in recs] == [200, 400]  # 11,004 fits 4 x (4000 - 1000); 12,004 does not
+    assert all(r.output_tokens == 4 for r in recs[:1])
