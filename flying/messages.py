@@ -55,7 +55,8 @@ class FastTarget(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
-    """Worker -> Redis, every scheduler step and at least every 100 ms when idle."""
+    """Worker -> Redis (``flying:worker:{i}``, PX 3000): a snapshot of the engine written every 50 ms, and at once
+    when its mode, epoch or pending bind changes (worker_ext.heartbeat)."""
 
     engine: int
     url: str
