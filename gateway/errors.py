@@ -67,11 +67,6 @@ class PayloadTooLarge(APIError):
     code = "payload_too_large"
 
 
-class UnsupportedMediaType(APIError):
-    status = 415
-    code = "unsupported_media_type"
-
-
 class QueueFullError(APIError):
     """Backpressure: the queue is full for this priority, or the wait it predicts is too long."""
 
