@@ -15,6 +15,8 @@ LAUNCH_ID = "FLYING_LAUNCH_ID"
 COMM_HOST = "FLYING_COMM_HOST"  # the communicator pool's rendezvous store (hosted by engine 0)
 COMM_PORT = "FLYING_COMM_PORT"
 
+API_KEYS = "FLYING_API_KEYS"  # the gateway's API keys, comma-separated (see gateway.auth)
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -24,3 +26,7 @@ def redis_url() -> str:
 
 def key_prefix() -> str:
     return os.environ.get(KEY_PREFIX, "flying")
+
+
+def api_keys() -> str:
+    return os.environ.get(API_KEYS, "")

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from flying import taskdump
 from gateway import schemas
+from gateway.auth import RequireKey
 from gateway.config import GatewayConfig
 from gateway.drain import CountRequests, Drain
 from gateway.errors import (
@@ -209,11 +210,12 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
         app.state.gateway = gw
         taskdump.install(asyncio.get_running_loop())
         log.info(
-            "gateway %s serving %s on %s:%d",
+            "gateway %s serving %s on %s:%d (%s)",
             config.gateway_id,
             config.served_model_name,
             config.host,
             config.port,
+            f"{len(config.api_keys)} API keys" if config.api_keys else "no API keys: open",
         )
         try:
             yield
@@ -237,7 +239,10 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
         routes=routes,
         lifespan=lifespan,
         exception_handlers=handlers,
-        middleware=[Middleware(CountRequests, drain=drain)],
+        middleware=[
+            Middleware(CountRequests, drain=drain),
+            Middleware(RequireKey, keys=config.api_keys, protect_metrics=config.metrics_require_key),
+        ],
     )
     app.state.drain = drain
     return app

@@ -28,6 +28,10 @@ class GatewayConfig:
     reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
     drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
     monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
+    api_keys: tuple[str, ...] = field(
+        default=(), repr=False
+    )  # /v1/* needs one as a bearer token (none: open)
+    metrics_require_key: bool = False  # /metrics needs a key too
 
     def __post_init__(self) -> None:
         assert self.max_queue >= 1, "max_queue must be >= 1"

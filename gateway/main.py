@@ -10,6 +10,7 @@ import uvicorn
 
 from flying import settings
 from gateway.app import create_app
+from gateway.auth import read_keys
 from gateway.config import GatewayConfig
 from gateway.drain import Drain, DrainingServer
 
@@ -43,6 +44,14 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="on SIGTERM: stop admitting, let requests in progress finish for at most this long, then exit",
     )
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument(
+        "--api-key-file",
+        help=f"API keys, one per line, added to those in ${settings.API_KEYS} (comma-separated); with any, "
+        "/v1/* needs 'Authorization: Bearer <key>' (default: none, open)",
+    )
+    p.add_argument(
+        "--metrics-require-key", action="store_true", help="/metrics needs an API key too (default: open)"
+    )
     a = p.parse_args(argv)
     return dataclasses.replace(
         d,
@@ -58,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         redis_max_connections=a.redis_max_connections,
         drain_grace_s=a.drain_grace_s,
         default_max_tokens=a.default_max_tokens,
+        api_keys=read_keys(settings.api_keys(), a.api_key_file),
+        metrics_require_key=a.metrics_require_key,
     )
 
 

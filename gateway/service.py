@@ -372,9 +372,15 @@ class Gateway:
         resp = await self._unless_gone(adm, a, self.upstream.post(a.url, adm.path, adm.body), disconnected)
         if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
             raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}")
+        try:
+            payload = resp.json()
+        except ValueError:
+            error = f"engine {a.engine} answered {resp.status_code} with a body that is not JSON: {resp.text[:120]!r}"
+            await self.queue.finish(adm.record.id, "failed", error)
+            raise WorkerFailed(error) from None
         state = "done" if resp.status_code == 200 else "failed"
         await self.queue.finish(adm.record.id, state, "" if state == "done" else resp.text[:200])
-        return resp.status_code, resp.json()
+        return resp.status_code, payload
 
     async def first_event(
         self, adm: Admitted, a: Assignment, resp, disconnected: asyncio.Future[None]

@@ -81,9 +81,33 @@ class _Conn(asyncio.Protocol):
         rid = str(req.get("rid") or id(req))
         self.state.running.add(rid)
         try:
+            if not req.get("stream"):
+                await self.complete(t, req, path == b"/v1/chat/completions")
+                return
             await self.stream(t, req, rid, path == b"/v1/chat/completions")
         finally:
             self.state.running.discard(rid)
+
+    async def complete(self, t: asyncio.Transport, req: dict, chat: bool) -> None:
+        """A non-streaming answer: ``n`` choices of ``max_tokens`` tokens " tok", after the time a stream takes."""
+        n, k = int(req.get("max_tokens") or 16), int(req.get("n") or 1)
+        await asyncio.sleep(self.ttft + self.itl * (n - 1))
+        prompt = req.get("prompt") or ""
+        p = len(prompt) if isinstance(prompt, list) else len(str(prompt).split()) or 8
+        text = " tok" * n
+        choices = [
+            {"index": i, "finish_reason": "length"}
+            | ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            for i in range(k)
+        ]
+        usage = {"prompt_tokens": p, "completion_tokens": n * k, "total_tokens": p + n * k}
+        kind = "chat.completion" if chat else "text_completion"
+        doc = json.dumps({"id": "x", "object": kind, "created": int(time.time()), "model": MODEL,
+                          "choices": choices, "usage": usage}).encode()  # fmt: skip
+        t.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(doc), doc)
+        )
 
     async def stream(self, t: asyncio.Transport, req: dict, rid: str, chat: bool) -> None:
         """Token i of a prompt of p tokens has id p + i and text " t<id>" (p: the ids of a token-id prompt, else
