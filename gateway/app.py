@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator
 
 import redis.asyncio as aioredis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.applications import Starlette
@@ -20,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from flying import taskdump
 from gateway import schemas
-from gateway.auth import RequireKey
+from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
 from gateway.drain import CountRequests, Drain
 from gateway.errors import (
@@ -32,6 +34,7 @@ from gateway.errors import (
     PayloadTooLarge,
     QueueUnavailable,
 )
+from gateway.metrics import GatewayMetrics
 from gateway.service import ClientGone, Gateway, watch_disconnect
 
 log = logging.getLogger("flying.gateway")
@@ -51,7 +54,25 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def completions(request: Request, kind: str) -> Response:
+    """A completion request, counted in the metrics with its status and priority (``unknown`` until resolved)."""
     gw: Gateway = request.app.state.gateway
+    seen = {"priority": "unknown"}
+    status = 500
+    try:
+        response = await answer(request, kind, gw, seen)
+        status = response.status_code
+        return response
+    except APIError as exc:
+        status = exc.status
+        if status < 500:
+            gw.metrics.rejected.labels(str(status), exc.code or "").inc()
+        raise
+    finally:
+        gw.metrics.requests.labels(request.url.path, str(status), seen["priority"]).inc()
+
+
+async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str]) -> Response:
+    t0 = time.monotonic()
     if request.app.state.drain.draining:
         raise Draining("this gateway is shutting down; retry on another one")
     body = await read_body(request, gw.config.max_body_bytes)
@@ -63,10 +84,12 @@ async def completions(request: Request, kind: str) -> Response:
         assert isinstance(req, schemas.CompletionRequest)
         schemas.check_completion(req)
     priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority)
+    seen["priority"] = priority
     adm = await gw.admit(req, priority)
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
     try:
         reply = await gw.serve(adm, disconnected)
+        gw.metrics.ttft.labels(priority).observe(time.monotonic() - t0)
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -120,6 +143,11 @@ async def models(request: Request) -> Response:
     if beats:
         card["max_model_len"] = gw.context_limit(beats)
     return JSONResponse({"object": "list", "data": [card]})
+
+
+async def metrics(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def health(request: Request) -> Response:
@@ -196,6 +224,8 @@ def redis_client(config: GatewayConfig) -> aioredis.Redis:
 def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = None) -> Starlette:
     """The app; ``drain`` (made here when not given) counts requests in progress and holds the drain state."""
     drain = drain or Drain()
+    meters = GatewayMetrics()
+    meters.in_flight.set_function(lambda: drain.active)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -205,7 +235,7 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
 
             counter = PromptCounter(config.model_path)
         client = redis_client(config)
-        gw = Gateway(config, client, counter)
+        gw = Gateway(config, client, counter, meters)
         await gw.start()
         app.state.gateway = gw
         taskdump.install(asyncio.get_running_loop())
@@ -228,6 +258,7 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
         Route("/v1/completions", text_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     handlers = {
         APIError: api_error,
@@ -241,7 +272,12 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
         exception_handlers=handlers,
         middleware=[
             Middleware(CountRequests, drain=drain),
-            Middleware(RequireKey, keys=config.api_keys, protect_metrics=config.metrics_require_key),
+            Middleware(
+                RequireKey,
+                keys=config.api_keys,
+                protect_metrics=config.metrics_require_key,
+                on_reject=lambda: meters.rejected.labels("401", InvalidAPIKey.code).inc(),
+            ),
         ],
     )
     app.state.drain = drain

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -34,8 +35,14 @@ def _digest(key: str) -> bytes:
 class RequireKey:
     """ASGI middleware: refuses protected paths without a valid bearer key (no keys: everything is open)."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...], protect_metrics: bool = False) -> None:
-        self.app = app
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: tuple[str, ...],
+        protect_metrics: bool = False,
+        on_reject: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.app, self.on_reject = app, on_reject
         self.digests = [_digest(k) for k in keys]
         self.protect_metrics = protect_metrics
 
@@ -55,6 +62,7 @@ class RequireKey:
         if scope["type"] == "http" and self.protected(scope["path"]):
             auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
             if not self.allows(auth):
+                self.on_reject()
                 why = "a wrong API key" if auth else "no API key (send Authorization: Bearer <key>)"
                 err = InvalidAPIKey(f"Incorrect API key provided: the request has {why}.")
                 await err.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -47,6 +47,7 @@ from gateway.errors import (
     QueueTimeout,
     WorkerFailed,
 )
+from gateway.metrics import GatewayMetrics
 from gateway.resume import Resumable, upstream_body
 from gateway.schemas import ChatCompletionRequest, requested_max_tokens
 from gateway.upstream import StreamBroken, Upstream, WorkerUnavailable
@@ -86,8 +87,15 @@ class Reply:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, client: aioredis.Redis, count_tokens) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        client: aioredis.Redis,
+        count_tokens,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.config = config
+        self.metrics = metrics or GatewayMetrics()
         self.started = time.time()  # the model card's "created"
         self.keys = Keys(config.key_prefix)
         self.r = client
@@ -311,6 +319,9 @@ class Gateway:
         fut = await self.enqueue(adm)
         while True:
             a = await self.wait_assignment(adm, fut, disconnected)
+            self.metrics.queue_time.labels(adm.record.priority).observe(
+                max(0.0, time.time() - adm.record.enqueued_at)
+            )
             try:
                 if not adm.stream:
                     status, payload = await self.forward(adm, a, disconnected)
@@ -352,7 +363,9 @@ class Gateway:
                 await self.queue.finish(rid, "cancelled", "not scheduled")
             raise
 
-    async def retry_or_fail(self, adm: Admitted, a: Assignment, why: str) -> asyncio.Future[Assignment]:
+    async def retry_or_fail(
+        self, adm: Admitted, a: Assignment, why: str, cause: str = "before_first_event"
+    ) -> asyncio.Future[Assignment]:
         """The engine died before answering: put the request back in the queue (bounded) or fail it."""
         rec = await self.queue.get(adm.record.id)
         attempts = int(rec.get("attempts", 0)) + 1
@@ -360,6 +373,7 @@ class Gateway:
             await self.queue.finish(adm.record.id, "failed", why)
             raise WorkerFailed(f"engine {a.engine} failed and {attempts} attempts are used up: {why}")
         log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why)
+        self.metrics.redispatched.labels(cause).inc()
         fut = self.waiter.expect(adm.record.id)
         await self.queue.requeue(adm.record, a.engine, why)
         self.waiter.mark_admitted(adm.record.id)
@@ -496,7 +510,7 @@ class Gateway:
         assert adm.resume is not None, "only a resumable stream is resumed"
         body = adm.resume.continuation()
         log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated))
-        fut = await self.retry_or_fail(adm, a, why)
+        fut = await self.retry_or_fail(adm, a, why, cause="mid_stream")
         never = (
             asyncio.get_running_loop().create_future()
         )  # a client that leaves cancels this generator instead

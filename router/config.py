@@ -15,6 +15,8 @@ class RouterConfig:
     poll_s: float = 0.05  # longest sleep between rounds when nothing wakes the router
     lease_ms: int = 2000  # router leadership lease; a standby takes over this long after a crash
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    metrics_port: int = 0  # Prometheus metrics (router.metrics); 0: off
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         assert self.peek >= 1, "peek must be >= 1"

@@ -22,6 +22,7 @@ from flying.messages import Group, QueuedRequest, RouterState, decode, encode, f
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
 from flying.workers import live_heartbeat, registered_engines
 from router.config import RouterConfig
+from router.metrics import RouterMetrics
 from router.policy import Decision, EngineView, GroupLoad, Snapshot, decide
 
 log = logging.getLogger("flying.router")
@@ -58,6 +59,7 @@ class Dispatcher:
         self._state_written = b""
         self._fast_written, self._fast_at = b"", 0.0  # the fast-path targets last published, and when
         self.dispatched = 0
+        self.metrics = RouterMetrics()
 
     async def hold_lease(self) -> bool:
         """Take or renew the lease; a leader renews once per quarter lease, not every round (a round at light
@@ -204,9 +206,12 @@ class Dispatcher:
 
     async def round(self) -> int:
         """One policy round; returns how many requests were assigned (or groups changed)."""
-        d = decide(await self.snapshot(), self.config.policy)
+        snap = await self.snapshot()
+        d = decide(snap, self.config.policy)
         changed = len(d.binds) + len(d.commands) + len(d.drop)
-        return await self.apply(d) + changed
+        assigned = await self.apply(d)
+        self.metrics.observe(list(snap.groups), d, assigned)
+        return assigned + changed
 
     async def maintenance(self) -> None:
         """Every 2 s: drop inflight entries whose request is no longer assigned there, and end the requests of

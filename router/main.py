@@ -9,11 +9,14 @@ import logging
 import signal
 import typing
 
+import prometheus_client
+import redis
 import redis.asyncio as aioredis
 
 from flying import settings, taskdump
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
+from router.metrics import ClusterCollector
 from router.policy import PolicyConfig
 
 
@@ -46,13 +49,29 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--key-prefix", default=settings.key_prefix())
     p.add_argument("--poll-s", type=float, default=d.poll_s)
     p.add_argument("--lease-ms", type=int, default=d.lease_ms)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d.metrics_port,
+        help="serve Prometheus metrics on this port (0: off; default %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-host", default=d.metrics_host, help="address for --metrics-port (default %(default)s)"
+    )
     _policy_flags(p)
     a = p.parse_args(argv)
     policy = PolicyConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PolicyConfig)})
     if a.manual:
         policy = dataclasses.replace(policy, load_adaptation=False, priority=False, long_context=False)
     return dataclasses.replace(
-        d, redis_url=a.redis_url, key_prefix=a.key_prefix, poll_s=a.poll_s, lease_ms=a.lease_ms, policy=policy
+        d,
+        redis_url=a.redis_url,
+        key_prefix=a.key_prefix,
+        poll_s=a.poll_s,
+        lease_ms=a.lease_ms,
+        policy=policy,
+        metrics_port=a.metrics_port,
+        metrics_host=a.metrics_host,
     )
 
 
@@ -63,10 +82,25 @@ async def serve(config: RouterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     taskdump.install(loop)
+    dispatcher = Dispatcher(config, client)
+    if config.metrics_port:
+        serve_metrics(dispatcher, config)
     try:
-        await Dispatcher(config, client).run(stop)
+        await dispatcher.run(stop)
     finally:
         await client.aclose()
+
+
+def serve_metrics(dispatcher: Dispatcher, config: RouterConfig) -> None:
+    """Prometheus metrics on their own thread: the router's counters and the cluster's state read at scrape time
+    (router.metrics)."""
+    registry = dispatcher.metrics.registry
+    sync = redis.Redis.from_url(config.redis_url, socket_timeout=2)
+    registry.register(ClusterCollector(sync, dispatcher.keys, dispatcher.router_id))
+    prometheus_client.start_http_server(config.metrics_port, config.metrics_host, registry=registry)
+    logging.getLogger("flying.router").info(
+        "metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,15 +4,21 @@ a thread of their own, and a fake engine's heartbeat. Real Redis comes from the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import redis
 import redis.asyncio as aioredis
 import uvicorn
 
 from flying.keys import Keys
 from flying.messages import Heartbeat, encode
-from flying.procs import free_port, wait_healthy
+from flying.procs import free_port, spawn, stop, wait_healthy
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig
@@ -88,3 +94,26 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+@contextlib.contextmanager
+def gateway_process(
+    redis_url: str, keys: Keys, model: Path, logs: Path, env: dict[str, str] | None = None, args: tuple = ()
+) -> Iterator[str]:
+    """A real ``flying-gateway`` process (its log: ``logs/gateway.log``), the real router in a thread and a fake
+    engine process announced as engine 0; yields the gateway's URL."""
+    from loadgen import fake_server
+
+    engine_proc, engine_url = fake_server.start_process(logs / "engine.log")
+    announce_engine(redis.Redis.from_url(redis_url), keys, url=engine_url)
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.main", "--model-path", str(model), "--port", str(port),
+           "--redis-url", redis_url, "--key-prefix", keys.prefix, *args]  # fmt: skip
+    with RouterThread(redis_url, keys.prefix):
+        gw = spawn(cmd, logs / "gateway.log", env=os.environ | (env or {}))
+        try:
+            wait_healthy(gw, f"http://127.0.0.1:{port}", 60)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop(gw)
+            stop(engine_proc)

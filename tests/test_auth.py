@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from gateway.auth import RequireKey, read_keys
+from tests.stack import gateway_process
 
 
 def test_keys_come_from_the_environment_and_a_file(tmp_path):
@@ -30,30 +31,12 @@ def test_only_a_listed_bearer_key_is_allowed():
 
 
 @pytest.fixture
-def gateway_with_keys(redis_server, sync_redis, keys, tiny_model, tmp_path):
-    """A real ``flying-gateway`` process with FLYING_API_KEYS=k1 (and a key file with k2), the real router in a
-    thread, and a fake engine process."""
-    import os
-    import sys
-
-    from flying.procs import free_port, spawn, stop, wait_healthy
-    from loadgen import fake_server
-    from tests.stack import RouterThread, announce_engine
-
-    engine_proc, engine_url = fake_server.start_process(tmp_path / "engine.log")
-    announce_engine(sync_redis, keys, url=engine_url)
+def gateway_with_keys(redis_server, keys, tiny_model, tmp_path):
+    """A real gateway process with FLYING_API_KEYS=k1 and a key file with k2 (tests.stack.gateway_process)."""
     (tmp_path / "keys").write_text("k2\n")
-    port = free_port()
-    cmd = [sys.executable, "-m", "gateway.main", "--model-path", str(tiny_model), "--port", str(port),
-           "--redis-url", redis_server.url, "--key-prefix", keys.prefix, "--api-key-file", str(tmp_path / "keys")]  # fmt: skip
-    with RouterThread(redis_server.url, keys.prefix):
-        gw = spawn(cmd, tmp_path / "gateway.log", env=os.environ | {"FLYING_API_KEYS": "k1"})
-        try:
-            wait_healthy(gw, f"http://127.0.0.1:{port}", 60)
-            yield f"http://127.0.0.1:{port}", tmp_path / "gateway.log"
-        finally:
-            stop(gw)
-            stop(engine_proc)
+    env, args = {"FLYING_API_KEYS": "k1"}, ("--api-key-file", str(tmp_path / "keys"), "--metrics-require-key")
+    with gateway_process(redis_server.url, keys, tiny_model, tmp_path, env, args) as url:
+        yield url, tmp_path / "gateway.log"
 
 
 def test_the_openai_client_with_a_key_is_served_and_without_one_gets_401(gateway_with_keys):
@@ -74,5 +57,8 @@ def test_the_openai_client_with_a_key_is_served_and_without_one_gets_401(gateway
     assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
     assert bare.headers["www-authenticate"] == "Bearer"
     assert httpx.get(f"{url}/health").status_code == 200, "/health stays open"
+    assert httpx.get(f"{url}/metrics").status_code == 401, "--metrics-require-key"
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer k1"}).text
+    assert 'flying_gateway_rejected_total{reason="invalid_api_key",status="401"} 3.0' in metrics
     text = log.read_text()
     assert "2 API keys" in text and "k1" not in text and "wrong" not in text, "keys are never logged"

@@ -112,3 +112,10 @@ def test_drain_withdraws_readiness_then_waits_for_assigned_requests(sync_redis, 
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_enable_metrics_is_passed_to_sglang():
+    cfg = launch.WorkerConfig(engine=0, num_engines=1, model_path="m", port=1)
+    assert "--enable-metrics" not in launch.sglang_command(cfg)
+    on = launch.WorkerConfig(engine=0, num_engines=1, model_path="m", port=1, enable_metrics=True)
+    assert "--enable-metrics" in launch.sglang_command(on)

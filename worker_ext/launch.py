@@ -56,6 +56,7 @@ class WorkerConfig:
     comm_port: int | None = None  # communicator-pool rendezvous on engine 0; None: this engine never binds
     comm_host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    enable_metrics: bool = False  # SGLang's own Prometheus metrics on the engine's port (/metrics)
 
     def __post_init__(self) -> None:
         assert 0 <= self.engine < self.num_engines, f"engine {self.engine} not in [0, {self.num_engines})"
@@ -127,6 +128,8 @@ def sglang_command(cfg: WorkerConfig) -> list[str]:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
     if cfg.comm_port:  # bound-capable: TP requests' KV slots are per-request views, not sharable prefixes
         cmd += ["--disable-radix-cache"]
+    if cfg.enable_metrics:
+        cmd += ["--enable-metrics"]
     if cfg.cpu:
         cmd += list(SGLANG_CPU_ARGS)
     return cmd + list(cfg.extra_args)
@@ -281,6 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--comm-host", default="127.0.0.1", help="host of engine 0, which serves the rendezvous store"
     )
+    p.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="SGLang's own Prometheus metrics on the engine's port, /metrics (default: off); the switch counters "
+        "are in the heartbeat and the router's metrics",
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang.launch_server arguments")
     a = p.parse_args(argv)
     cpu = on_cpu_host() if a.device == "auto" else a.device == "cpu"
@@ -300,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         comm_port=a.comm_port,
         comm_host=a.comm_host,
         extra_args=extra,
+        enable_metrics=a.enable_metrics,
     )
     sys.exit(run(with_default_kv(cfg), drain_grace_s=a.drain_grace_s))
 

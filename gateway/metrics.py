@@ -1,0 +1,40 @@
+"""The gateway's Prometheus metrics (``GET /metrics``), all prefixed ``flying_gateway_``. Times are observed at the
+gateway: queue time from admission to the router's assignment, TTFT from the request's arrival to its first event
+(a stream) or its whole answer."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "flying_gateway_requests", "Completion requests answered, by route, HTTP status and priority "
+            "(a stream counts with the status it started with)", ["route", "status", "priority"], registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "flying_gateway_requests_in_flight",
+            "HTTP requests in progress (streams to their last byte)",
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "flying_gateway_queue_time_seconds", "Admission to the global queue -> the router's assignment",
+            ["priority"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "flying_gateway_ttft_seconds", "Request received -> its first event (streams) or whole answer",
+            ["priority"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.redispatched = Counter(
+            "flying_gateway_redispatched", "Requests sent back to the queue because their engine failed or gave "
+            "up: before its first event (re-dispatched) or mid-stream (resumed elsewhere)", ["cause"], registry=r,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "flying_gateway_rejected", "Requests refused, by HTTP status and error code (429 backpressure, 400 "
+            "invalid, 401 no or wrong API key, ...)", ["status", "reason"], registry=r,
+        )  # fmt: skip

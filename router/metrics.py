@@ -1,0 +1,192 @@
+"""The router's Prometheus metrics (``flying-router --metrics-port``), all prefixed ``flying_``.
+
+Two kinds:
+- events the router sees as it applies its decisions (:meth:`RouterMetrics.observe`): dispatches, binds and
+  releases by reason, mode and outcome, how long switches take as the router sees them (command -> every member
+  reports the group; release -> every member back in DP), policy rounds;
+- the cluster's state, read from Redis when Prometheus scrapes (:class:`ClusterCollector`): queue depth and oldest
+  wait by priority, the request counters of ``flying:stats``, each engine's mode, width, load and the switch
+  timings its heartbeat carries, groups by width, reason and state, the regime, whether this router leads.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from flying import control
+from flying.keys import Keys
+from flying.messages import Group, Release, RouterState, decode
+from flying.queue import text
+from router.policy import Decision
+
+SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def bind_mode(g: Group) -> str:
+    return "adopt" if g.adopt else g.preempt
+
+
+def release_mode(cmd: Release | None) -> str:
+    if cmd is None:
+        return "wait"
+    return "scatter" if cmd.scatter else "retract" if cmd.retract else "wait"
+
+
+class RouterMetrics:
+    """Counters and histograms of what the router does, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.dispatched = Counter(
+            "flying_router_dispatched", "Requests assigned by the router (the admission fast path is in "
+            "flying_requests_total{event=\"fast\"})", ["target"], registry=r,
+        )  # fmt: skip
+        self.binds = Counter(
+            "flying_router_binds", "TP group binds: issued by the router, bound (every member reports it), or "
+            "rolled back before they bound", ["reason", "mode", "outcome"], registry=r,
+        )  # fmt: skip
+        self.releases = Counter(
+            "flying_router_releases", "TP group releases: issued, and done (every member back in DP)",
+            ["reason", "mode", "outcome"], registry=r,
+        )  # fmt: skip
+        self.switch = Histogram(
+            "flying_router_switch_seconds", "Bind: record written -> every member reports the group; release: "
+            "release issued -> every member back in DP (as the router sees it, heartbeats included)",
+            ["kind"], buckets=SWITCH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.rounds = Counter("flying_router_rounds", "Policy rounds run while leading", registry=r)
+        self._release_mode: dict[int, str] = {}
+
+    def observe(self, before: list[Group], d: Decision, assigned: int, now: float | None = None) -> None:
+        """One applied round: ``before`` is the group records the round started from, ``d`` its decision."""
+        now = time.time() if now is None else now
+        self.rounds.inc()
+        to_group = sum(1 for x in d.dispatches if x.epoch)
+        if assigned:
+            self.dispatched.labels("group").inc(min(to_group, assigned))
+            self.dispatched.labels("dp").inc(max(0, assigned - to_group))
+        for g in d.binds:
+            self.binds.labels(g.reason, bind_mode(g), "issued").inc()
+        releases = {cmd.epoch: cmd for _, cmd in d.commands if isinstance(cmd, Release)}
+        prev = {g.epoch: g for g in before}
+        for epoch, g in d.put.items():
+            old = prev.get(epoch)
+            if old is None or old.state == g.state:
+                continue
+            if old.state == "binding" and g.state == "bound":
+                self.binds.labels(g.reason, bind_mode(g), "bound").inc()
+                self.switch.labels("bind").observe(max(0.0, now - old.since))
+            elif g.state == "releasing":
+                if old.state == "binding":
+                    self.binds.labels(g.reason, bind_mode(g), "rolled_back").inc()
+                mode = release_mode(releases.get(epoch))
+                self._release_mode[epoch] = mode
+                self.releases.labels(g.reason, mode, "issued").inc()
+        for epoch in d.drop:
+            old = prev.get(epoch)
+            if old is not None and old.state == "releasing":
+                mode = self._release_mode.pop(epoch, "wait")
+                self.releases.labels(old.reason, mode, "done").inc()
+                self.switch.labels("release").observe(max(0.0, now - old.since))
+
+
+class ClusterCollector(Collector):
+    """The cluster's state from Redis at scrape time (a synchronous client; Prometheus scrapes in a thread)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, router_id: str) -> None:
+        self.r, self.keys, self.router_id = r, keys, router_id
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        r, k = self.r, self.keys
+        depth = GaugeMetricFamily(
+            "flying_queue_depth", "Requests waiting in the global queue", labels=["priority"]
+        )
+        oldest = GaugeMetricFamily(
+            "flying_queue_oldest_wait_seconds",
+            "How long the oldest waiting request has waited",
+            labels=["priority"],
+        )
+        for cls, (n, wait) in control.queue_depths(r, k).items():
+            depth.add_metric([cls], n)
+            oldest.add_metric([cls], wait)
+        yield depth
+        yield oldest
+        stats = CounterMetricFamily(
+            "flying_requests",
+            "Request events counted in flying:stats (all gateways and routers)",
+            labels=["event"],
+        )
+        for event, n in sorted((text(a), int(b)) for a, b in r.hgetall(k.stats).items()):
+            stats.add_metric([event], n)
+        yield stats
+        yield from self._engines()
+        yield from self._groups()
+        lease = r.get(k.router_lease)
+        leader = GaugeMetricFamily("flying_router_leader", "1 while this router holds the lease")
+        leader.add_metric([], 1.0 if lease is not None and text(lease) == self.router_id else 0.0)
+        yield leader
+
+    def _engines(self) -> Iterator[GaugeMetricFamily]:
+        beats = control.status(self.r, self.keys)
+        mode = GaugeMetricFamily(
+            "flying_engine_mode",
+            "1 for the engine's mode: dp, binding (a bind read, not applied), tp",
+            labels=["engine", "mode"],
+        )
+        per_engine = {
+            "width": ("flying_engine_width", "Width of the engine's TP group (1: DP)"),
+            "running": ("flying_engine_running", "Requests running on the engine"),
+            "waiting": ("flying_engine_waiting", "Requests waiting in the engine's own queue"),
+            "free_kv_tokens": ("flying_engine_free_kv_tokens", "KV cache tokens free (evictable included)"),
+            "bind_ms": (
+                "flying_engine_last_bind_ms",
+                "The engine's last bind, command at a step boundary -> ready",
+            ),
+            "release_ms": (
+                "flying_engine_last_release_ms",
+                "The engine's last release, command -> DP layout back",
+            ),
+            "transform_ms": ("flying_engine_last_kv_transform_ms", "The engine's last KV transformation"),
+            "comm_rebuilds": (
+                "flying_engine_comm_rebuilds",
+                "Pooled communicator groups rebuilt after a restart",
+            ),
+        }
+        families = {
+            f: GaugeMetricFamily(name, doc, labels=["engine"]) for f, (name, doc) in per_engine.items()
+        }
+        for e, hb in beats.items():
+            current = "tp" if hb.mode == "tp" else "binding" if hb.pending else "dp"
+            for m in ("dp", "binding", "tp"):
+                mode.add_metric([str(e), m], 1.0 if m == current else 0.0)
+            for f, fam in families.items():
+                fam.add_metric([str(e)], float(getattr(hb, f)))
+        yield mode
+        yield from families.values()
+
+    def _groups(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily(
+            "flying_groups", "TP groups by width, reason and state", labels=["width", "reason", "state"]
+        )
+        counts = collections.Counter(
+            (str(g.width), g.reason, g.state) for g in control.groups(self.r, self.keys)
+        )
+        for labels, n in sorted(counts.items()):
+            fam.add_metric(list(labels), n)
+        yield fam
+        raw = self.r.get(self.keys.router_state)
+        state = decode(raw, RouterState) if raw else RouterState()
+        regime = GaugeMetricFamily(
+            "flying_router_regime", "1 for the load regime: busy or light", labels=["regime"]
+        )
+        regime.add_metric(["busy"], 1.0 if state.busy else 0.0)
+        regime.add_metric(["light"], 0.0 if state.busy else 1.0)
+        yield regime

@@ -1,0 +1,74 @@
+"""The router's metrics: what a round's decision counts, and the cluster's state read from a real Redis."""
+
+from __future__ import annotations
+
+import msgspec
+from prometheus_client import generate_latest
+
+from flying.messages import Group, Release, RouterState, encode
+from router.metrics import ClusterCollector, RouterMetrics
+from router.policy import Decision
+from tests.stack import announce_engine
+
+BINDING = Group(epoch=3, members=(0, 1), reason="load", state="binding", since=100.0, adopt=True)
+
+
+def value(m: RouterMetrics, name: str, **labels) -> float:
+    v = m.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def test_a_bind_is_issued_then_bound_and_a_release_issued_then_done():
+    m = RouterMetrics()
+    m.observe([], Decision(binds=[msgspec.structs.replace(BINDING, epoch=0)]), assigned=0, now=100.0)
+    assert value(m, "flying_router_binds_total", reason="load", mode="adopt", outcome="issued") == 1
+    bound = msgspec.structs.replace(BINDING, state="bound", since=100.02)
+    m.observe([BINDING], Decision(put={3: bound}), assigned=0, now=100.02)
+    assert value(m, "flying_router_binds_total", reason="load", mode="adopt", outcome="bound") == 1
+    assert value(m, "flying_router_switch_seconds_count", kind="bind") == 1
+    assert abs(value(m, "flying_router_switch_seconds_sum", kind="bind") - 0.02) < 1e-9
+    releasing = msgspec.structs.replace(bound, state="releasing", since=101.0)
+    d = Decision(put={3: releasing}, commands=[((0, 1), Release(epoch=3, scatter=True))])
+    m.observe([bound], d, assigned=0, now=101.0)
+    assert value(m, "flying_router_releases_total", reason="load", mode="scatter", outcome="issued") == 1
+    m.observe([releasing], Decision(drop=[3]), assigned=0, now=101.5)
+    assert value(m, "flying_router_releases_total", reason="load", mode="scatter", outcome="done") == 1
+    assert abs(value(m, "flying_router_switch_seconds_sum", kind="release") - 0.5) < 1e-9
+    assert value(m, "flying_router_rounds_total") == 4
+
+
+def test_a_bind_released_before_it_bound_is_rolled_back():
+    m = RouterMetrics()
+    rolled = msgspec.structs.replace(BINDING, state="releasing")
+    m.observe([BINDING], Decision(put={3: rolled}, commands=[((0, 1), Release(epoch=3))]), assigned=0)
+    assert value(m, "flying_router_binds_total", reason="load", mode="adopt", outcome="rolled_back") == 1
+    assert value(m, "flying_router_binds_total", reason="load", mode="adopt", outcome="bound") == 0
+
+
+def test_the_cluster_collector_reads_queue_engines_groups_and_regime(sync_redis, keys):
+    from flying.messages import QueuedRequest
+    from flying.queue import CLASS_WEIGHT
+
+    announce_engine(sync_redis, keys, engine=0, running=3)
+    announce_engine(sync_redis, keys, engine=1, mode="tp", epoch=3, group=(0, 1), width=2)
+    sync_redis.hset(keys.groups, "3", encode(msgspec.structs.replace(BINDING, state="bound")))
+    sync_redis.set(keys.router_state, encode(RouterState(busy=False)))
+    sync_redis.set(keys.router_lease, "me")
+    sync_redis.hset(keys.stats, mapping={"admitted": 7, "fast": 2})
+    req = QueuedRequest(id="q", priority="high", model="m", prompt_tokens=1, max_tokens=1, gateway="g", enqueued_at=1.0)  # fmt: skip
+    sync_redis.hset(keys.request("q"), mapping={"enqueued_at": "1.0"})
+    sync_redis.zadd(keys.queue, {req.id: 0 * CLASS_WEIGHT + 1})
+    m = RouterMetrics()
+    m.registry.register(ClusterCollector(sync_redis, keys, "me"))
+    text = generate_latest(m.registry).decode()
+    assert 'flying_queue_depth{priority="high"} 1.0' in text
+    assert 'flying_queue_depth{priority="normal"} 0.0' in text
+    assert value(m, "flying_queue_oldest_wait_seconds", priority="high") > 1e9  # enqueued at t=1 s
+    assert value(m, "flying_requests_total", event="admitted") == 7
+    assert value(m, "flying_engine_mode", engine="0", mode="dp") == 1
+    assert value(m, "flying_engine_mode", engine="1", mode="tp") == 1
+    assert value(m, "flying_engine_running", engine="0") == 3
+    assert value(m, "flying_engine_width", engine="1") == 2
+    assert value(m, "flying_groups", width="2", reason="load", state="bound") == 1
+    assert value(m, "flying_router_regime", regime="light") == 1
+    assert value(m, "flying_router_leader") == 1
