@@ -59,9 +59,7 @@ class TinyLlamaSpec:
             return cls()
         heads = heads or max(8, hidden // 128)
         kv_heads = kv_heads or max(4, heads // 4)
-        intermediate = intermediate or 4 * -(
-            -(hidden * 11 // 4) // 4
-        )  # ~2.75 x hidden (Llama), divisible by 4
+        intermediate = intermediate or (hidden * 11 // 4 + 3) // 4 * 4  # ~2.75 x hidden (Llama), divides by 4
         return cls(
             hidden_size=hidden,
             intermediate_size=intermediate,
