@@ -51,6 +51,9 @@ def pct(xs: list[float]) -> str:
     return f"p50 {np.percentile(xs, 50):.2f} ms, p99 {np.percentile(xs, 99):.2f} ms (n={len(xs)})"
 
 
+MANUAL = ("--manual",)  # the router issues no binds of its own: the benchmark drives every bind and release
+
+
 def wait(r, keys, mode: str) -> dict:
     while True:
         beats = control.status(r, keys)
@@ -115,10 +118,14 @@ def main() -> None:
     if a.large_layers:
         spec = TinyLlamaSpec.sized(a.large_hidden, a.large_layers)
         large = ensure(Path(f".flying/llama-h{a.large_hidden}-l{a.large_layers}"), seed=0, spec=spec)
-        cfg = ClusterConfig(model_path=large, num_engines=2, log_dir=tmp / "large", max_total_tokens=4096)
+        cfg = ClusterConfig(
+            model_path=large, num_engines=2, log_dir=tmp / "large", max_total_tokens=4096, router_args=MANUAL
+        )
         with Cluster(cfg) as c:
             latency[model_size(large)] = switch_latency(c, a.switches)
-    cfg = ClusterConfig(model_path=model, num_engines=2, log_dir=tmp / "cluster", max_total_tokens=16384)
+    cfg = ClusterConfig(
+        model_path=model, num_engines=2, log_dir=tmp / "cluster", max_total_tokens=16384, router_args=MANUAL
+    )
     with Cluster(cfg) as c:
         r, keys = c.client(), c.keys
         w0 = f"http://127.0.0.1:{cfg.worker_ports[0]}"
