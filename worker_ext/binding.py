@@ -2,11 +2,12 @@
 
 Bind (every member, at its next clean step boundary): deal with its DP work (adopt it into the group with its KV,
 worker_ext.adoption; pause it with its KV, hard preemption; or drain it first, worker_ext.preemption), point the
-weights at its Megatron shard (worker_ext.weights), view the KV pool at the group's width and carve TP slots from
-the engine's one allocator (worker_ext.kv_layout), give the row-parallel layers the pooled group
-(worker_ext.comm_pool). The leader (first member) keeps its scheduler loop: it forms each batch, broadcasts a step
-plan before every forward and samples; followers leave their loop and execute the plans (worker_ext.step_plan)
-until the leader broadcasts the release. Each request streams from the engine it arrived on.
+weights at its Megatron shard (worker_ext.weights: views of the one resident layout, nothing copied), view the KV
+pool at the group's width and carve TP slots from the engine's one allocator (worker_ext.kv_layout), give the
+row-parallel layers the pooled group (worker_ext.comm_pool). The leader (first member) keeps its scheduler loop: it
+forms each batch, broadcasts a step plan before every forward and samples; followers leave their loop and execute
+the plans (worker_ext.step_plan) until the leader broadcasts the release. Each request streams from the engine it
+arrived on.
 
 Release (leader): once its TP requests have finished; at once by retraction (they are recomputed in DP on the
 leader); or at once by scatter (they continue in DP on their owners, KV moved). Every member then restores its DP
@@ -68,7 +69,10 @@ class Binding:
         )  # re-publish the heartbeat (a follower's loop is blocked)
         self.layers = sglang_patches.decoder_layers(scheduler)
         self.dims = model.dims(self.layers)
+        # the resident layout, once: the weights are reordered and the projections restore stock order from now on
         self.weights = WeightsManager([model.layer_weights(layer) for layer in self.layers], self.dims)
+        for layer in self.layers:
+            model.apply_resident_layout(layer, self.weights.activation_order(1))
         self.row_parallel_dp = {id(layer): model.row_parallel_state(layer) for layer in self.layers}
         self.kv = memory_pool.KVViews(sglang_patches.kv_pool(scheduler))
         self.allocator = scheduler.token_to_kv_pool_allocator
@@ -305,6 +309,7 @@ class Binding:
                 width,
                 group,
                 self.row_parallel_dp[id(layer)],
+                self.weights.activation_order(width),
             )
         self.kv.set_width(width)
 

@@ -1,9 +1,12 @@
 """Write a tiny random-initialised Llama with an offline-trained byte-level BPE tokenizer and a chat template.
 
     python -m worker_ext.tinymodel OUT_DIR --seed 0
+    python -m worker_ext.tinymodel OUT_DIR --hidden 2048 --layers 8    # a larger model of the same kind
 
-Deterministic from the seed (weights and tokenizer); a few MB of safetensors. Tests and the demo serve it in
-float32 so outputs can be compared exactly. The shape divides by 1, 2 and 4 so every TP width can shard it.
+Deterministic from the seed and the size (weights and tokenizer); the default size is a few MB of safetensors.
+Tests and the demo serve it in float32 so outputs can be compared exactly. The shape divides by 1, 2 and 4 so every
+TP width can shard it. ``--hidden`` scales heads and intermediate with it (head_dim 128 from hidden 1024 up, as in
+Llama-class models; KV heads a quarter of the heads), unless they are given.
 """
 
 from __future__ import annotations
@@ -41,6 +44,30 @@ class TinyLlamaSpec:
         for width in (1, 2, 4):
             assert self.num_key_value_heads % width == 0, f"kv heads must shard at TP width {width}"
             assert self.intermediate_size % width == 0, f"intermediate must shard at TP width {width}"
+
+    @classmethod
+    def sized(
+        cls, hidden: int, layers: int, heads: int | None = None, kv_heads: int | None = None,
+        intermediate: int | None = None,
+    ) -> TinyLlamaSpec:  # fmt: skip
+        """A model of the same kind at another size; the default spec at hidden 256 and 4 layers."""
+        if (
+            hidden == cls.hidden_size
+            and layers == cls.num_hidden_layers
+            and heads is kv_heads is intermediate is None
+        ):
+            return cls()
+        heads = heads or max(8, hidden // 128)
+        kv_heads = kv_heads or max(4, heads // 4)
+        intermediate = intermediate or (hidden * 11 // 4 + 3) // 4 * 4  # ~2.75 x hidden (Llama), divides by 4
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            init_std=min(cls.init_std, hidden**-0.5),
+        )
 
 
 def train_tokenizer(vocab_size: int):
@@ -98,20 +125,27 @@ def build(out: Path, seed: int = 0, spec: TinyLlamaSpec | None = None) -> Path:
     return out
 
 
-def ensure(out: Path, seed: int = 0) -> Path:
+def ensure(out: Path, seed: int = 0, spec: TinyLlamaSpec | None = None) -> Path:
     """Build the model unless ``out`` already holds one built from the same seed and spec."""
+    spec = spec or TinyLlamaSpec()
     marker = out / "flying_tinymodel.json"
-    if marker.exists() and json.loads(marker.read_text()) == {"seed": seed, **asdict(TinyLlamaSpec())}:
+    if marker.exists() and json.loads(marker.read_text()) == {"seed": seed, **asdict(spec)}:
         return out
-    return build(out, seed)
+    return build(out, seed, spec)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=TinyLlamaSpec.hidden_size)
+    parser.add_argument("--layers", type=int, default=TinyLlamaSpec.num_hidden_layers)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--intermediate", type=int, default=None)
     args = parser.parse_args(argv)
-    path = build(args.out, args.seed)
+    spec = TinyLlamaSpec.sized(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
+    path = build(args.out, args.seed, spec)
     size = sum(f.stat().st_size for f in path.iterdir())
     print(f"wrote {path} ({size / 1e6:.1f} MB)")
 

@@ -1,15 +1,26 @@
-"""The weights manager: rank r's Megatron shard of every sharded layer, out of the one DP copy of the weights.
+"""The weights manager: one resident layout of the DP copy of the weights, which every TP width shards in place.
 
-Column-parallel fused layers (QKV, gate_up) are permuted *in place* so that each rank's rows are one contiguous
-block ([q_r | k_r | v_r] per rank, [gate_r | up_r] per rank); the bound layer's parameter then points at a view of
-its block, and the GEMM runs at native speed. Row-parallel layers (o_proj, down_proj) need no reorder: rank r's
-input columns are already contiguous, so the parameter is a strided column view. Release (or a width change)
-permutes back, bit-exactly: permutations move values, they never compute. No persistent extra memory: the
-permutation's temporary is one layer's weight, freed at once.
+At load, the column-parallel fused weights are reordered once into ``P`` interleaved pieces, where ``P`` is the
+finest supported width (:attr:`Dims.pieces`)::
+
+    QKV rows      [q_0 k_0 v_0 | q_1 k_1 v_1 | ... | q_P-1 k_P-1 v_P-1]    (x_p: the p-th of P equal row blocks of x)
+    gate_up rows  [g_0 u_0     | g_1 u_1     | ... | g_P-1 u_P-1]
+
+Rank r of width d owns pieces r*P/d .. (r+1)*P/d - 1, one contiguous block of rows: its parameter is a view of that
+block and each projection stays one GEMM. The order is undone on the activations instead of the weights, right
+after the GEMM (:class:`ActivationOrder`): QKV's output columns by one ``index_select`` into stock [q | k | v],
+gate_up's by one strided copy of a transposed view into [gate | up]; everything after the two projections is stock
+code. A row permutation of a GEMM's weight only permutes its output columns, so DP mode computes the same values
+as stock tp=1 and rank r the same as stock ``--tp d`` (each output column is the same dot product; bit-identical
+on the CPU kernels here, tested). Row-parallel layers (o_proj, down_proj) need no reorder: rank r's input columns
+are contiguous, a strided column view.
+
+A bind or release only re-points views: nothing is copied or permuted, and the parameter bytes equal stock.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,35 +33,88 @@ class Dims:
     head_dim: int
     intermediate: int
 
+    @property
+    def pieces(self) -> int:
+        """The finest width every layer divides by: each supported width divides it, so every rank's shard is a
+        contiguous run of pieces."""
+        return math.gcd(self.num_heads, self.num_kv_heads, self.intermediate)
+
+    @property
+    def q_rows(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
     def check(self, width: int) -> None:
         for name in ("num_heads", "num_kv_heads", "intermediate"):
             if getattr(self, name) % width:
                 raise ValueError(f"{name}={getattr(self, name)} is not divisible by width {width}")
 
 
-def qkv_order(d: Dims, width: int) -> torch.Tensor:
-    """Row order of the fused QKV weight that makes each rank's [q_r, k_r, v_r] contiguous."""
-    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-    qs, kvs = q // width, kv // width
-    parts = []
-    for r in range(width):
-        parts += [
-            torch.arange(r * qs, (r + 1) * qs),
-            torch.arange(q + r * kvs, q + (r + 1) * kvs),
-            torch.arange(q + kv + r * kvs, q + kv + (r + 1) * kvs),
-        ]
-    return torch.cat(parts)
+def _run(start: int, n: int) -> torch.Tensor:
+    return torch.arange(start, start + n)
 
 
-def gate_up_order(d: Dims, width: int) -> torch.Tensor:
-    """Row order of the fused gate_up weight that makes each rank's [gate_r, up_r] contiguous."""
-    n, s = d.intermediate, d.intermediate // width
+def qkv_layout(d: Dims) -> torch.Tensor:
+    """Resident row order of the fused QKV weight: resident row i holds checkpoint row ``layout[i]``."""
+    p, q, kv = d.pieces, d.q_rows, d.kv_rows
+    qs, ks = q // p, kv // p
     return torch.cat(
-        [
-            torch.cat([torch.arange(r * s, (r + 1) * s), torch.arange(n + r * s, n + (r + 1) * s)])
-            for r in range(width)
-        ]
+        [torch.cat([_run(i * qs, qs), _run(q + i * ks, ks), _run(q + kv + i * ks, ks)]) for i in range(p)]
     )
+
+
+def gate_up_layout(d: Dims) -> torch.Tensor:
+    """Resident row order of the fused gate_up weight."""
+    p, n = d.pieces, d.intermediate
+    s = n // p
+    return torch.cat([torch.cat([_run(i * s, s), _run(n + i * s, s)]) for i in range(p)])
+
+
+def megatron_qkv_rows(d: Dims, width: int, rank: int) -> torch.Tensor:
+    """Checkpoint rows of rank ``rank``'s Megatron QKV shard, in stock ``--tp width`` order [q_r, k_r, v_r]."""
+    q, kv = d.q_rows, d.kv_rows
+    qs, ks = q // width, kv // width
+    return torch.cat([_run(rank * qs, qs), _run(q + rank * ks, ks), _run(q + kv + rank * ks, ks)])
+
+
+def megatron_gate_up_rows(d: Dims, width: int, rank: int) -> torch.Tensor:
+    """Checkpoint rows of rank ``rank``'s Megatron gate_up shard, in stock order [gate_r, up_r]."""
+    n = d.intermediate
+    s = n // width
+    return torch.cat([_run(rank * s, s), _run(n + rank * s, s)])
+
+
+def out_order(layout: torch.Tensor, width: int, rank: int, megatron_rows: torch.Tensor) -> torch.Tensor:
+    """Column index into the GEMM output of rank ``rank``'s block of ``layout`` that yields ``megatron_rows``'s
+    order (the activation un-permute)."""
+    n = layout.numel() // width
+    block = layout[rank * n : (rank + 1) * n]
+    where = torch.full((layout.numel(),), -1, dtype=torch.long)
+    where[block] = torch.arange(n)
+    idx = where[megatron_rows]
+    assert bool((idx >= 0).all()) and idx.numel() == n, "the block does not hold the rank's Megatron shard"
+    return idx
+
+
+@dataclass(frozen=True)
+class ActivationOrder:
+    """How a rank at one width undoes the resident layout on its GEMM outputs, back to stock column order (so
+    everything after the two projections is stock code): QKV by one gather, gate_up by one strided copy."""
+
+    qkv: torch.Tensor | None  # index_select order of the QKV output columns (None: already stock order)
+    gate_up_pieces: int  # pieces in the rank's gate_up block (1: already stock order)
+
+    def qkv_out(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.qkv is None else y.index_select(-1, self.qkv)
+
+    def gate_up_out(self, y: torch.Tensor) -> torch.Tensor:
+        """[g_0 u_0 | g_1 u_1 | ...] -> [g_0 g_1 ... | u_0 u_1 ...]: a transpose of a view, one copy."""
+        if self.gate_up_pieces == 1:
+            return y
+        return y.unflatten(-1, (self.gate_up_pieces, 2, -1)).transpose(-3, -2).reshape(y.shape)
 
 
 def _permute_rows_(w: torch.Tensor, order: torch.Tensor) -> None:
@@ -68,43 +132,45 @@ class LayerWeights:
 
 
 class WeightsManager:
-    """Switches every layer between the DP layout (width 1) and rank r's shard at width d."""
+    """Owns the resident layout; points every layer at the DP weights (width 1) or rank r's shard at width d."""
 
     def __init__(self, layers: list[LayerWeights], dims: Dims) -> None:
+        """Reorders the fused weights into the resident layout, in place (once, at load; one layer's temporary at
+        a time). The model's forward must undo it on the activations from then on (:meth:`activation_order`)."""
         self.layers, self.dims = layers, dims
+        self.qkv_layout, self.gate_up_layout = qkv_layout(dims), gate_up_layout(dims)
+        for lw in layers:
+            assert lw.qkv.data.shape[0] == self.qkv_layout.numel(), "fused QKV rows do not match the dims"
+            assert lw.gate_up.data.shape[0] == self.gate_up_layout.numel(), (
+                "gate_up rows do not match the dims"
+            )
+            _permute_rows_(lw.qkv.data, self.qkv_layout)
+            _permute_rows_(lw.gate_up.data, self.gate_up_layout)
         self.full = [(lw.qkv.data, lw.o.data, lw.gate_up.data, lw.down.data) for lw in layers]
         self.width, self.rank = 1, 0
-        self._orders: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._orders: dict[int, ActivationOrder] = {}
 
-    def _order(self, width: int):
+    def activation_order(self, width: int) -> ActivationOrder:
+        """How a rank at ``width`` restores stock column order on its QKV and gate_up outputs (the same for every
+        rank: each rank's block has the same structure)."""
         if width not in self._orders:
-            qkv, gu = qkv_order(self.dims, width), gate_up_order(self.dims, width)
-            self._orders[width] = (qkv, torch.argsort(qkv), gu, torch.argsort(gu))
+            d = self.dims
+            d.check(width)
+            qkv = out_order(self.qkv_layout, width, 0, megatron_qkv_rows(d, width, 0))
+            identity = torch.equal(qkv, torch.arange(qkv.numel()))
+            qkv = qkv.to(self.full[0][0].device) if self.full else qkv
+            self._orders[width] = ActivationOrder(None if identity else qkv, d.pieces // width)
         return self._orders[width]
 
     def activate(self, width: int, rank: int) -> None:
-        """Point every layer at rank ``rank``'s shard at ``width`` (1: the full DP weights). A width change goes
-        straight from one layout to the other (one permutation per fused weight)."""
+        """Point every layer at rank ``rank``'s shard at ``width`` (1: the full DP weights). Views only."""
         if width == self.width and rank == self.rank:
             return
         self.dims.check(width)
         if not 0 <= rank < width:
             raise ValueError(f"rank {rank} outside width {width}")
-        d = self.dims
-        if width != self.width:
-            undo = self._order(self.width) if self.width > 1 else None
-            do = self._order(width) if width > 1 else None
-            for qkv, _, gu, _ in self.full:
-                for w, i in ((qkv, 0), (gu, 2)):
-                    if undo is not None and do is not None:  # compose: new[i] = cur[inv_old[do[i]]]
-                        _permute_rows_(w, undo[i + 1][do[i]])
-                    elif undo is not None:
-                        _permute_rows_(w, undo[i + 1])
-                    elif do is not None:
-                        _permute_rows_(w, do[i])
-        qkv_rows = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim // width
-        o_cols = d.num_heads * d.head_dim // width
-        gu_rows, down_cols = 2 * d.intermediate // width, d.intermediate // width
+        qkv_rows, gu_rows = self.qkv_layout.numel() // width, self.gate_up_layout.numel() // width
+        o_cols, down_cols = self.dims.q_rows // width, self.dims.intermediate // width
         for lw, (qkv, o, gu, down) in zip(self.layers, self.full):
             lw.qkv.data = qkv[rank * qkv_rows : (rank + 1) * qkv_rows]
             lw.o.data = o[:, rank * o_cols : (rank + 1) * o_cols]

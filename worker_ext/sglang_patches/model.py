@@ -1,11 +1,12 @@
-"""The SGLang model internals a bind touches (pinned: sglang 0.5.23): attention head counts per width and the
-row-parallel layers' reduction group."""
+"""The SGLang model internals a bind touches (pinned: sglang 0.5.23): attention head counts per width, the
+row-parallel layers' reduction group, and the two fused projections whose outputs come back to stock column order
+(worker_ext.weights: the resident layout)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from worker_ext.weights import Dims, LayerWeights
+from worker_ext.weights import ActivationOrder, Dims, LayerWeights
 
 
 def dims(layers: list[Any]) -> Dims:
@@ -19,6 +20,32 @@ def layer_weights(layer: Any) -> LayerWeights:
     return LayerWeights(a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight)
 
 
+def apply_resident_layout(layer: Any, order: ActivationOrder) -> None:
+    """Wrap the layer's fused QKV and gate_up projections so that their outputs are restored to stock column order
+    (``order``, replaced per width by :func:`set_width`) before SGLang splits them into q, k, v and gate, up."""
+    a, m = layer.self_attn, layer.mlp
+    for proj, name in ((a.qkv_proj, "qkv_out"), (m.gate_up_proj, "gate_up_out")):
+        assert getattr(proj, "bias", None) is None, "fused projection with a bias: not in the resident layout"
+        assert not hasattr(proj, "flying_order"), "resident layout applied twice"
+        proj.forward = _ordered(proj, proj.forward, name)
+    dual_gemm = getattr(getattr(m, "dual_gemm", None), "mode", None)
+    assert dual_gemm is None, "a fused gate_up+down kernel would read the resident layout"
+    set_order(layer, order)
+
+
+def _ordered(proj: Any, forward: Any, name: str) -> Any:
+    def ordered(x: Any) -> tuple[Any, Any]:
+        out, bias = forward(x)
+        return getattr(proj.flying_order, name)(out), bias
+
+    return ordered
+
+
+def set_order(layer: Any, order: ActivationOrder) -> None:
+    layer.self_attn.qkv_proj.flying_order = order
+    layer.mlp.gate_up_proj.flying_order = order
+
+
 def row_parallel_layers(layer: Any) -> tuple[Any, Any]:
     return layer.self_attn.o_proj, layer.mlp.down_proj
 
@@ -28,10 +55,19 @@ def row_parallel_state(layer: Any) -> list[tuple[Any, bool]]:
     return [(m.tp_group, m.reduce_results) for m in row_parallel_layers(layer)]
 
 
-def set_width(layer: Any, num_heads: int, num_kv_heads: int, width: int, group: Any, dp_state: list) -> None:
-    """Head counts for ``width`` and the row-parallel reduction: over ``group`` while bound (at width 1 SGLang
-    builds the layer's stage boundaries without an all-reduce, so the row-parallel layers do their own), the DP
-    state ``dp_state`` otherwise."""
+def set_width(
+    layer: Any,
+    num_heads: int,
+    num_kv_heads: int,
+    width: int,
+    group: Any,
+    dp_state: list,
+    order: ActivationOrder,
+) -> None:
+    """Head counts and activation order for ``width`` and the row-parallel reduction: over ``group`` while bound
+    (at width 1 SGLang builds the layer's stage boundaries without an all-reduce, so the row-parallel layers do
+    their own), the DP state ``dp_state`` otherwise."""
+    set_order(layer, order)
     a = layer.self_attn
     a.num_heads, a.num_kv_heads = num_heads // width, num_kv_heads // width
     a.q_size, a.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
