@@ -25,11 +25,16 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
     seq: int = 0
     attempts: int = 0
     failed_on: int = -1  # the engine it was last dispatched to that failed before answering (-1: none)
+    n: int = 1  # choices (SGLang runs them as n requests sharing the prompt: rids ``{id}_{i}``)
 
     @property
     def kv_tokens(self) -> int:
-        """KV cache tokens the request can occupy at its end."""
-        return self.prompt_tokens + self.max_tokens
+        """KV cache tokens the request can occupy at its end (the prompt's counted once: SGLang caches it)."""
+        return self.prompt_tokens + self.n * self.max_tokens
+
+    def engine_rids(self) -> list[str]:
+        """The request ids SGLang knows it by (what an abort names)."""
+        return [self.id] if self.n == 1 else [f"{self.id}_{i}" for i in range(self.n)]
 
 
 class Assignment(msgspec.Struct, frozen=True, kw_only=True):

@@ -289,9 +289,11 @@ async def reap_stale_inflight(q: RequestQueue, engine: int) -> int:
     return len(stale)
 
 
-async def orphans(q: RequestQueue, engines: Sequence[int]) -> dict[str, list[tuple[str, int | None, str]]]:
+async def orphans(
+    q: RequestQueue, engines: Sequence[int]
+) -> dict[str, list[tuple[str, int | None, str, int]]]:
     """Waiting and assigned requests by gateway id, for the gateways whose liveness key is gone: gateway ->
-    [(request id, engine or None while queued, engine url)]."""
+    [(request id, engine or None while queued, engine url, choices n)]."""
     k = q.keys
     pipe = q.r.pipeline(transaction=False)
     pipe.zrange(k.queue, 0, -1)
@@ -304,12 +306,12 @@ async def orphans(q: RequestQueue, engines: Sequence[int]) -> dict[str, list[tup
         return {}
     pipe = q.r.pipeline(transaction=False)
     for rid, _ in held:
-        pipe.hmget(k.request(rid), ["gateway", "url"])
+        pipe.hmget(k.request(rid), ["gateway", "url", "n"])
     records = await pipe.execute()
-    by_gateway: dict[str, list[tuple[str, int | None, str]]] = {}
-    for (rid, engine), (gw, url) in zip(held, records):
+    by_gateway: dict[str, list[tuple[str, int | None, str, int]]] = {}
+    for (rid, engine), (gw, url, n) in zip(held, records):
         if gw:
-            by_gateway.setdefault(text(gw), []).append((rid, engine, text(url or b"")))
+            by_gateway.setdefault(text(gw), []).append((rid, engine, text(url or b""), int(n or 1)))
     names = list(by_gateway)
     pipe = q.r.pipeline(transaction=False)
     for gw in names:

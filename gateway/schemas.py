@@ -69,6 +69,7 @@ class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
 
 
+MAX_N = 16  # choices per request (each holds its own KV for its output)
 _AT = re.compile(r"at `\$\.?([^`]*)`")
 
 
@@ -89,8 +90,8 @@ def decode(body: bytes, type_: type[_Sampling]) -> _Sampling:
 
 
 def check_sampling(req: _Sampling) -> None:
-    if req.n != 1:
-        raise InvalidRequest("only n=1 is supported", param="n")
+    if not 1 <= req.n <= MAX_N:
+        raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
     if req.temperature is not None and not 0 <= req.temperature <= 2:
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
     if req.top_p is not None and not 0 < req.top_p <= 1:

@@ -232,9 +232,12 @@ class Gateway:
             max_tokens=max_tokens,
             gateway=self.config.gateway_id,
             enqueued_at=time.time(),
+            n=req.n,
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        if not req.stream or req.logprobs or (not chat and req.echo):  # these keep the engine's own endpoint
+        if (
+            not req.stream or req.logprobs or req.n > 1 or (not chat and req.echo)
+        ):  # the engine's own endpoint
             return Admitted(record, path, body, bool(req.stream))
         up = upstream_body(body, chat, ids if isinstance(ids, list) else None)
         known = (
@@ -525,7 +528,7 @@ class Gateway:
         """The client left: free its slot in Redis and stop it on the engine, both at once (an engine busy with
         many aborts must not hold the slot)."""
         await asyncio.gather(
-            self.upstream.abort(a.url, adm.record.id),
+            self.upstream.abort(a.url, *adm.record.engine_rids()),
             self.queue.finish(adm.record.id, "cancelled", why),
         )
 

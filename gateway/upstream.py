@@ -184,7 +184,12 @@ class Upstream:
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectTimeout) as exc:
             raise WorkerUnavailable(f"{url}: {exc!r}") from exc
 
-    async def abort(self, url: str, rid: str) -> None:
-        """Stop a request on its engine (SGLang keeps decoding after a client disconnect otherwise)."""
-        with contextlib.suppress(httpx.HTTPError):
-            await self.client.post(f"{url}/abort_request", json={"rid": rid}, timeout=5)
+    async def abort(self, url: str, *rids: str) -> None:
+        """Stop a request on its engine (SGLang keeps decoding after a client disconnect otherwise): each of the
+        ids SGLang runs it as (one per choice)."""
+
+        async def one(rid: str) -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.post(f"{url}/abort_request", json={"rid": rid}, timeout=5)
+
+        await asyncio.gather(*(one(rid) for rid in rids))

@@ -230,12 +230,15 @@ class Dispatcher:
         for gw, held in lost.items():
             if now - self._gateways_gone[gw] < GATEWAY_GRACE_S:
                 continue
-            for rid, engine, url in held:
+            for rid, engine, url, n in held:
                 await self.queue.finish(rid, "cancelled", f"gateway {gw} lost")
                 if engine is not None and url:
-                    await self._abort(url, rid)
+                    for one in (
+                        [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
+                    ):  # QueuedRequest.engine_rids
+                        await self._abort(url, one)
             log.warning("gateway %s lost: ended its %d requests (%d were running)", gw, len(held),
-                        sum(e is not None for _, e, _ in held))  # fmt: skip
+                        sum(e is not None for _, e, _, _ in held))  # fmt: skip
 
     async def _abort(self, url: str, rid: str) -> None:
         if self._http is None:

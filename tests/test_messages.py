@@ -42,3 +42,10 @@ def test_the_gateway_knows_how_a_worker_ends_a_request_whose_group_was_lost():
     assert engine_gave_up(json.loads(event)) == GROUP_LOST.message
     assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "abort"}]}) == "aborted"
     assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "length"}]}) == ""
+
+
+def test_n_choices_hold_kv_each_and_are_known_to_sglang_by_suffixed_ids():
+    one = QueuedRequest(id="r", model="m", prompt_tokens=5, max_tokens=7, gateway="g", enqueued_at=0)
+    two = QueuedRequest(id="r", model="m", prompt_tokens=5, max_tokens=7, gateway="g", enqueued_at=0, n=2)
+    assert (one.kv_tokens, two.kv_tokens) == (12, 19)
+    assert one.engine_rids() == ["r"] and two.engine_rids() == ["r_0", "r_1"]

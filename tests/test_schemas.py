@@ -36,7 +36,8 @@ def test_type_errors_name_the_parameter(body, param):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ('"n": 2', "n"),
+        ('"n": 0', "n"),
+        ('"n": 17', "n"),
         ('"temperature": -1', "temperature"),
         ('"temperature": 3', "temperature"),
         ('"top_p": 0', "top_p"),

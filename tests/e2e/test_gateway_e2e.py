@@ -49,6 +49,25 @@ def test_streaming_chat_with_usage(oai):
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_n_choices_streaming_and_not(oai):
+    """n=2 as stock SGLang serves it: two choices, usage summed over them; a stream carries both indices."""
+    out = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0.8, n=2)
+    assert sorted(c.index for c in out.choices) == [0, 1] and all(c.message.content for c in out.choices)
+    assert out.usage.completion_tokens == 8
+    text = oai.completions.create(model=MODEL, prompt="The sun rises", max_tokens=3, n=2)
+    assert len(text.choices) == 2 and text.usage.completion_tokens == 6
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, n=2, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert all(texts.values()), texts
+    assert chunks[-1].usage.completion_tokens == 8
+
+
 def test_completions_and_models(oai):
     out = oai.completions.create(model=MODEL, prompt="The sun rises", max_tokens=5, temperature=0)
     assert out.usage.completion_tokens == 5
@@ -94,7 +113,7 @@ HOSTILE = [
         b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "temperature": 99}',
         400,
     ),
-    ("n > 1", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 3}', 400),
+    ("n too large", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 99}', 400),
     ("unknown model", b'{"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}', 404),
     (
         "bad priority field",
