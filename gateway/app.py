@@ -31,6 +31,8 @@ from gateway.errors import (
     PayloadTooLarge,
     QueueUnavailable,
 )
+from gateway.request_log import RequestLog
+from gateway.request_log import info as request_info
 from gateway.service import ClientGone, Gateway, watch_disconnect
 
 log = logging.getLogger("flying.gateway")
@@ -62,7 +64,9 @@ async def completions(request: Request, kind: str) -> Response:
         assert isinstance(req, schemas.CompletionRequest)
         schemas.check_completion(req)
     priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority)
-    adm = await gw.admit(req, priority)
+    logged = request_info(request.scope)
+    logged.priority = priority
+    adm = await gw.admit(req, priority, logged.request_id)
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
     try:
         reply = await gw.serve(adm, disconnected)
@@ -70,10 +74,12 @@ async def completions(request: Request, kind: str) -> Response:
         return Response(status_code=499)
     finally:
         disconnected.cancel()  # a stream's response watches for disconnects itself from here on
+    a = reply.assignment
+    logged.request_id, logged.engine, logged.queue_ms = a.id, a.engine, a.queue_ms
     headers = {
-        "X-Request-Id": adm.record.id,
-        "X-Queue-Time-Ms": f"{reply.assignment.queue_ms:.1f}",
-        "X-Flying-Engine": str(reply.assignment.engine),
+        "X-Request-Id": a.id,  # the client's, or one made unique (gateway.request_log)
+        "X-Queue-Time-Ms": f"{a.queue_ms:.1f}",
+        "X-Flying-Engine": str(a.engine),
     }
     if reply.stream is not None:
         return RelayResponse(reply.stream, headers)
@@ -237,7 +243,7 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
         routes=routes,
         lifespan=lifespan,
         exception_handlers=handlers,
-        middleware=[Middleware(CountRequests, drain=drain)],
+        middleware=[Middleware(CountRequests, drain=drain), Middleware(RequestLog)],
     )
     app.state.drain = drain
     return app

@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from flying.logs import LogFormat
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -28,6 +30,7 @@ class GatewayConfig:
     reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
     drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
     monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
+    log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 
     def __post_init__(self) -> None:
         assert self.max_queue >= 1, "max_queue must be >= 1"

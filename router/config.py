@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flying.logs import LogFormat
 from router.policy import PolicyConfig
 
 
@@ -15,6 +16,7 @@ class RouterConfig:
     poll_s: float = 0.05  # longest sleep between rounds when nothing wakes the router
     lease_ms: int = 2000  # router leadership lease; a standby takes over this long after a crash
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 
     def __post_init__(self) -> None:
         assert self.peek >= 1, "peek must be >= 1"
