@@ -54,8 +54,11 @@ def handler(fmt: LogFormat, stream: Any = None) -> logging.Handler:
 
 
 def setup(fmt: LogFormat = "text", level: int = logging.INFO) -> None:
-    """The root logger of a flying process: ``fmt`` lines on stderr at ``level`` (replaces earlier handlers)."""
+    """The root logger of a flying process: ``fmt`` lines on stderr at ``level`` (replaces earlier handlers).
+    httpx's line per HTTP call is left out below WARNING (the gateway's own request line says what it says)."""
     logging.basicConfig(level=level, handlers=[handler(fmt)], force=True)
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
 def add_argument(p: argparse.ArgumentParser) -> None:

@@ -80,3 +80,15 @@ def test_sglang_json_request_lines_become_ours():
     rec = json.loads(out.getvalue())
     assert rec["request_id"] == "abc" and rec["msg"] == "request.finished abc"
     assert rec["sglang"]["out"]["meta_info"]["e2e_latency"] == 0.1
+
+
+def test_setup_replaces_the_root_handler_and_quiets_httpx():
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logs.setup("json")
+        assert isinstance(root.handlers[0].formatter, logs.JsonFormatter) and len(root.handlers) == 1
+        assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+    finally:
+        root.handlers, root.level = saved
+        logging.getLogger("httpx").setLevel(logging.NOTSET)
