@@ -39,6 +39,7 @@ class ClusterConfig:
     comm_port: int = field(default_factory=free_port)
     gateway_args: tuple[str, ...] = ()
     standby_router: bool = False  # a second router waiting for the lease (the demo runs one)
+    log_format: str = "text"  # every process's --log-format: text or json (see flying.logs)
 
     def __post_init__(self) -> None:
         assert self.num_engines >= 1, "num_engines must be >= 1"
@@ -105,7 +106,8 @@ class Cluster:
     def _command(self, module: str, *args: str) -> list[str]:
         """``python -m module`` pointed at this cluster's Redis and key prefix, plus ``args``."""
         redis_args = ["--redis-url", self.redis_url, "--key-prefix", self.config.key_prefix]
-        return [sys.executable, "-m", module, *redis_args, *args]
+        log_args = ["--log-format", self.config.log_format]
+        return [sys.executable, "-m", module, *redis_args, *log_args, *args]
 
     def start_worker(self, i: int) -> None:
         c = self.config

@@ -122,6 +122,10 @@ return out
 """
 
 
+class DuplicateId(Exception):
+    """A request record with this id exists already (in flight, or finished within ``FINISHED_TTL_S``)."""
+
+
 class QueueFull(Exception):
     """The global queue holds ``max_queue`` requests already (``reason`` "depth"), or ``max_ahead`` requests of
     the same or higher priority (``reason`` "wait"); ``count`` is that number."""
@@ -160,7 +164,8 @@ class RequestQueue:
             if code == -1:
                 raise QueueFull(f"queue holds {n} requests (limit {max_queue})", "depth", n)
             raise QueueFull(f"{n} requests of this priority or higher wait (limit {max_ahead})", "wait", n)
-        assert out != -2, f"request id {req.id} admitted twice"
+        if out == -2:
+            raise DuplicateId(f"a record with id {req.id} exists already")
         if isinstance(out, list):
             return Assignment(id=req.id, engine=int(out[1]), url=text(out[2]), queue_ms=0.0)
         return None

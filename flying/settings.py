@@ -14,6 +14,7 @@ DEVICE = "FLYING_DEVICE"
 LAUNCH_ID = "FLYING_LAUNCH_ID"
 COMM_HOST = "FLYING_COMM_HOST"  # the communicator pool's rendezvous store (hosted by engine 0)
 COMM_PORT = "FLYING_COMM_PORT"
+LOG_FORMAT = "FLYING_LOG_FORMAT"  # set by flying-worker for the SGLang server's processes (the plugin)
 
 API_KEYS = "FLYING_API_KEYS"  # the gateway's API keys, comma-separated (see gateway.auth)
 

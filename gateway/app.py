@@ -35,6 +35,8 @@ from gateway.errors import (
     QueueUnavailable,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.request_log import RequestLog
+from gateway.request_log import info as request_info
 from gateway.service import ClientGone, Gateway, watch_disconnect
 
 log = logging.getLogger("flying.gateway")
@@ -85,7 +87,9 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
         schemas.check_completion(req)
     priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority)
     seen["priority"] = priority
-    adm = await gw.admit(req, priority)
+    logged = request_info(request.scope)
+    logged.priority = priority
+    adm = await gw.admit(req, priority, logged.request_id)
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
     try:
         reply = await gw.serve(adm, disconnected)
@@ -94,10 +98,12 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
         return Response(status_code=499)
     finally:
         disconnected.cancel()  # a stream's response watches for disconnects itself from here on
+    a = reply.assignment
+    logged.request_id, logged.engine, logged.queue_ms = a.id, a.engine, a.queue_ms
     headers = {
-        "X-Request-Id": adm.record.id,
-        "X-Queue-Time-Ms": f"{reply.assignment.queue_ms:.1f}",
-        "X-Flying-Engine": str(reply.assignment.engine),
+        "X-Request-Id": a.id,  # the client's, or one made unique (gateway.request_log)
+        "X-Queue-Time-Ms": f"{a.queue_ms:.1f}",
+        "X-Flying-Engine": str(a.engine),
     }
     if reply.stream is not None:
         return RelayResponse(reply.stream, headers)
@@ -272,6 +278,7 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
         exception_handlers=handlers,
         middleware=[
             Middleware(CountRequests, drain=drain),
+            Middleware(RequestLog),
             Middleware(
                 RequireKey,
                 keys=config.api_keys,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from flying.logs import LogFormat
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -32,6 +34,7 @@ class GatewayConfig:
         default=(), repr=False
     )  # /v1/* needs one as a bearer token (none: open)
     metrics_require_key: bool = False  # /metrics needs a key too
+    log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 
     def __post_init__(self) -> None:
         assert self.max_queue >= 1, "max_queue must be >= 1"

@@ -4,54 +4,82 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 
 import uvicorn
 
-from flying import settings
+from flying import cli, logs, settings
 from gateway.app import create_app
 from gateway.auth import read_keys
 from gateway.config import GatewayConfig
 from gateway.drain import Drain, DrainingServer
 
 
-def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+def parser() -> argparse.ArgumentParser:
     d = GatewayConfig(model_path="")
-    p = argparse.ArgumentParser(
-        prog="flying-gateway", description="OpenAI-style API over the flying-serving queue."
+    p = cli.parser("flying-gateway", "OpenAI-style API over the flying-serving queue.")
+    p.add_argument(
+        "--model-path",
+        required=True,
+        help="model (or tokenizer) directory, for prompt token counts (required)",
+    )
+    p.add_argument("--served-model-name", default=d.served_model_name, help="the model name clients ask for")
+    p.add_argument("--host", default=d.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    p.add_argument("--redis-url", default=settings.redis_url(), help=f"Redis (env {settings.REDIS_URL})")
+    p.add_argument(
+        "--key-prefix",
+        default=settings.key_prefix(),
+        help=f"prefix of every Redis key (env {settings.KEY_PREFIX})",
     )
     p.add_argument(
-        "--model-path", required=True, help="model (or tokenizer) directory, for prompt token counts"
+        "--max-queue",
+        type=int,
+        default=d.max_queue,
+        help="requests waiting in the queue beyond which new ones get 429 (low priority at 60%%, normal at 85%%)",
     )
-    p.add_argument("--served-model-name", default=d.served_model_name)
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--redis-url", default=settings.redis_url())
-    p.add_argument("--key-prefix", default=settings.key_prefix())
-    p.add_argument("--max-queue", type=int, default=d.max_queue)
-    p.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s)
+    p.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=d.queue_timeout_s,
+        help="seconds a request may wait for an engine before it ends with 504",
+    )
     p.add_argument(
         "--max-wait-s",
         type=float,
         default=d.max_wait_s,
-        help="429 when the recent service rate predicts a longer queue wait (0: bound by count only)",
+        help="seconds: 429 when the recent service rate predicts a longer queue wait (0: bound by count only)",
     )
-    p.add_argument("--redis-max-connections", type=int, default=d.redis_max_connections)
+    p.add_argument(
+        "--redis-max-connections",
+        type=int,
+        default=d.redis_max_connections,
+        help="Redis connection pool size; requests wait for a connection beyond it",
+    )
     p.add_argument(
         "--drain-grace-s",
         type=float,
         default=d.drain_grace_s,
-        help="on SIGTERM: stop admitting, let requests in progress finish for at most this long, then exit",
+        help="seconds: on SIGTERM stop admitting, let requests in progress finish for at most this long, then exit",
     )
-    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=d.default_max_tokens,
+        help="tokens generated when a request sets no max_tokens (capped by the context left)",
+    )
     p.add_argument(
         "--api-key-file",
         help=f"API keys, one per line, added to those in ${settings.API_KEYS} (comma-separated); with any, "
-        "/v1/* needs 'Authorization: Bearer <key>' (default: none, open)",
+        "/v1/* needs 'Authorization: Bearer <key>' (none: open)",
     )
-    p.add_argument(
-        "--metrics-require-key", action="store_true", help="/metrics needs an API key too (default: open)"
-    )
+    p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    logs.add_argument(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    d = GatewayConfig(model_path="")
+    p = parser()
     a = p.parse_args(argv)
     return dataclasses.replace(
         d,
@@ -69,18 +97,20 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default_max_tokens=a.default_max_tokens,
         api_keys=read_keys(settings.api_keys(), a.api_key_file),
         metrics_require_key=a.metrics_require_key,
+        log_format=a.log_format,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
+    logs.setup(config.log_format)
     drain = Drain()
     server_config = uvicorn.Config(
         create_app(config, drain=drain),
         host=config.host,
         port=config.port,
         log_level="warning",
+        log_config=None,  # uvicorn's own lines go through flying.logs' handler (and format)
         timeout_graceful_shutdown=5,
     )
     DrainingServer(server_config, drain, config.drain_grace_s).run()

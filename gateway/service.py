@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from flying.messages import (
     decode,
     engine_gave_up,
 )
-from flying.queue import QueueFull, RequestQueue
+from flying.queue import DuplicateId, QueueFull, RequestQueue
 from flying.workers import live_workers
 from gateway.assignments import AssignmentWaiter
 from gateway.backpressure import Backpressure
@@ -72,6 +73,11 @@ class Admitted:
     body: dict
     stream: bool
     resume: Resumable | None = None  # a stream that can continue on another engine (see gateway.resume)
+
+    def renamed(self, rid: str) -> Admitted:
+        """The same request under id ``rid`` (record and SGLang rid)."""
+        self.body["rid"] = rid  # the one body dict, shared with ``resume``
+        return dataclasses.replace(self, record=msgspec.structs.replace(self.record, id=rid))
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,8 @@ class Gateway:
         return min(max(hb.context_len for hb in beats), kv)
 
     # -- admission ---------------------------------------------------------------------------------------------
-    async def admit(self, req, priority: Priority) -> Admitted:
+    async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:
+        """Validate ``req`` and build its record and engine body, under ``request_id`` (else a fresh id)."""
         if req.model != self.config.served_model_name:
             raise ModelNotFound(
                 f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",
@@ -220,7 +227,7 @@ class Gateway:
         prompt = ids if isinstance(ids, int) else len(ids)
         limit = self.context_limit(beats, self.pooled_context)
         max_tokens = self._max_tokens(req, prompt, limit)
-        rid = uuid.uuid4().hex
+        rid = request_id or uuid.uuid4().hex
         body = msgspec.to_builtins(req)
         body.pop("max_completion_tokens", None)
         body.update(max_tokens=max_tokens, rid=rid, priority=SGLANG_PRIORITY[priority])
@@ -309,7 +316,7 @@ class Gateway:
         for rid in rids:
             if (record := self.holding.get(rid)) is None:
                 continue
-            with contextlib.suppress(QueueFull, AssertionError):  # AssertionError: its record is back already
+            with contextlib.suppress(QueueFull, DuplicateId):  # DuplicateId: its record is back already
                 await self.queue.admit(record)
             self.readmitted += 1
         log.warning("re-admitted %d waiting requests that Redis had lost", len(rids))
@@ -318,8 +325,16 @@ class Gateway:
     async def serve(self, adm: Admitted, disconnected: asyncio.Future[None]) -> Reply:
         """Queue ``adm``, wait for its assignment and forward it; an engine that fails before answering (or, for
         a stream, before its first event) sends it back to the queue, within ``max_attempts``. Raises ClientGone
-        when ``disconnected`` completes first, and the API errors of the steps (429, 503, 504)."""
-        fut = await self.enqueue(adm)
+        when ``disconnected`` completes first, and the API errors of the steps (429, 503, 504). An id a record
+        already holds (a client's ``X-Request-Id`` reused) is made unique: ``<id>-<8 hex>``; the reply's
+        ``assignment.id`` is the id it ran under."""
+        base = adm.record.id
+        while True:
+            try:
+                fut = await self.enqueue(adm)
+                break
+            except DuplicateId:
+                adm = adm.renamed(f"{base}-{uuid.uuid4().hex[:8]}")
         while True:
             a = await self.wait_assignment(adm, fut, disconnected)
             self.metrics.queue_time.labels(adm.record.priority).observe(
@@ -375,7 +390,8 @@ class Gateway:
         if attempts >= self.config.max_attempts:
             await self.queue.finish(adm.record.id, "failed", why)
             raise WorkerFailed(f"engine {a.engine} failed and {attempts} attempts are used up: {why}")
-        log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why)
+        log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why,
+                    extra={"request_id": adm.record.id})  # fmt: skip
         self.metrics.redispatched.labels(cause).inc()
         fut = self.waiter.expect(adm.record.id)
         await self.queue.requeue(adm.record, a.engine, why)
@@ -512,7 +528,8 @@ class Gateway:
         then the remaining tokens from a new engine. Returns (assignment, response, events)."""
         assert adm.resume is not None, "only a resumable stream is resumed"
         body = adm.resume.continuation()
-        log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated))
+        log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated),
+                    extra={"request_id": adm.record.id})  # fmt: skip
         fut = await self.retry_or_fail(adm, a, why, cause="mid_stream")
         never = (
             asyncio.get_running_loop().create_future()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flying.logs import LogFormat
 from router.policy import PolicyConfig
 
 
@@ -17,6 +18,7 @@ class RouterConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     metrics_port: int = 0  # Prometheus metrics (router.metrics); 0: off
     metrics_host: str = "127.0.0.1"
+    log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 
     def __post_init__(self) -> None:
         assert self.peek >= 1, "peek must be >= 1"

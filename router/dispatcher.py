@@ -23,7 +23,7 @@ from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight,
 from flying.workers import live_heartbeat, registered_engines
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.policy import Decision, EngineView, GroupLoad, Snapshot, decide
+from router.policy import Decision, Dispatch, EngineView, GroupLoad, Snapshot, decide
 
 log = logging.getLogger("flying.router")
 GATEWAY_GRACE_S = (
@@ -189,6 +189,8 @@ class Dispatcher:
         moves = [(x.request, x.engine, x.url, x.epoch) for x in d.dispatches]
         assigned = await self.queue.assign_many(moves)
         self.dispatched += assigned
+        if moves:
+            _log_dispatches(d.dispatches, assigned)
         await self.publish_fast(d.fast)
         return assigned
 
@@ -303,6 +305,13 @@ class Dispatcher:
     async def release_lease(self) -> None:
         """Hand the lease over at once (a standby takes it at its next try instead of after it expires)."""
         await self._release(keys=[self.keys.router_lease], args=[self.router_id])
+
+
+def _log_dispatches(dispatches: list[Dispatch], assigned: int) -> None:
+    """One INFO line per round that dispatched: ``id->engine`` (``id->engine@epoch`` for a TP group)."""
+    ids = [x.request.id for x in dispatches]
+    moves = " ".join(f"{x.request.id}->{x.engine}" + (f"@{x.epoch}" if x.epoch else "") for x in dispatches)
+    log.info("dispatched %d of %d: %s", assigned, len(dispatches), moves, extra={"request_ids": ids})
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -248,3 +249,30 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
     assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
     assert len(calls) == 2
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
+
+
+async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(gateway, aredis, keys):
+    """The client's id is the record's and the engine's rid; sent again while its record exists, the request runs
+    as ``<id>-<8 hex>`` (gateway.request_log)."""
+    rids = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        rids.append(json.loads(request.content)["rid"])
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "ok"}}]})
+
+    await gateway.upstream.client.aclose()
+    gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    served = []
+    for _ in range(2):
+        adm = await gateway.admit(
+            decode(json.dumps(body).encode(), ChatCompletionRequest), "high", "client-1"
+        )
+        connected = asyncio.create_task(asyncio.Event().wait())
+        try:
+            served.append((await asyncio.wait_for(gateway.serve(adm, connected), 10)).assignment.id)
+        finally:
+            connected.cancel()
+    assert served[0] == "client-1" and re.fullmatch(r"client-1-[0-9a-f]{8}", served[1]), served
+    assert rids == served
+    assert await aredis.hget(keys.request(served[1]), "state") == b"done"

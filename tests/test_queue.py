@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from flying.messages import Assignment, QueuedRequest, decode
-from flying.queue import QueueFull, RequestQueue, reap_stale_inflight
+from flying.queue import DuplicateId, QueueFull, RequestQueue, reap_stale_inflight
 
 
 def mk(i: str, priority: str = "normal", t: float = 0.0) -> QueuedRequest:
@@ -45,6 +45,15 @@ async def test_queue_full_rejects_and_keeps_nothing(aredis, keys):
         await q.admit(mk("b"), max_queue=1)
     assert await q.depth() == 1
     assert await aredis.exists(keys.request("b")) == 0
+
+
+async def test_an_id_with_a_record_is_refused_and_the_record_kept(aredis, keys):
+    q = RequestQueue(aredis, keys)
+    await q.admit(mk("a", "high"))
+    with pytest.raises(DuplicateId):
+        await q.admit(mk("a", "low"))
+    assert await q.depth() == 1
+    assert await aredis.hget(keys.request("a"), "priority") == b"high"
 
 
 async def test_assign_is_atomic_and_notifies_the_gateway(aredis, keys):

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import redis
 
-from flying import settings
+from flying import cli, logs, settings
 from flying.keys import Keys
+from flying.logs import LogFormat
 from flying.procs import NotReady, wait_healthy
 from worker_ext.cpu_compat import SGLANG_CPU_ARGS, on_cpu_host, sglang_cpu_env
 
@@ -57,6 +58,8 @@ class WorkerConfig:
     comm_host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     enable_metrics: bool = False  # SGLang's own Prometheus metrics on the engine's port (/metrics)
+    log_format: LogFormat = "text"  # the launcher's lines, the plugin's, and SGLang's request lines
+    log_requests: bool = True  # SGLang logs each request's rid as it arrives and finishes (metadata only)
 
     def __post_init__(self) -> None:
         assert 0 <= self.engine < self.num_engines, f"engine {self.engine} not in [0, {self.num_engines})"
@@ -126,6 +129,10 @@ def sglang_command(cfg: WorkerConfig) -> list[str]:
     ]
     if cfg.max_total_tokens:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    if (
+        cfg.log_requests
+    ):  # level 0: the request's metadata (its rid), no prompt, output or sampling parameters
+        cmd += ["--log-requests", "--log-requests-level", "0", "--log-requests-format", cfg.log_format]
     if cfg.comm_port:  # bound-capable: TP requests' KV slots are per-request views, not sharable prefixes
         cmd += ["--disable-radix-cache"]
     if cfg.enable_metrics:
@@ -149,6 +156,7 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
             settings.KEY_PREFIX: cfg.key_prefix,
             settings.LAUNCH_ID: launch_id,
             settings.DEVICE: "cpu" if cfg.cpu else "cuda",
+            settings.LOG_FORMAT: cfg.log_format,
         }
     )
     if cfg.comm_port:
@@ -253,36 +261,55 @@ def _terminate(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    p = argparse.ArgumentParser(prog="flying-worker", description=__doc__.splitlines()[0])
-    p.add_argument("--engine", type=int, required=True, help="engine index i (one per GPU)")
-    p.add_argument("--num-engines", type=int, required=True, help="N, engines in the deployment")
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--served-model-name", default="tiny-llama")
-    p.add_argument("--redis-url", default=settings.redis_url())
-    p.add_argument("--key-prefix", default=settings.key_prefix())
-    p.add_argument("--dtype", default="float32")
+def parser() -> argparse.ArgumentParser:
+    d = WorkerConfig(engine=0, num_engines=1, model_path="", port=1)
+    p = cli.parser("flying-worker", __doc__.splitlines()[0])
+    p.add_argument(
+        "--engine", type=int, required=True, help="engine index i, 0..N-1 (one per GPU) (required)"
+    )
+    p.add_argument("--num-engines", type=int, required=True, help="N, engines in the deployment (required)")
+    p.add_argument("--model-path", required=True, help="model directory (required)")
+    p.add_argument("--port", type=int, required=True, help="the SGLang server's HTTP port (required)")
+    p.add_argument("--host", default=d.host, help="address the SGLang server listens on (keep it private)")
+    p.add_argument("--served-model-name", default=d.served_model_name, help="model name the engine reports")
+    p.add_argument("--redis-url", default=settings.redis_url(), help=f"Redis (env {settings.REDIS_URL})")
+    p.add_argument(
+        "--key-prefix",
+        default=settings.key_prefix(),
+        help=f"prefix of every Redis key (env {settings.KEY_PREFIX})",
+    )
+    p.add_argument("--dtype", default=d.dtype, help="weights and activations dtype (SGLang --dtype)")
     p.add_argument(
         "--max-total-tokens",
         type=int,
         default=None,
-        help="KV pool size in tokens; on CPU the default is sized from the memory available for the host's engines",
+        help="KV pool size in tokens; by default, on CPU, sized from the memory available for the host's engines "
+        "(SGLang's own default on GPU)",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda where a GPU is visible"
+    )
     p.add_argument(
         "--drain-grace-s",
         type=float,
         default=30.0,
-        help="on SIGTERM: leave the live set, let assigned requests finish for at most this long, then stop",
+        help="seconds: on SIGTERM leave the live set, let assigned requests finish for at most this long, then stop",
     )
     p.add_argument(
-        "--comm-port", type=int, default=None, help="rendezvous port (same on every engine) to allow binds"
+        "--comm-port",
+        type=int,
+        default=None,
+        help="rendezvous port (same on every engine) to allow binds; by default none: the engine never binds",
     )
     p.add_argument(
-        "--comm-host", default="127.0.0.1", help="host of engine 0, which serves the rendezvous store"
+        "--comm-host", default=d.comm_host, help="host of engine 0, which serves the rendezvous store"
+    )
+    logs.add_argument(p)
+    p.add_argument(
+        "--log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=d.log_requests,
+        help="SGLang logs every request's rid (metadata only) when it arrives and when it finishes",
     )
     p.add_argument(
         "--enable-metrics",
@@ -291,7 +318,12 @@ def main(argv: list[str] | None = None) -> None:
         "are in the heartbeat and the router's metrics",
     )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang.launch_server arguments")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    logs.setup(a.log_format)
     cpu = on_cpu_host() if a.device == "auto" else a.device == "cpu"
     extra = tuple(x for x in a.extra if x != "--")
     cfg = WorkerConfig(
@@ -310,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
         comm_host=a.comm_host,
         extra_args=extra,
         enable_metrics=a.enable_metrics,
+        log_format=a.log_format,
+        log_requests=a.log_requests,
     )
     sys.exit(run(with_default_kv(cfg), drain_grace_s=a.drain_grace_s))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from flying import settings
 
@@ -20,15 +21,29 @@ _commands = None
 def register() -> None:
     if os.environ.get(settings.ENGINE_INDEX) is None:
         return
-    logging.getLogger("flying").setLevel(logging.INFO)  # pool size, binds and releases show in the worker log
     from worker_ext import sglang_patches
 
     sglang_patches.check_version()
+    _setup_logs(os.environ.get(settings.LOG_FORMAT, "text"))
     sglang_patches.apply_scheduler_hooks(on_init=_on_scheduler_init, on_step=_on_step)
     sglang_patches.apply_forward_hook(_around_forward)
     from worker_ext.sglang_patches import requests
 
     requests.apply_output_hook()
+
+
+def _setup_logs(fmt: str) -> None:
+    """The flying loggers at INFO (pool size, binds and releases show in the worker log); with ``json``, they and
+    SGLang's request lines (rid as ``request_id``) are JSON lines (SGLang's other lines keep its text format)."""
+    from flying import logs
+    from worker_ext import sglang_patches
+
+    ours = logging.getLogger("flying")
+    ours.setLevel(logging.INFO)
+    if fmt == "json":
+        ours.addHandler(logs.handler("json"))
+        ours.propagate = False
+        sglang_patches.apply_request_log_handler(logs.handler("json", sys.stdout))
 
 
 def _around_forward(original, runner, forward_batch, *args, **kwargs):

@@ -6,6 +6,9 @@ changed internal fails loudly at start-up instead of misbehaving at serve time.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +27,32 @@ def check_version() -> None:
     assert sglang.__version__ == SUPPORTED_SGLANG, (
         f"worker_ext.sglang_patches targets sglang {SUPPORTED_SGLANG}, found {sglang.__version__}"
     )
+
+
+REQUEST_LOGGER = "sglang.srt.utils.request_logger.stdout"  # where --log-requests lines go (no target given)
+
+
+def apply_request_log_handler(handler: logging.Handler) -> None:
+    """SGLang's request lines (``--log-requests``) through ``handler``: its stdout request logger is made here,
+    before SGLang's RequestLogger, which gives a handler of its own only to a logger that has none. A line in
+    SGLang's JSON request format becomes ``msg`` "<event> <rid>", ``request_id`` and ``sglang`` (the rest)."""
+    log = logging.getLogger(REQUEST_LOGGER)
+    assert not log.handlers, f"{REQUEST_LOGGER} was set up before the plugin"
+    log.addHandler(handler)
+    log.addFilter(_lift_rid)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _lift_rid(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if message.startswith("{"):
+        with contextlib.suppress(ValueError):
+            data = json.loads(message)
+            rid = data.pop("rid", None)
+            record.msg, record.args = f"{data.pop('event', 'request')} {rid}", None
+            record.request_id, record.sglang = rid, data
+    return True
 
 
 def apply_scheduler_hooks(on_init: Callable[[Any], None], on_step: Callable[[Any], None]) -> None:

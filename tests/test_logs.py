@@ -1,0 +1,94 @@
+"""flying.logs: the text and JSON formats; SGLang's JSON request lines lifted into ours (worker_ext)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from flying import logs
+
+
+def emit(fmt: str, *args, **kw) -> str:
+    out = io.StringIO()
+    log = logging.getLogger("flying.test_logs")
+    log.handlers, log.propagate = [logs.handler(fmt, out)], False
+    log.setLevel(logging.INFO)
+    try:
+        log.info(*args, **kw)
+    finally:
+        log.handlers, log.propagate = [], True
+    return out.getvalue()
+
+
+def test_json_is_one_object_per_line_with_the_request_id():
+    line = emit("json", "request %s done\nin two lines", "r-1", extra={"request_id": "r-1", "queue_ms": 1.5})
+    assert line.count("\n") == 1
+    rec = json.loads(line)
+    assert rec["level"] == "INFO" and rec["logger"] == "flying.test_logs"
+    assert rec["msg"] == "request r-1 done\nin two lines"
+    assert rec["request_id"] == "r-1" and rec["queue_ms"] == 1.5
+    assert rec["ts"].endswith("+00:00") and "T" in rec["ts"]
+    assert set(rec) == {"ts", "level", "logger", "msg", "request_id", "queue_ms"}
+
+
+def test_json_carries_the_traceback_and_serializes_anything():
+    out = io.StringIO()
+    log = logging.getLogger("flying.test_logs.exc")
+    log.handlers, log.propagate = [logs.handler("json", out)], False
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed", extra={"obj": object()})
+    rec = json.loads(out.getvalue())
+    assert "ValueError: boom" in rec["exc"] and rec["obj"].startswith("<object")
+
+
+def test_text_names_the_id_in_the_message():
+    line = emit("text", "request %s done", "r-2", extra={"request_id": "r-2"})
+    assert "flying.test_logs INFO request r-2 done" in line
+
+
+def test_unknown_format_is_refused():
+    with pytest.raises(AssertionError, match="log format"):
+        logs.formatter("xml")  # type: ignore[arg-type]
+
+
+def test_sglang_json_request_lines_become_ours():
+    """The worker's plugin gives SGLang's request logger our JSON handler before SGLang makes it; SGLang adds no
+    handler of its own to a logger that has one, and its JSON line's rid becomes request_id."""
+    from sglang.srt.utils import log_utils, request_logger
+
+    from worker_ext import sglang_patches
+
+    assert f"{request_logger.__name__}.stdout" == sglang_patches.REQUEST_LOGGER
+    out = io.StringIO()
+    log = logging.getLogger(sglang_patches.REQUEST_LOGGER)
+    saved = log.handlers[:], log.filters[:], log.propagate
+    log.handlers, log.filters = [], []
+    try:
+        sglang_patches.apply_request_log_handler(logs.handler("json", out))
+        [target] = log_utils.create_log_targets(targets=None, name_prefix=request_logger.__name__)
+        assert target is log and len(log.handlers) == 1
+        log_utils.log_json(
+            target, "request.finished", {"rid": "abc", "out": {"meta_info": {"e2e_latency": 0.1}}}
+        )
+    finally:
+        log.handlers, log.filters, log.propagate = saved[0], saved[1], saved[2]
+    rec = json.loads(out.getvalue())
+    assert rec["request_id"] == "abc" and rec["msg"] == "request.finished abc"
+    assert rec["sglang"]["out"]["meta_info"]["e2e_latency"] == 0.1
+
+
+def test_setup_replaces_the_root_handler_and_quiets_httpx():
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logs.setup("json")
+        assert isinstance(root.handlers[0].formatter, logs.JsonFormatter) and len(root.handlers) == 1
+        assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+    finally:
+        root.handlers, root.level = saved
+        logging.getLogger("httpx").setLevel(logging.NOTSET)
