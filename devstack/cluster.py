@@ -40,6 +40,7 @@ class ClusterConfig:
     gateway_args: tuple[str, ...] = ()
     standby_router: bool = False  # a second router waiting for the lease (the demo runs one)
     log_format: str = "text"  # every process's --log-format: text or json (see flying.logs)
+    router_metrics_port: int = field(default_factory=free_port)  # the router's Prometheus metrics (0: off)
 
     def __post_init__(self) -> None:
         assert self.num_engines >= 1, "num_engines must be >= 1"
@@ -124,7 +125,12 @@ class Cluster:
     def start_router(self, args: tuple[str, ...] | None = None) -> None:
         """Start the router with ``args`` (default: the config's router_args)."""
         args = self.config.router_args if args is None else args
-        self.router = spawn(self._command("router.main", *args), self.log("router"))
+        metrics = (
+            ("--metrics-port", str(self.config.router_metrics_port))
+            if self.config.router_metrics_port
+            else ()
+        )
+        self.router = spawn(self._command("router.main", *metrics, *args), self.log("router"))
         self.progress("router starting")
 
     def start_standby(self, args: tuple[str, ...] | None = None) -> None:

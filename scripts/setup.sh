@@ -49,5 +49,14 @@ if ! command -v redis-server >/dev/null; then
   # Debian starts a system redis on 6379; we always run our own on a free port.
   $SUDO service redis-server stop >/dev/null 2>&1 || true
 fi
+if ! command -v prometheus >/dev/null; then
+  # optional: the metrics test scrapes the live CPU stack with a real Prometheus (it skips, saying why, without)
+  echo "setup: installing prometheus (Debian package, for the metrics test)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  { $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; } \
+    || echo "setup: prometheus could not be installed; the metrics test will skip"
+  $SUDO service prometheus stop >/dev/null 2>&1 || true  # we run our own, on a free port
+fi
 "$VPY" -c 'import sglang, torch, redis, starlette, msgspec, httpx' || die "import check failed"
 echo "setup: ok ($VENV)"

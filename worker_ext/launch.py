@@ -314,7 +314,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-metrics",
         action="store_true",
-        help="SGLang's own Prometheus metrics on the engine's port, /metrics (default: off); the switch counters "
+        help="SGLang's own Prometheus metrics on the engine's port, /metrics (off unless given); the switch counters "
         "are in the heartbeat and the router's metrics",
     )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang.launch_server arguments")
