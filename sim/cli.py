@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     summary, series, sims = {}, {}, {}
     for mode in a.modes.split(","):
         t0 = time.perf_counter()
-        sim = sims[mode] = Simulator(dataclasses.replace(base, mode=mode), reqs)  # type: ignore[arg-type]
+        sim = sims[mode] = Simulator(dataclasses.replace(base, mode=mode), reqs)
         records = sim.run()
         summary[mode] = summarize(records, phase, flat)
         series[mode] = timeseries(records, BUCKET_S)

@@ -75,7 +75,7 @@ class CostModel:
         0.006  # per sequence: the one SP scheduler's unsplit host work (calibrated, above)
     )
 
-    def transform_ms(self, moved: list[tuple[int, int]]) -> float:
+    def transform_ms(self, moved: list[tuple[float, float]]) -> float:
         """One KV transformation: ``moved`` holds each member's (sent, received) KV tokens, counted as head slices
         (a token's slice at width d is 1/d of a token: pass tokens x fraction)."""
         return kv_transform_ms(

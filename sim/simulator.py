@@ -292,6 +292,7 @@ class Engine:
         g, pending = self.group, self.pending
         what = intake(cmd, self.idx, self.last_epoch, g.epoch if g else 0, pending.epoch if pending else 0)
         if what is Intake.BIND and g is None:
+            assert isinstance(cmd, Bind)  # intake answers BIND to binds only
             if any(e == self.idx and a <= self.sim.now < b for e, a, b in self.sim.cfg.ignore_binds):
                 return
             self.pending = cmd
@@ -300,6 +301,9 @@ class Engine:
             self.dp.admit = True
             self.resume()
         elif what is Intake.RELEASE:
+            assert (
+                isinstance(cmd, Release) and g is not None
+            )  # RELEASE: a release of the epoch it is bound in
             g.release_asked = True
             g.retract, g.scatter = cmd.retract, cmd.scatter
             self.sim.engines[g.leader].boundary()
@@ -364,7 +368,7 @@ class SimGroup:
         self.formed = False
         self.transform_ms = 0.0
         if self.adopt:  # the members' DP requests become this group's, KV by head slices
-            tokens = []
+            tokens: list[float] = []
             for e in engines:
                 running, waiting = e.adopted
                 e.adopted = ([], [])
@@ -462,7 +466,9 @@ class Simulator:
         self._router_due: float | None = None
         self.bound_at: dict[int, float] = {}
         self.log: list[tuple[float, str]] = []
-        self.stats: dict[str, float] = collections.Counter()  # transformations and retractions, for reports
+        self.stats: collections.Counter[str] = (
+            collections.Counter()
+        )  # transformations and retractions, for reports
         self.transforms: list[tuple[float, str, float, int]] = []  # (at, "adopt"/"scatter", ms, requests)
         self.track: list[
             tuple[float, tuple[str, ...], int]
@@ -612,10 +618,13 @@ class Simulator:
                 load[1] += r.kv
                 self.tp_max[x.epoch] = max(self.tp_max.get(x.epoch, 0), r.kv)  # (not lowered: conservative)
             e = self.engines[x.engine]
-            g = e.group
-            unit = g.unit if g is not None and g.epoch == x.epoch and x.epoch else e.dp
-            unit.queue.append(r)
-            (g.boundary if unit is not e.dp else e.boundary)()  # type: ignore[union-attr]
+            sg = e.group
+            if sg is not None and sg.epoch == x.epoch and x.epoch:
+                sg.unit.queue.append(r)
+                sg.boundary()
+            else:
+                e.dp.queue.append(r)
+                e.boundary()
 
     def note_decisions(self, d: Decision, binds: list[Group]) -> None:
         self.decisions += [SimDecision(self.now, "bind", g.epoch, g.members, g.reason) for g in binds]
@@ -691,13 +700,13 @@ class Simulator:
                     f"engine {e.idx} bound in epoch {e.group.epoch} but recorded in {seen.get(e.idx)}"
                 )
         grace = self.policy.max_defer_s + self.cfg.tick_s + 2 * self.cfg.router_ms / 1000
-        for ep, g in self.groups.items():
-            paused = any(self.engines[m].paused_running or self.engines[m].paused_queue for m in g.members)
+        for ep, sg in self.groups.items():
+            paused = any(self.engines[m].paused_running or self.engines[m].paused_queue for m in sg.members)
             rec = self.records.get(ep)
             start = self.bound_at.get(ep, self.now)  # the router's clock: it restarts after a router outage
             start = max([start] + [b for a, b in self.cfg.router_down if a < self.now and b > start])
             late = self.now - start > grace
-            if g.formed and paused and rec is not None and rec.reason != "manual" and late:
+            if sg.formed and paused and rec is not None and rec.reason != "manual" and late:
                 assert rec.state == "releasing", f"epoch {ep} defers DP work beyond {grace:.2f} s"
                 # and the release retracts (the paused work resumes after one group step), unless a request
                 # needs the group's pooled KV

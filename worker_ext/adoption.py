@@ -141,7 +141,7 @@ def divert(b: Binding, req) -> bool:
     return True
 
 
-def deliver(b: Binding, emitted: list) -> None:
+def deliver(b: Binding, emitted: list[rq.Emitted]) -> None:
     """Follower: append the leader's output to its own requests and stream it to their clients."""
     reqs = []
     for em in emitted:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flying.messages import Bind, Command
+from flying.messages import Bind, Command, Release
 from worker_ext import adoption, preemption, sglang_patches, step_plan
 from worker_ext.comm_pool import CommPool, MergedGroup
 from worker_ext.intake import Intake, intake
@@ -33,6 +33,9 @@ from worker_ext.rank_messages import Handshake, Noop, ReleasePlan
 from worker_ext.sglang_patches import memory_pool, model
 from worker_ext.sglang_patches import requests as rq
 from worker_ext.weights import WeightsManager, storage_bytes
+
+if TYPE_CHECKING:
+    from worker_ext.heartbeat import Load
 
 log = logging.getLogger("flying.binding")
 KEEPALIVE_S = 0.5  # an idle leader still broadcasts this often, so followers can tell idle from dead
@@ -93,12 +96,12 @@ class Binding:
         self.sent: dict[str, tuple[int, int]] = {}  # leader: output ids, log-probs already emitted per copy
         self.outbox: list[rq.Emitted] = []  # leader: output for other members, sent with the next message
         self.owned: dict[str, Any] = {}  # follower: its own requests the leader runs
-        self.transform = {"transform_ms": 0.0, "transform_tokens": 0, "transform_peak_bytes": 0,
-                          "transform_retracted": 0}  # fmt: skip
+        self.transform: Load = {"transform_ms": 0.0, "transform_tokens": 0, "transform_peak_bytes": 0,
+                                "transform_retracted": 0}  # fmt: skip
 
     # --- state reported in heartbeats ---------------------------------------------------------------------
 
-    def status(self) -> dict:
+    def status(self) -> Load:
         e = self.epoch
         return {
             "mode": "tp" if e else "dp",
@@ -122,10 +125,12 @@ class Binding:
 
     def note_transform(self, stats: ExchangeStats, retracted: int) -> None:
         self.transform.update(
-            transform_ms=round(stats.ms, 3),
-            transform_tokens=stats.tokens,
-            transform_peak_bytes=stats.peak_bytes,
-            transform_retracted=retracted,
+            {
+                "transform_ms": round(stats.ms, 3),
+                "transform_tokens": stats.tokens,
+                "transform_peak_bytes": stats.peak_bytes,
+                "transform_retracted": retracted,
+            }
         )
         log.info(
             "engine %d: KV transformation moved %d token slices in %.1f ms (peak %.2f MB extra)",
@@ -135,10 +140,10 @@ class Binding:
     def divert(self, req: Any) -> bool:
         return adoption.divert(self, req)
 
-    def deliver(self, emitted: list) -> None:
+    def deliver(self, emitted: list[rq.Emitted]) -> None:
         adoption.deliver(self, emitted)
 
-    def take_outbox(self) -> list:
+    def take_outbox(self) -> list[rq.Emitted]:
         out, self.outbox = self.outbox, []
         return out
 
@@ -151,10 +156,13 @@ class Binding:
                 cmd, self.engine, self.last_epoch, e.epoch if e else 0, pending.epoch if pending else 0
             ):
                 case Intake.BIND:
+                    assert isinstance(cmd, Bind)  # intake answers BIND to binds only
                     self.pending = cmd
                 case Intake.WIDTH_CHANGE:
+                    assert isinstance(cmd, Bind) and e is not None  # a bind while bound
                     e.next_bind, e.release_asked = cmd, True
                 case Intake.RELEASE:
+                    assert isinstance(cmd, Release) and e is not None  # a release of the bound epoch
                     e.release_asked, e.retract, e.scatter = True, cmd.retract, cmd.scatter
                 case Intake.CANCEL:  # the router rolled the bind back before this engine applied it
                     preemption.cancel_pending(self)

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal, cast, overload
 
 import psutil
 import torch
@@ -26,6 +27,13 @@ import torch.distributed as dist
 from flying.groups import merge_sets
 
 log = logging.getLogger("flying.comm_pool")
+
+
+def _collectives(backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL) -> dist.ProcessGroup:
+    """``backend`` as the collectives API it has at runtime: torch's stubs declare ``allreduce``, ``broadcast`` and
+    ``allgather`` on ``ProcessGroup`` only, though gloo and NCCL backends (used here directly, without a default
+    process group) have the same methods."""
+    return cast(dist.ProcessGroup, backend)
 
 
 @dataclass
@@ -150,25 +158,38 @@ class CommPool:
         store.set(f"flying/launch/{self.engine}", self.launch_id)
         return store
 
+    @overload
+    def _launch_ids(self, members: tuple[int, ...], wait: Literal[True]) -> tuple[str, ...]: ...
+    @overload
+    def _launch_ids(self, members: tuple[int, ...], wait: bool) -> tuple[str, ...] | None: ...
     def _launch_ids(self, members: tuple[int, ...], wait: bool) -> tuple[str, ...] | None:
         """The members' announced launch ids (None if one has not announced and ``wait`` is False)."""
+        store = self._connected()
         keys = [f"flying/launch/{m}" for m in members]
         if wait:
-            self.store.wait(keys, timedelta(seconds=max(self.timeout_s, 600)))  # type: ignore[union-attr]
-        elif not self.store.check(keys):  # type: ignore[union-attr]
+            store.wait(keys, timedelta(seconds=max(self.timeout_s, 600)))
+        elif not store.check(keys):
             return None
-        return tuple(self.store.get(k).decode() for k in keys)  # type: ignore[union-attr]
+        return tuple(store.get(k).decode() for k in keys)
+
+    def _connected(self) -> dist.Store:
+        if self.store is None:  # the first connection failed (build() reported it); watch() retries it
+            raise RuntimeError("not connected to the rendezvous store")
+        return self.store
 
     def _build_group(self, members: tuple[int, ...], ids: tuple[str, ...]) -> None:
+        store = self._connected()
         rank, size = members.index(self.engine), len(members)
         gen = hashlib.sha1("/".join(ids).encode()).hexdigest()[:12]
         name = f"flying/{'-'.join(map(str, members))}/{gen}"
         timeout = timedelta(seconds=self.timeout_s)
-        control = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/ctl", self.store), rank, size, timeout)
-        data = control
+        control = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/ctl", store), rank, size, timeout)
+        data: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = control
         if self.device == "cuda":
-            data = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/nccl", self.store), rank, size)
-        self.groups[members] = MergedGroup(members, rank, data, control)
+            data = dist.ProcessGroupNCCL(
+                dist.PrefixStore(f"{name}/nccl", store), rank, size, dist.ProcessGroupNCCL.Options()
+            )  # (the default options, spelled out)
+        self.groups[members] = MergedGroup(members, rank, _collectives(data), _collectives(control))
         self.built_for[members] = ids
 
     def watch(self) -> None:

@@ -26,13 +26,13 @@ class CommandReader:
         self.stream = keys.commands(engine)
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=5)
         self._queue: queue.Queue[Command] = queue.Queue()
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         addr = f"inproc://flying-wake-{engine}-{id(self)}"
         self.wake_socket = ctx.socket(zmq.PULL)  # registered with the scheduler's idle poller
         self.wake_socket.bind(addr)
         self._push = ctx.socket(zmq.PUSH)
         self._push.connect(addr)
-        self._last = (
+        self._last: bytes | str = (
             self._redis.xinfo_stream(self.stream)["last-generated-id"]
             if self._redis.exists(self.stream)
             else "0-0"
@@ -51,6 +51,9 @@ class CommandReader:
                 log.warning("command stream read failed: %s", exc)
                 threading.Event().wait(0.5)
                 continue
+            assert not isinstance(
+                got, dict
+            )  # redis-py's legacy reply shape: [[stream, [(id, fields), ...]], ...]
             for _, entries in got or []:
                 for entry_id, fields in entries:
                     self._last = entry_id

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal, TypedDict, Unpack
 
 import redis
 
@@ -23,6 +24,35 @@ from flying.keys import Keys
 from flying.messages import Heartbeat, encode
 
 log = logging.getLogger(__name__)
+
+
+class Load(TypedDict, total=False):
+    """What a step boundary reports: the :class:`~flying.messages.Heartbeat` fields the engine's scheduler
+    (``sglang_patches.scheduler_load``) and its binding (``Binding.status``) know."""
+
+    mode: Literal["dp", "tp"]
+    epoch: int
+    pending: int
+    group: tuple[int, ...]
+    width: int
+    bind_ms: float
+    release_ms: float
+    switch_error: str
+    comm_groups: int
+    comm_rebuilds: int
+    num_engines: int
+    kv_transform: bool
+    transform_ms: float
+    transform_tokens: int
+    transform_peak_bytes: int
+    transform_retracted: int
+    param_bytes: int
+    running: int
+    waiting: int
+    free_kv_tokens: int
+    max_total_tokens: int
+    context_len: int
+    max_running_requests: int
 
 
 @dataclass(frozen=True)
@@ -48,7 +78,7 @@ class HeartbeatPublisher:
         self.config = config
         self.keys = Keys(config.key_prefix)
         self.step = 0
-        self._load: dict[str, int | str] = {}
+        self._load: Load = {}
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._redis = redis.Redis.from_url(config.redis_url, socket_timeout=2)
@@ -63,7 +93,7 @@ class HeartbeatPublisher:
         self._wake.set()
         self._thread.join(timeout=2)
 
-    def beat(self, **load) -> None:
+    def beat(self, **load: Unpack[Load]) -> None:
         """Record the engine's load at a step boundary; wake the writer if the switching state changed."""
         self.step += 1
         urgent = any(load.get(k) != self._load.get(k) for k in ("mode", "epoch", "pending"))

@@ -198,6 +198,7 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
         if draining.is_set():
             drain(r, keys.ready(cfg.engine), keys.inflight(cfg.engine), proc, drain_grace_s)
             return 0
+        assert rc is not None  # keep_ready returns None only once stopped, and only draining stops it
         return rc
     finally:
         _terminate(proc)

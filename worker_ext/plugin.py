@@ -9,13 +9,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from flying import settings
 
+if TYPE_CHECKING:
+    from worker_ext.binding import Binding
+    from worker_ext.commands import CommandReader
+    from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
+
 log = logging.getLogger(__name__)
-_publisher = None
-_binding = None
-_commands = None
+_publisher: HeartbeatPublisher | None = None
+_binding: Binding | None = None
+_commands: CommandReader | None = None
 
 
 def register() -> None:
@@ -74,7 +80,7 @@ def _on_scheduler_init(scheduler) -> None:
     _start_switching(scheduler, config)
 
 
-def _start_switching(scheduler, config) -> None:
+def _start_switching(scheduler, config: HeartbeatConfig) -> None:
     """Bound-capable engines: the communicator pool (built in the background), the command reader, the binding."""
     global _binding, _commands
     from flying.keys import Keys
@@ -108,5 +114,6 @@ def _on_step(scheduler) -> None:
 def _beat(scheduler) -> None:
     from worker_ext import sglang_patches
 
+    assert _publisher is not None  # set before the first step and before the binding exists
     switching = _binding.status() if _binding is not None else {}
     _publisher.beat(**(sglang_patches.scheduler_load(scheduler) | switching))

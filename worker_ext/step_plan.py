@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker_ext import sglang_patches
-from worker_ext.rank_messages import Forward, ReleasePlan
+from worker_ext.rank_messages import Forward, Noop, ReleasePlan
 from worker_ext.sglang_patches import memory_pool
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ def follow(b: Binding) -> None:
     while b.epoch is e:
         try:
             msg = e.group.broadcast_object()
+            assert isinstance(msg, Forward | Noop | ReleasePlan)  # the leader sends plans while bound
             b.deliver(msg.emit)
             if isinstance(msg, ReleasePlan) and msg.scatter is not None:
                 b.scatter_and_leave(msg.scatter, msg.next)

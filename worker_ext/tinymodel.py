@@ -115,10 +115,10 @@ def build(out: Path, seed: int = 0, spec: TinyLlamaSpec | None = None) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "flying_tinymodel.json").write_text(json.dumps({"seed": seed, **asdict(spec)}, indent=2))

@@ -13,9 +13,12 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flying.messages import GROUP_LOST
+
+if TYPE_CHECKING:
+    from worker_ext.heartbeat import Load
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SUPPORTED_SGLANG = "0.5.23"
@@ -81,7 +84,7 @@ def scheduler_tp_rank(scheduler: Any) -> int:
     return int(get_parallel().tp_rank)
 
 
-def scheduler_load(scheduler: Any) -> dict[str, int]:
+def scheduler_load(scheduler: Any) -> Load:
     """Running and waiting requests and KV capacity, read from the scheduler's own structures."""
     allocator = scheduler.token_to_kv_pool_allocator
     evictable = scheduler.tree_cache.evictable_size() if scheduler.tree_cache is not None else 0
