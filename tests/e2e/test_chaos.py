@@ -158,8 +158,11 @@ def busy(stack) -> str:
 
 def wait_idle(stack, timeout_s: float) -> float:
     t0 = time.monotonic()
+    seen = []  # what was still busy, every 0.5 s: says whether Redis or the engines lag
     while not idle(stack):
-        assert time.monotonic() - t0 < timeout_s, f"not idle {timeout_s} s later: {busy(stack)}"
+        if len(seen) < (time.monotonic() - t0) / 0.5:
+            seen.append(f"{time.monotonic() - t0:.1f} s: {busy(stack)}")
+        assert time.monotonic() - t0 < timeout_s, f"not idle {timeout_s} s later:\n" + "\n".join(seen)
         time.sleep(0.1)
     return time.monotonic() - t0
 
