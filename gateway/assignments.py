@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from flying.cancel import reraise_if_cancelled, stop_task
 from flying.keys import Keys
 from flying.messages import Assignment, decode
 from flying.queue import RequestQueue
@@ -39,6 +40,7 @@ class AssignmentWaiter:
         self.reconciled = 0  # assignments found by reconciliation rather than by message
         self._tasks: list[asyncio.Task] = []
         self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)  # connects at its first subscribe
+        self._stopping = False
 
     async def start(self) -> None:
         await self._pubsub.subscribe(self.channel)
@@ -48,10 +50,10 @@ class AssignmentWaiter:
         ]
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if not await stop_task(task):
+                log.warning("%s did not end when cancelled; left behind", task.get_name())
         if self._pubsub:
             with contextlib.suppress(aioredis.RedisError):
                 await self._pubsub.aclose()
@@ -104,21 +106,23 @@ class AssignmentWaiter:
         return len(assigned)
 
     async def _reconcile_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.reconcile_s)
             try:
                 if n := await self.reconcile():
                     log.info("reconciliation found %d assignments whose message was missed", n)
             except aioredis.RedisError as exc:
+                reraise_if_cancelled()
                 log.warning("reconciliation failed: %r", exc)
             except Exception:  # noqa: BLE001 - the loop must outlive any one round
+                reraise_if_cancelled()
                 log.exception("reconciliation round failed")
 
     async def _listen(self) -> None:
         """Relay messages to futures; when the connection breaks, subscribe again on a fresh connection (with
         backoff while Redis is away), then reconcile: messages published meanwhile are gone."""
         backoff = 0.1
-        while True:
+        while not self._stopping:
             try:
                 async for msg in self._pubsub.listen():
                     backoff = 0.1
@@ -126,6 +130,7 @@ class AssignmentWaiter:
                         self.resolve(decode(msg["data"], Assignment))
                 raise aioredis.ConnectionError("subscription ended")
             except aioredis.RedisError as exc:
+                reraise_if_cancelled()
                 log.warning("assignment subscription lost (%r); resubscribing in %.1f s", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

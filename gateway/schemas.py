@@ -1,13 +1,15 @@
 """Request bodies of the OpenAI-style endpoints as msgspec structs, and their semantic checks.
 
 Decoding checks types; :func:`check_sampling` and friends check values. Anything wrong is an InvalidRequest
-naming the offending parameter, never a 500.
+naming the offending parameter, never a 500. The fields SGLang's own OpenAI server accepts are either typed here,
+passed through to it untouched (``Any``: SGLang validates them, and its 400 reaches the client), or refused with a
+400 that says why (:data:`REFUSED`); a field neither knows is a 400 naming it.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -23,10 +25,13 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str
 
 
-class Message(msgspec.Struct, kw_only=True):
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Any = None  # passed through (an assistant's tool calls, a tool message's id)
+    tool_call_id: Any = None
+    reasoning_content: Any = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -39,7 +44,7 @@ class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     continuous_usage_stats: bool = False  # usage in every chunk (SGLang, vLLM)
 
 
-class _Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
+class _Sampling(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -54,6 +59,24 @@ class _Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     user: str | None = None
     ignore_eos: bool | None = None  # SGLang extension, forwarded
     priority: str | None = None  # flying-serving extension; the X-Priority header wins
+    # passed through to SGLang as they are (it validates them):
+    logit_bias: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    repetition_penalty: Any = None
+    stop_token_ids: Any = None
+    stop_regex: Any = None
+    no_stop_trim: Any = None
+    skip_special_tokens: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    response_format: Any = None
+    lora_path: Any = None
+    custom_params: Any = None
+    cache_salt: Any = None
+    extra_key: Any = None
+    return_cached_tokens_details: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
@@ -61,15 +84,54 @@ class ChatCompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    reasoning_effort: Any = None
+    separate_reasoning: Any = None
+    stream_reasoning: Any = None
+    chat_template_kwargs: Any = None
+    continue_final_message: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
     prompt: str | list[int]
     echo: bool | None = None
     logprobs: int | None = None
+    suffix: Any = None
+    json_schema: Any = None
+
+
+# SGLang accepts these, but they cannot work behind the gateway's queue, or not on this deployment:
+REFUSED = {
+    "rid": "the gateway names every request (send X-Request-Id for your own id)",
+    "data_parallel_rank": "the router picks the engine",
+    "session_id": "sessions live on one engine; the router may send the next request elsewhere",
+    "session_params": "sessions live on one engine; the router may send the next request elsewhere",
+    "input_ids": "send messages (the gateway counts their tokens with the chat template)",
+    "return_hidden_states": "not served by the gateway",
+    "return_routed_experts": "not served by the gateway",
+    "routed_experts_start_len": "not served by the gateway",
+    "custom_logit_processor": "not served by the gateway",
+    "images_config": "multimodal input is not served",
+    "video_config": "multimodal input is not served",
+    "mm_processor_kwargs": "multimodal input is not served",
+    "max_dynamic_patch": "multimodal input is not served",
+    "min_dynamic_patch": "multimodal input is not served",
+    "use_audio_in_video": "multimodal input is not served",
+    "best_of": "not served (use n)",
+}
+# A stream with any of these keeps the engine's own endpoint (it is not resumable on another engine: they change
+# how the prompt is rendered, or constrain the output with state a continuation elsewhere would not have).
+NOT_RESUMABLE = (
+    "tools", "tool_choice", "parallel_tool_calls", "response_format", "regex", "ebnf", "json_schema",
+    "reasoning_effort", "separate_reasoning", "stream_reasoning", "chat_template_kwargs",
+    "continue_final_message", "min_tokens", "suffix",
+)  # fmt: skip
 
 
 MAX_N = 16  # choices per request (each holds its own KV for its output)
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 _AT = re.compile(r"at `\$\.?([^`]*)`")
 
 
@@ -81,6 +143,12 @@ def decode(body: bytes, type_: type[_Sampling]) -> _Sampling:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         msg = str(exc)
+        if u := _UNKNOWN.search(msg):
+            field, where = u.group(1), u.group(2)
+            param = f"{where}.{field}" if where else field
+            why = REFUSED.get(field) if not where else None
+            detail = f"{field} is not supported here: {why}" if why else f"unknown parameter {param}"
+            raise InvalidRequest(detail, param=param) from None
         m = _AT.search(msg)
         raise InvalidRequest(f"invalid request: {msg}", param=(m.group(1) or None) if m else None) from None
     except msgspec.DecodeError as exc:

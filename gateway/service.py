@@ -21,6 +21,7 @@ import msgspec
 import redis.asyncio as aioredis
 from starlette.types import Receive
 
+from flying.cancel import reraise_if_cancelled, stop_task
 from flying.groups import merge_sets
 from flying.keys import Keys
 from flying.messages import (
@@ -50,7 +51,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.resume import Resumable, upstream_body
-from gateway.schemas import ChatCompletionRequest, requested_max_tokens
+from gateway.schemas import NOT_RESUMABLE, ChatCompletionRequest, requested_max_tokens
 from gateway.upstream import StreamBroken, Upstream, WorkerUnavailable
 
 log = logging.getLogger("flying.gateway")
@@ -92,6 +93,9 @@ class Reply:
     stream: AsyncGenerator[bytes, None] | None = None
 
 
+OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event loop
+
+
 class Gateway:
     def __init__(
         self,
@@ -123,6 +127,7 @@ class Gateway:
         self.pooled_context = True  # the router binds groups for long requests (from its published state)
         self._background: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
+        self._stopping = False
 
     async def start(self) -> None:
         await self.r.set(self.keys.gateway(self.config.gateway_id), self.config.gateway_id, px=GATEWAY_TTL_MS)
@@ -130,10 +135,9 @@ class Gateway:
         self._monitor = asyncio.create_task(self._watch(), name="gateway-monitor")
 
     async def stop(self) -> None:
-        if self._monitor:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        self._stopping = True
+        if not await stop_task(self._monitor):
+            log.warning("the gateway monitor did not end when cancelled; left behind")
         await self.waiter.stop()
         await self.upstream.close()
         with contextlib.suppress(aioredis.RedisError):
@@ -159,10 +163,11 @@ class Gateway:
     async def _watch(self) -> None:
         """Once per ``monitor_s``, whatever the load: refresh the cluster view, sample the service rate, and end
         the waiting requests when no engine has been live for ``no_worker_grace_s``."""
-        while True:
+        while not self._stopping:
             try:
                 await self.observe()
             except aioredis.RedisError as exc:
+                reraise_if_cancelled()
                 log.warning("cluster view: redis unavailable (%r)", exc)
             await asyncio.sleep(self.config.monitor_s)
 
@@ -223,7 +228,11 @@ class Gateway:
         if time.monotonic() - self.router_seen > self.config.no_router_grace_s:
             raise NoRouter("no router is dispatching (none holds the lease); try again later")
         chat = isinstance(req, ChatCompletionRequest)
-        ids = self._tokens(req, chat)
+        size = sum(len(m.text()) for m in req.messages) if chat else len(req.prompt)
+        if size > OFF_LOOP_CHARS:  # a long prompt is tokenized on a thread: other requests keep flowing
+            ids = await asyncio.to_thread(self._tokens, req, chat)
+        else:
+            ids = self._tokens(req, chat)
         prompt = ids if isinstance(ids, int) else len(ids)
         limit = self.context_limit(beats, self.pooled_context)
         max_tokens = self._max_tokens(req, prompt, limit)
@@ -242,9 +251,8 @@ class Gateway:
             n=req.n,
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        if (
-            not req.stream or req.logprobs or req.n > 1 or (not chat and req.echo)
-        ):  # the engine's own endpoint
+        keep = req.logprobs or req.n > 1 or (not chat and req.echo) or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)  # fmt: skip
+        if not req.stream or keep:  # the engine's own endpoint
             return Admitted(record, path, body, bool(req.stream))
         up = upstream_body(body, chat, ids if isinstance(ids, list) else None)
         known = (

@@ -17,6 +17,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from flying import control
+from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
 from flying.messages import Group, QueuedRequest, RouterState, decode, encode, from_hash
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
@@ -262,6 +263,7 @@ class Dispatcher:
             try:
                 await self.step()
             except aioredis.RedisError as exc:
+                reraise_if_cancelled()
                 if down_since is None:
                     down_since = time.monotonic()
                     log.warning("redis unavailable (%r); retrying with backoff", exc)

@@ -87,10 +87,15 @@ typed = {  # well-typed values, mostly in range: bodies that pass validation, wi
     "priority": st.sampled_from(["high", "normal", "low"]),
     "user": st.text(max_size=10),
 }
-valid = st.fixed_dictionaries(
+valid = st.fixed_dictionaries(  # a chat body or a completion body (one endpoint's fields: others are a 400)
     {
         "model": st.just("tiny-llama"),
         "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(min_size=1, max_size=40)}), min_size=1, max_size=2),
+    },
+    optional=typed,
+) | st.fixed_dictionaries(
+    {
+        "model": st.just("tiny-llama"),
         "prompt": st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 100), min_size=1, max_size=5),
     },
     optional=typed,

@@ -85,3 +85,35 @@ async def test_ten_thousand_waiting_requests(redis_server, sync_redis, aredis, k
         connected.cancel()
         await gw.stop()
         await gw.r.aclose()
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(redis_server, sync_redis, keys):
+    import threading
+
+    from gateway.service import OFF_LOOP_CHARS
+
+    class Where(CountWords):
+        threads: list[str] = []
+
+        def chat_ids(self, req):
+            self.threads.append(threading.current_thread().name)
+            return super().chat_ids(req)
+
+    announce_engine(sync_redis, keys, context_len=10**6, max_total_tokens=10**6, free_kv_tokens=10**6)
+    sync_redis.set(keys.router_lease, "absent-router", px=600_000)
+    cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix)
+    gw = Gateway(cfg, redis_client(cfg), Where())
+    await gw.start()
+    try:
+        short = ChatCompletionRequest(model="tiny-llama", messages=[Message(role="user", content="hi")])
+        long = ChatCompletionRequest(
+            model="tiny-llama", messages=[Message(role="user", content="w " * OFF_LOOP_CHARS)]
+        )
+        await gw.admit(short, "normal")
+        adm = await gw.admit(long, "normal")
+        assert adm.record.prompt_tokens == OFF_LOOP_CHARS + 3
+        main = threading.current_thread().name
+        assert Where.threads[0] == main and Where.threads[1] != main
+    finally:
+        await gw.stop()
+        await gw.r.aclose()

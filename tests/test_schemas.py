@@ -63,12 +63,37 @@ def test_empty_messages_are_rejected():
         assert exc.value.param == "messages"
 
 
-def test_valid_chat_with_text_parts_and_unknown_fields():
+def test_valid_chat_with_text_parts():
     req = chat(
         b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
-        b' {"type": "text", "text": "b"}]}], "max_tokens": 3, "whatever": 1}'
+        b' {"type": "text", "text": "b"}]}], "max_tokens": 3}'
     )
     assert req.messages[0].text() == "ab" and req.max_tokens == 3
+
+
+def test_sglang_fields_pass_through_refused_ones_say_why_unknown_ones_are_named():
+    import msgspec
+
+    body = (
+        b'{"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]},'
+        b' {"role": "tool", "content": "42", "tool_call_id": "c"}], "top_k": 5, "min_p": 0.1,'
+        b' "tools": [{"type": "function"}], "response_format": {"type": "json_object"}}'
+    )
+    out = msgspec.to_builtins(chat(body))
+    assert out["top_k"] == 5 and out["min_p"] == 0.1 and out["tools"] == [{"type": "function"}]
+    assert out["messages"][1] == {"role": "tool", "content": "42", "tool_call_id": "c"}
+    assert "logit_bias" not in out, "fields not sent are not invented"
+    for raw, param, words in [
+        (b'"whatever": 1', "whatever", "unknown parameter whatever"),
+        (b'"session_id": "s"', "session_id", "sessions live on one engine"),
+        (b'"rid": "x"', "rid", "X-Request-Id"),
+    ]:
+        with pytest.raises(InvalidRequest) as exc:
+            chat(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], ' + raw + b"}")
+        assert exc.value.param == param and words in exc.value.message
+    with pytest.raises(InvalidRequest) as exc:
+        chat(b'{"model": "m", "messages": [{"role": "user", "content": "x", "foo": 1}]}')
+    assert exc.value.param == "messages[0].foo"
 
 
 def test_completion_prompt_checks():
