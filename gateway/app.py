@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -106,7 +106,8 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
         "X-Flying-Engine": str(a.engine),
     }
     if reply.stream is not None:
-        return RelayResponse(reply.stream, headers)
+        assert reply.unstarted is not None
+        return RelayResponse(reply.stream, headers, reply.unstarted)
     if reply.raw is not None:
         return Response(reply.raw, status_code=reply.status, media_type="application/json", headers=headers)
     return JSONResponse(reply.body, status_code=reply.status, headers=headers)
@@ -116,16 +117,26 @@ class RelayResponse(StreamingResponse):
     """A stream whose relay generator is closed as soon as the response ends, however it ends. A client that
     leaves cancels the response; if that finds the generator suspended at a ``yield`` nothing closes it but the
     garbage collector, and its cleanup (the abort on the engine, the slot freed in Redis) could come seconds
-    later."""
+    later. If the client leaves before the relay has even started (its cleanup is in the relay), ``unstarted``
+    is called instead."""
 
-    def __init__(self, relay: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
-        super().__init__(relay, media_type="text/event-stream", headers=headers)
-        self.relay = relay
+    def __init__(
+        self, relay: AsyncGenerator[bytes, None], headers: dict[str, str], unstarted: Callable[[], None]
+    ) -> None:
+        super().__init__(self._started(relay), media_type="text/event-stream", headers=headers)
+        self.relay, self.unstarted, self.started = relay, unstarted, False
+
+    async def _started(self, relay: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        self.started = True
+        async for chunk in relay:
+            yield chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if not self.started:
+                self.unstarted()
             await self.relay.aclose()
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +92,10 @@ class Reply:
     body: dict | None = None
     raw: bytes | None = None
     stream: AsyncGenerator[bytes, None] | None = None
+    unstarted: Callable[[], None] | None = None  # a stream never started (its client left at once): clean up
 
 
+FINISH_RETRY_S = 300.0  # how long a request's end is retried while Redis is away
 OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event loop
 
 
@@ -362,7 +365,8 @@ class Gateway:
                 await resp.aread()
                 await self.queue.finish(adm.record.id, "failed", resp.text[:200])
                 return Reply(resp.status_code, a, raw=resp.content)
-            return Reply(200, a, stream=self.relay(adm, a, resp, events))
+            stream = self.relay(adm, a, resp, events)
+            return Reply(200, a, stream=stream, unstarted=functools.partial(self.drop, adm, a, resp))
 
     # -- waiting -----------------------------------------------------------------------------------------------
     async def wait_assignment(
@@ -385,8 +389,10 @@ class Gateway:
         except BaseException:
             self.holding.pop(rid, None)
             self.waiter.forget(rid)
-            with contextlib.suppress(aioredis.RedisError):  # Redis away: the record expires or is reaped
+            try:
                 await self.queue.finish(rid, "cancelled", "not scheduled")
+            except aioredis.RedisError:  # Redis away: retried in the background until it is back
+                self.spawn(self.finish_surely(rid, "cancelled", "not scheduled"))
             raise
 
     async def retry_or_fail(
@@ -503,7 +509,7 @@ class Gateway:
             if state == "cancelled":
                 self.spawn(self._abandon(adm, a, error))
             else:
-                self.spawn(self.queue.finish(adm.record.id, state, error))
+                self.spawn(self.finish_surely(adm.record.id, state, error))
             with contextlib.suppress(Exception):
                 await resp.aclose()
 
@@ -554,8 +560,36 @@ class Gateway:
         many aborts must not hold the slot)."""
         await asyncio.gather(
             self.upstream.abort(a.url, *adm.record.engine_rids()),
-            self.queue.finish(adm.record.id, "cancelled", why),
+            self.finish_surely(adm.record.id, "cancelled", why),
         )
+
+    def drop(self, adm: Admitted, a: Assignment, resp) -> None:
+        """A stream whose client left before it started: close the engine's stream, abort it there, free its
+        slot (what the relay does when it ends)."""
+        self.spawn(resp.aclose())
+        self.spawn(self._abandon(adm, a, "client disconnected before its stream started"))
+
+    async def finish_surely(self, rid: str, state: str, error: str = "") -> None:
+        """``queue.finish``, retried while Redis is away (up to FINISH_RETRY_S): a finish lost to an outage would
+        leave the record ``assigned`` and its engine's inflight slot taken for good."""
+        delay, deadline = 0.1, time.monotonic() + FINISH_RETRY_S
+        while True:
+            try:
+                await self.queue.finish(rid, state, error)
+                return
+            except aioredis.RedisError as exc:
+                reraise_if_cancelled()
+                if time.monotonic() > deadline:
+                    log.error(
+                        "request %s: could not record its end (%s) for %.0f s: %r",
+                        rid,
+                        state,
+                        FINISH_RETRY_S,
+                        exc,
+                    )
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     def spawn(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(_logged(coro))

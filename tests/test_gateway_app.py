@@ -145,3 +145,36 @@ def test_health_is_degraded_without_a_live_engine_or_a_router(redis_server, sync
         sync_redis.set(keys.router_lease, "r2", px=60_000)  # a standby took over
         time.sleep(0.2)
         assert c.get("/health").status_code == 200
+
+
+async def test_a_stream_whose_client_left_before_it_started_is_still_cleaned_up():
+    """The relay's own cleanup runs only once it has started; a client gone before that gets ``unstarted``."""
+    import asyncio
+
+    from gateway.app import RelayResponse
+
+    ran, dropped = [], []
+
+    async def relay():
+        ran.append(1)
+        yield b"data: x\n\n"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await asyncio.sleep(10)  # the client is gone: the start of the response never gets out
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    await asyncio.wait_for(RelayResponse(relay(), {}, lambda: dropped.append(1))(scope, receive, send), 5)
+    assert dropped == [1] and ran == []
+
+    async def fast_send(message):
+        pass
+
+    async def never():
+        await asyncio.sleep(10)
+
+    dropped.clear()
+    await asyncio.wait_for(RelayResponse(relay(), {}, lambda: dropped.append(1))(scope, never, fast_send), 5)
+    assert dropped == [] and ran == [1], "a stream that ran cleans up itself"

@@ -141,3 +141,42 @@ async def test_a_stopped_router_hands_its_lease_over_at_once(aredis, keys):
     assert await second.hold_lease(), "no 10 s wait for the lease to expire"
     await second.release_lease()
     assert not await aredis.exists(keys.router_lease)
+
+
+async def test_a_finish_during_an_outage_lands_when_redis_is_back(tmp_path, keys):
+    """The end of a request whose stream ended while Redis was down is retried: its record does not stay
+    ``assigned`` with its engine's inflight slot taken."""
+    import redis.asyncio as aioredis
+
+    from flying.queue import RequestQueue
+    from gateway.app import redis_client
+    from gateway.config import GatewayConfig
+    from gateway.service import Gateway
+    from tests.stack import CountWords
+    from tests.test_queue import mk
+
+    server = RedisServer(data_dir=tmp_path, aof=True).start()
+    cfg = GatewayConfig(model_path="unused", redis_url=server.url, key_prefix=keys.prefix)
+    gw = Gateway(cfg, redis_client(cfg), CountWords())
+    try:
+        r = aioredis.Redis.from_url(server.url)
+        q = RequestQueue(r, keys)
+        await q.admit(mk("x"))
+        [x] = await q.peek(1)
+        await q.assign(x, 0, "http://e0")
+        await asyncio.sleep(1.2)  # appendfsync everysec
+        await r.aclose()
+        server.stop()
+        ending = asyncio.ensure_future(gw.finish_surely("x", "done"))
+        await asyncio.sleep(0.5)
+        assert not ending.done(), "Redis is down: still retrying"
+        server = RedisServer(port=server.port, data_dir=tmp_path, aof=True).start()
+        await asyncio.wait_for(ending, 10)
+        r = aioredis.Redis.from_url(server.url)
+        q = RequestQueue(r, keys)
+        assert (await q.get("x"))["state"] == "done"
+        assert await r.scard(keys.inflight(0)) == 0
+        await r.aclose()
+    finally:
+        await gw.r.aclose()
+        server.stop()
