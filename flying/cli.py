@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from flying import settings
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: ...)`` to every option's help, except a required option's and one whose default is None
@@ -18,6 +20,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+
+
+def add_redis_arguments(p: argparse.ArgumentParser) -> None:
+    """``--redis-url`` and ``--key-prefix``, as every process takes them (defaults from the environment)."""
+    p.add_argument("--redis-url", default=settings.redis_url(), help=f"Redis (env {settings.REDIS_URL})")
+    p.add_argument(
+        "--key-prefix",
+        default=settings.key_prefix(),
+        help=f"prefix of every Redis key (env {settings.KEY_PREFIX})",
+    )
 
 
 def help_line(p: argparse.ArgumentParser, action: argparse.Action) -> str:

@@ -25,12 +25,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=d.served_model_name, help="the model name clients ask for")
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="HTTP port")
-    p.add_argument("--redis-url", default=settings.redis_url(), help=f"Redis (env {settings.REDIS_URL})")
-    p.add_argument(
-        "--key-prefix",
-        default=settings.key_prefix(),
-        help=f"prefix of every Redis key (env {settings.KEY_PREFIX})",
-    )
+    cli.add_redis_arguments(p)
     p.add_argument(
         "--max-queue",
         type=int,

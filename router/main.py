@@ -13,7 +13,7 @@ import prometheus_client
 import redis
 import redis.asyncio as aioredis
 
-from flying import cli, logs, settings, taskdump
+from flying import cli, logs, taskdump
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.metrics import ClusterCollector
@@ -77,12 +77,7 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     d = RouterConfig()
     p = cli.parser("flying-router", "Dispatch the global Redis queue to engines; bind and release TP groups.")
-    p.add_argument("--redis-url", default=settings.redis_url(), help=f"Redis (env {settings.REDIS_URL})")
-    p.add_argument(
-        "--key-prefix",
-        default=settings.key_prefix(),
-        help=f"prefix of every Redis key (env {settings.KEY_PREFIX})",
-    )
+    cli.add_redis_arguments(p)
     p.add_argument(
         "--poll-s",
         type=float,

@@ -273,12 +273,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True, help="the SGLang server's HTTP port (required)")
     p.add_argument("--host", default=d.host, help="address the SGLang server listens on (keep it private)")
     p.add_argument("--served-model-name", default=d.served_model_name, help="model name the engine reports")
-    p.add_argument("--redis-url", default=settings.redis_url(), help=f"Redis (env {settings.REDIS_URL})")
-    p.add_argument(
-        "--key-prefix",
-        default=settings.key_prefix(),
-        help=f"prefix of every Redis key (env {settings.KEY_PREFIX})",
-    )
+    cli.add_redis_arguments(p)
     p.add_argument("--dtype", default=d.dtype, help="weights and activations dtype (SGLang --dtype)")
     p.add_argument(
         "--max-total-tokens",
