@@ -34,7 +34,12 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     def engine_rids(self) -> list[str]:
         """The request ids SGLang knows it by (what an abort names)."""
-        return [self.id] if self.n == 1 else [f"{self.id}_{i}" for i in range(self.n)]
+        return engine_rids(self.id, self.n)
+
+
+def engine_rids(rid: str, n: int = 1) -> list[str]:
+    """SGLang runs a request of ``n`` choices as ``n`` requests, ``{rid}_{i}``; of one choice, as ``rid``."""
+    return [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
 
 
 class Assignment(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from flying import control
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
-from flying.messages import Group, QueuedRequest, RouterState, decode, encode, from_hash
+from flying.messages import Group, QueuedRequest, RouterState, decode, encode, engine_rids, from_hash
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
 from flying.workers import live_heartbeat, registered_engines
 from router.config import RouterConfig
@@ -236,9 +236,7 @@ class Dispatcher:
             for rid, engine, url, n in held:
                 await self.queue.finish(rid, "cancelled", f"gateway {gw} lost")
                 if engine is not None and url:
-                    for one in (
-                        [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
-                    ):  # QueuedRequest.engine_rids
+                    for one in engine_rids(rid, n):
                         await self._abort(url, one)
             log.warning("gateway %s lost: ended its %d requests (%d were running)", gw, len(held),
                         sum(e is not None for _, e, _, _ in held))  # fmt: skip
