@@ -32,7 +32,7 @@ import torch
 from worker_ext import kv_transform, sglang_patches, step_plan
 from worker_ext.kv_transform import Held
 from worker_ext.rank_messages import AdoptManifest
-from worker_ext.sglang_patches import memory_pool
+from worker_ext.sglang_patches import memory_pool, prefix_cache
 from worker_ext.sglang_patches import requests as rq
 
 if TYPE_CHECKING:
@@ -59,12 +59,12 @@ def adopt(b: Binding, e: Epoch, work: tuple[list, list] | None) -> bool:
     running, waiting = work or ([], [])
     mine = AdoptManifest(
         rank=rank,
-        available=int(b.sub.available_size()),
-        running=[(r.rid, rq.kv_length(r)) for r in running],
+        available=int(b.sub.available_size()) + prefix_cache.evictable_physical(s) * d,
+        running=[(r.rid, rq.kv_length(r), prefix_cache.shared_len(r)) for r in running],
         states=[rq.state_of(r) for r in running + waiting] if rank else [],
     )
     manifests: list[AdoptManifest] = e.group.all_gather_object(mine)
-    held = [Held(rid, m.rank, n) for m in manifests for rid, n in m.running]
+    held = [Held(rid, m.rank, n, shared) for m in manifests for rid, n, shared in m.running]
     if short := kv_transform.adopt_fits(held, [m.available for m in manifests], d):
         log.warning(
             "engine %d: adoption into epoch %d: ranks %s lack KV; binding hard", b.engine, e.epoch, short
@@ -74,6 +74,9 @@ def adopt(b: Binding, e: Epoch, work: tuple[list, list] | None) -> bool:
             b.held = []
         return False
     own = {r.rid: rq.kv_slots(s, r) for r in running}
+    incoming = sum(h.length for h in held if h.rank != rank)
+    siblings = (d - 1) * sum(h.length - h.shared for h in held if h.rank == rank)
+    prefix_cache.make_room(s, incoming - siblings)  # the tree's unlocked DP content goes first, as in DP
     ex, slots = kv_transform.plan_adopt(held, rank, d, own, b.sub.take_over, b.sub.alloc)
     b.note_transform(kv_transform.run_exchange(e.group.data, rank, ex, b.kv.k, b.kv.v), 0)
     if rank == 0:
@@ -110,9 +113,12 @@ def _leader_adopts(b: Binding, manifests: list[AdoptManifest], running: list, sl
 def _follower_adopts(b: Binding, held: list[Held], running: list, waiting: list, slots: dict) -> None:
     s = b.s
     for r in running:
+        pinned = prefix_cache.shared_len(
+            r
+        )  # its cached prompt: read in place (the request keeps its tree lock)
         row, _ = rq.detach_kv(r)
         memory_pool.write_row(s, row, slots[r.rid])
-        b.shadows[r.rid] = step_plan.ShadowReq(row, [slots[r.rid]])
+        b.shadows[r.rid] = step_plan.ShadowReq(row, [slots[r.rid]], pinned=pinned)
     own = {r.rid for r in running}
     for h in held:
         if h.rid not in own and h.length:
@@ -152,6 +158,7 @@ def deliver(b: Binding, emitted: list[rq.Emitted]) -> None:
         reqs.append(req)
         if req.finished():
             del b.owned[em.rid]
+            prefix_cache.let_go(b.s, req)
     rq.stream(b.s, reqs)
 
 
@@ -169,8 +176,9 @@ def scatter(b: Binding, e: Epoch, held: list[Held]) -> list:
     """Collective over the group: each TP request back to its owner. Returns the requests this member owns that
     resume decoding with their KV (to merge into its running batch once it is back in DP)."""
     rank, d = e.rank, e.width
-    free = e.group.all_gather_object(int(b.sub.base.available_size()))
+    free = e.group.all_gather_object(int(b.sub.base.available_size()) + prefix_cache.evictable_physical(b.s))
     placed = kv_transform.scatter_placement([h for h in held if h.length], free)
+    prefix_cache.evict_physical(b.s, sum(h.length for h in held if h.rank == rank and h.rid in placed))
     mine = _my_slices(b, held)
     ex, taken = kv_transform.plan_scatter(held, placed, rank, d, mine, b.sub.base.alloc)
     retracted = sum(1 for h in held if h.length and h.rid not in placed)
@@ -204,8 +212,9 @@ def _leader_scatters(b: Binding, held: list[Held], placed: set[str], taken: dict
     own_running = {r.rid: r for r in rq.running_reqs(s)}
     back = [own_running[h.rid] for h in held if h.rid in own_running and h.rid in placed]
     for req in back:
-        virtual = rq.kv_slots(s, req)
+        virtual = rq.kv_slots(s, req)[prefix_cache.shared_len(req) :]  # the tree keeps its cached prompt
         b.allocator.free(virtual)  # the sub-slot allocator's free: the TP slices
+        prefix_cache.let_go(s, req)  # its whole row is now its own copy
         memory_pool.write_row(s, req.kv.req_pool_idx, taken[req.rid])
     undone = [own_running[h.rid] for h in held if h.rid in own_running and h.rid not in placed]
     if undone:
@@ -223,6 +232,7 @@ def _follower_scatters(b: Binding, held: list[Held], placed: set[str], taken: di
         step_plan.free_shadow(b, rid)
     back, lengths = [], {h.rid: h.length for h in held}
     for rid, req in b.owned.items():
+        prefix_cache.let_go(s, req)  # it comes back with a copy of its KV of its own, or is recomputed
         if rid in placed:
             row = memory_pool.alloc_row(s)
             memory_pool.write_row(s, row, taken[rid])

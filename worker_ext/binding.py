@@ -30,7 +30,7 @@ from worker_ext.comm_pool import CommPool, MergedGroup
 from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import ExchangeStats
 from worker_ext.rank_messages import Handshake, Noop, ReleasePlan
-from worker_ext.sglang_patches import memory_pool, model
+from worker_ext.sglang_patches import memory_pool, model, prefix_cache
 from worker_ext.sglang_patches import requests as rq
 from worker_ext.weights import WeightsManager, storage_bytes
 
@@ -278,6 +278,7 @@ class Binding:
         self.weights.activate(width, rank)
         self._set_layout(width, group)
         self.sub = memory_pool.install_sub_allocator(self.allocator, width)
+        prefix_cache.bypass(self.s, self.sub.base, width)  # the DP prefix tree: kept, not used by TP requests
         self.epoch = Epoch(cmd.epoch, tuple(cmd.members), rank, group)
         self.last_epoch = max(self.last_epoch, cmd.epoch)
         try:
@@ -332,6 +333,7 @@ class Binding:
         self.sent.clear()
         self.outbox = []
         memory_pool.remove_sub_allocator(self.allocator)
+        prefix_cache.restore(self.s)
         self._set_layout(1, None)
         self.epoch = None
         if not resume:
@@ -358,6 +360,7 @@ class Binding:
             sglang_patches.drop_tp_requests(self.s)
             for req in self.owned.values():  # a follower's own requests the leader ran: end them here
                 req.finished_reason = sglang_patches.group_lost()
+                prefix_cache.let_go(self.s, req)
             rq.stream(self.s, list(self.owned.values()))
             self.owned = {}
             self._unbind("aborted")

@@ -88,21 +88,24 @@ def run_exchange(
 
 class Held(msgspec.Struct, frozen=True):
     """One request's KV as the group sees it before a transformation: ``rank`` holds it (adopt: the member it runs
-    on in DP; scatter: the member that owns it and takes it back), ``length`` tokens of KV."""
+    on in DP; scatter: the member that owns it and takes it back), ``length`` tokens of KV, the first ``shared`` of
+    them in slots its holder's prefix tree owns (adopt: read in place, never carved; see
+    worker_ext.sglang_patches.prefix_cache)."""
 
     rid: str
     rank: int
     length: int
+    shared: int = 0
 
 
 def adopt_fits(held: list[Held], available: list[int], width: int) -> list[int]:
     """Ranks that cannot hold the slices an adoption sends them: each rank carves, for every other rank's request,
     ``length`` virtual slots, from its free virtual slots (``available``, at width ``width``) plus the sibling slots
-    its own requests free."""
+    its own requests free (not those of tree-owned slots: other requests may read them)."""
     short = []
     for k in range(width):
         need = sum(h.length for h in held if h.rank != k)
-        freed = (width - 1) * sum(h.length for h in held if h.rank == k)
+        freed = (width - 1) * sum(h.length - h.shared for h in held if h.rank == k)
         if need > available[k] + freed:
             short.append(k)
     return short
@@ -111,12 +114,14 @@ def adopt_fits(held: list[Held], available: list[int], width: int) -> list[int]:
 def plan_adopt(held: list[Held], rank: int, width: int, own: dict, take_over, alloc) -> tuple[Exchange, dict]:
     """This rank's part of an adoption. ``own[rid]``: physical slots of this rank's own requests; ``take_over``
     (physical, keep) -> kept virtual slots; ``alloc(n)`` -> n free virtual slots. Returns the exchange and, per
-    request, this rank's virtual slots for its slice (in token order)."""
+    request, this rank's virtual slots for its slice (in token order). The first ``shared`` slots of an own request
+    belong to this rank's prefix tree: its slice of them is read in place and their siblings stay as they are."""
     ex, slots = Exchange(width), {}
     for h in held:  # first free the siblings of every own request, so the carving below can reuse them
         if h.rank == rank and h.length:
             phys = own[h.rid]
-            slots[h.rid] = take_over(phys, rank)
+            kept = phys[: h.shared].to(torch.int64) * width + rank
+            slots[h.rid] = torch.cat((kept, take_over(phys[h.shared :], rank)))
             for j in range(width):
                 if j != rank:
                     ex.send[j].append(phys.to(torch.int64) * width + j)

@@ -60,6 +60,9 @@ class WorkerConfig:
     enable_metrics: bool = False  # SGLang's own Prometheus metrics on the engine's port (/metrics)
     log_format: LogFormat = "text"  # the launcher's lines, the plugin's, and SGLang's request lines
     log_requests: bool = True  # SGLang logs each request's rid as it arrives and finishes (metadata only)
+    prefix_cache: bool = (
+        True  # SGLang's radix cache, kept through binds and releases (worker_ext.sglang_patches.prefix_cache)
+    )
 
     def __post_init__(self) -> None:
         assert 0 <= self.engine < self.num_engines, f"engine {self.engine} not in [0, {self.num_engines})"
@@ -133,7 +136,7 @@ def sglang_command(cfg: WorkerConfig) -> list[str]:
         cfg.log_requests
     ):  # level 0: the request's metadata (its rid), no prompt, output or sampling parameters
         cmd += ["--log-requests", "--log-requests-level", "0", "--log-requests-format", cfg.log_format]
-    if cfg.comm_port:  # bound-capable: TP requests' KV slots are per-request views, not sharable prefixes
+    if not cfg.prefix_cache:
         cmd += ["--disable-radix-cache"]
     if cfg.enable_metrics:
         cmd += ["--enable-metrics"]
@@ -313,6 +316,12 @@ def parser() -> argparse.ArgumentParser:
         help="SGLang's own Prometheus metrics on the engine's port, /metrics (off unless given); the switch counters "
         "are in the heartbeat and the router's metrics",
     )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="turn SGLang's prefix (radix) cache off (on unless given; kept through binds and releases, TP requests "
+        "bypass it)",
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang.launch_server arguments")
     return p
 
@@ -338,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         comm_host=a.comm_host,
         extra_args=extra,
         enable_metrics=a.enable_metrics,
+        prefix_cache=not a.disable_radix_cache,
         log_format=a.log_format,
         log_requests=a.log_requests,
     )

@@ -49,7 +49,7 @@ class AdoptManifest(msgspec.Struct):
 
     rank: int
     available: int
-    running: list[tuple[str, int]]  # (rid, KV tokens), in the order of ``states``
+    running: list[tuple[str, int, int]]  # (rid, KV tokens, of them in its tree), in the order of ``states``
     states: list[ReqState] = []  # running, then waiting (followers only)
 
 

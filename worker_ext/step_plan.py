@@ -15,7 +15,7 @@ import torch
 
 from worker_ext import sglang_patches
 from worker_ext.rank_messages import Forward, Noop, ReleasePlan
-from worker_ext.sglang_patches import memory_pool
+from worker_ext.sglang_patches import memory_pool, prefix_cache
 
 if TYPE_CHECKING:
     from worker_ext.binding import Binding
@@ -25,10 +25,12 @@ log = logging.getLogger("flying.step_plan")
 
 @dataclass
 class ShadowReq:
-    """A follower's copy of one TP request: its own request row and KV slots."""
+    """A follower's copy of one TP request: its own request row and KV slots (the first ``pinned`` of them, an own
+    adopted request's cached prompt, belong to this engine's prefix tree: read in place, never freed here)."""
 
     row: int
     slots: list[torch.Tensor] = field(default_factory=list)
+    pinned: int = 0
 
 
 def around_forward(b: Binding, original, runner, forward_batch, *args, **kwargs):
@@ -86,8 +88,9 @@ def follow(b: Binding) -> None:
 
 def free_shadow(b: Binding, rid: str) -> None:
     sh = b.shadows.pop(rid)
-    if sh.slots:
-        b.allocator.free(torch.cat(sh.slots))
+    own = torch.cat(sh.slots)[sh.pinned :] if sh.slots else None
+    if own is not None and own.numel():
+        b.allocator.free(own)
     memory_pool.free_row(b.s, sh.row)
 
 
@@ -100,6 +103,7 @@ def execute(b: Binding, msg: Forward) -> None:
         sh = b.shadows.get(rid)
         if sh is None:
             sh = b.shadows[rid] = ShadowReq(memory_pool.alloc_row(b.s))
+        prefix_cache.make_room(b.s, n)
         slots = b.allocator.alloc(n)
         assert slots is not None, "follower out of KV slots"
         memory_pool.write_row(b.s, sh.row, slots, start=seq - n)

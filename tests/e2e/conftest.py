@@ -55,7 +55,7 @@ def stock_tp(tiny_model, tmp_path_factory, tp: int):
     """A stock SGLang server with ``--tp tp`` (gloo all-reduce) on the tiny model: the reference a merged group of
     that width must match."""
     log = tmp_path_factory.mktemp(f"stock-tp{tp}") / "server.log"
-    server = StockServer(tiny_model, log, tp=tp, disable_radix_cache=True).start()
+    server = StockServer(tiny_model, log, tp=tp).start()  # radix cache on, as the workers
     try:
         yield server.url
     finally:

@@ -1,0 +1,197 @@
+"""The engine's prefix tree while it is bound (pinned: sglang 0.5.23, ``UnifiedRadixCache``).
+
+In DP the radix tree works as on stock SGLang: its values are physical KV slots, shared by the DP requests whose
+prompts match (a running request's prompt is in the tree, locked, from its first step on). A bind views the same
+pool at the group's width and carves TP slots from the free physical slots (worker_ext.kv_layout), so for the
+epoch (:func:`bypass`, undone by :func:`restore`):
+
+- TP requests bypass the tree: matching, inserting and checkpointing answer what a tree built with
+  ``--disable-radix-cache`` answers, so a TP-layout slot never enters it, and a TP request reuses no cached
+  prefix (it prefills in full at the group's width);
+- the tree keeps its DP content and counts and frees in physical slots: its own eviction path runs when the
+  group needs memory (asked in virtual slots, ``ceil(n / width)`` physical slots evicted), and it reports its
+  evictable KV to the scheduler's budget in virtual slots (``width`` per physical slot);
+- a TP request's own slots go back through the engine's allocator (the sub-slot allocator, virtual slots);
+- nodes locked by paused DP requests, and by DP requests the group adopted (whose cached prompt stays where it
+  is: each member reads its head slice of it in place, see :func:`shared_len`), stay locked: never evicted,
+  never carved.
+
+After the release the tree is the same tree: a DP request that reuses a prefix cached before the bind reads the
+same KV it would have read without the epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from worker_ext.sglang_patches.memory_pool import BaseAllocator
+
+# Tree methods answered as a disabled tree answers them while bound (TP requests neither hit nor fill the tree).
+_AS_DISABLED = ("match_prefix", "touch_prefix", "insert", "checkpoint")
+_SCALED = ("evictable_size", "full_evictable_size")  # physical slots -> virtual ones
+_EVICT = ("evict", "evict_for_alloc")
+_PATCHED = (*_AS_DISABLED, *_SCALED, *_EVICT, "free_kv_row")
+
+
+def tree(scheduler: Any) -> Any:
+    return scheduler.tree_cache
+
+
+def enabled(scheduler: Any) -> bool:
+    """The engine shares prefixes (its radix cache is on)."""
+    t = scheduler.tree_cache
+    return t is not None and bool(t.supports_prefix_sharing())
+
+
+def shared_len(req: Any) -> int:
+    """Leading KV tokens of ``req`` that the tree owns (its cached prompt, locked by the request): shared with
+    other requests, so they are read where they are and never freed or carved as the request's own."""
+    return int(req.kv.cache_protected_len) if req.kv.holds_kv else 0
+
+
+class PhysicalView:
+    """The engine allocator as the bound engine's tree sees it: physical slots (the tree's values are DP-layout
+    slots), everything else the allocator's own. A request's eviction demand still arrives in virtual slots
+    (``evict_to_free_tokens`` is the engine allocator's)."""
+
+    def __init__(self, allocator: Any, base: BaseAllocator) -> None:
+        self.engine_allocator, self._base = allocator, base
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine_allocator, name)
+
+    def available_size(self) -> int:
+        return int(self._base.available_size())
+
+    full_available_size = available_size
+
+    def free(self, index: torch.Tensor) -> None:
+        if index.numel():
+            self._base.free(index)
+
+    def free_segment(self, index: torch.Tensor, *, start_pos: int = 0) -> None:
+        self.free(index)
+
+    free_full_segment = free_segment
+
+    def free_segments(self, segments: Any) -> None:
+        for index, _ in segments:
+            self.free(index)
+
+    free_full_segments = free_segments
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> Any:
+        return self.engine_allocator.evict_to_free_tokens(tree_cache, num_tokens)
+
+
+def bypass(scheduler: Any, base: BaseAllocator, width: int) -> None:
+    """Apply the epoch's rules (module docstring) to the engine's tree, at the group's ``width``. Call after the
+    sub-slot allocator is installed; a no-op when the radix cache is off."""
+    if not enabled(scheduler):
+        return
+    t = scheduler.tree_cache
+    cls = type(t)
+    assert all(callable(getattr(cls, n, None)) for n in _PATCHED), "prefix tree API"
+    assert "match_prefix" not in t.__dict__, "tree already bypassed"
+    engine_allocator = t.token_to_kv_pool_allocator
+    view = PhysicalView(engine_allocator, base)
+    t.token_to_kv_pool_allocator = view
+
+    def as_disabled(name: str) -> Any:
+        method = getattr(cls, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t.disable = True
+            try:
+                return method(t, *args, **kwargs)
+            finally:
+                t.disable = False
+
+        return call
+
+    def scaled(name: str) -> Any:
+        method = getattr(cls, name)
+        return lambda: int(method(t)) * width
+
+    def evicting(name: str) -> Any:
+        method = getattr(cls, name)
+
+        def call(params: Any, *args: Any, **kwargs: Any) -> Any:
+            physical = dataclasses.replace(params, num_tokens=math.ceil(params.num_tokens / width))
+            result = method(t, physical, *args, **kwargs)
+            result.num_tokens_evicted *= width
+            return result
+
+        return call
+
+    def free_kv_row(kv: Any, ranges: list[tuple[int, int]]) -> None:
+        t.token_to_kv_pool_allocator = engine_allocator  # a request's own slots: virtual
+        try:
+            cls.free_kv_row(t, kv, ranges)
+        finally:
+            t.token_to_kv_pool_allocator = view
+
+    for name in _AS_DISABLED:
+        setattr(t, name, as_disabled(name))
+    for name in _SCALED:
+        setattr(t, name, scaled(name))
+    for name in _EVICT:
+        setattr(t, name, evicting(name))
+    t.free_kv_row = free_kv_row
+
+
+def restore(scheduler: Any) -> None:
+    """The tree as SGLang made it (after the sub-slot allocator is gone)."""
+    t = scheduler.tree_cache
+    view = t.__dict__.get("token_to_kv_pool_allocator") if t is not None else None
+    if not isinstance(view, PhysicalView):
+        return
+    for name in _PATCHED:
+        t.__dict__.pop(name, None)
+    t.token_to_kv_pool_allocator = view.engine_allocator
+
+
+def evict_physical(scheduler: Any, num_tokens: int) -> None:
+    """Bound: make ``num_tokens`` physical slots free, evicting unlocked tree content if needed."""
+    t = scheduler.tree_cache
+    view = t.__dict__.get("token_to_kv_pool_allocator") if t is not None else None
+    if not isinstance(view, PhysicalView):
+        return
+    short = num_tokens - view.available_size()
+    if short > 0:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        type(t).evict(t, EvictParams(num_tokens=short))
+
+
+def evictable_physical(scheduler: Any) -> int:
+    """Bound: physical slots the tree could give back."""
+    t = scheduler.tree_cache
+    if t is None or not isinstance(t.__dict__.get("token_to_kv_pool_allocator"), PhysicalView):
+        return 0
+    return int(type(t).evictable_size(t))
+
+
+def make_room(scheduler: Any, num_tokens: int) -> None:
+    """Bound: evict until the engine allocator can give ``num_tokens`` (virtual) slots, as the scheduler does
+    before its own allocations."""
+    if enabled(scheduler):
+        scheduler.token_to_kv_pool_allocator.evict_to_free_tokens(scheduler.tree_cache, num_tokens)
+
+
+def let_go(scheduler: Any, req: Any) -> None:
+    """``req`` no longer reads the tree's copy of its prefix (it ended elsewhere, or its KV was copied to slots of
+    its own): drop its lock so the prefix can be evicted again, and count its whole row as its own."""
+    t = scheduler.tree_cache
+    if t is None or getattr(req, "lock", None) is None:
+        return
+    t.unlock(req.lock)
+    req.lock = None
+    req.last_node = t.root_node_handle(extra_key=req.extra_key)
+    if req.kv.holds_kv:
+        req.kv.cache_protected_len = 0
+        req.kv.cache_inserted_len = 0
