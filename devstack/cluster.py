@@ -35,6 +35,7 @@ class ClusterConfig:
     gateway_port: int = field(default_factory=free_port)
     worker_ports: tuple[int, ...] = ()
     router_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()  # more flying-worker flags for every worker (e.g. --disable-radix-cache)
     bindable: bool = True  # workers build the communicator pool and accept bind/release commands
     comm_port: int = field(default_factory=free_port)
     gateway_args: tuple[str, ...] = ()
@@ -119,6 +120,7 @@ class Cluster:
         )  # fmt: skip
         if c.bindable and c.num_engines > 1:
             cmd += ["--comm-port", str(c.comm_port)]
+        cmd += list(c.worker_args)
         self.workers[i] = spawn(cmd, self.log(f"worker{i}"))
         self.progress(f"worker {i} starting on port {c.worker_ports[i]}")
 
