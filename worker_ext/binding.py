@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flying.messages import Bind, Command, Release
-from worker_ext import adoption, preemption, sglang_patches, step_plan
+from worker_ext import aborts, adoption, preemption, sglang_patches, step_plan
 from worker_ext.comm_pool import CommPool, MergedGroup
 from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import ExchangeStats
@@ -96,6 +96,10 @@ class Binding:
         self.sent: dict[str, tuple[int, int]] = {}  # leader: output ids, log-probs already emitted per copy
         self.outbox: list[rq.Emitted] = []  # leader: output for other members, sent with the next message
         self.owned: dict[str, Any] = {}  # follower: its own requests the leader runs
+        self.aborts_seen, self.aborts_polled = (
+            0,
+            0.0,
+        )  # leader: members' client aborts applied (worker_ext.aborts)
         self.transform: Load = {"transform_ms": 0.0, "transform_tokens": 0, "transform_peak_bytes": 0,
                                 "transform_retracted": 0}  # fmt: skip
 
@@ -186,6 +190,7 @@ class Binding:
             self.abort(e.failed)
             return
         try:
+            aborts.apply(self, e)
             live = sglang_patches.live_rids(self.s)
             clean = sglang_patches.at_clean_step_boundary(self.s)
             transform = (
@@ -280,6 +285,7 @@ class Binding:
         self.sub = memory_pool.install_sub_allocator(self.allocator, width)
         prefix_cache.bypass(self.s, self.sub.base, width)  # the DP prefix tree: kept, not used by TP requests
         self.epoch = Epoch(cmd.epoch, tuple(cmd.members), rank, group)
+        self.aborts_seen = 0
         self.last_epoch = max(self.last_epoch, cmd.epoch)
         try:
             if rank == 0:

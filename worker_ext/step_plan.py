@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker_ext import sglang_patches
+from worker_ext import aborts, sglang_patches
 from worker_ext.rank_messages import Forward, Noop, ReleasePlan
 from worker_ext.sglang_patches import memory_pool, prefix_cache
 
@@ -74,6 +74,7 @@ def follow(b: Binding) -> None:
             msg = e.group.broadcast_object()
             assert isinstance(msg, Forward | Noop | ReleasePlan)  # the leader sends plans while bound
             b.deliver(msg.emit)
+            aborts.forward(b, e)  # the follower's own clients' aborts, which its idle loop cannot read
             if isinstance(msg, ReleasePlan) and msg.scatter is not None:
                 b.scatter_and_leave(msg.scatter, msg.next)
                 return

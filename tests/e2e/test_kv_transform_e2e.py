@@ -176,6 +176,44 @@ def test_adopt_scatter_cycles_leave_no_kv_behind(cluster):
     assert generate(urls[1], PROMPTS[1], 8)["meta_info"]["completion_tokens"] == 8  # still serving
 
 
+def test_a_client_leaving_an_adopted_request_frees_the_group_at_once(cluster):
+    """A client of engine 1 aborts its request (as the gateway does when the client disconnects) while the leader,
+    engine 0, runs it as an adopted copy: engine 1 ends it at once and the leader drops its copy within seconds,
+    not at the end of the epoch."""
+    urls, n = [worker_url(cluster, i) for i in (0, 1)], 3000
+    results: dict[int, dict] = {}
+
+    def send(i: int) -> None:
+        body = {
+            "rid": f"leave-{i}",
+            "input_ids": PROMPTS[i],
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        }
+        results[i] = httpx.post(urls[i] + "/generate", json=body, timeout=120).json()
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1), adopt=True)
+    beats = wait_mode(cluster, (0, 1), "tp", epoch=epoch)
+    assert beats[0].running == 2, beats[0]  # the leader runs its own request and engine 1's copy
+    t0 = time.monotonic()
+    assert httpx.post(urls[1] + "/abort_request", json={"rid": "leave-1"}, timeout=10).status_code == 200
+    threads[1].join(10)
+    assert not threads[1].is_alive(), "engine 1 did not end its aborted request"
+    assert results[1]["meta_info"]["finish_reason"]["type"] == "abort"
+    while control.status(r, cluster.keys)[0].running != 1:
+        assert time.monotonic() - t0 < 5, "the leader still runs the aborted copy"
+        time.sleep(0.05)
+    assert control.status(r, cluster.keys)[0].mode == "tp"  # the epoch goes on
+    httpx.post(urls[0] + "/abort_request", json={"rid": "leave-0"}, timeout=10)
+    threads[0].join(10)
+    control.release(r, cluster.keys, (0, 1), epoch)
+    wait_mode(cluster, (0, 1), "dp", timeout_s=30)
+
+
 def test_a_member_killed_while_its_requests_are_adopted_ends_them_clearly(cluster):
     """Engine 1 dies while the group runs both engines' adopted requests: the leader ends the epoch, aborts the
     requests it ran (status 503) and serves DP again; nothing hangs."""

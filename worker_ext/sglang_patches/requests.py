@@ -299,3 +299,33 @@ def reset_for_recompute(req: Any) -> None:
     """SGLang's retraction state: the request is prefilled again (prompt + output so far) when admitted."""
     req.reset_for_retract()
     req.kv = type(req.kv)()
+
+
+# --- client aborts while an engine follows a group ---------------------------------------------------------------
+
+
+def receive_while_following(scheduler: Any) -> list[str]:
+    """A follower's scheduler loop is not running: take what its tokenizer sent meanwhile (new requests, aborts)
+    and keep all of it for the loop's next iteration, as SGLang keeps inputs it cannot dispatch yet. Returns the
+    request ids the clients aborted (SGLang aborts every request whose id starts with one)."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    got = scheduler.request_receiver.recv_requests(local_reqs=[])
+    scheduler._deferred_input_requests.extend(got)
+    return [r.rid for r in got if isinstance(r, AbortReq) and r.rid and not r.abort_all]
+
+
+def abort(scheduler: Any, rid: str) -> None:
+    """Abort ``rid`` (and ``rid_*``) in this scheduler as a client's abort does."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    scheduler.abort_request(AbortReq(rid=rid))
+
+
+def end_aborted(scheduler: Any, reqs: list) -> None:
+    """Finish requests whose client left (an abort) and tell this engine's tokenizer."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    for req in reqs:
+        req.finished_reason = FINISH_ABORT()
+    stream(scheduler, reqs)
