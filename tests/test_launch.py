@@ -119,3 +119,18 @@ def test_enable_metrics_is_passed_to_sglang():
     assert "--enable-metrics" not in launch.sglang_command(cfg)
     on = launch.WorkerConfig(engine=0, num_engines=1, model_path="m", port=1, enable_metrics=True)
     assert "--enable-metrics" in launch.sglang_command(on)
+
+
+def test_cache_report_always_and_the_radix_cache_by_default_off_only_on_a_bindable_engine():
+    def cmd(**kw):
+        return launch.sglang_command(launch.WorkerConfig(engine=0, num_engines=2, model_path="m", port=1, **kw))
+
+    assert "--enable-cache-report" in cmd(), "usage.prompt_tokens_details.cached_tokens in every answer"
+    assert "--disable-radix-cache" not in cmd()
+    assert "--disable-radix-cache" in cmd(comm_port=5000)
+    assert "--disable-radix-cache" not in cmd(comm_port=5000, disable_radix_cache=False)
+    assert "--disable-radix-cache" in cmd(disable_radix_cache=True)
+    base = ["--engine", "0", "--num-engines", "2", "--model-path", "m", "--port", "1"]
+    assert launch.parser().parse_args(base).disable_radix_cache is None
+    assert launch.parser().parse_args([*base, "--no-disable-radix-cache"]).disable_radix_cache is False
+    assert launch.parser().parse_args([*base, "--disable-radix-cache"]).disable_radix_cache is True

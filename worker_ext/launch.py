@@ -60,6 +60,14 @@ class WorkerConfig:
     enable_metrics: bool = False  # SGLang's own Prometheus metrics on the engine's port (/metrics)
     log_format: LogFormat = "text"  # the launcher's lines, the plugin's, and SGLang's request lines
     log_requests: bool = True  # SGLang logs each request's rid as it arrives and finishes (metadata only)
+    # SGLang's prefix (radix) cache off; None: off on a bindable engine (comm_port set), on otherwise
+    disable_radix_cache: bool | None = None
+
+    @property
+    def radix_cache(self) -> bool:
+        if self.disable_radix_cache is None:
+            return not self.comm_port
+        return not self.disable_radix_cache
 
     def __post_init__(self) -> None:
         assert 0 <= self.engine < self.num_engines, f"engine {self.engine} not in [0, {self.num_engines})"
@@ -124,6 +132,7 @@ def sglang_command(cfg: WorkerConfig) -> list[str]:
         "--dtype",
         cfg.dtype,
         "--enable-priority-scheduling",
+        "--enable-cache-report",  # usage.prompt_tokens_details.cached_tokens in every OpenAI answer
         "--log-level",
         "warning",
     ]
@@ -133,7 +142,7 @@ def sglang_command(cfg: WorkerConfig) -> list[str]:
         cfg.log_requests
     ):  # level 0: the request's metadata (its rid), no prompt, output or sampling parameters
         cmd += ["--log-requests", "--log-requests-level", "0", "--log-requests-format", cfg.log_format]
-    if cfg.comm_port:  # bound-capable: TP requests' KV slots are per-request views, not sharable prefixes
+    if not cfg.radix_cache:
         cmd += ["--disable-radix-cache"]
     if cfg.enable_metrics:
         cmd += ["--enable-metrics"]
@@ -313,6 +322,13 @@ def parser() -> argparse.ArgumentParser:
         help="SGLang's own Prometheus metrics on the engine's port, /metrics (off unless given); the switch counters "
         "are in the heartbeat and the router's metrics",
     )
+    p.add_argument(
+        "--disable-radix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="SGLang's prefix cache off (--no-disable-radix-cache: on); by default off on an engine given "
+        "--comm-port, on otherwise",
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang.launch_server arguments")
     return p
 
@@ -340,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_metrics=a.enable_metrics,
         log_format=a.log_format,
         log_requests=a.log_requests,
+        disable_radix_cache=a.disable_radix_cache,
     )
     sys.exit(run(with_default_kv(cfg), drain_grace_s=a.drain_grace_s))
 
