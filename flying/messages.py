@@ -102,8 +102,15 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     max_total_tokens: int = 0  # this engine's own KV tokens (also while bound: the group has width x this)
     context_len: int = 0
     max_running_requests: int = 0
+    prompt_tokens: int = 0  # prompt tokens of the requests the engine finished since it started ...
+    cached_tokens: int = 0  # ... and how many of them its prefix cache held (SGLang's cached_tokens)
     step: int = 0
     ts: float = 0.0
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Share of the finished requests' prompt tokens found in the prefix cache (None: none finished)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
 _encoder = msgspec.json.Encoder()

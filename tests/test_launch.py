@@ -123,7 +123,9 @@ def test_enable_metrics_is_passed_to_sglang():
 
 def test_cache_report_always_and_the_radix_cache_by_default_off_only_on_a_bindable_engine():
     def cmd(**kw):
-        return launch.sglang_command(launch.WorkerConfig(engine=0, num_engines=2, model_path="m", port=1, **kw))
+        return launch.sglang_command(
+            launch.WorkerConfig(engine=0, num_engines=2, model_path="m", port=1, **kw)
+        )
 
     assert "--enable-cache-report" in cmd(), "usage.prompt_tokens_details.cached_tokens in every answer"
     assert "--disable-radix-cache" not in cmd()
