@@ -47,6 +47,9 @@ class CountWords:
     def chat_ids(self, req):
         return [1] * (sum(len(m.text().split()) for m in req.messages) + 3)
 
+    def completion(self, req):
+        return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.split())
+
 
 def sse(events, fail_after: int | None = None):
     """The engine's answer: ``events`` then [DONE]; with ``fail_after``, that many events, then a connection
@@ -276,3 +279,22 @@ async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(ga
     assert served[0] == "client-1" and re.fullmatch(r"client-1-[0-9a-f]{8}", served[1]), served
     assert rids == served
     assert await aredis.hget(keys.request(served[1]), "state") == b"done"
+
+
+async def test_admission_records_the_prompts_prefix_chain(gateway):
+    """The record carries the chain of the prompt's token ids (a chat's rendered template; a completion's ids),
+    or of a completion's text: the router's cache-aware dispatch reads it."""
+    from flying.prefix import block_hashes
+    from gateway.schemas import CompletionRequest
+
+    def body(**kw) -> bytes:
+        return json.dumps({"model": "tiny-llama"} | kw).encode()
+
+    chat = await gateway.admit(decode(body(messages=[{"role": "user", "content": "w " * 200}]), ChatCompletionRequest), "normal")  # fmt: skip
+    assert len(chat.record.chain) == 3 and chat.record.chain == tuple(block_hashes([1] * 203))
+    ids = await gateway.admit(decode(body(prompt=list(range(130))), CompletionRequest), "normal")
+    assert ids.record.chain == tuple(block_hashes(list(range(130))))
+    text = await gateway.admit(decode(body(prompt="x " * 300), CompletionRequest), "normal")
+    assert text.record.chain == tuple(block_hashes("x " * 300)) and len(text.record.chain) == 2
+    short = await gateway.admit(decode(body(prompt="hello"), CompletionRequest), "normal")
+    assert short.record.prefix == ""
