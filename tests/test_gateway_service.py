@@ -47,6 +47,9 @@ class CountWords:
     def chat_ids(self, req):
         return [1] * (sum(len(m.text().split()) for m in req.messages) + 3)
 
+    def completion(self, req):
+        return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.split())
+
 
 def sse(events, fail_after: int | None = None):
     """The engine's answer: ``events`` then [DONE]; with ``fail_after``, that many events, then a connection
@@ -323,3 +326,22 @@ async def test_a_non_streaming_answer_keeps_the_engines_cached_tokens(gateway):
     finally:
         connected.cancel()
     assert reply.status == 200 and reply.body["usage"] == usage
+
+
+async def test_admission_records_the_prompts_prefix_chain(gateway):
+    """The record carries the chain of the prompt's token ids (a chat's rendered template; a completion's ids),
+    or of a completion's text: the router's cache-aware dispatch reads it."""
+    from flying.prefix import block_hashes
+    from gateway.schemas import CompletionRequest
+
+    def body(**kw) -> bytes:
+        return json.dumps({"model": "tiny-llama"} | kw).encode()
+
+    chat = await gateway.admit(decode(body(messages=[{"role": "user", "content": "w " * 200}]), ChatCompletionRequest), "normal")  # fmt: skip
+    assert len(chat.record.chain) == 3 and chat.record.chain == tuple(block_hashes([1] * 203))
+    ids = await gateway.admit(decode(body(prompt=list(range(130))), CompletionRequest), "normal")
+    assert ids.record.chain == tuple(block_hashes(list(range(130))))
+    text = await gateway.admit(decode(body(prompt="x " * 300), CompletionRequest), "normal")
+    assert text.record.chain == tuple(block_hashes("x " * 300)) and len(text.record.chain) == 2
+    short = await gateway.admit(decode(body(prompt="hello"), CompletionRequest), "normal")
+    assert short.record.prefix == ""
