@@ -86,7 +86,7 @@ def dispatch_part(model: Path, tmp: Path, a: argparse.Namespace) -> None:
     results: dict[str, dict[str, dict]] = {}
     for mode in a.dispatch:
         cfg = ClusterConfig(model_path=model, num_engines=2, log_dir=tmp / mode, max_total_tokens=KV_TOKENS,
-                            router_args=("--manual", "--dispatch", mode), worker_args=KEEP_CACHE)  # fmt: skip
+                            router_args=("--manual",), worker_args=KEEP_CACHE, dispatch=mode)  # fmt: skip
         with Cluster(cfg) as c:
             url = c.config.gateway_url
             results[mode] = {
