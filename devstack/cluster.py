@@ -21,6 +21,7 @@ from flying.keys import Keys
 from flying.messages import Heartbeat
 from flying.procs import NotReady, free_port, spawn, stop, stop_all, tail, wait_healthy
 from flying.workers import live_heartbeat
+from router.policy import DispatchRule, PolicyConfig
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,15 @@ class ClusterConfig:
     bindable: bool = True  # workers build the communicator pool and accept bind/release commands
     comm_port: int = field(default_factory=free_port)
     gateway_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()  # more flying-worker options for every engine
     standby_router: bool = False  # a second router waiting for the lease (the demo runs one)
     log_format: str = "text"  # every process's --log-format: text or json (see flying.logs)
     router_metrics_port: int = field(default_factory=free_port)  # the router's Prometheus metrics (0: off)
+    # the router's DP dispatch (issue 16; router_args given after these override them)
+    dispatch: DispatchRule = PolicyConfig.dispatch
+    cache_threshold: float = PolicyConfig.cache_threshold
+    balance_abs_threshold: float = PolicyConfig.balance_abs_threshold
+    balance_rel_threshold: float = PolicyConfig.balance_rel_threshold
 
     def __post_init__(self) -> None:
         assert self.num_engines >= 1, "num_engines must be >= 1"
@@ -52,6 +59,12 @@ class ClusterConfig:
     @property
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
+
+    def dispatch_args(self) -> tuple[str, ...]:
+        """The router's dispatch flags for these settings."""
+        return ("--dispatch", self.dispatch, "--cache-threshold", str(self.cache_threshold),
+                "--balance-abs-threshold", str(self.balance_abs_threshold),
+                "--balance-rel-threshold", str(self.balance_rel_threshold))  # fmt: skip
 
 
 class ClusterError(RuntimeError):
@@ -132,13 +145,15 @@ class Cluster:
             if self.config.router_metrics_port
             else ()
         )
-        self.router = spawn(self._command("router.main", *metrics, *args), self.log("router"))
+        cmd = self._command("router.main", *metrics, *self.config.dispatch_args(), *args)
+        self.router = spawn(cmd, self.log("router"))
         self.progress("router starting")
 
     def start_standby(self, args: tuple[str, ...] | None = None) -> None:
         """A second router with the same arguments: it dispatches only once the router's lease is free."""
         args = self.config.router_args if args is None else args
-        self.standby = spawn(self._command("router.main", *args), self.log("router-standby"))
+        cmd = self._command("router.main", *self.config.dispatch_args(), *args)
+        self.standby = spawn(cmd, self.log("router-standby"))
         self.progress("standby router starting")
 
     def kill_standby(self, sig: int = signal.SIGKILL) -> None:

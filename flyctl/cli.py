@@ -1,6 +1,7 @@
 """``flyctl``: inspect and operate a running deployment through Redis.
 
-flyctl status                      engines (mode, epoch, group, load, switch timings), groups, regime, queue
+flyctl status                      engines (mode, epoch, group, load, prefix-cache hit rate, switch timings),
+                                   groups, regime, queue
 flyctl queue [-n 20]               the waiting requests in dispatch order
 flyctl watch [--interval 1]        status, refreshed until Ctrl-C
 flyctl bind 0 1 [--preempt hard] [--adopt]
@@ -29,15 +30,17 @@ from flying.queue import text
 def render_status(r: redis.Redis, keys: Keys) -> str:
     lines = [
         f"{'engine':>6} {'mode':>4} {'epoch':>5} {'pending':>7} {'group':>9} {'inflight':>8} {'run':>4} "
-        f"{'wait':>4} {'free KV':>8} {'bind ms':>8} {'release ms':>10}  error"
+        f"{'wait':>4} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10}  error"
     ]
     beats = control.status(r, keys)
     for e, hb in beats.items():
         group = ",".join(map(str, hb.group)) or "-"
         inflight = r.scard(keys.inflight(e))
+        hit = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
         lines.append(
             f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
-            f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f}  {hb.switch_error}"
+            f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f}  "
+            f"{hb.switch_error}"
         )
     if not beats:
         lines.append("no live engines")

@@ -6,6 +6,8 @@ from typing import Literal, TypeVar
 
 import msgspec
 
+from flying.prefix import decode_chain
+
 Priority = Literal["high", "normal", "low"]
 PRIORITY_CLASS: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
 RequestState = Literal["queued", "assigned", "done", "failed", "cancelled"]
@@ -26,6 +28,12 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
     attempts: int = 0
     failed_on: int = -1  # the engine it was last dispatched to that failed before answering (-1: none)
     n: int = 1  # choices (SGLang runs them as n requests sharing the prompt: rids ``{id}_{i}``)
+    prefix: str = ""  # the prompt's block-hash chain (flying.prefix.encode_chain; "": shorter than one block)
+
+    @property
+    def chain(self) -> tuple[int, ...]:
+        """The prompt's cumulative block hashes (flying.prefix), for cache-aware dispatch."""
+        return decode_chain(self.prefix)
 
     @property
     def kv_tokens(self) -> int:
@@ -55,13 +63,15 @@ class FastTarget(msgspec.Struct, frozen=True, kw_only=True):
     """Router -> gateways' admission script (``flying:router:fast``): where a short normal or low priority request
     arriving before the next round goes at once, without waiting for that round, while the queue is empty: to
     ``engine`` (a group's leader when ``epoch`` > 0) while its inflight set holds fewer than ``cap`` requests and
-    the request's KV (prompt + max_tokens) is at most ``max_kv``."""
+    the request's KV (prompt + max_tokens) is at most ``max_kv``. ``affinity``: a request carrying a prefix chain
+    (``QueuedRequest.prefix``) does not take it: the router places it by prefix (cache-aware DP dispatch)."""
 
     engine: int
     url: str
     epoch: int = 0
     cap: int
     max_kv: int
+    affinity: bool = False
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,8 +112,15 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     max_total_tokens: int = 0  # this engine's own KV tokens (also while bound: the group has width x this)
     context_len: int = 0
     max_running_requests: int = 0
+    prompt_tokens: int = 0  # prompt tokens of the requests the engine finished since it started ...
+    cached_tokens: int = 0  # ... and how many of them its prefix cache held (SGLang's cached_tokens)
     step: int = 0
     ts: float = 0.0
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Share of the finished requests' prompt tokens found in the prefix cache (None: none finished)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
 _encoder = msgspec.json.Encoder()

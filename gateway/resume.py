@@ -5,8 +5,8 @@ of another engine with the prompt plus the streamed ids as its input and the rem
 client sees one unbroken stream, and greedy output is identical to an uninterrupted run.
 
 A chat request travels as a completion of its templated prompt; its chunks are turned back into
-``chat.completion.chunk`` events here (content deltas, the role first, the finish reason, usage), under one id for
-the whole stream. Chat requests that ask for log-probabilities keep SGLang's chat endpoint (and are not resumed).
+``chat.completion.chunk`` events here (content deltas, the role first, the finish reason, usage with SGLang's
+``prompt_tokens_details.cached_tokens``), under one id for the whole stream. Chat requests that ask for log-probabilities keep SGLang's chat endpoint (and are not resumed).
 """
 
 from __future__ import annotations
@@ -46,11 +46,20 @@ class Resumable:
                 self.prompt_ids = list(prompt)
             self.generated.extend(choice.pop("token_ids", None) or ())
         if self.resumed and isinstance(usage := event.get("usage"), dict):
-            usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.resumed
-            usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.resumed
+            self._usage_of_whole(usage)
         if self.chat:
             event = self._as_chat(event)
         return event, _encoder.encode(event)
+
+    def _usage_of_whole(self, usage: dict) -> None:
+        """A continuation's usage as the client's request's: the ids streamed before it move from the prompt to
+        the completion; the cached tokens are the part of the client's prompt the finishing engine found in its
+        prefix cache (its hit on the streamed ids is not a prompt token of the client's)."""
+        usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.resumed
+        usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.resumed
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            details["cached_tokens"] = min(details["cached_tokens"], usage["prompt_tokens"])
 
     def _as_chat(self, event: dict) -> dict:
         choices = []

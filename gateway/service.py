@@ -35,6 +35,7 @@ from flying.messages import (
     decode,
     engine_gave_up,
 )
+from flying.prefix import block_hashes, encode_chain
 from flying.queue import DuplicateId, QueueFull, RequestQueue
 from flying.workers import live_workers
 from gateway.assignments import AssignmentWaiter
@@ -240,6 +241,7 @@ class Gateway:
         limit = self.context_limit(beats, self.pooled_context)
         max_tokens = self._max_tokens(req, prompt, limit)
         rid = request_id or uuid.uuid4().hex
+        chain = block_hashes(ids if isinstance(ids, list) else req.prompt)  # for cache-aware dispatch
         body = msgspec.to_builtins(req)
         body.pop("max_completion_tokens", None)
         body.update(max_tokens=max_tokens, rid=rid, priority=SGLANG_PRIORITY[priority])
@@ -252,6 +254,7 @@ class Gateway:
             gateway=self.config.gateway_id,
             enqueued_at=time.time(),
             n=req.n,
+            prefix=encode_chain(chain),
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
         keep = req.logprobs or req.n > 1 or (not chat and req.echo) or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)  # fmt: skip

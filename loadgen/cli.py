@@ -2,6 +2,7 @@
 open-loop workload and report serving metrics; ``loadgen compare`` puts result files side by side.
 
     loadgen run --url http://localhost:8000 --arrival two-level --num-requests 4000 --priority-mix high=0.2,normal=0.8 --out results/dynamic
+    loadgen run --url http://localhost:8000 --rate inf --max-concurrency 8 -n 32 --system-prompts 8 --turns 4 --out results/sessions
     loadgen compare results/static-dp.json results/dynamic.json --plot results/compare.png
 """
 
@@ -19,7 +20,7 @@ import httpx
 from loadgen import metrics, plots, report, results, runner
 from loadgen.arrivals import Arrivals
 from loadgen.trace import parse_columns, read_trace
-from loadgen.workload import Lengths, PromptMaker, Workload, parse_mix, plan
+from loadgen.workload import Lengths, PromptMaker, Sessions, Workload, parse_mix, plan
 
 
 def _range(spec: str) -> tuple[float, float]:
@@ -88,6 +89,19 @@ def _parser() -> argparse.ArgumentParser:
         help="model folder with tokenizer.json, for exact prompt lengths",
     )
     m.add_argument("--seed", type=int, default=0)
+    s = r.add_argument_group(
+        "sessions",
+        "shared-prefix, multi-turn sessions: each of the -n arrivals starts a session that asks --turns "
+        "questions (of --input-tokens) one after another, each with the conversation so far",
+    )
+    s.add_argument(
+        "--system-prompts",
+        type=int,
+        default=0,
+        help="distinct system prompts the sessions take in turn (0: none)",
+    )
+    s.add_argument("--system-prompt-words", type=int, default=1500, help="words in each system prompt")
+    s.add_argument("--turns", type=int, default=1, help="questions per session")
     c = r.add_argument_group("client")
     c.add_argument("--max-concurrency", type=int, default=None)
     c.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
@@ -120,6 +134,12 @@ def discover_model(url: str) -> str:
         raise SystemExit(f"loadgen: cannot list models at {url}/v1/models ({exc}); pass --model") from None
 
 
+def sessions(a: argparse.Namespace) -> Sessions | None:
+    if not a.system_prompts and a.turns == 1:
+        return None
+    return Sessions(a.system_prompts, a.system_prompt_words, a.turns)
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     arrivals = Arrivals(
         a.arrival, a.rate, a.burstiness, a.low_rate, a.burst_rate, a.low_duration, a.burst_duration
@@ -133,6 +153,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         a.long_share,
         a.long_input_tokens,
         a.seed,
+        sessions(a),
     )
     trace = None
     if a.trace:

@@ -22,6 +22,17 @@ def _carries_text(choice: dict) -> bool:
     return bool(choice.get("text"))
 
 
+def _text(choice: dict) -> str:
+    delta = choice.get("delta")
+    return (delta.get("content") or "") if delta is not None else (choice.get("text") or "")
+
+
+def _cached_tokens(usage: dict) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else None
+
+
 async def send(
     client: httpx.AsyncClient,
     url: str,
@@ -30,13 +41,14 @@ async def send(
     rec: RequestRecord,
     clock0: float,
     timeout_s: float,
+    answer: list[str] | None = None,
 ) -> RequestRecord:
     """POST a streaming request; fill ``rec`` with times relative to ``clock0`` (``ended_at``: when it ended,
     whether it succeeded or failed). ``timeout_s`` bounds the whole request (a server trickling tokens forever times
-    out too). Never raises."""
+    out too). The output text goes to ``answer`` when given. Never raises."""
     rec.sent_at = time.perf_counter() - clock0
     try:
-        return await _stream(client, url, payload, headers, rec, clock0, timeout_s)
+        return await _stream(client, url, payload, headers, rec, clock0, timeout_s, answer)
     finally:
         rec.ended_at = time.perf_counter() - clock0
 
@@ -49,6 +61,7 @@ async def _stream(
     rec: RequestRecord,
     clock0: float,
     timeout_s: float,
+    answer: list[str] | None,
 ) -> RequestRecord:
     seen = 0  # completion tokens reported so far (per-chunk usage)
     per_chunk_usage = True
@@ -81,8 +94,11 @@ async def _stream(
                 if usage:
                     rec.output_tokens = usage.get("completion_tokens") or 0
                     rec.prompt_tokens = usage.get("prompt_tokens") or 0
+                    rec.cached_tokens = _cached_tokens(usage)
                     new, seen = rec.output_tokens - seen, rec.output_tokens
                 text = bool(choices) and _carries_text(choices[0])
+                if text and answer is not None:
+                    answer.append(_text(choices[0]))
                 if text and not usage:
                     per_chunk_usage = False
                 if text or (choices and new > 0):

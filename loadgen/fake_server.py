@@ -2,7 +2,9 @@
 dispatch benchmark. Raw asyncio HTTP/1.1 with keep-alive and chunked SSE, so it costs far less CPU than the
 client it serves. Each request streams ``max_tokens`` tokens (one per chunk, usage in every chunk when asked),
 ``itl_ms`` apart, after ``ttft_ms``; ``/v1/models`` lists one model; ``/abort_request`` (SGLang's, by ``rid``)
-ends a running stream with ``finish_reason`` "abort".
+ends a running stream with ``finish_reason`` "abort". A word of the prompt (of every message's content, for chat)
+stands for a token; usage reports ``prompt_tokens_details.cached_tokens`` from a prefix cache of the prompts and
+outputs it has seen, in blocks of ``BLOCK`` words.
 
     python -m loadgen.fake_server --port 9000 --ttft-ms 5 --itl-ms 2
 """
@@ -25,12 +27,46 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+BLOCK = 4  # words per block of the fake prefix cache
+CACHE_BLOCKS = 100_000  # blocks it holds before it starts over
+
+
 @dataclass
 class EngineState:
-    """What one fake engine is doing: the request ids streaming now, and those it was asked to abort."""
+    """What one fake engine is doing: the request ids streaming now, those it was asked to abort, its prefix
+    cache (a hash chain per block of words, as SGLang's paged cache hashes pages), and with ``log`` set, every
+    request body it got."""
 
     running: set[str] = field(default_factory=set)
     aborted: list[str] = field(default_factory=list)
+    blocks: set[int] = field(default_factory=set)
+    log: list[dict] | None = None
+
+    def cached(self, words: list[str]) -> int:
+        """Words of ``words`` found in the cache (whole blocks of a prefix)."""
+        h, n = 0, 0
+        for i in range(0, len(words) - BLOCK + 1, BLOCK):
+            h = hash((h, *words[i : i + BLOCK]))
+            if h not in self.blocks:
+                break
+            n = i + BLOCK
+        return n
+
+    def insert(self, words: list[str]) -> None:
+        if len(self.blocks) > CACHE_BLOCKS:
+            self.blocks.clear()
+        h = 0
+        for i in range(0, len(words) - BLOCK + 1, BLOCK):
+            h = hash((h, *words[i : i + BLOCK]))
+            self.blocks.add(h)
+
+
+def prompt_words(req: dict) -> list[str]:
+    """The prompt as the fake counts it: a token-id prompt's ids, a text prompt's words, chat contents' words."""
+    if "messages" in req:
+        return [w for m in req["messages"] for w in str(m.get("content") or "").split()]
+    prompt = req.get("prompt") or ""
+    return [str(x) for x in prompt] if isinstance(prompt, list) else str(prompt).split()
 
 
 class _Conn(asyncio.Protocol):
@@ -78,6 +114,8 @@ class _Conn(asyncio.Protocol):
             t.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             return
         req = json.loads(body)
+        if self.state.log is not None:
+            self.state.log.append(req)
         rid = str(req.get("rid") or id(req))
         self.state.running.add(rid)
         try:
@@ -92,15 +130,17 @@ class _Conn(asyncio.Protocol):
         """A non-streaming answer: ``n`` choices of ``max_tokens`` tokens " tok", after the time a stream takes."""
         n, k = int(req.get("max_tokens") or 16), int(req.get("n") or 1)
         await asyncio.sleep(self.ttft + self.itl * (n - 1))
-        prompt = req.get("prompt") or ""
-        p = len(prompt) if isinstance(prompt, list) else len(str(prompt).split()) or 8
+        words = prompt_words(req)
+        p, cached = len(words) or 8, self.state.cached(words)
         text = " tok" * n
+        self.state.insert(words + text.split())
         choices = [
             {"index": i, "finish_reason": "length"}
             | ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             for i in range(k)
         ]
-        usage = {"prompt_tokens": p, "completion_tokens": n * k, "total_tokens": p + n * k}
+        usage = {"prompt_tokens": p, "completion_tokens": n * k, "total_tokens": p + n * k,
+                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
         kind = "chat.completion" if chat else "text_completion"
         doc = json.dumps({"id": "x", "object": kind, "created": int(time.time()), "model": MODEL,
                           "choices": choices, "usage": usage}).encode()  # fmt: skip
@@ -115,7 +155,8 @@ class _Conn(asyncio.Protocol):
         n = int(req.get("max_tokens") or 16)
         every = bool((req.get("stream_options") or {}).get("continuous_usage_stats"))
         prompt = req.get("prompt") or ""
-        p = len(prompt) if isinstance(prompt, list) else len(str(prompt).split()) or 8
+        words = prompt_words(req)
+        p, cached, out = len(words) or 8, self.state.cached(words), []
         ids = bool(req.get("return_token_ids"))
         t.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-queue-time-ms: 0.5\r\n"
@@ -126,6 +167,7 @@ class _Conn(asyncio.Protocol):
             if i:
                 await asyncio.sleep(self.itl)
             text = f" t{p + i}" if ids else " tok"
+            out.append(text.strip())
             choice: dict = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             if ids:
                 choice["token_ids"] = [p + i]
@@ -135,7 +177,8 @@ class _Conn(asyncio.Protocol):
                 choice["finish_reason"] = "length"
             event: dict = {"id": "x", "created": int(time.time()), "model": MODEL, "choices": [choice]}
             if every:
-                event["usage"] = {"prompt_tokens": p, "completion_tokens": i + 1, "total_tokens": p + i + 1}
+                event["usage"] = {"prompt_tokens": p, "completion_tokens": i + 1, "total_tokens": p + i + 1,
+                                  "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
             if t.is_closing():
                 return
             if rid in self.state.aborted:
@@ -145,7 +188,9 @@ class _Conn(asyncio.Protocol):
                 )
                 return
             t.write(_chunk(b"data: " + json.dumps(event).encode() + b"\n\n"))
-        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        self.state.insert(words + out)
+        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
         tail = {"id": "x", "model": MODEL, "choices": [], "usage": usage}
         t.write(_chunk(b"data: " + json.dumps(tail).encode() + b"\n\ndata: [DONE]\n\n") + b"0\r\n\r\n")
 

@@ -24,6 +24,7 @@ class RequestRecord:
     event_tokens: list[int] = field(default_factory=list)  # tokens each event carried (from per-chunk usage)
     output_tokens: int = 0  # usage.completion_tokens (or counted client-side, see tokens_from_usage)
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: the server gave none)
     tokens_from_usage: bool = True
     queue_ms: float | None = None  # from the gateway's X-Queue-Time-Ms header
     status: int = 0
@@ -163,11 +164,26 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: dict[str, 
         "errors": _errors(recs),
         "errors_span_s": _error_spans(recs),
         "tokens_counted_client_side": sum(1 for r in ok if not r.tokens_from_usage),
+        **prefix_cache(ok),
     }
     if slo:
         out["slo_ms"] = dict(slo)
         out["goodput"] = goodput(recs, duration, slo)
     return out
+
+
+def prefix_cache(ok: Sequence[RequestRecord]) -> dict:
+    """Prompt tokens the server found in its prefix cache, over the requests that report them
+    (``usage.prompt_tokens_details.cached_tokens``): ``cache_hit_rate`` = sum cached / sum prompt tokens (None:
+    no request reported cached tokens)."""
+    rep = [r for r in ok if r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in rep)
+    cached = sum(r.cached_tokens or 0 for r in rep)
+    return {
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": cached if rep else None,
+        "cache_hit_rate": cached / prompt if rep and prompt else None,
+    }
 
 
 def _latency(ok: Sequence[RequestRecord]) -> dict:

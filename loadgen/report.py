@@ -49,6 +49,11 @@ def table(summary: dict) -> str:
     )
     lag = summary["dispatch_lag_ms"]
     lines.append(f"client dispatch lag p50 {_f(lag['p50'])} ms  p99 {_f(lag['p99'])} ms")
+    if summary.get("cache_hit_rate") is not None:
+        lines.append(
+            f"prefix cache: {summary['cached_tokens']} of {summary['prompt_tokens']} prompt tokens cached "
+            f"({summary['cache_hit_rate']:.1%})"
+        )
     if "goodput" in summary:
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in summary["slo_ms"].items())
         lines.append(f"goodput {summary['goodput']:.2f} req/s  ({slo})")
@@ -78,6 +83,11 @@ COMPARE_ROWS = (
     ("output tok/s", lambda s: s["output_throughput"], ".1f"),
     ("peak output tok/s", lambda s: s["peak_output_throughput"], ".0f"),
     ("goodput req/s", lambda s: s.get("goodput"), ".2f"),
+    (
+        "prefix cache hit %",
+        lambda s: None if s.get("cache_hit_rate") is None else 100 * s["cache_hit_rate"],
+        ".1f",
+    ),
     ("dispatch lag p99 ms", lambda s: s["dispatch_lag_ms"]["p99"], ".1f"),
 )
 

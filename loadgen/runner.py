@@ -1,6 +1,7 @@
 """The open-loop driver: requests leave on schedule whatever the server does; the client's own lateness is
 recorded per request (dispatch lag) and warned about, never hidden (no coordinated omission). An optional
-concurrency cap turns it into a bounded client; the time a request waits for the cap counts as its lag."""
+concurrency cap turns it into a bounded client; the time a request waits for the cap counts as its lag. The turns
+of a session (:class:`loadgen.workload.Sessions`) go out one after another, each when the one before it ended."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from loadgen import conversation
 from loadgen.client import send
 from loadgen.metrics import RequestRecord
 from loadgen.workload import PlannedRequest
@@ -32,7 +34,9 @@ class RunConfig:
     lag_warn_ms: float = 50.0
 
 
-def payload(req: PlannedRequest, cfg: RunConfig) -> dict:
+def payload(req: PlannedRequest, cfg: RunConfig, history: Sequence[tuple[str, str]] = ()) -> dict:
+    """The request body; a session's turn carries its conversation so far (``history``: earlier (question,
+    answer) pairs, see :mod:`loadgen.conversation`)."""
     opts = {"include_usage": True}
     if cfg.continuous_usage:
         opts["continuous_usage_stats"] = True
@@ -46,9 +50,9 @@ def payload(req: PlannedRequest, cfg: RunConfig) -> dict:
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.api == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        body["messages"] = conversation.chat_messages(req, history)
     else:
-        body["prompt"] = req.prompt
+        body["prompt"] = req.prompt if req.turn is None else conversation.completion_prompt(req, history)
     return body
 
 
@@ -66,15 +70,38 @@ async def run(
     records = [RequestRecord(index=i, priority=r.priority, scheduled_at=r.at) for i, r in enumerate(requests)]
     async with httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout) as client:
 
-        async def one(req: PlannedRequest, rec: RequestRecord, t0: float) -> None:
-            headers = {"X-Priority": req.priority}
+        async def one(
+            req: PlannedRequest,
+            rec: RequestRecord,
+            t0: float,
+            history: Sequence[tuple[str, str]] = (),
+            answer: list[str] | None = None,
+        ) -> None:
+            body, headers = payload(req, cfg, history), {"X-Priority": req.priority}
             if gate:
                 async with gate:
-                    await send(client, path, payload(req, cfg), headers, rec, t0, cfg.timeout_s)
+                    await send(client, path, body, headers, rec, t0, cfg.timeout_s, answer)
             else:
-                await send(client, path, payload(req, cfg), headers, rec, t0, cfg.timeout_s)
+                await send(client, path, body, headers, rec, t0, cfg.timeout_s, answer)
             if on_done:
                 on_done(rec)
+
+        async def session(group: list[int], t0: float) -> None:
+            """A session's turns one after another, each with the conversation so far; a failed turn ends it."""
+            history: list[tuple[str, str]] = []
+            for k, i in enumerate(group):
+                req, rec = requests[i], records[i]
+                if k:  # a later turn is due when the turn before it ended
+                    rec.scheduled_at = time.perf_counter() - t0
+                answer: list[str] | None = [] if len(group) > 1 else None  # what a later turn sends back
+                await one(req, rec, t0, history, answer)
+                if not rec.ok:
+                    for j in group[k + 1 :]:
+                        records[j].error = f"session: turn {k} failed"
+                        if on_done:
+                            on_done(records[j])
+                    return
+                history.append((req.prompt, "".join(answer or ())))
 
         warm = []
         for i in range(cfg.warmup):
@@ -94,7 +121,8 @@ async def run(
         t0 = time.perf_counter()
         tasks = []
         warned = False
-        for req, rec in zip(requests, records):
+        for group in conversation.conversation_groups(requests):
+            req = requests[group[0]]
             delay = req.at - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -103,6 +131,6 @@ async def run(
                     "loadgen is %.0f ms behind schedule; its dispatch lag is in the results", -delay * 1000
                 )
                 warned = True
-            tasks.append(asyncio.create_task(one(req, rec, t0)))
+            tasks.append(asyncio.create_task(session(group, t0)))
         await asyncio.gather(*tasks)
         return warm + records, time.perf_counter() - t0

@@ -60,13 +60,50 @@ class Lengths:
 
 
 @dataclass(frozen=True)
+class Sessions:
+    """Shared-prefix, multi-turn sessions: the workload a prefix cache (and cache-aware dispatch) is for.
+
+    ``system_prompts`` distinct system prompts of ``system_prompt_words`` words each (0: none). Every arrival
+    starts a session that takes system prompt ``session % system_prompts`` and asks ``turns`` questions one after
+    another: turn k sends the conversation so far plus a new question (of the workload's input length), and
+    leaves when turn k - 1 has ended (:mod:`loadgen.conversation`). Sessions run concurrently with one another
+    (within the client's concurrency cap), turns within a session never do. A failed turn ends its session: its
+    later turns are recorded as failed without being sent."""
+
+    system_prompts: int = 1
+    system_prompt_words: int = 1500
+    turns: int = 1
+
+    def __post_init__(self) -> None:
+        if self.system_prompts < 0 or self.turns < 1 or self.system_prompt_words < 0:
+            raise ValueError("sessions need >= 0 system prompts, >= 1 turn and >= 0 system prompt words")
+
+
+def system_prompt(index: int, words: int, seed: int = 0) -> str:
+    """System prompt ``index``: its number first (prompts differ from their first word on), then ``words``
+    words."""
+    rng = np.random.default_rng([seed, index, 0x5157])  # not the questions' stream (default_rng(seed))
+    return f"System {index}: " + " ".join(rng.choice(WORDS, words))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A request's place in a session."""
+
+    session: int
+    index: int  # 0-based turn number
+    system: str
+
+
+@dataclass(frozen=True)
 class PlannedRequest:
-    at: float  # seconds after the start of the run
+    at: float  # seconds after the start of the run (a later turn of a session: when the turn before it ends)
     priority: str
-    prompt: str
+    prompt: str  # in a session: this turn's question
     max_tokens: int
     input_tokens: int  # the length asked for (the server's count comes back in usage)
     long: bool = False
+    turn: Turn | None = None  # None: a request on its own
 
 
 @dataclass(frozen=True)
@@ -81,6 +118,7 @@ class Workload:
         default_factory=lambda: Lengths("uniform", 2048, 4096)
     )  # ... and theirs
     seed: int = 0
+    sessions: Sessions | None = None  # num_requests sessions of sessions.turns requests each
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -126,12 +164,18 @@ class PromptMaker:
 def plan(
     w: Workload, prompts: PromptMaker | None = None, trace: list[TraceRow] | None = None
 ) -> list[PlannedRequest]:
-    """The run's requests. A trace fixes arrival times, lengths and (if it has them) priorities."""
+    """The run's requests. A trace fixes arrival times, lengths and (if it has them) priorities. With
+    ``w.sessions``, every arrival is a session's first turn, followed by its later turns (same time, priority and
+    system prompt)."""
     prompts = prompts or PromptMaker()
     rng = np.random.default_rng(w.seed)
     names, shares = zip(*sorted(w.priority_mix.items()))
     n = len(trace) if trace is not None else w.num_requests
     times = [r.at for r in trace] if trace is not None else w.arrivals.times(n, rng)
+    if w.sessions is not None:
+        if trace is not None:
+            raise ValueError("a trace cannot be replayed as sessions")
+        return _sessions(w, w.sessions, times, prompts, rng)
     out = []
     for i in range(n):
         row = trace[i] if trace is not None else None
@@ -143,4 +187,19 @@ def plan(
             n_out = w.output_tokens.sample(rng)
         prio = row.priority if row is not None and row.priority else str(rng.choice(names, p=shares))
         out.append(PlannedRequest(float(times[i]), prio, prompts(n_in, rng), n_out, n_in, long))
+    return out
+
+
+def _sessions(
+    w: Workload, s: Sessions, times, prompts: PromptMaker, rng: np.random.Generator
+) -> list[PlannedRequest]:
+    names, shares = zip(*sorted(w.priority_mix.items()))
+    systems = [system_prompt(i, s.system_prompt_words, w.seed) for i in range(s.system_prompts)] or [""]
+    out = []
+    for k in range(w.num_requests):
+        prio = str(rng.choice(names, p=shares))
+        for t in range(s.turns):
+            n_in, n_out = w.input_tokens.sample(rng), w.output_tokens.sample(rng)
+            turn = Turn(k, t, systems[k % len(systems)])
+            out.append(PlannedRequest(float(times[k]), prio, prompts(n_in, rng), n_out, n_in, turn=turn))
     return out

@@ -25,6 +25,7 @@ from flying.workers import live_heartbeat, registered_engines
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import Decision, Dispatch, EngineView, GroupLoad, Snapshot, decide
+from router.prefix_index import PrefixIndex
 
 log = logging.getLogger("flying.router")
 GATEWAY_GRACE_S = (
@@ -60,6 +61,7 @@ class Dispatcher:
         self._state_written = b""
         self._fast_written, self._fast_at = b"", 0.0  # the fast-path targets last published, and when
         self.dispatched = 0
+        self.prefixes = PrefixIndex()  # what each engine's prefix cache probably holds (cache-aware dispatch)
         self.metrics = RouterMetrics()
 
     async def hold_lease(self) -> bool:
@@ -124,30 +126,35 @@ class Dispatcher:
             if raw_state
             else RouterState(busy=True, calm_since=0.0, changed_at=time.time())
         )
+        views = [
+            EngineView(
+                hb.engine,
+                hb.url,
+                counts[hb.engine],
+                hb.free_kv_tokens,
+                hb.max_total_tokens,
+                mode=hb.mode,
+                epoch=hb.epoch,
+                pending=hb.pending,
+                num_engines=hb.num_engines,
+                beat_ts=hb.ts,
+                kv_transform=hb.kv_transform,
+                launch_id=hb.launch_id,
+            )
+            for hb in beats
+        ]
+        if forgotten := self.prefixes.sync(views):
+            log.info("engines %s: prefix cache index forgotten (restarted, gone or binding)", forgotten)
         return Snapshot(
             now=time.time(),
             waiting=waiting,
             queued=int(queued),
-            engines=[
-                EngineView(
-                    hb.engine,
-                    hb.url,
-                    counts[hb.engine],
-                    hb.free_kv_tokens,
-                    hb.max_total_tokens,
-                    mode=hb.mode,
-                    epoch=hb.epoch,
-                    pending=hb.pending,
-                    num_engines=hb.num_engines,
-                    beat_ts=hb.ts,
-                    kv_transform=hb.kv_transform,
-                )
-                for hb in beats
-            ],
+            engines=views,
             groups=groups,
             tp_load=await self._group_loads(counted, members),
             state=state,
             admitted=int(admitted or 0),
+            prefixes=self.prefixes,
         )
 
     async def _group_loads(self, groups: list[Group], members: list[list[str]]) -> dict[int, GroupLoad]:
@@ -189,6 +196,9 @@ class Dispatcher:
             await control.send_async(self.r, k, members, cmd)
         moves = [(x.request, x.engine, x.url, x.epoch) for x in d.dispatches]
         assigned = await self.queue.assign_many(moves)
+        for x in d.dispatches:
+            if not x.epoch:
+                self.prefixes.record(x.engine, x.request.chain)
         self.dispatched += assigned
         if moves:
             _log_dispatches(d.dispatches, assigned)

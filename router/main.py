@@ -52,6 +52,11 @@ POLICY_HELP: dict[str, str] = {
     "kv_bytes_per_token": "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)",
     "kv_link_gbps": "GB/s per member and direction, for the transformation estimate",
     "kv_transform_fixed_ms": "milliseconds: fixed cost per KV transformation, for the estimate",
+    "dispatch": "DP dispatch: cache-aware follows the prompt's prefix to the engine that probably caches it "
+    "(least loaded when none holds cache_threshold of it, or loads are out of balance); least-loaded ignores it",
+    "cache_threshold": "cache-aware: share (0-1) of the prompt's prefix blocks the best engine must hold",
+    "balance_abs_threshold": "cache-aware: requests; loads out of balance when max - min exceeds this ...",
+    "balance_rel_threshold": "... and max exceeds this times min (then least loaded)",
 }
 
 

@@ -5,8 +5,8 @@ Two kinds:
   releases by reason, mode and outcome, how long switches take as the router sees them (command -> every member
   reports the group; release -> every member back in DP), policy rounds;
 - the cluster's state, read from Redis when Prometheus scrapes (:class:`ClusterCollector`): queue depth and oldest
-  wait by priority, the request counters of ``flying:stats``, each engine's mode, width, load and the switch
-  timings its heartbeat carries, groups by width, reason and state, the regime, whether this router leads.
+  wait by priority, the request counters of ``flying:stats``, each engine's mode, width, load, prefix-cache
+  tokens and hit ratio (since the engine started) and the switch timings its heartbeat carries, groups by width, reason and state, the regime, whether this router leads.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class ClusterCollector(Collector):
         leader.add_metric([], 1.0 if lease is not None and text(lease) == self.router_id else 0.0)
         yield leader
 
-    def _engines(self) -> Iterator[GaugeMetricFamily]:
+    def _engines(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         beats = control.status(self.r, self.keys)
         mode = GaugeMetricFamily(
             "flying_engine_mode",
@@ -163,14 +163,34 @@ class ClusterCollector(Collector):
         families = {
             f: GaugeMetricFamily(name, doc, labels=["engine"]) for f, (name, doc) in per_engine.items()
         }
+        prompt = CounterMetricFamily(
+            "flying_engine_prompt_tokens",
+            "Prompt tokens of the requests the engine finished, since it started",
+            labels=["engine"],
+        )
+        cached = CounterMetricFamily(
+            "flying_engine_cached_tokens",
+            "Of those prompt tokens, the ones found in the engine's prefix cache (SGLang's cached_tokens)",
+            labels=["engine"],
+        )
+        ratio = GaugeMetricFamily(
+            "flying_engine_prefix_cache_hit_ratio",
+            "cached / prompt tokens of the requests the engine finished since it started (absent until one has)",
+            labels=["engine"],
+        )
         for e, hb in beats.items():
             current = "tp" if hb.mode == "tp" else "binding" if hb.pending else "dp"
             for m in ("dp", "binding", "tp"):
                 mode.add_metric([str(e), m], 1.0 if m == current else 0.0)
             for f, fam in families.items():
                 fam.add_metric([str(e)], float(getattr(hb, f)))
+            prompt.add_metric([str(e)], hb.prompt_tokens)
+            cached.add_metric([str(e)], hb.cached_tokens)
+            if hb.cache_hit_rate is not None:
+                ratio.add_metric([str(e)], hb.cache_hit_rate)
         yield mode
         yield from families.values()
+        yield from (prompt, cached, ratio)
 
     def _groups(self) -> Iterator[GaugeMetricFamily]:
         fam = GaugeMetricFamily(

@@ -38,7 +38,10 @@ apply to it; its adopted requests stay owned by their members, so it is never re
 scatter, or by waiting). Hysteresis: light needs ``calm_s`` of light load, the thresholds leave a band between
 light and busy, and a queue that only waits for load groups forming at their members' next step boundary is not
 pressure. DP dispatch is least loaded, counting requests sent within about ``spread_s`` twice (a released group's
-follower, whose TP requests its leader owns, would otherwise take every new request at once).
+follower, whose TP requests its leader owns, would otherwise take every new request at once); cache-aware
+(``dispatch``, issue 16) it follows the prompt's prefix (:meth:`_Round.pick_dp`) to the engine whose cache probably
+holds most of it (:mod:`router.prefix_index`, which the caller keeps), unless loads are out of balance. TP
+dispatches ignore prefixes: a group's requests bypass the prefix cache.
 
 Groups are reused (Gyges): the next high-priority or long request goes to a group that is already bound; priority
 and long groups are released only after ``keep_s`` without TP work. DP work a bind pauses (hard preemption) waits at
@@ -63,7 +66,10 @@ import msgspec
 from flying.groups import merge_sets
 from flying.groups import widths as group_widths
 from flying.messages import Bind, Command, FastTarget, Group, Preempt, QueuedRequest, Release, RouterState
+from router.prefix_index import PrefixIndex
 from router.transform_cost import adopt_moves, kv_transform_ms
+
+DispatchRule = Literal["cache-aware", "least-loaded"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,13 @@ class PolicyConfig:
     kv_bytes_per_token: int = 163_840  # for that estimate (Llama-3-70B, FP8 KV); see router.transform_cost
     kv_link_gbps: float = 360.0  # per member and direction
     kv_transform_fixed_ms: float = 4.0
+    # DP dispatch (issue 16): by prefix affinity (router.prefix_index), or least loaded only
+    dispatch: DispatchRule = "cache-aware"
+    cache_threshold: float = 0.3  # the best engine's matched share of the prompt's blocks to follow it ...
+    balance_abs_threshold: float = 8.0  # ... unless the candidates' loads differ by more than this ...
+    balance_rel_threshold: float = (
+        1.5  # ... and the highest is above this times the lowest: least loaded then
+    )
 
     def __post_init__(self) -> None:
         for name in ("light_width", "priority_width"):
@@ -111,6 +124,10 @@ class PolicyConfig:
         assert self.light_load >= 0 and self.calm_s >= 0 and self.busy_wait_s > 0
         assert 0 <= self.light_rate <= self.busy_rate and self.rate_tau_s > 0
         assert 0 < self.ack_timeout_s <= self.bind_timeout_s, "need 0 < ack_timeout_s <= bind_timeout_s"
+        assert 0 <= self.cache_threshold <= 1, (
+            f"cache_threshold must be in [0, 1], got {self.cache_threshold}"
+        )
+        assert self.balance_abs_threshold >= 0 and self.balance_rel_threshold >= 1
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,7 @@ class EngineView:
     num_engines: int = 1  # engines its communicator pool spans (1: cannot bind)
     beat_ts: float = 0.0
     kv_transform: bool = False  # it applies Bind.adopt / Release.scatter
+    launch_id: str = ""  # its server's launch (a restart forgets its prefix cache)
 
 
 @dataclass(frozen=True)
@@ -149,6 +167,7 @@ class Snapshot:
     tp_load: Mapping[int, GroupLoad] = field(default_factory=dict)
     state: RouterState = field(default_factory=RouterState)
     admitted: int = 0  # requests admitted so far (a monotonic counter; the rate regime's input)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
 
 
 @dataclass(frozen=True)
@@ -218,6 +237,7 @@ class _Round:
         self.pressure = False  # set by update_regime
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
         self.recent = self.decayed_recent()
+        self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
 
     def decayed_recent(self) -> dict[int, float]:
         """DP dispatches per engine, decayed with time constant ``spread_s`` since the last round (rate_ts)."""
@@ -548,13 +568,37 @@ class _Round:
         ]
         if not fits:
             return False
-        best = min(fits, key=lambda e: (self.dp_score(e.engine), -e.free_kv_tokens, e.engine))
+        best = self.pick_dp(r, fits)
+        self.sent.setdefault(best.engine, set()).update(r.chain)
         self.dp_inflight[best.engine] += 1
         if self.cfg.spread_s > 0:
             self.recent[best.engine] = self.recent.get(best.engine, 0.0) + 1
         self.dp_kv[best.engine] += r.kv_tokens
         self.out.dispatches.append(Dispatch(r, best.engine, best.url))
         return True
+
+    def pick_dp(self, r: QueuedRequest, fits: list[EngineView]) -> EngineView:
+        """Cache-aware (SGLang's model gateway's rule): the engine holding the longest prefix of ``r``'s chain, the
+        least loaded of those, when it holds at least ``cache_threshold`` of the chain's blocks and the
+        candidates' loads are balanced (not both more than ``balance_abs_threshold`` apart and the highest above
+        ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded."""
+        least = min(fits, key=self.dp_key)
+        chain = r.chain
+        if self.cfg.dispatch != "cache-aware" or not chain or self.imbalanced(fits):
+            return least
+        held = {e.engine: self.s.prefixes.match(e.engine, chain, self.sent.get(e.engine, ())) for e in fits}
+        top = max(held.values())
+        if top == 0 or top < self.cfg.cache_threshold * len(chain):
+            return least
+        return min((e for e in fits if held[e.engine] == top), key=self.dp_key)
+
+    def imbalanced(self, fits: list[EngineView]) -> bool:
+        loads = [self.dp_score(e.engine) for e in fits]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.cfg.balance_abs_threshold and hi > self.cfg.balance_rel_threshold * lo
+
+    def dp_key(self, e: EngineView) -> tuple[float, int, int]:
+        return self.dp_score(e.engine), -e.free_kv_tokens, e.engine
 
     def dp_score(self, e: int) -> float:
         """Least loaded first: requests in flight, those sent within about ``spread_s`` counted twice (their
@@ -630,9 +674,14 @@ class _Round:
             sent = sum(1 for x in self.out.dispatches if x.engine == leader.engine)
             return [FastTarget(engine=leader.engine, url=leader.url, epoch=g.epoch, cap=leader.inflight + sent + room, max_kv=pooled - kv)]  # fmt: skip
         taken = self.in_groups()
+        affinity = self.cfg.dispatch == "cache-aware"  # requests with a prefix chain wait for a round
         return [
             FastTarget(
-                engine=e.engine, url=e.url, cap=self.cfg.max_inflight_per_worker, max_kv=e.max_total_tokens
+                engine=e.engine,
+                url=e.url,
+                cap=self.cfg.max_inflight_per_worker,
+                max_kv=e.max_total_tokens,
+                affinity=affinity,
             )
             for e in self.s.engines
             if e.mode == "dp" and not e.pending and e.engine not in taken

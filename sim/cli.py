@@ -8,6 +8,7 @@ flying-sim --no-kv-transform --out sim-before          the same, engines without
 flying-sim --policy regime=inflight --policy calm_s=3   override the simulator's PolicyConfig fields
 flying-sim --trace my.csv --preset burstgpt --out o    your own trace (loadgen's trace format)
 flying-sim --modes shift,dynamic --shift-threshold 512  Shift Parallelism with the code's threshold
+flying-sim --workload shared-prefix --modes dp --engines 4   cache-aware vs least-loaded DP dispatch (issue 16)
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from loadgen.trace import PRESETS, read_trace
 from router.policy import PolicyConfig
 from sim.cost_model import calibration
 from sim.plots import burst_spans, mode_counts, plot, shift_share
+from sim.prefix_report import prefix_table, ratios, summarize_prefix
+from sim.prefix_workload import shared_prefix_workload
 from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload, two_level_phase
 
 FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
@@ -220,11 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         default=d.kv_transform,
         help="the engines apply Bind.adopt / Release.scatter (off: the 'before' table)",
     )
+    prefix_arguments(p)
     p.add_argument("--out", type=Path, default=Path("sim-out"))
     p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
     a = p.parse_args(argv)
     lo_in, hi_in = (int(x) for x in a.input.split(":"))
     lo_out, hi_out = (int(x) for x in a.output.split(":"))
+    if a.workload == "shared-prefix":
+        return prefix_main(a, d)
     if a.trace:
         rows = read_trace(a.trace, PRESETS[a.preset], limit=a.requests)
         reqs = [SimRequest(r.at, r.priority or "normal", r.input_tokens, r.output_tokens) for r in rows]
@@ -280,6 +286,52 @@ def main(argv: list[str] | None = None) -> int:
     t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=0.0)
     bursts = [] if a.trace else burst_spans(a.low_s, a.burst_s, t_end)
     picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {a.engines} engines", a.dpi)
+    return 0
+
+
+def prefix_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("shared-prefix workload (issue 16; --output sets the answers' lengths)")
+    g.add_argument("--workload", choices=("paper", "shared-prefix"), default="paper",
+                   help="paper: the two-level workload; shared-prefix: system prompts and multi-turn sessions")  # fmt: skip
+    g.add_argument("--session-rate", type=float, default=2.0, help="sessions per second (Poisson)")
+    g.add_argument(
+        "--system-prompts", type=int, default=8, help="distinct system prompts (0: nothing shared)"
+    )
+    g.add_argument("--system-tokens", type=int, default=1500, help="tokens of each system prompt")
+    g.add_argument("--max-turns", type=int, default=4, help="turns per session, uniform in 1..this")
+    g.add_argument("--user", default="50:300", help="tokens of each user message lo:hi (uniform)")
+    g.add_argument("--think-s", type=float, default=10.0, help="seconds between a session's turns (mean)")
+    g.add_argument("--dispatch", default="cache-aware,least-loaded",
+                   help="DP dispatch rules to compare (PolicyConfig.dispatch)")  # fmt: skip
+
+
+def prefix_main(a: argparse.Namespace, d: SimConfig) -> int:
+    """Every system of ``--modes`` under every ``--dispatch`` rule on the shared-prefix workload: a table of hit
+    rate, TTFT and throughput (table.md, summary.json)."""
+    lo_out, hi_out = (int(x) for x in a.output.split(":"))
+    lo_user, hi_user = (int(x) for x in a.user.split(":"))
+    reqs = shared_prefix_workload(
+        a.requests, a.seed, a.session_rate, a.system_prompts, a.system_tokens, a.max_turns, (lo_user, hi_user),
+        (lo_out, hi_out), a.think_s,
+    )  # fmt: skip
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for mode in a.modes.split(","):
+        for dispatch in a.dispatch.split(","):
+            policy = dataclasses.replace(d.policy, light_width=a.tp_width, dispatch=dispatch,
+                                         **policy_overrides(a.policy))  # fmt: skip
+            cfg = dataclasses.replace(d, engines=a.engines, tp_width=a.tp_width, mode=mode, policy=policy,
+                                      kv_transform=a.kv_transform, shift_threshold=a.shift_threshold)  # fmt: skip
+            t0 = time.perf_counter()
+            sim = Simulator(cfg, reqs)
+            rows[system_name(mode), dispatch] = summarize_prefix(sim, sim.run())
+            print(f"{mode}, {dispatch}: {len(reqs)} requests in {time.perf_counter() - t0:.1f} s", flush=True)
+    text = "\n".join([prefix_table(rows), "", *ratios(rows)])
+    print(text)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "table.md").write_text(text + "\n")
+    summary = {f"{m} / {disp}": s for (m, disp), s in rows.items()}
+    (a.out / "summary.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "summary": summary},
+                                                   indent=1, default=float))  # fmt: skip
     return 0
 
 

@@ -46,10 +46,13 @@ import numpy as np
 
 from flying.groups import pooled_limit
 from flying.messages import PRIORITY_CLASS, Bind, Group, QueuedRequest, Release, RouterState
+from flying.prefix import BLOCK, MAX_BLOCKS, encode_chain
 from loadgen.metrics import RequestRecord
 from router.policy import Decision, EngineView, GroupLoad, PolicyConfig, Snapshot, decide
+from router.prefix_index import PrefixIndex
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cost_model import H200_LLAMA70B, CostModel
+from sim.prefix_cache import PrefixCache
 from worker_ext.intake import Intake, intake
 
 Mode = Literal["dynamic", "dp", "tp", "shift"]
@@ -110,15 +113,35 @@ class SimRequest:
     priority: str
     prompt: int
     output: int
+    blocks: tuple[
+        int, ...
+    ] = ()  # block chain of prompt + answer (flying.prefix; sim.prefix_workload); (): none
+
+    @property
+    def prompt_blocks(self) -> tuple[int, ...]:
+        return self.blocks[: self.prompt // BLOCK]
 
 
 class Req:
-    __slots__ = ("i", "spec", "q", "engine", "epoch", "prefilled", "generated", "started", "times", "done")
+    __slots__ = (
+        "i",
+        "spec",
+        "q",
+        "engine",
+        "epoch",
+        "prefilled",
+        "generated",
+        "started",
+        "times",
+        "done",
+        "cached",
+    )
 
     def __init__(self, i: int, spec: SimRequest, q: QueuedRequest) -> None:
         self.i, self.spec, self.q = i, spec, q
         self.engine, self.epoch = -1, 0
         self.prefilled = self.generated = 0
+        self.cached = 0  # prompt tokens its engine's prefix cache held when it started
         self.started = float("nan")
         self.times: list[float] = []
         self.done = False
@@ -158,9 +181,11 @@ class Unit:
         merged: bool,
         on_idle: Callable[[], None],
         shift: bool = False,
+        cache: PrefixCache | None = None,
     ) -> None:
         self.sim, self.width, self.kv_cap, self.merged, self.on_idle = sim, width, kv_cap, merged, on_idle
         self.shift = shift
+        self.cache = cache  # a DP engine's prefix cache (a group's requests bypass it)
         scale = width if shift else 1  # a shift scheduler runs as much per GPU as a DP engine
         self.max_running = sim.cfg.cost.max_running * scale
         self.chunk_tokens = sim.cfg.cost.chunk_tokens * scale
@@ -185,6 +210,8 @@ class Unit:
             self.running.append(r)
             self.kv_used += r.kv
             r.started = now
+            if self.cache is not None and r.prefilled == r.generated == 0:
+                r.cached = r.prefilled = min(self.cache.hit(r.spec.prompt_blocks) * BLOCK, r.spec.prompt - 1)
         if not self.running:
             return  # idle (or the head does not fit yet); the next dispatch or finish pokes it
         budget, prefill, decode = self.chunk_tokens, [], []
@@ -219,20 +246,32 @@ class Unit:
             if r.prefilled == r.spec.prompt:  # first token (or, after a retraction, the next one)
                 r.generated += 1
                 r.times.append(now)
+                if self.cache is not None:
+                    self.cache.insert(r.spec.prompt_blocks, self.cache_room())
         for r in decode:
             r.generated += 1
             r.times.append(now)
         for r in [r for r in self.running if r.generated >= r.spec.output]:
             self.running.remove(r)
             self.kv_used -= r.kv
+            if self.cache is not None:
+                self.cache.insert(
+                    r.spec.blocks, self.cache_room()
+                )  # prompt and answer, as SGLang caches them
             self.sim.finish(r)
         self.on_idle()
+
+    def cache_room(self) -> int:
+        """KV tokens the prefix cache may hold: all of it but the outputs the running requests reserve (their
+        prompts are in the cache)."""
+        return self.kv_cap - sum(r.spec.output for r in self.running)
 
 
 class Engine:
     def __init__(self, sim: Simulator, idx: int) -> None:
         self.sim, self.idx = sim, idx
-        self.dp = Unit(sim, 1, sim.kv_per_engine, False, self.boundary)
+        self.cache = PrefixCache()
+        self.dp = Unit(sim, 1, sim.kv_per_engine, False, self.boundary, cache=self.cache)
         self.pending: Bind | None = None
         self.arrived = 0  # the epoch whose group this engine waits to form
         self.last_epoch = 0
@@ -449,6 +488,7 @@ class Simulator:
                     gateway="sim",
                     enqueued_at=s.at,
                     seq=i,
+                    prefix=encode_chain(s.prompt_blocks[:MAX_BLOCKS]),
                 ),
             )
             for i, s in enumerate(requests)
@@ -456,6 +496,7 @@ class Simulator:
         self.queue: dict[int, dict[str, Req]] = {c: {} for c in sorted(PRIORITY_CLASS.values())}
         self.records: dict[int, Group] = {}  # "Redis": the router's group records
         self.state = RouterState(busy=True)
+        self.prefixes = PrefixIndex()  # the router's mirror of the engines' prefix caches
         self.epochs = itertools.count(1)
         self.groups: dict[int, SimGroup] = {}
         self.tp_load: dict[int, list[int]] = {}
@@ -572,15 +613,18 @@ class Simulator:
         waiting = [
             r.q for r in itertools.islice(itertools.chain(*(q.values() for q in self.queue.values())), 256)
         ]
+        engines = [e.view() for e in self.engines]
+        self.prefixes.sync(engines)
         return Snapshot(
             now=self.now,
             waiting=waiting,
             queued=sum(len(q) for q in self.queue.values()),
-            engines=[e.view() for e in self.engines],
+            engines=engines,
             groups=list(self.records.values()),
             tp_load={ep: GroupLoad(n, kv, self.tp_max.get(ep, 0)) for ep, (n, kv) in self.tp_load.items()},
             state=self.state,
             admitted=self.admitted,
+            prefixes=self.prefixes,
         )
 
     def router_round(self) -> None:
@@ -612,6 +656,8 @@ class Simulator:
             self.dispatched.add(r.i)
             r.engine, r.epoch = x.engine, x.epoch
             self.engines[x.engine].assigned += 1
+            if not x.epoch:
+                self.prefixes.record(x.engine, x.request.chain)
             if x.epoch:
                 load = self.tp_load.setdefault(x.epoch, [0, 0])
                 load[0] += 1
@@ -646,6 +692,7 @@ class Simulator:
             for m in b.members:
                 e = self.engines[m]
                 e.group, e.pending, e.arrived, e.last_epoch = g, None, 0, b.epoch
+                e.cache.clear()  # the group's KV pool: its requests bypass the prefix cache
             self.groups[b.epoch] = g
             self.at(self.now + (self.cfg.cost.switch_ms + g.transform_ms) / 1000, self.formed, g)
         self.note_states()

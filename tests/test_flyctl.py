@@ -28,8 +28,9 @@ def test_bind_and_release_write_every_members_stream(sync_redis, keys, redis_ser
 
 def test_status_lists_live_engines_only(sync_redis, keys, redis_server, capsys):
     hb = Heartbeat(
-        engine=0, url="u", pid=1, model="m", launch_id="L", mode="tp", epoch=4, group=(0, 1), width=2
-    )
+        engine=0, url="u", pid=1, model="m", launch_id="L", mode="tp", epoch=4, group=(0, 1), width=2,
+        prompt_tokens=1200, cached_tokens=900,
+    )  # fmt: skip
     sync_redis.set(keys.worker(0), encode(hb))
     sync_redis.set(keys.ready(0), "L")
     sync_redis.set(keys.worker(1), encode(Heartbeat(engine=1, url="u", pid=2, model="m", launch_id="X")))
@@ -39,6 +40,9 @@ def test_status_lists_live_engines_only(sync_redis, keys, redis_server, capsys):
     assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "status"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].split()[:5] == ["0", "tp", "4", "0", "0,1"] and len(out) == 5
+    assert out[0].split()[10:12] == ["cache", "hit"] and out[1].split()[9] == "75.0%", (
+        "cached / prompt tokens"
+    )
     assert out[2:] == ["router: none holds the lease; no router state", "groups: none", "queue: 0 waiting"]
 
 
@@ -69,3 +73,11 @@ def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redi
     assert main([*args, "bind", "2", "3"]) == 2  # inside it but under another leader: refused
     assert main([*args, "bind", "0", "1"]) == 0  # narrower under the same leader: replaces it
     assert [g.members for g in control.groups(sync_redis, keys)] == [(0, 1)]
+
+
+def test_status_shows_no_hit_rate_before_an_engine_finished_a_request(sync_redis, keys, redis_server, capsys):
+    sync_redis.set(keys.worker(0), encode(Heartbeat(engine=0, url="u", pid=1, model="m", launch_id="L")))
+    sync_redis.set(keys.ready(0), "L")
+    sync_redis.sadd(keys.workers, 0)
+    assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "status"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[9] == "-"

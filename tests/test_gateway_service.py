@@ -47,6 +47,9 @@ class CountWords:
     def chat_ids(self, req):
         return [1] * (sum(len(m.text().split()) for m in req.messages) + 3)
 
+    def completion(self, req):
+        return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.split())
+
 
 def sse(events, fail_after: int | None = None):
     """The engine's answer: ``events`` then [DONE]; with ``fail_after``, that many events, then a connection
@@ -276,3 +279,69 @@ async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(ga
     assert served[0] == "client-1" and re.fullmatch(r"client-1-[0-9a-f]{8}", served[1]), served
     assert rids == served
     assert await aredis.hget(keys.request(served[1]), "state") == b"done"
+
+
+def usage_chunk(prompt: int, completion: int, cached: int) -> dict:
+    """SGLang's last chunk with stream_options.include_usage and --enable-cache-report."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    return {"id": "u", "object": "text_completion", "choices": [], "usage": usage}
+
+
+async def test_a_streams_usage_keeps_the_engines_cached_tokens(gateway):
+    events, calls = await stream_through(
+        gateway, [sse([*EVENTS, usage_chunk(4, 3, 3)])], stream_options={"include_usage": True}
+    )
+    assert calls[0][1]["stream_options"] == {"include_usage": True}, "asked of the engine as the client asked"
+    assert events[:3] == chat_chunks()
+    assert events[3]["object"] == "chat.completion.chunk" and events[3]["choices"] == []
+    assert events[3]["usage"] == usage_chunk(4, 3, 3)["usage"]
+
+
+@pytest.mark.parametrize("cached, reported", [(5, 4), (2, 2)], ids=["prompt-and-streamed-ids-cached", "part"])
+async def test_a_resumed_streams_usage_counts_the_clients_prompt_and_its_cached_part(
+    gateway, cached, reported
+):
+    """The second engine is asked for prompt + 2 streamed ids (6 tokens, ``cached`` of them in its cache): the
+    client's usage is 4 prompt tokens, 3 completion tokens, and at most its 4 prompt tokens cached."""
+    rest = [*resumed_events(2), usage_chunk(6, 1, cached)]
+    events, _ = await stream_through(
+        gateway, [sse(EVENTS, fail_after=2), sse(rest)], stream_options={"include_usage": True}
+    )
+    assert events[:3] == chat_chunks()
+    assert events[3]["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                                  "prompt_tokens_details": {"cached_tokens": reported}}  # fmt: skip
+
+
+async def test_a_non_streaming_answer_keeps_the_engines_cached_tokens(gateway):
+    usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+    answer = {"choices": [{"index": 0, "message": {"content": "one two"}}], "usage": usage}
+    await gateway.upstream.client.aclose()
+    gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(200, json=answer)))  # fmt: skip
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
+    connected = asyncio.create_task(asyncio.Event().wait())
+    try:
+        reply = await asyncio.wait_for(gateway.serve(adm, connected), 10)
+    finally:
+        connected.cancel()
+    assert reply.status == 200 and reply.body["usage"] == usage
+
+
+async def test_admission_records_the_prompts_prefix_chain(gateway):
+    """The record carries the chain of the prompt's token ids (a chat's rendered template; a completion's ids),
+    or of a completion's text: the router's cache-aware dispatch reads it."""
+    from flying.prefix import block_hashes
+    from gateway.schemas import CompletionRequest
+
+    def body(**kw) -> bytes:
+        return json.dumps({"model": "tiny-llama"} | kw).encode()
+
+    chat = await gateway.admit(decode(body(messages=[{"role": "user", "content": "w " * 200}]), ChatCompletionRequest), "normal")  # fmt: skip
+    assert len(chat.record.chain) == 3 and chat.record.chain == tuple(block_hashes([1] * 203))
+    ids = await gateway.admit(decode(body(prompt=list(range(130))), CompletionRequest), "normal")
+    assert ids.record.chain == tuple(block_hashes(list(range(130))))
+    text = await gateway.admit(decode(body(prompt="x " * 300), CompletionRequest), "normal")
+    assert text.record.chain == tuple(block_hashes("x " * 300)) and len(text.record.chain) == 2
+    short = await gateway.admit(decode(body(prompt="hello"), CompletionRequest), "normal")
+    assert short.record.prefix == ""

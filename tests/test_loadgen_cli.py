@@ -218,3 +218,18 @@ def test_bad_trace_file_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "t.csv").write_text("a,b\n1,2\n")
     assert main(["run", "--model", "m", "--trace", str(tmp_path / "t.csv")]) == 2
     assert "missing column" in capsys.readouterr().err
+
+
+def test_sessions_record_cached_tokens_and_report_the_hit_rate(fake, tmp_path, capsys):
+    out = tmp_path / "sessions"
+    args = ["run", "--url", fake, "-n", "6", "--rate", "inf", "--max-concurrency", "2", "--input-tokens", "8",
+            "--output-tokens", "4", "--system-prompts", "2", "--system-prompt-words", "200", "--turns", "2",
+            "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(args) == 0
+    s = json.loads(out.with_suffix(".json").read_text())["summary"]
+    assert (s["requests"], s["completed"]) == (12, 12)
+    rows = list(csv.DictReader(out.with_suffix(".csv").read_text().splitlines()))
+    cached, prompt = sum(int(r["cached_tokens"]) for r in rows), sum(int(r["prompt_tokens"]) for r in rows)
+    assert s["cached_tokens"] == cached and s["cache_hit_rate"] == pytest.approx(cached / prompt)
+    assert s["cache_hit_rate"] > 0.5, "2 system prompts of 200 words shared by 6 sessions of 2 turns"
+    assert f"prefix cache: {cached} of {prompt} prompt tokens cached" in capsys.readouterr().out

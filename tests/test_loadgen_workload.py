@@ -78,3 +78,29 @@ def test_priority_mix_parsing():
             parse_mix(bad)
     with pytest.raises(ValueError):
         Workload(priority_mix={"high": 0.5})
+
+
+def test_sessions_plan_every_turn_with_its_sessions_system_prompt():
+    from loadgen.workload import Sessions, system_prompt
+
+    w = Workload(num_requests=5, arrivals=Arrivals("constant", 10), input_tokens=Lengths("fixed", 6, 6),
+                 sessions=Sessions(system_prompts=2, system_prompt_words=50, turns=3))  # fmt: skip
+    reqs = plan(w)
+    assert len(reqs) == 15 and reqs == plan(w)
+    assert [(r.turn.session, r.turn.index) for r in reqs[:4]] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert [r.turn.system for r in reqs[::3]] == [system_prompt(i % 2, 50) for i in range(5)]
+    assert len(system_prompt(0, 50).split()) == 52 and system_prompt(0, 50) != system_prompt(1, 50)
+    assert len({r.prompt for r in reqs}) == 15, "distinct questions"
+    assert {r.priority for r in reqs[:3]} == {reqs[0].priority} and reqs[1].at == reqs[0].at == 0.0
+    assert all(len(r.prompt.split()) == 6 for r in reqs)
+    no_system = plan(Workload(num_requests=2, sessions=Sessions(system_prompts=0, turns=2)))
+    assert {r.turn.system for r in no_system} == {""}
+
+
+def test_bad_sessions_and_a_trace_replayed_as_sessions_are_refused():
+    from loadgen.workload import Sessions
+
+    with pytest.raises(ValueError):
+        Sessions(turns=0)
+    with pytest.raises(ValueError, match="trace"):
+        plan(Workload(sessions=Sessions()), trace=[TraceRow(0.0, 5, 7, None)])

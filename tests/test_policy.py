@@ -8,7 +8,9 @@ import msgspec
 import pytest
 
 from flying.messages import Bind, Group, QueuedRequest, Release, RouterState
+from flying.prefix import BLOCK, block_hashes, encode_chain
 from router.policy import EngineView, GroupLoad, PolicyConfig, Snapshot, decide, need_width
+from router.prefix_index import PrefixIndex
 
 CFG = PolicyConfig()
 DP_ONLY = PolicyConfig(load_adaptation=False, priority=False, long_context=False, max_inflight_per_worker=8)
@@ -384,7 +386,16 @@ def test_bind_command_carries_the_records_epoch():
     assert members == (2, 3) and cmd == Bind(epoch=9, members=(2, 3), preempt="sequential")
 
 
-@pytest.mark.parametrize("bad", [dict(light_width=3), dict(priority_width=1), dict(ack_timeout_s=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(light_width=3),
+        dict(priority_width=1),
+        dict(ack_timeout_s=0),
+        dict(cache_threshold=1.5),
+        dict(balance_rel_threshold=0.5),
+    ],
+)
 def test_config_is_validated(bad):
     with pytest.raises(AssertionError):
         PolicyConfig(**bad)
@@ -629,3 +640,109 @@ def test_a_group_with_tp_requests_in_flight_counts_as_used():
     engines = [in_epoch(0, 5, inflight=1, n=2), in_epoch(1, 5, n=2)]
     d = decide(snap([], engines, [load], state=LIGHT, loads={5: GroupLoad(1, 20, 20)}), CFG)
     assert d.put[5].last_used == 100.0 and not d.commands
+
+
+# --- cache-aware DP dispatch (issue 16) ----------------------------------------------------------------------
+
+SYSTEM = list(range(1000, 1000 + 8 * BLOCK))  # an 8-block system prompt
+
+
+def creq(i: str, tokens: list[int]) -> QueuedRequest:
+    return msgspec.structs.replace(req(i, prompt=len(tokens)), prefix=encode_chain(block_hashes(tokens)))
+
+
+def index_with(engines: list[EngineView], sent: dict[int, list[list[int]]]) -> PrefixIndex:
+    idx = PrefixIndex()
+    idx.sync(engines)
+    for e, prompts in sent.items():
+        for tokens in prompts:
+            idx.record(e, block_hashes(tokens))
+    return idx
+
+
+def test_cache_aware_sends_a_request_to_the_engine_holding_the_longest_prefix():
+    engines = [eng(0), eng(1, inflight=3), eng(2, inflight=3)]
+    turn1 = SYSTEM + list(range(2 * BLOCK))
+    idx = index_with(engines, {1: [SYSTEM], 2: [turn1]})
+    turn2 = creq("t2", turn1 + list(range(5, 5 + 2 * BLOCK)))  # the session's next turn
+    d = decide(dataclasses.replace(snap([turn2], engines), prefixes=idx), DP_ONLY)
+    assert [x.engine for x in d.dispatches] == [2], (
+        "the whole history is cached there (load 3 vs 0: balanced)"
+    )
+    off = dataclasses.replace(DP_ONLY, dispatch="least-loaded")
+    assert [
+        x.engine for x in decide(dataclasses.replace(snap([turn2], engines), prefixes=idx), off).dispatches
+    ] == [0]
+    new = creq("new", SYSTEM + list(range(7, 7 + BLOCK)))  # another session on the same system prompt
+    d = decide(dataclasses.replace(snap([new], engines), prefixes=idx), DP_ONLY)
+    assert [x.engine for x in d.dispatches] == [1], (
+        "engines 1 and 2 hold all 8 shared blocks: the less loaded"
+    )
+
+
+def test_a_match_below_cache_threshold_or_no_chain_goes_to_the_least_loaded():
+    engines = [eng(0), eng(1, inflight=2)]
+    idx = index_with(engines, {1: [SYSTEM[: 2 * BLOCK]]})
+    r = creq("r", SYSTEM + list(range(2 * BLOCK)))  # 2 of 10 blocks held on engine 1: 0.2 < 0.3
+    assert [
+        x.engine for x in decide(dataclasses.replace(snap([r], engines), prefixes=idx), DP_ONLY).dispatches
+    ] == [0]
+    low = dataclasses.replace(DP_ONLY, cache_threshold=0.2)
+    assert [
+        x.engine for x in decide(dataclasses.replace(snap([r], engines), prefixes=idx), low).dispatches
+    ] == [1]
+    short = req("short", prompt=10)  # shorter than a block: no chain
+    assert [
+        x.engine for x in decide(dataclasses.replace(snap([short], engines), prefixes=idx), low).dispatches
+    ] == [0]
+
+
+def test_cache_aware_falls_back_to_least_loaded_only_when_both_balance_thresholds_are_exceeded():
+    idx_for = lambda engines: index_with(engines, {1: [SYSTEM]})  # noqa: E731
+    r = creq("r", SYSTEM + list(range(BLOCK)))
+
+    def where(load0: int, load1: int) -> int:
+        engines = [eng(0, inflight=load0), eng(1, inflight=load1)]
+        cfg = dataclasses.replace(DP_ONLY, max_inflight_per_worker=100)
+        (x,) = decide(dataclasses.replace(snap([r], engines), prefixes=idx_for(engines)), cfg).dispatches
+        return x.engine
+
+    assert where(0, 8) == 1, "8 apart: not more than the absolute threshold"
+    assert where(0, 9) == 0, "9 apart and 9 > 1.5 x 0: out of balance"
+    assert where(20, 29) == 1, "9 apart but 29 < 1.5 x 20: balanced"
+    assert where(20, 31) == 0, "11 apart and 31 > 30"
+
+
+def test_requests_of_one_round_follow_each_others_prefixes():
+    """The index learns a round's dispatches only after it; within the round the policy counts what it sent."""
+    engines = [eng(0), eng(1)]
+    a = creq("a", SYSTEM + [1] * BLOCK)
+    b = creq("b", SYSTEM + [2] * BLOCK)
+    d = decide(snap([a, b], engines), DP_ONLY)
+    assert [x.engine for x in d.dispatches] == [0, 0], "b shares a's 8 of 9 blocks: it follows a"
+    off = dataclasses.replace(DP_ONLY, dispatch="least-loaded")
+    assert [x.engine for x in decide(snap([a, b], engines), off).dispatches] == [0, 1]
+
+
+def test_tp_dispatches_ignore_prefixes_and_grouped_engines_are_no_candidates():
+    g = bound(5, (0, 1), reason="load")
+    engines = [in_epoch(0, 5), in_epoch(1, 5), eng(2, inflight=3), eng(3, inflight=3)]
+    idx = index_with([eng(i) for i in range(4)], {0: [SYSTEM]})
+    idx.sync(engines)  # engines 0 and 1 joined a group: forgotten
+    r = creq("r", SYSTEM + [1] * BLOCK)
+    d = decide(dataclasses.replace(snap([r], engines, [g], state=LIGHT), prefixes=idx), CFG)
+    assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 5)], (
+        "light load: the load group, prefix or not"
+    )
+    assert idx.match(0, r.chain) == 0
+
+
+def test_fast_targets_of_cache_aware_dp_dispatch_carry_affinity():
+    (t, *_) = decide(snap([], [eng(0), eng(1)]), DP_ONLY).fast
+    assert t.affinity, "a request with a prefix chain waits for a round, which places it by prefix"
+    off = dataclasses.replace(DP_ONLY, dispatch="least-loaded")
+    assert not any(t.affinity for t in decide(snap([], [eng(0), eng(1)]), off).fast)
+    g = bound(5, (0, 1), reason="load")
+    engines = [in_epoch(0, 5, n=2), in_epoch(1, 5, n=2)]  # (no idle block left to bind)
+    (t,) = decide(snap([], engines, [g], state=LIGHT), CFG).fast
+    assert t.epoch == 5 and not t.affinity, "a group's requests bypass the prefix cache: no affinity"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from flying.messages import Assignment, QueuedRequest, decode
@@ -156,3 +157,29 @@ async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, k
     stats = await aredis.hgetall(keys.stats)
     assert stats[b"fast"] == b"4" and stats[b"assigned"] == b"4"
     await pubsub.aclose()
+
+
+async def test_a_prefix_chain_round_trips_through_the_record(aredis, keys):
+    """The chain the gateway computed is stored with the request record and read back by the router's peek."""
+    from flying.prefix import block_hashes, encode_chain
+
+    q = RequestQueue(aredis, keys)
+    chain = block_hashes(list(range(40 * 64)))
+    req = msgspec.structs.replace(mk("p"), prefix=encode_chain(chain))
+    await q.admit(req)
+    (back,) = await q.peek(5)
+    assert back.prefix == req.prefix and back.chain == tuple(chain)
+    await q.admit(mk("none"))
+    assert (await q.peek(5))[1].chain == ()
+
+
+async def test_affinity_targets_take_only_requests_without_a_prefix_chain(aredis, keys):
+    """Cache-aware dispatch publishes DP targets with ``affinity``: a request with a prefix chain waits for the
+    router's round (which places it by prefix); one without takes the fast path as before."""
+    from flying.messages import FastTarget, encode
+
+    q = RequestQueue(aredis, keys)
+    await aredis.set(keys.fast_path, encode([FastTarget(engine=0, url="http://e0", cap=4, max_kv=100, affinity=True)]))  # fmt: skip
+    assert await q.admit(msgspec.structs.replace(mk("c"), prefix="AAAAAAAAAAE=")) is None, "queued"
+    await q.finish("c", "cancelled")
+    assert (await q.admit(mk("plain"))).engine == 0

@@ -13,13 +13,14 @@ from router.policy import PolicyConfig
 
 
 async def beat(r, keys, engine: int, ready: bool = True, **kw) -> None:
+    launch_id = kw.pop("launch_id", f"L{engine}")
     hb = Heartbeat(
         **kw,
         engine=engine,
         url=f"http://e{engine}",
         pid=1,
         model="m",
-        launch_id=f"L{engine}",
+        launch_id=launch_id,
         free_kv_tokens=1000,
         max_total_tokens=1000,
         context_len=4096,
@@ -28,7 +29,7 @@ async def beat(r, keys, engine: int, ready: bool = True, **kw) -> None:
     await r.set(keys.worker(engine), encode(hb), px=1000)
     await r.sadd(keys.workers, engine)
     if ready:
-        await r.set(keys.ready(engine), f"L{engine}")
+        await r.set(keys.ready(engine), launch_id)
 
 
 def dispatcher(aredis, keys, **policy) -> Dispatcher:
@@ -152,3 +153,30 @@ async def test_a_lost_gateways_requests_are_ended_and_aborted(aredis, keys, monk
         rec = await q.get(rid)
         assert rec["state"] == "cancelled" and rec["error"] == "gateway g lost"
     await d.close()
+
+
+async def test_cache_aware_rounds_follow_a_prefix_the_router_dispatched_before(aredis, keys):
+    """The router records each round's DP dispatches in its prefix index, read from the chains stored with the
+    records: a later request sharing the prompt's prefix follows it, though the other engine is less loaded; a
+    restarted engine (new launch id) is forgotten."""
+    from flying.prefix import block_hashes, encode_chain
+
+    await beat(aredis, keys, 0)
+    await beat(aredis, keys, 1)
+    q = RequestQueue(aredis, keys)
+    d = dispatcher(aredis, keys)
+    system = list(range(10 * 64))
+
+    async def send(rid: str, tail: int) -> int:
+        chain = encode_chain(block_hashes(system + [tail] * 64))
+        await q.admit(QueuedRequest(id=rid, model="m", prompt_tokens=704, max_tokens=8, gateway="g",
+                                    enqueued_at=time.time(), prefix=chain))  # fmt: skip
+        assert await d.round() == 1
+        return int((await q.get(rid))["engine"])
+
+    first = await send("a", 1)
+    assert await send("b", 2) == first, "the shared system prompt is cached there (1 vs 0 in flight)"
+    assert d.prefixes.blocks(first) == 12
+    await beat(aredis, keys, first, launch_id="restarted")
+    await d.snapshot()
+    assert d.prefixes.blocks(first) == 0

@@ -360,3 +360,55 @@ def test_shift_is_one_scheduler_over_every_engine_with_the_kv_its_weight_copy_le
     recs = Simulator(cfg, reqs, check=True).run()
     assert [r.status for r in recs] == [200, 400]  # 11,004 fits 4 x (4000 - 1000); 12,004 does not
     assert all(r.output_tokens == 4 for r in recs[:1])
+
+
+# --- prefix caches and cache-aware dispatch (issue 16) --------------------------------------------------------
+
+
+def test_a_cached_prefix_is_not_prefilled_again_and_a_tp_group_bypasses_the_cache():
+    from flying.prefix import BLOCK, block_hashes
+
+    shared = list(range(20 * BLOCK))
+    reqs = [
+        SimRequest(t, "normal", 21 * BLOCK, 8, blocks=tuple(block_hashes(shared + [i] * (BLOCK + 8), cap=99)))
+        for i, t in enumerate((0.0, 5.0))
+    ]
+    dp = Simulator(SimConfig(engines=1, mode="dp"), reqs)
+    first, second = dp.run()
+    assert [r.cached for r in dp.reqs] == [0, 20 * BLOCK], "the second finds the first's 20 shared blocks"
+    assert second.ttft < first.ttft / 3
+    tp = Simulator(SimConfig(engines=2, mode="tp"), reqs)
+    tp.run()
+    assert [r.cached for r in tp.reqs] == [0, 0], "a group's requests prefill in full"
+
+
+def test_cache_aware_dispatch_beats_least_loaded_on_shared_prefixes_and_equals_it_without():
+    from sim.prefix_report import summarize_prefix
+    from sim.prefix_workload import shared_prefix_workload
+
+    def run(dispatch: str, **workload) -> dict:
+        d = SimConfig()
+        cfg = dataclasses.replace(
+            d, engines=4, mode="dp", policy=dataclasses.replace(d.policy, dispatch=dispatch)
+        )
+        sim = Simulator(cfg, shared_prefix_workload(400, seed=3, session_rate=2.0, **workload))
+        return summarize_prefix(sim, sim.run())
+
+    ca, ll = run("cache-aware"), run("least-loaded")
+    assert ca["hit_rate"] > ll["hit_rate"] + 0.05 and ca["ttft_p50_ms"] < ll["ttft_p50_ms"]
+    assert ca["served"] == ll["served"] == 400
+    assert run("cache-aware", system_prompts=0) == run("least-loaded", system_prompts=0), "nothing to follow"
+
+
+def test_flying_sim_compares_dispatch_rules_on_the_shared_prefix_workload(tmp_path, capsys):
+    import json
+
+    from sim.cli import main
+
+    argv = ["--workload", "shared-prefix", "--modes", "dp", "--engines", "2", "--requests", "120", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    assert set(summary) == {"static DP / cache-aware", "static DP / least-loaded"}
+    assert all(s["served"] == 120 for s in summary.values())
+    assert "| static DP | cache-aware |" in (tmp_path / "table.md").read_text()
+    assert "cache-aware / least-loaded TTFT p50" in capsys.readouterr().out

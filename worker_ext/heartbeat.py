@@ -53,6 +53,8 @@ class Load(TypedDict, total=False):
     max_total_tokens: int
     context_len: int
     max_running_requests: int
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass(frozen=True)

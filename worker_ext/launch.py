@@ -127,6 +127,7 @@ def sglang_command(cfg: WorkerConfig) -> list[str]:
         "--dtype",
         cfg.dtype,
         "--enable-priority-scheduling",
+        "--enable-cache-report",  # usage.prompt_tokens_details.cached_tokens in every OpenAI answer
         "--log-level",
         "warning",
     ]

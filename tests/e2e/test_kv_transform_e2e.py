@@ -82,7 +82,10 @@ def switch_index(ours: dict, reference: dict) -> int:
 
 def test_bind_by_adoption_continues_busy_engines_requests_in_tp(cluster, stock_tp2):
     urls, n = [worker_url(cluster, i) for i in (0, 1)], 160
-    for i in (0, 1):  # the prompts are cached from here on (the radix cache), for the references and the run alike
+    for i in (
+        0,
+        1,
+    ):  # the prompts are cached from here on (the radix cache), for the references and the run alike
         generate(urls[i], PROMPTS[i], 1)
     refs = [generate(urls[i], PROMPTS[i], n) for i in (0, 1)]
     wait = decode_time(urls[0], n) * 0.4  # mid-decode

@@ -155,5 +155,7 @@ def test_switch_sequences_with_shared_prefix_traffic_keep_the_cache_sound(cluste
         assert cold["meta_info"]["cached_tokens"] == 0
         assert warm["output_ids"] == cold["output_ids"]
         diff = max(abs(a - b) for a, b in zip(logprobs(warm), logprobs(cold)))
-        assert diff <= 1e-4, f"engine {i}: log-probs over the cached prefix differ from a cold run by {diff:.2e}"
+        assert diff <= 1e-4, (
+            f"engine {i}: log-probs over the cached prefix differ from a cold run by {diff:.2e}"
+        )
     idle_and_whole(cluster)

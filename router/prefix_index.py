@@ -1,0 +1,81 @@
+"""What each engine's prefix cache probably holds: the block hashes (flying.prefix) of the prompts it was sent.
+
+The router cannot see the engines' radix caches; like SGLang's model gateway it mirrors them approximately from
+its own dispatches. Per engine an LRU of chain hashes, bounded by the engine's KV in blocks
+(``max_total_tokens // BLOCK``: a radix cache holds at most the whole pool), with a chain recorded deepest block
+first, so the shallow blocks a prompt shares with others are the most recent and the deep ones are evicted
+first, as a radix cache evicts leaves. An engine's entries are forgotten when it restarts (a new launch id), leaves
+the live set, or reads a bind (a TP group's requests bypass the prefix cache, and its KV pool is the group's until
+the release): it starts again empty in DP.
+
+The policy (router.policy) only reads it (:meth:`PrefixIndex.match`); the caller (the router's dispatcher, the
+simulator) updates it: :meth:`sync` with the engines of each snapshot before the round, :meth:`record` with each
+DP dispatch the round decided. A restarted router starts with an empty index (the engines' caches outlive it;
+its affinity comes back with the traffic).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from flying.prefix import BLOCK
+
+if TYPE_CHECKING:
+    from router.policy import EngineView
+
+
+class PrefixIndex:
+    def __init__(self, block: int = BLOCK) -> None:
+        self.block = block
+        self._lru: dict[int, OrderedDict[int, None]] = {}
+        self._cap: dict[int, int] = {}
+        self._key: dict[int, tuple[str, bool]] = {}  # what the entries are valid for: (launch id, in DP)
+
+    def sync(self, engines: Iterable[EngineView]) -> list[int]:
+        """Bring the index in line with a snapshot's live engines; returns those whose entries were forgotten."""
+        forgotten, seen = [], set()
+        for e in engines:
+            engine = e.engine
+            seen.add(engine)
+            key = (e.launch_id, e.mode == "dp" and not e.epoch and not e.pending)
+            if self._key.get(engine) != key:
+                if self._lru.get(engine):
+                    forgotten.append(engine)
+                self._lru[engine] = OrderedDict()
+                self._key[engine] = key
+            self._cap[engine] = max(1, e.max_total_tokens // self.block)
+        for engine in [e for e in self._lru if e not in seen]:
+            if self._lru.pop(engine):
+                forgotten.append(engine)
+            self._key.pop(engine, None)
+            self._cap.pop(engine, None)
+        return sorted(forgotten)
+
+    def match(self, engine: int, chain: Sequence[int], sent: Collection[int] = ()) -> int:
+        """How many leading blocks of ``chain`` the engine probably holds (also counting hashes in ``sent``: what
+        the current round has sent it)."""
+        lru: Collection[int] = self._lru.get(engine, ())
+        n = 0
+        for h in chain:
+            if h not in lru and h not in sent:
+                break
+            n += 1
+        return n
+
+    def record(self, engine: int, chain: Sequence[int]) -> None:
+        """The engine was sent a prompt with ``chain`` (its cache will hold it): touch deepest first, evict the
+        least recently used beyond its capacity. Ignored for an engine :meth:`sync` does not know as in DP."""
+        if not self._key.get(engine, ("", False))[1]:
+            return
+        lru = self._lru[engine]
+        for h in reversed(chain):
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self._cap[engine]:
+            lru.popitem(last=False)
+
+    def blocks(self, engine: int) -> int:
+        """Hashes held for ``engine``."""
+        return len(self._lru.get(engine, ()))

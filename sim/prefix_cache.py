@@ -1,0 +1,45 @@
+"""A simulated engine's prefix cache (issue 16): an LRU of the blocks an engine has computed (prompts when they start, prompt
+and answer when they finish, as SGLang's radix cache inserts them), bounded by its KV less what its running
+requests reserve for their outputs; a request that starts prefills only the blocks after its longest cached
+prefix (at least its last token). Cleared when the engine joins a TP group: a group's requests bypass the cache
+and prefill in full.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from flying.prefix import BLOCK
+
+UNCAPPED = (
+    1 << 30
+)  # the simulated engines' caches match whole prompts (the router's chains stop at MAX_BLOCKS)
+
+
+class PrefixCache:
+    def __init__(self, block: int = BLOCK) -> None:
+        self.block = block
+        self.lru: OrderedDict[int, None] = OrderedDict()
+
+    def hit(self, chain: Sequence[int]) -> int:
+        """Leading blocks of ``chain`` held (touched: they are in use again)."""
+        n = 0
+        for h in chain:
+            if h not in self.lru:
+                break
+            n += 1
+        for h in reversed(chain[:n]):
+            self.lru.move_to_end(h)
+        return n
+
+    def insert(self, chain: Sequence[int], room_tokens: int) -> None:
+        """Hold ``chain`` (deepest first: shared shallow blocks outlive private deep ones), within ``room_tokens``."""
+        for h in reversed(chain):
+            self.lru[h] = None
+            self.lru.move_to_end(h)
+        while self.lru and len(self.lru) * self.block > room_tokens:
+            self.lru.popitem(last=False)
+
+    def clear(self) -> None:
+        self.lru.clear()
