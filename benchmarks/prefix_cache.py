@@ -3,7 +3,7 @@ cache-aware DP dispatch buys over least-loaded.
 
 (a) ``--part engine``: the shared-prefix workload (one system prompt of ``--system-prompt-words`` words, 64 short
     distinct questions, 8 output tokens, concurrency 4, greedy, chat), two rounds, sent straight to one engine: a
-    bindable flying worker in DP mode (2-engine cluster, ``--comm-port``, ``--no-disable-radix-cache``, manual
+    bindable flying worker in DP mode (2-engine cluster, ``--comm-port``, cache on by default, manual
     router, engine 0 measured, engine 1 idle) and a stock tp=1 server (cache on), pinned to the same core. The two
     servers take turns round by round. Ratios are stock / flying (>= 1: flying as fast or faster).
 (b)+(c) ``--part dispatch``: a 2-engine cluster through the gateway (router ``--manual``: DP only, no binds), once
@@ -29,7 +29,6 @@ from devstack.stock_server import StockServer
 from worker_ext.tinymodel import ensure
 
 KV_TOKENS = 16384
-KEEP_CACHE = ("--no-disable-radix-cache",)
 
 
 def shared_prefix_args(model: Path, a: argparse.Namespace) -> tuple[str, ...]:
@@ -47,7 +46,7 @@ def row(s: dict) -> str:
 
 def engine_part(model: Path, tmp: Path, a: argparse.Namespace) -> None:
     cfg = ClusterConfig(model_path=model, num_engines=2, log_dir=tmp / "cluster", max_total_tokens=KV_TOKENS,
-                        router_args=("--manual",), worker_args=KEEP_CACHE)  # fmt: skip
+                        router_args=("--manual",))  # fmt: skip
     args = shared_prefix_args(model, a)
     runs: dict[str, list[dict]] = {"flying": [], "stock": []}
     with Cluster(cfg) as c:
@@ -86,7 +85,7 @@ def dispatch_part(model: Path, tmp: Path, a: argparse.Namespace) -> None:
     results: dict[str, dict[str, dict]] = {}
     for mode in a.dispatch:
         cfg = ClusterConfig(model_path=model, num_engines=2, log_dir=tmp / mode, max_total_tokens=KV_TOKENS,
-                            router_args=("--manual",), worker_args=KEEP_CACHE, dispatch=mode)  # fmt: skip
+                            router_args=("--manual",), dispatch=mode)  # fmt: skip
         with Cluster(cfg) as c:
             url = c.config.gateway_url
             results[mode] = {
