@@ -84,29 +84,11 @@ def scheduler_tp_rank(scheduler: Any) -> int:
     return int(get_parallel().tp_rank)
 
 
-class PrefixCacheTally:
-    """Prompt tokens and prefix-cache hits of the requests this engine streamed to their end, since it started:
-    per request ``len(origin_input_ids)`` and SGLang's ``Req.cached_tokens`` (what its usage reports as
-    ``prompt_tokens_details.cached_tokens``), counted once, when its last output goes out."""
-
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-
-    def count(self, reqs: list) -> None:
-        for req in reqs:
-            if req.finished() and not getattr(req, "_flying_tallied", False):
-                req._flying_tallied = True
-                self.prompt_tokens += len(req.origin_input_ids)
-                self.cached_tokens += int(req.cached_tokens)
-
-
-prefix_cache = PrefixCacheTally()  # one scheduler per process
-
-
 def scheduler_load(scheduler: Any) -> Load:
     """Running and waiting requests and KV capacity, read from the scheduler's own structures; the prefix cache's
-    tally (:data:`prefix_cache`)."""
+    tally (:data:`worker_ext.sglang_patches.prefix_cache.tally`)."""
+    from worker_ext.sglang_patches.prefix_cache import tally
+
     allocator = scheduler.token_to_kv_pool_allocator
     evictable = scheduler.tree_cache.evictable_size() if scheduler.tree_cache is not None else 0
     running_batch = scheduler.running_batch
@@ -117,8 +99,8 @@ def scheduler_load(scheduler: Any) -> Load:
         "max_total_tokens": int(scheduler.max_total_num_tokens),
         "context_len": int(scheduler.model_config.context_len),
         "max_running_requests": int(scheduler.max_running_requests),
-        "prompt_tokens": prefix_cache.prompt_tokens,
-        "cached_tokens": prefix_cache.cached_tokens,
+        "prompt_tokens": tally.prompt_tokens,
+        "cached_tokens": tally.cached_tokens,
     }
 
 

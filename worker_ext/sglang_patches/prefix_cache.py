@@ -195,3 +195,23 @@ def let_go(scheduler: Any, req: Any) -> None:
     if req.kv.holds_kv:
         req.kv.cache_protected_len = 0
         req.kv.cache_inserted_len = 0
+
+
+class PrefixCacheTally:
+    """Prompt tokens and prefix-cache hits of the requests this engine streamed to their end, since it started:
+    per request ``len(origin_input_ids)`` and SGLang's ``Req.cached_tokens`` (what its usage reports as
+    ``prompt_tokens_details.cached_tokens``), counted once, when its last output goes out."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def count(self, reqs: list) -> None:
+        for req in reqs:
+            if req.finished() and not getattr(req, "_flying_tallied", False):
+                req._flying_tallied = True
+                self.prompt_tokens += len(req.origin_input_ids)
+                self.cached_tokens += int(req.cached_tokens)
+
+
+tally = PrefixCacheTally()  # one scheduler per process

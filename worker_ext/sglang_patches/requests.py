@@ -193,7 +193,7 @@ _diverts: dict[int, Callable[[Any], bool]] = {}  # id(output streamer) -> divert
 def apply_output_hook() -> None:
     """Wrap ``SchedulerOutputStreamer.stream_output`` (once per process, at plugin load) so that
     :func:`apply_output_filter` can keep requests away from this engine's detokenizer, and the requests it
-    streams to their end are tallied in :data:`~worker_ext.sglang_patches.prefix_cache`."""
+    streams to their end are tallied in :data:`~worker_ext.sglang_patches.prefix_cache.tally`."""
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -207,7 +207,7 @@ def apply_output_hook() -> None:
             reqs = [r for r in reqs if not divert(r)]
             if not reqs:
                 return None
-        prefix_cache.count(reqs)
+        prefix_cache.tally.count(reqs)
         return original(streamer, reqs, return_logprob, *args, **kwargs)
 
     HookRegistry.register(f"{_STREAMER}.stream_output", around, HookType.AROUND)
