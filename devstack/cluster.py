@@ -40,7 +40,6 @@ class ClusterConfig:
     bindable: bool = True  # workers build the communicator pool and accept bind/release commands
     comm_port: int = field(default_factory=free_port)
     gateway_args: tuple[str, ...] = ()
-    worker_args: tuple[str, ...] = ()  # more flying-worker options for every engine
     standby_router: bool = False  # a second router waiting for the lease (the demo runs one)
     log_format: str = "text"  # every process's --log-format: text or json (see flying.logs)
     router_metrics_port: int = field(default_factory=free_port)  # the router's Prometheus metrics (0: off)
