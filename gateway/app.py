@@ -140,10 +140,12 @@ class RelayResponse(StreamingResponse):
         assert task is not None
 
         def left(_: asyncio.Future[None]) -> None:
-            if not self.complete and not self.disconnected.cancelled():  # (ended also when the response is)
+            # (the watcher ends with the response too; and a callback already scheduled runs even once removed)
+            if active and not self.complete and not self.disconnected.cancelled():
                 self.gone = True
                 task.cancel()
 
+        active = True
         self.disconnected.add_done_callback(left)
         try:
             await send(
@@ -162,6 +164,7 @@ class RelayResponse(StreamingResponse):
                 raise
             task.uncancel()  # the client left: the response ends here, as a finished one
         finally:
+            active = False
             self.disconnected.remove_done_callback(left)
             self.disconnected.cancel()
             if not self.started:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import time
@@ -463,16 +464,41 @@ class Gateway:
         self, adm: Admitted, a: Assignment, coro: Awaitable, disconnected: asyncio.Future[None]
     ):
         """``await coro``, unless the client disconnects first: then it is cancelled, the engine is told to abort
-        the request, and ClientGone is raised."""
-        task = asyncio.ensure_future(coro)
-        done, _ = await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        the request, and ClientGone is raised. (The disconnect cancels this task; no task of its own for ``coro``.)"""
+        task = asyncio.current_task()
+        assert task is not None
+        gone = active = False
+
+        def left(_: asyncio.Future[None]) -> None:
+            nonlocal gone
+            if (
+                active and not disconnected.cancelled()
+            ):  # (a callback already scheduled runs even once removed)
+                gone = True
+                task.cancel()
+
+        if not disconnected.done():
+            active = True
+            disconnected.add_done_callback(left)
+        else:
+            gone = not disconnected.cancelled()
+        try:
+            if gone:
+                raise asyncio.CancelledError
+            return await coro
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            if active:
+                task.uncancel()
             self.spawn(self._abandon(adm, a, "client disconnected"))
-            raise ClientGone(adm.record.id)
-        return task.result()
+            raise ClientGone(adm.record.id) from None
+        finally:
+            if active:
+                active = False
+                disconnected.remove_done_callback(left)
+            if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()  # never started (the client had left already)
 
     async def relay(
         self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[list[str]]
