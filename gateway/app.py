@@ -70,7 +70,7 @@ async def completions(request: Request, kind: str) -> Response:
             gw.metrics.rejected.labels(str(status), exc.code or "").inc()
         raise
     finally:
-        gw.metrics.requests.labels(request.url.path, str(status), seen["priority"]).inc()
+        gw.metrics.requests.labels(request.scope["path"], str(status), seen["priority"]).inc()
 
 
 async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str]) -> Response:

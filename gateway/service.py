@@ -651,8 +651,8 @@ async def _prepend(first: list[str], rest: AsyncIterator[list[str]]) -> AsyncIte
 
 def unavailable(line: str) -> str:
     """Why an SSE line says the engine gave up on the request ('' if it does not): see engine_gave_up."""
-    with contextlib.suppress(ValueError):
-        return engine_gave_up(json.loads(line[5:]))
+    with contextlib.suppress(ValueError):  # (msgspec.DecodeError is one)
+        return engine_gave_up(msgspec.json.decode(line[5:]))
     return ""
 
 
