@@ -51,13 +51,18 @@ class Conn:
         self.writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str) -> tuple[int, float, float]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         t0 = time.perf_counter()
         head = f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
-        self.writer.write(f"{head}content-length: {len(BODY)}\r\n\r\n".encode() + BODY)
-        r = self.reader
-        status = int((await r.readline()).split()[1])
+        for fresh in (self.writer is None, True):  # an idle connection the server closed: once more, anew
+            if fresh:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            assert self.reader is not None and self.writer is not None
+            self.writer.write(f"{head}content-length: {len(BODY)}\r\n\r\n".encode() + BODY)
+            r = self.reader
+            if status_line := await r.readline():
+                break
+            self.writer.close()
+        status = int(status_line.split()[1])
         chunked, length = False, 0
         while (line := await r.readline()) not in (b"\r\n", b""):
             k, _, v = line.decode().partition(":")

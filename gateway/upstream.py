@@ -149,6 +149,7 @@ class StreamResponse:
         while True:
             if conn.body:
                 yield conn.take()
+                continue  # more may have come (and the end) while the reader was away
             if conn.complete:
                 self._release()
                 return

@@ -167,3 +167,20 @@ async def test_a_malformed_chunk_breaks_the_stream():
     assert got == ["data: 1", ""], "what came before the bad chunk is delivered"
     await up.close()
     server.close()
+
+
+async def test_what_arrives_while_the_reader_is_away_is_still_read_even_with_the_end():
+    """The rest of a stream and its end arrive while the reader is busy with an earlier batch (relaying it to a
+    slow client): it still gets every line."""
+    server, url, _ = await scripted(
+        [(0, HEAD + chunk(b"data: 1\n\n")), (0.05, chunk(b"data: 2\n\n") + b"0\r\n\r\n")]
+    )
+    up = Upstream(read_timeout_s=5)
+    resp = await up.open_stream(url, "/v1/completions", {})
+    got = []
+    async for batch in resp.aiter_batches():
+        got += [line for line in batch if line]
+        await asyncio.sleep(0.2)
+    assert got == ["data: 1", "data: 2"]
+    await up.close()
+    server.close()
