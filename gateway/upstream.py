@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -48,11 +48,14 @@ class _Conn(asyncio.Protocol):
         self.error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
-        self.on_complete = None  # called once when the current response's end arrives
+        self.on_complete: Callable[[], None] | None = (
+            None  # called once when the current response's end arrives
+        )
         self.reset()
 
     def reset(self) -> None:
-        self.status, self.headers, self.body = 0, {}, bytearray()
+        self.status, self.body = 0, bytearray()
+        self.headers: dict[str, str] = {}
         self.headers_done = self.complete = self.keep_alive = False
 
     # -- httptools callbacks
