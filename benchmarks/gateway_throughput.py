@@ -7,6 +7,9 @@ loop at ``--rate`` for ``--seconds``; the same client then sends the same load s
 difference of the TTFT percentiles is what the hop adds at that rate.
 
     .venv/bin/python benchmarks/gateway_throughput.py --rate 400 --seconds 10
+
+It also reports each process's CPU time during the via-gateway run (from ``/proc``), so the gateway's CPU per
+request, hence what one gateway process can serve on one core, is known even when the machine cannot offer it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,13 +51,18 @@ class Conn:
         self.writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str) -> tuple[int, float, float]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         t0 = time.perf_counter()
         head = f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
-        self.writer.write(f"{head}content-length: {len(BODY)}\r\n\r\n".encode() + BODY)
-        r = self.reader
-        status = int((await r.readline()).split()[1])
+        for fresh in (self.writer is None, True):  # an idle connection the server closed: once more, anew
+            if fresh:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            assert self.reader is not None and self.writer is not None
+            self.writer.write(f"{head}content-length: {len(BODY)}\r\n\r\n".encode() + BODY)
+            r = self.reader
+            if status_line := await r.readline():
+                break
+            self.writer.close()
+        status = int(status_line.split()[1])
         chunked, length = False, 0
         while (line := await r.readline()) not in (b"\r\n", b""):
             k, _, v = line.decode().partition(":")
@@ -92,14 +103,47 @@ async def drive(host: str, port: int, path: str, rate: float, seconds: float, co
     return results, time.perf_counter() - t0
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) a process has used so far (``None``: this one, all its threads)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] * 1000 if len(xs) > 1 else float("nan")
+
+
+def record(pid: int, out: str) -> subprocess.Popen:
+    """py-spy sampling ``pid`` at 200 Hz into ``out`` until SIGINT."""
+    cmd = [
+        str(Path(sys.executable).with_name("py-spy")),
+        "record",
+        "-o",
+        out,
+        "--pid",
+        str(pid),
+        "--rate",
+        "200",
+    ]
+    cmd += ["--nonblocking"] + ([] if out.endswith(".svg") else ["--format", "raw"])
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)  # attached
+    return spy
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=400)
     p.add_argument("--seconds", type=float, default=10)
+    p.add_argument(
+        "--py-spy",
+        metavar="OUT",
+        help="record the gateway with py-spy during the via-gateway run (OUT.svg: a flame graph, else collapsed "
+        "stacks, one line per stack)",
+    )
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gateway-throughput-"))
     model = ensure(Path(".flying/test-model"), seed=0)
@@ -122,7 +166,17 @@ def main() -> None:
     try:
         wait_healthy(gateway, f"http://127.0.0.1:{port}", 60)
         asyncio.run(drive("127.0.0.1", port, "/v1/chat/completions", 50, 2))  # warm-up
+        assert server.proc is not None
+        procs = {"gateway": gateway.pid, "router": router.pid, "redis": server.proc.pid}
+        procs |= {f"engine{e}": proc.pid for e, (proc, _) in enumerate(engines)}
+        procs["client+heartbeats"] = None  # this process
+        spy = record(gateway.pid, a.py_spy) if a.py_spy else None
+        before = {name: cpu_s(pid) for name, pid in procs.items()}
         via, via_s = asyncio.run(drive("127.0.0.1", port, "/v1/chat/completions", a.rate, a.seconds))
+        used = {name: cpu_s(pid) - before[name] for name, pid in procs.items()}
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output and exits
+            spy.wait(60)
         eng_port = int(engines[0][1].rsplit(":", 1)[1])
         direct, direct_s = asyncio.run(
             drive("127.0.0.1", eng_port, "/v1/chat/completions", a.rate, a.seconds)
@@ -143,6 +197,14 @@ def main() -> None:
         )
     v, d = [x[1] for x in via if x[0] == 200], [x[1] for x in direct if x[0] == 200]
     print(f"  added TTFT p50 {pct(v, 50) - pct(d, 50):.2f} ms, p99 {pct(v, 99) - pct(d, 99):.2f} ms")
+    n = max(1, len(via))
+    print(f"  CPU during the via-gateway run ({via_s:.1f} s, 2 cores: {2 * via_s:.1f} CPU s; {n} requests):")
+    for name, secs in used.items():
+        print(
+            f"    {name:18s} {secs:6.2f} s  {secs / via_s * 100:5.1f} % of a core  {secs / n * 1000:6.3f} ms/request"
+        )
+    gw = used["gateway"] / n
+    print(f"  the gateway: {gw * 1000:.3f} ms CPU per request => at most {1 / gw:.0f} requests/s on one core")
 
 
 if __name__ == "__main__":

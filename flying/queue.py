@@ -21,12 +21,12 @@ FINISHED_TTL_S = 3600
 
 _ADMIT = """
 -- KEYS: queue, seq, request hash, wake, stats, fast-path targets ; ARGV: id, class, max_queue, max_ahead,
--- kv tokens, now, inflight key prefix, channel, has a prefix chain (1/0), then field/value pairs.
+-- kv tokens, now, inflight key prefix, has a prefix chain (1/0), then field/value pairs.
 -- Refusals return {code, n}: {-1, depth} the queue is full; {-3, ahead} max_ahead requests of this class or
 -- higher already wait (the estimated wait is too long). Queued: the arrival sequence. Fast path (the queue is
 -- empty, normal or low priority, a target the router published has a free slot and KV for it, and is not an
 -- affinity target while the request has a prefix chain): assigned at once to the least loaded such target,
--- returns {seq, engine, url, epoch}.
+-- returns {seq, engine, url, epoch} (the reply is the gateway's assignment: nothing is published).
 local depth = redis.call('ZCARD', KEYS[1])
 if tonumber(ARGV[3]) > 0 and depth >= tonumber(ARGV[3]) then return {-1, depth} end
 if tonumber(ARGV[4]) > 0 then
@@ -35,13 +35,13 @@ if tonumber(ARGV[4]) > 0 then
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
 local seq = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[3], unpack(ARGV, 10))
+redis.call('HSET', KEYS[3], unpack(ARGV, 9))
 redis.call('HINCRBY', KEYS[5], 'admitted', 1)
 local raw = depth == 0 and tonumber(ARGV[2]) > 0 and redis.call('GET', KEYS[6])
 if raw then
   local best, best_n = nil, 0
   for _, t in ipairs(cjson.decode(raw)) do
-    if tonumber(ARGV[5]) <= t.max_kv and not (t.affinity and ARGV[9] == '1') then
+    if tonumber(ARGV[5]) <= t.max_kv and not (t.affinity and ARGV[8] == '1') then
       local n = redis.call('SCARD', ARGV[7] .. t.engine)
       if n < t.cap and (best == nil or n < best_n) then best, best_n = t, n end
     end
@@ -53,7 +53,6 @@ if raw then
     redis.call('SADD', ARGV[7] .. best.engine, ARGV[1])
     redis.call('HINCRBY', KEYS[5], 'assigned', 1)
     redis.call('HINCRBY', KEYS[5], 'fast', 1)
-    redis.call('PUBLISH', ARGV[8], cjson.encode({id = ARGV[1], engine = best.engine, url = best.url, queue_ms = 0}))
     return {seq, best.engine, best.url, epoch}
   end
 end
@@ -91,15 +90,19 @@ return 1
 
 _FINISH = """
 -- KEYS: queue, request hash, wake, stats ; ARGV: id, state, now, error, ttl, inflight key prefix. The inflight set
--- is the one of the engine the record names (an assignment that raced a cancel is cleared too).
+-- is the one of the engine the record names (an assignment that raced a cancel is cleared too). The router is
+-- woken only while requests wait (with none, a free slot changes nothing it would do before its next poll; a
+-- wake per finished request would cost it a round per request at high rates).
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 local engine = redis.call('HGET', KEYS[2], 'engine')
 if engine then redis.call('SREM', ARGV[6] .. engine, ARGV[1]) end
 redis.call('HSET', KEYS[2], 'state', ARGV[2], 'finished_at', ARGV[3], 'error', ARGV[4])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
-redis.call('LPUSH', KEYS[3], 1)
-redis.call('LTRIM', KEYS[3], 0, 0)
+if redis.call('ZCARD', KEYS[1]) > 0 then  -- a slot is free for a waiting request: wake the router
+  redis.call('LPUSH', KEYS[3], 1)
+  redis.call('LTRIM', KEYS[3], 0, 0)
+end
 local counter = ARGV[2] == 'done' and 'completed' or ARGV[2]
 redis.call('HINCRBY', KEYS[4], counter, 1)
 return 1
@@ -158,7 +161,7 @@ class RequestQueue:
         out = await self._admit(
             keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats, k.fast_path],
             args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
-                  k.inflight_prefix, k.gateway_channel(req.gateway), 1 if req.prefix else 0, *fields],
+                  k.inflight_prefix, 1 if req.prefix else 0, *fields],
         )  # fmt: skip
         if isinstance(out, list) and len(out) == 2:
             code, n = int(out[0]), int(out[1])

@@ -37,7 +37,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
-from gateway.service import ClientGone, Gateway, watch_disconnect
+from gateway.service import DONE, ClientGone, Gateway, watch_disconnect
 
 log = logging.getLogger("flying.gateway")
 
@@ -70,7 +70,7 @@ async def completions(request: Request, kind: str) -> Response:
             gw.metrics.rejected.labels(str(status), exc.code or "").inc()
         raise
     finally:
-        gw.metrics.requests.labels(request.url.path, str(status), seen["priority"]).inc()
+        gw.metrics.requests.labels(request.scope["path"], str(status), seen["priority"]).inc()
 
 
 async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str]) -> Response:
@@ -95,9 +95,11 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
         reply = await gw.serve(adm, disconnected)
         gw.metrics.ttft.labels(priority).observe(time.monotonic() - t0)
     except ClientGone:
+        disconnected.cancel()
         return Response(status_code=499)
-    finally:
-        disconnected.cancel()  # a stream's response watches for disconnects itself from here on
+    except BaseException:
+        disconnected.cancel()
+        raise
     a = reply.assignment
     logged.request_id, logged.engine, logged.queue_ms = a.id, a.engine, a.queue_ms
     headers = {
@@ -107,34 +109,64 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
     }
     if reply.stream is not None:
         assert reply.unstarted is not None
-        return RelayResponse(reply.stream, headers, reply.unstarted)
+        return RelayResponse(reply.stream, headers, reply.unstarted, disconnected)
+    disconnected.cancel()
     if reply.raw is not None:
         return Response(reply.raw, status_code=reply.status, media_type="application/json", headers=headers)
     return JSONResponse(reply.body, status_code=reply.status, headers=headers)
 
 
 class RelayResponse(StreamingResponse):
-    """A stream whose relay generator is closed as soon as the response ends, however it ends. A client that
-    leaves cancels the response; if that finds the generator suspended at a ``yield`` nothing closes it but the
-    garbage collector, and its cleanup (the abort on the engine, the slot freed in Redis) could come seconds
-    later. If the client leaves before the relay has even started (its cleanup is in the relay), ``unstarted``
-    is called instead."""
+    """A stream relayed as the engine's events come, each chunk of them in one write, the last (ending with
+    ``[DONE]``) together with the end of the response. The request's disconnect watcher (``disconnected``) stays
+    on: a client that leaves cancels the relay at once (no task group per stream), and the relay's cleanup (the
+    abort on the engine, the slot freed in Redis) runs then, not when the garbage collector finds the generator.
+    If the client leaves before the relay has even started (its cleanup is in the relay), ``unstarted`` is called
+    instead."""
 
     def __init__(
-        self, relay: AsyncGenerator[bytes, None], headers: dict[str, str], unstarted: Callable[[], None]
+        self,
+        relay: AsyncGenerator[bytes, None],
+        headers: dict[str, str],
+        unstarted: Callable[[], None],
+        disconnected: asyncio.Future[None],
     ) -> None:
-        super().__init__(self._started(relay), media_type="text/event-stream", headers=headers)
-        self.relay, self.unstarted, self.started = relay, unstarted, False
-
-    async def _started(self, relay: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-        self.started = True
-        async for chunk in relay:
-            yield chunk
+        super().__init__(relay, media_type="text/event-stream", headers=headers)
+        self.relay, self.unstarted, self.disconnected = relay, unstarted, disconnected
+        self.started = self.complete = self.gone = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def left(_: asyncio.Future[None]) -> None:
+            # (the watcher ends with the response too; and a callback already scheduled runs even once removed)
+            if active and not self.complete and not self.disconnected.cancelled():
+                self.gone = True
+                task.cancel()
+
+        active = True
+        self.disconnected.add_done_callback(left)
         try:
-            await super().__call__(scope, receive, send)
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
+            self.started = True
+            async for chunk in self.relay:  # to its end: the relay's cleanup runs in it
+                if not self.complete:
+                    self.complete = chunk.endswith(DONE)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not self.complete})
+            if not self.complete:
+                self.complete = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not self.gone:
+                raise
+            task.uncancel()  # the client left: the response ends here, as a finished one
         finally:
+            active = False
+            self.disconnected.remove_done_callback(left)
+            self.disconnected.cancel()
             if not self.started:
                 self.unstarted()
             await self.relay.aclose()

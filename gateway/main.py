@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         port=config.port,
         log_level="warning",
         log_config=None,  # uvicorn's own lines go through flying.logs' handler (and format)
+        access_log=False,  # the gateway's request log says more (gateway.request_log); none is built per request
         timeout_graceful_shutdown=5,
     )
     DrainingServer(server_config, drain, config.drain_grace_s).run()

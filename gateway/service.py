@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import time
@@ -96,6 +97,7 @@ class Reply:
     unstarted: Callable[[], None] | None = None  # a stream never started (its client left at once): clean up
 
 
+DONE = b"data: [DONE]\n\n"  # a stream's last event
 FINISH_RETRY_S = 300.0  # how long a request's end is retried while Redis is away
 OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event loop
 
@@ -434,55 +436,78 @@ class Gateway:
 
     async def first_event(
         self, adm: Admitted, a: Assignment, resp, disconnected: asyncio.Future[None]
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[list[str]]:
         """Streaming: wait for the engine's first SSE event before the client gets anything, so an engine that
         dies (or a group that loses a member) before it can still be replaced: raises WorkerUnavailable and the
-        request is re-dispatched; ClientGone if the client leaves meanwhile. Returns the stream's lines, that
-        event first."""
-        lines = resp.aiter_lines()
+        request is re-dispatched; ClientGone if the client leaves meanwhile. Returns the stream's lines in the
+        batches they arrived in, the first starting with that event."""
+        batches = resp.aiter_batches()
 
-        async def read() -> str:
-            first = None
+        async def read() -> list[str]:
             try:
-                async for line in lines:
-                    if line.startswith("data:"):
-                        first = line
-                        break
+                async for batch in batches:
+                    for i, line in enumerate(batch):
+                        if line.startswith("data:"):
+                            return batch[i:]
             except Exception as exc:  # noqa: BLE001 - any upstream failure before the first event: try another
                 raise WorkerUnavailable(f"engine {a.engine} failed before its first event: {exc!r}") from exc
-            if first is None:
-                raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
-            if why := unavailable(first):
-                raise WorkerUnavailable(f"engine {a.engine} ended the stream before a token: {why}")
-            return first
+            raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
 
         try:
             first = await self._unless_gone(adm, a, read(), disconnected)
+            if why := unavailable(first[0]):
+                raise WorkerUnavailable(f"engine {a.engine} ended the stream before a token: {why}")
         except BaseException:
             with contextlib.suppress(Exception):
                 await resp.aclose()
             raise
-        return _prepend(first, lines)
+        return _prepend(first, batches)
 
     async def _unless_gone(
         self, adm: Admitted, a: Assignment, coro: Awaitable, disconnected: asyncio.Future[None]
     ):
         """``await coro``, unless the client disconnects first: then it is cancelled, the engine is told to abort
-        the request, and ClientGone is raised."""
-        task = asyncio.ensure_future(coro)
-        done, _ = await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        the request, and ClientGone is raised. (The disconnect cancels this task; no task of its own for ``coro``.)"""
+        task = asyncio.current_task()
+        assert task is not None
+        gone = active = False
+
+        def left(_: asyncio.Future[None]) -> None:
+            nonlocal gone
+            if (
+                active and not disconnected.cancelled()
+            ):  # (a callback already scheduled runs even once removed)
+                gone = True
+                task.cancel()
+
+        if not disconnected.done():
+            active = True
+            disconnected.add_done_callback(left)
+        else:
+            gone = not disconnected.cancelled()
+        try:
+            if gone:
+                raise asyncio.CancelledError
+            return await coro
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            if active:
+                task.uncancel()
             self.spawn(self._abandon(adm, a, "client disconnected"))
-            raise ClientGone(adm.record.id)
-        return task.result()
+            raise ClientGone(adm.record.id) from None
+        finally:
+            if active:
+                active = False
+                disconnected.remove_done_callback(left)
+            if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()  # never started (the client had left already)
 
     async def relay(
-        self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[str]
+        self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[list[str]]
     ) -> AsyncGenerator[bytes, None]:
-        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`). A resumable stream whose engine
+        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`), the last chunk ending with
+        ``DONE``. A resumable stream whose engine
         dies, or aborts it (its TP group lost a member), after the first event continues on another engine from
         the tokens already sent (:mod:`gateway.resume`, within ``max_attempts``); any other broken stream ends
         with an error event."""
@@ -500,42 +525,55 @@ class Gateway:
                     with contextlib.suppress(Exception):
                         await resp.aclose()
                     if adm.resume.remaining() <= 0:  # it broke after its last token: nothing left to ask
-                        yield b"data: [DONE]\n\n"
+                        yield DONE
                         state, error = "done", ""
                         break
                     a, resp, events = await self._resume(adm, a, str(exc))
         except Exception as exc:  # noqa: BLE001 - any upstream failure that cannot be resumed: an error event
             state, error = "failed", f"engine {a.engine} failed mid-stream: {exc!r}"
-            yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error))
-            yield b"data: [DONE]\n\n"
-        finally:  # spawned first: an await here may be cancelled again (the response's cancelled task group)
+            yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error)) + DONE
+        finally:  # spawned first: an await here may be cancelled again (the client left)
             if state == "cancelled":
                 self.spawn(self._abandon(adm, a, error))
             else:
                 self.spawn(self.finish_surely(adm.record.id, state, error))
-            with contextlib.suppress(Exception):
-                await resp.aclose()
+            if state == "done":
+                resp.finish()  # its connection goes back to the pool once the response's end is in
+            else:
+                with contextlib.suppress(Exception):
+                    await resp.aclose()
 
-    async def _events(self, adm: Admitted, a: Assignment, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
-        """One engine's events as the client gets them, through ``[DONE]``; WorkerUnavailable if the engine fails,
-        aborts the request or closes the stream before its end."""
+    async def _events(
+        self, adm: Admitted, a: Assignment, batches: AsyncIterator[list[str]]
+    ) -> AsyncIterator[bytes]:
+        """One engine's events as the client gets them, through ``[DONE]``: those that arrived together in one
+        piece (one write to the client); WorkerUnavailable if the engine fails, aborts the request or closes the
+        stream before its end."""
         try:
-            async for line in events:
-                if not line.startswith("data:"):
-                    continue
-                if line.strip() == "data: [DONE]":
-                    yield b"data: [DONE]\n\n"
-                    return
-                if adm.resume is None:
-                    yield (line + "\n\n").encode()
-                    if why := unavailable(line):
+            async for batch in batches:
+                out: list[bytes] = []
+                for line in batch:
+                    if not line.startswith("data:"):
+                        continue
+                    if line.strip() == "data: [DONE]":
+                        out.append(DONE)
+                        yield b"".join(out)
+                        return
+                    if adm.resume is None:
+                        out.append((line + "\n\n").encode())
+                        if why := unavailable(line):
+                            yield b"".join(out)
+                            raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
+                        continue
+                    event, data = adm.resume.event(line[5:].strip())
+                    if why := engine_gave_up(event):
+                        if out:
+                            yield b"".join(out)
                         raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
-                    continue
-                event, out = adm.resume.event(line[5:].strip())
-                if why := engine_gave_up(event):
-                    raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
-                if out is not None:
-                    yield b"data: " + out + b"\n\n"
+                    if data is not None:
+                        out += (b"data: ", data, b"\n\n")
+                if out:
+                    yield b"".join(out)
         except (httpx.HTTPError, StreamBroken) as exc:
             raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}") from exc
         raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
@@ -608,7 +646,7 @@ async def _logged(coro: Awaitable) -> None:
         log.warning("background step failed, redis unavailable: %r", exc)
 
 
-async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _prepend(first: list[str], rest: AsyncIterator[list[str]]) -> AsyncIterator[list[str]]:
     yield first
     async for item in rest:
         yield item
@@ -616,8 +654,8 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def unavailable(line: str) -> str:
     """Why an SSE line says the engine gave up on the request ('' if it does not): see engine_gave_up."""
-    with contextlib.suppress(ValueError):
-        return engine_gave_up(json.loads(line[5:]))
+    with contextlib.suppress(ValueError):  # (msgspec.DecodeError is one)
+        return engine_gave_up(msgspec.json.decode(line[5:]))
     return ""
 
 

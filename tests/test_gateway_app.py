@@ -152,6 +152,7 @@ async def test_a_stream_whose_client_left_before_it_started_is_still_cleaned_up(
     import asyncio
 
     from gateway.app import RelayResponse
+    from gateway.service import watch_disconnect
 
     ran, dropped = [], []
 
@@ -166,7 +167,10 @@ async def test_a_stream_whose_client_left_before_it_started_is_still_cleaned_up(
         await asyncio.sleep(10)  # the client is gone: the start of the response never gets out
 
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-    await asyncio.wait_for(RelayResponse(relay(), {}, lambda: dropped.append(1))(scope, receive, send), 5)
+    response = RelayResponse(
+        relay(), {}, lambda: dropped.append(1), asyncio.ensure_future(watch_disconnect(receive))
+    )
+    await asyncio.wait_for(response(scope, receive, send), 5)
     assert dropped == [1] and ran == []
 
     async def fast_send(message):
@@ -176,5 +180,8 @@ async def test_a_stream_whose_client_left_before_it_started_is_still_cleaned_up(
         await asyncio.sleep(10)
 
     dropped.clear()
-    await asyncio.wait_for(RelayResponse(relay(), {}, lambda: dropped.append(1))(scope, never, fast_send), 5)
+    response = RelayResponse(
+        relay(), {}, lambda: dropped.append(1), asyncio.ensure_future(watch_disconnect(never))
+    )
+    await asyncio.wait_for(response(scope, never, fast_send), 5)
     assert dropped == [] and ran == [1], "a stream that ran cleans up itself"

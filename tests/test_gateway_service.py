@@ -17,7 +17,7 @@ from flying.messages import GROUP_LOST as LOST
 from flying.messages import Heartbeat, encode
 from gateway.config import GatewayConfig
 from gateway.schemas import ChatCompletionRequest, decode
-from gateway.service import Gateway
+from gateway.service import ClientGone, Gateway
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig
@@ -72,7 +72,8 @@ def _chunk(data: bytes) -> bytes:
 
 class ScriptedEngine:
     """A raw HTTP/1.1 engine that answers its n-th request with ``scripts[n]`` (events, end): SSE events, then
-    [DONE] ("done"), a connection reset ("reset") or a close without the stream's end ("cut"). Records
+    [DONE] ("done"), a connection reset ("reset"), a close without the stream's end ("cut") or nothing more
+    ("hang"). Records
     ``calls`` as (path, JSON body)."""
 
     def __init__(self) -> None:
@@ -100,6 +101,8 @@ class ScriptedEngine:
                 writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
                 await writer.drain()
                 continue
+            if end == "hang":  # the first event never comes (until the server closes)
+                await asyncio.Event().wait()
             if end == "reset":
                 writer.transport.abort()
             else:
@@ -345,3 +348,41 @@ async def test_admission_records_the_prompts_prefix_chain(gateway):
     assert text.record.chain == tuple(block_hashes("x " * 300)) and len(text.record.chain) == 2
     short = await gateway.admit(decode(body(prompt="hello"), CompletionRequest), "normal")
     assert short.record.prefix == ""
+
+
+@pytest.mark.parametrize("when", ["before", "waiting"], ids=["left-before", "left-while-waiting"])
+async def test_a_client_that_leaves_before_the_first_event_is_gone_and_its_request_aborted(
+    gateway, aredis, keys, when
+):
+    """The client leaves before the engine's first event (already gone when the stream opens, or while it waits
+    for that event): ClientGone, the engine is told to abort the request, its record is cancelled and its slot
+    freed."""
+    gateway.engine.scripts = [([], "hang"), sse([])]
+    calls = gateway.engine.calls
+    for _ in range(100):  # the router's fast-path targets: the request is assigned at admission
+        if await aredis.exists(keys.fast_path):
+            break
+        await asyncio.sleep(0.02)
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
+    left = asyncio.get_running_loop().create_future()
+    if when == "before":
+        left.set_result(None)
+    serving = asyncio.create_task(gateway.serve(adm, left))
+    if when == "waiting":
+        for _ in range(100):
+            if calls:
+                break
+            await asyncio.sleep(0.02)
+        assert not serving.done()
+        left.set_result(None)
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(serving, 5)
+    for _ in range(100):
+        if len(calls) == 2 and await aredis.hget(keys.request(adm.record.id), "state") == b"cancelled":
+            break
+        await asyncio.sleep(0.02)
+    assert [path for path, _ in calls] == ["/v1/completions", "/abort_request"]
+    assert calls[1][1] == {"rid": adm.record.id}
+    assert await aredis.hget(keys.request(adm.record.id), "state") == b"cancelled"
+    assert await aredis.scard(keys.inflight(0)) == 0

@@ -79,3 +79,108 @@ async def test_a_content_length_answer_and_a_stream_cut_short():
     with pytest.raises(WorkerUnavailable):
         await up.open_stream(f"http://127.0.0.1:{free_port()}", "/v1/completions", {})
     await up.close()
+
+
+async def scripted(steps: list[tuple[float, bytes]]):
+    """A server that answers each request with ``steps``: (seconds to wait, bytes to write), in order."""
+    conns = []
+
+    async def handle(reader, writer):
+        conns.append(writer)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            n = next(
+                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(n)
+            for delay, data in steps:
+                await asyncio.sleep(delay)
+                if writer.is_closing():
+                    return
+                writer.write(data)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", conns
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_lines_that_arrive_together_come_as_one_batch():
+    steps = [
+        (0, HEAD + chunk(b"data: 1\n\n") + chunk(b"data: 2\n\n")),
+        (0.1, chunk(b"data: 3\n\n") + b"0\r\n\r\n"),
+    ]
+    server, url, _ = await scripted(steps)
+    up = Upstream(read_timeout_s=5)
+    resp = await up.open_stream(url, "/v1/completions", {})
+    batches = [[line for line in b if line] async for b in resp.aiter_batches()]
+    assert batches == [["data: 1", "data: 2"], ["data: 3"]]
+    assert len(up._idle[up._key(url)]) == 1, "read to its end: pooled"
+    await up.close()
+    server.close()
+
+
+async def test_a_stream_finished_after_its_last_event_is_pooled_once_its_end_arrives(monkeypatch):
+    """``finish()`` at ``[DONE]``: the connection goes back to the pool when the terminating chunk comes, and the
+    next stream reuses it; if the end does not come within DRAIN_S the connection is closed, not pooled."""
+    steps = [(0, HEAD + chunk(b"data: [DONE]\n\n")), (0.1, b"0\r\n\r\n")]
+    server, url, conns = await scripted(steps)
+    up = Upstream(read_timeout_s=5)
+    for _ in range(2):
+        resp = await up.open_stream(url, "/v1/completions", {})
+        async for batch in resp.aiter_batches():
+            if "data: [DONE]" in batch:
+                break
+        resp.finish()
+        assert not up._idle.get(up._key(url)), "its end has not arrived yet"
+        await asyncio.sleep(0.3)
+        assert len(up._idle[up._key(url)]) == 1
+    assert len(conns) == 1, "the second stream reused the connection"
+    await up.close()
+    server.close()
+
+    monkeypatch.setattr("gateway.upstream.DRAIN_S", 0.1)
+    server, url, conns = await scripted([(0, HEAD + chunk(b"data: [DONE]\n\n")), (1.0, b"0\r\n\r\n")])
+    up = Upstream(read_timeout_s=5)
+    resp = await up.open_stream(url, "/v1/completions", {})
+    resp.finish()
+    await asyncio.sleep(0.3)
+    assert not up._idle.get(up._key(url)), "no end within DRAIN_S: closed"
+    await up.open_stream(url, "/v1/completions", {})
+    assert len(conns) == 2, "a fresh connection"
+    await up.close()
+    server.close()
+
+
+async def test_a_malformed_chunk_breaks_the_stream():
+    server, url, _ = await scripted([(0, HEAD + chunk(b"data: 1\n\n") + b"zz\r\nnot a chunk\r\n")])
+    up = Upstream(read_timeout_s=5)
+    resp = await up.open_stream(url, "/v1/completions", {})
+    got = []
+    with pytest.raises(StreamBroken):
+        async for line in resp.aiter_lines():
+            got.append(line)
+    assert got == ["data: 1", ""], "what came before the bad chunk is delivered"
+    await up.close()
+    server.close()
+
+
+async def test_what_arrives_while_the_reader_is_away_is_still_read_even_with_the_end():
+    """The rest of a stream and its end arrive while the reader is busy with an earlier batch (relaying it to a
+    slow client): it still gets every line."""
+    server, url, _ = await scripted(
+        [(0, HEAD + chunk(b"data: 1\n\n")), (0.05, chunk(b"data: 2\n\n") + b"0\r\n\r\n")]
+    )
+    up = Upstream(read_timeout_s=5)
+    resp = await up.open_stream(url, "/v1/completions", {})
+    got = []
+    async for batch in resp.aiter_batches():
+        got += [line for line in batch if line]
+        await asyncio.sleep(0.2)
+    assert got == ["data: 1", "data: 2"]
+    await up.close()
+    server.close()

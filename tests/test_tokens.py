@@ -1,0 +1,48 @@
+"""The prompt counter's ids are the tokenizer's own: its Rust backend called directly gives what
+``tokenizer(text)`` gives, with and without special tokens, for the chat template's rendering too."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, Message
+from gateway.tokens import PromptCounter
+
+TEXTS = ["hi", "", "  leading and trailing  ", "<s>special</s> tokens <|user|> inside", "ünïcødé 日本語 🙂",
+         "line\nbreaks\r\n and\ttabs", "a" * 5000]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def counter(tiny_model) -> PromptCounter:
+    c = PromptCounter(str(tiny_model))
+    assert c.backend is not None, "the test model's tokenizer is a fast one"
+    return c
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_completion_counts_what_the_tokenizer_counts(tok, counter, text):
+    assert counter.completion(CompletionRequest(model="m", prompt=text)) == len(tok(text).input_ids)
+    assert counter.ids(text, special=False) == tok(text, add_special_tokens=False).input_ids
+    assert counter.ids(text, special=True) == tok(text).input_ids
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_chat_ids_are_the_templated_prompt_tokenized(tok, counter, text):
+    req = ChatCompletionRequest(model="m", messages=[Message(role="system", content="be brief"), Message(role="user", content=text)])  # fmt: skip
+    rendered = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert counter.chat_ids(req) == tok(rendered, add_special_tokens=False).input_ids
+    assert counter.chat(req) == len(counter.chat_ids(req))
+
+
+def test_a_token_id_prompt_counts_its_ids(counter):
+    assert counter.completion(CompletionRequest(model="m", prompt=[5, 6, 7])) == 3
