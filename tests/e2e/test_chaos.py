@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from devstack.cluster import Cluster, ClusterConfig
-from flying.procs import free_port, spawn, wait_healthy
+from flying.procs import free_port, spawn, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos, pytest.mark.timeout(600)]
 BODY = {
@@ -255,7 +255,8 @@ def test_a_rolling_sigterm_restart_of_every_process_under_load_fails_no_request(
     second = spawn(cmd, stack.log("gateway-b"))
     urls = [stack.config.gateway_url, f"http://127.0.0.1:{port}"]
     wait_healthy(second, urls[1], 60)
-    log = []
+    log: list[str] = []
+    extra = [second]  # the second gateway's processes, stopped at the end
 
     def term(proc) -> None:
         os.kill(proc.pid, signal.SIGTERM)  # the process itself, as a supervisor would (not its group)
@@ -281,6 +282,7 @@ def test_a_rolling_sigterm_restart_of_every_process_under_load_fails_no_request(
             else:
                 term(second)
                 respawned = spawn(cmd, stack.log("gateway-b2"))
+                extra.append(respawned)
                 wait_healthy(respawned, urls[1], 60)
             log.append(name)
 
@@ -302,7 +304,10 @@ def test_a_rolling_sigterm_restart_of_every_process_under_load_fails_no_request(
         await loader
         return await asyncio.gather(*results)
 
-    results = asyncio.run(scenario())
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        stop_all(extra)
     statuses = [s for s, _ in results]
     print(f"rolling restart ({', '.join(log)}): {len(results)} requests, {counts([(s, '', 0) for s in statuses])}, "
           f"{sum(a > 1 for _, a in results)} retried on another gateway")  # fmt: skip
