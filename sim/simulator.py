@@ -497,6 +497,7 @@ class Simulator:
         self.records: dict[int, Group] = {}  # "Redis": the router's group records
         self.state = RouterState(busy=True)
         self.prefixes = PrefixIndex()  # the router's mirror of the engines' prefix caches
+        self.dp_rules: collections.Counter[str] = collections.Counter()  # DP dispatches by Dispatch.rule
         self.epochs = itertools.count(1)
         self.groups: dict[int, SimGroup] = {}
         self.tp_load: dict[int, list[int]] = {}
@@ -658,6 +659,7 @@ class Simulator:
             self.engines[x.engine].assigned += 1
             if not x.epoch:
                 self.prefixes.record(x.engine, x.request.chain)
+                self.dp_rules[x.rule or ""] += 1
             if x.epoch:
                 load = self.tp_load.setdefault(x.epoch, [0, 0])
                 load[0] += 1
