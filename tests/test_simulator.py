@@ -31,7 +31,12 @@ def scenarios(draw):
         long = draw(st.booleans()) and draw(st.booleans()) and draw(st.booleans())
         prompt = draw(st.integers(4500, 7000)) if long else draw(st.integers(10, 1500))
         prio = draw(st.sampled_from(["high", "normal", "normal", "low"]))
-        reqs.append(SimRequest(t, prio, prompt, draw(st.integers(1, 60))))
+        out = draw(st.integers(1, 60))
+        # block chains (issue 16): a shared prefix of one of two system prompts, then the request's own blocks
+        system, shared = draw(st.integers(0, 1)), draw(st.integers(0, 20))
+        own = (1000 * (len(reqs) + 1) + j for j in range(10**6))
+        blocks = tuple(system * 100 + j if j < shared else next(own) for j in range((prompt + out) // 64))
+        reqs.append(SimRequest(t, prio, prompt, out, blocks=blocks))
     down = draw(st.lists(st.tuples(st.floats(0, 5), st.floats(0.1, 3)), max_size=2))
     policy = PolicyConfig(
         tp_inflight_per_engine=draw(st.integers(1, 4)),
@@ -50,6 +55,8 @@ def scenarios(draw):
         busy_rate=2.0,
         rate_tau_s=draw(st.sampled_from([0.5, 2.0])),
         spread_s=draw(st.sampled_from([0.0, 2.0])),
+        dispatch=draw(st.sampled_from(["cache-aware", "least-loaded"])),
+        balance_abs_threshold=draw(st.sampled_from([0.0, 8.0])),
     )
     cfg = SimConfig(
         engines=engines,
