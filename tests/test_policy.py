@@ -726,11 +726,13 @@ def test_tp_dispatches_ignore_prefixes_and_grouped_engines_are_no_candidates():
     g = bound(5, (0, 1), reason="load")
     engines = [in_epoch(0, 5), in_epoch(1, 5), eng(2, inflight=3), eng(3, inflight=3)]
     idx = index_with([eng(i) for i in range(4)], {0: [SYSTEM]})
-    idx.sync(engines)  # engines 0 and 1 joined a group: forgotten
+    idx.sync(engines)  # engines 0 and 1 joined a group (their trees outlive it)
     r = creq("r", SYSTEM + [1] * BLOCK)
     d = decide(dataclasses.replace(snap([r], engines, [g], state=LIGHT), prefixes=idx), CFG)
     assert [(x.engine, x.epoch, x.rule) for x in d.dispatches] == [(0, 5, None)], "light: the load group"
-    assert idx.match(0, r.chain) == 0
+    busy = dataclasses.replace(DP_ONLY, max_inflight_per_worker=8)
+    d = decide(dataclasses.replace(snap([r], engines, [g]), prefixes=idx), busy)
+    assert [(x.engine, x.rule) for x in d.dispatches] == [(2, "no-match")], "a bound engine takes no DP work"
 
 
 def test_fast_targets_of_cache_aware_dp_dispatch_carry_affinity():

@@ -389,6 +389,16 @@ def test_a_cached_prefix_is_not_prefilled_again_and_a_tp_group_bypasses_the_cach
     assert [r.cached for r in tp.reqs] == [0, 0], "a group's requests prefill in full"
 
 
+def test_a_groups_kv_demand_evicts_its_members_cached_prefixes_and_nothing_more():
+    sim = Simulator(SimConfig(engines=2, mode="tp", cost=SMALL), [SimRequest(0.0, "normal", 3000, 8)])
+    held = tuple(range(50))  # 3,200 tokens of DP prefixes cached on engine 0 before the bind
+    sim.engines[0].cache.insert(held, room_tokens=4000)
+    sim.run()
+    kept = 4000 - -(-3008 // 2)  # the TP request's KV, half on each member
+    assert len(sim.engines[0].cache.lru) == kept // 64
+    assert sim.engines[0].cache.hit(held) == kept // 64, "the shallow blocks stay"
+
+
 def test_cache_aware_dispatch_beats_least_loaded_on_shared_prefixes_and_equals_it_without():
     from sim.prefix_report import summarize_prefix
     from sim.prefix_workload import shared_prefix_workload
