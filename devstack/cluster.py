@@ -36,9 +36,7 @@ class ClusterConfig:
     gateway_port: int = field(default_factory=free_port)
     worker_ports: tuple[int, ...] = ()
     router_args: tuple[str, ...] = ()
-    worker_args: tuple[
-        str, ...
-    ] = ()  # more flying-worker flags for every worker (e.g. --disable-radix-cache)
+    worker_args: tuple[str, ...] = ()  # more flying-worker flags for every worker (e.g. --disable-radix-cache)
     bindable: bool = True  # workers build the communicator pool and accept bind/release commands
     comm_port: int = field(default_factory=free_port)
     gateway_args: tuple[str, ...] = ()
