@@ -76,11 +76,7 @@ def _rank(rank: int, width: int, port: int, lengths: dict[int, list[int]], share
         held = [Held(f"{r}-{i}", r, n, shared) for r in range(width) for i, n in enumerate(lengths[r])]
 
         def expected(owner: int, i: int, pos: int, layer: int, which: int) -> torch.Tensor:
-            return (
-                tree_value(owner, pos, layer, which)
-                if pos < shared
-                else kv_value(owner, i, pos, layer, which)
-            )
+            return tree_value(owner, pos, layer, which) if pos < shared else kv_value(owner, i, pos, layer, which)
 
         def tree_intact() -> None:
             for pos, p in enumerate(tree.tolist()):
@@ -92,9 +88,7 @@ def _rank(rank: int, width: int, port: int, lengths: dict[int, list[int]], share
         kv_views, vv_views = [view(t, width) for t in k], [view(t, width) for t in v]
         ex, slots = kv_transform.plan_adopt(held, rank, width, own, sub.take_over, sub.alloc)
         stats = kv_transform.run_exchange(group, rank, ex, kv_views, vv_views)
-        assert stats.tokens == (width - 1) * sum(lengths[rank]), (
-            stats
-        )  # shared prefixes too: each request's own
+        assert stats.tokens == (width - 1) * sum(lengths[rank]), stats  # shared prefixes too: each request's own
         hs = slice(rank * H // width, (rank + 1) * H // width)
         for h in held:  # every request's slice ``rank`` is here now, in this rank's virtual slots
             owner, i = map(int, h.rid.split("-"))
@@ -120,9 +114,7 @@ def _rank(rank: int, width: int, port: int, lengths: dict[int, list[int]], share
                     assert torch.equal(k[layer][p], expected(owner, i, pos, layer, 0))
                     assert torch.equal(v[layer][p], expected(owner, i, pos, layer, 1))
         tree_intact()
-        for (
-            h
-        ) in held:  # the TP slices are freed: every carved physical slot goes back, the tree keeps its own
+        for h in held:  # the TP slices are freed: every carved physical slot goes back, the tree keeps its own
             sub.free(slots[h.rid][shared if h.rank == rank else 0 :])
         assert sub.physical_in_use() == 0
         assert not set(tree.tolist()) & set(alloc.free_slots)

@@ -124,14 +124,10 @@ def test_enable_metrics_is_passed_to_sglang():
 def test_the_radix_cache_is_on_for_bound_capable_workers_unless_turned_off():
     bindable = launch.WorkerConfig(engine=0, num_engines=2, model_path="m", port=1, comm_port=2)
     assert "--disable-radix-cache" not in launch.sglang_command(bindable)
-    assert "--enable-cache-report" in launch.sglang_command(bindable), (
-        "usage.prompt_tokens_details.cached_tokens"
-    )
+    assert "--enable-cache-report" in launch.sglang_command(bindable), "usage.prompt_tokens_details.cached_tokens"
     args = launch.parser().parse_args(
         ["--engine", "0", "--num-engines", "2", "--model-path", "m", "--port", "1", "--disable-radix-cache"]
     )
     assert args.disable_radix_cache
-    off = launch.WorkerConfig(
-        engine=0, num_engines=2, model_path="m", port=1, comm_port=2, prefix_cache=False
-    )
+    off = launch.WorkerConfig(engine=0, num_engines=2, model_path="m", port=1, comm_port=2, prefix_cache=False)
     assert "--disable-radix-cache" in launch.sglang_command(off)
