@@ -113,11 +113,9 @@ class PolicyConfig:
     kv_transform_fixed_ms: float = 4.0
     # DP dispatch (issue 16): by prefix affinity (router.prefix_index), or least loaded only
     dispatch: DispatchRule = "cache-aware"
-    cache_threshold: float = 0.3  # the best engine's matched share of the prompt's blocks to follow it ...
-    balance_abs_threshold: float = 8.0  # ... unless the candidates' loads differ by more than this ...
-    balance_rel_threshold: float = (
-        1.5  # ... and the highest is above this times the lowest: least loaded then
-    )
+    cache_threshold: float = 0.3  # follow the engine holding most of the prompt, at least this share ...
+    balance_abs_threshold: float = 8.0  # ... unless loads differ by more than this ...
+    balance_rel_threshold: float = 1.5  # ... and the highest is above this times the lowest
 
     def __post_init__(self) -> None:
         for name in ("light_width", "priority_width"):
@@ -127,9 +125,7 @@ class PolicyConfig:
         assert self.light_load >= 0 and self.calm_s >= 0 and self.busy_wait_s > 0
         assert 0 <= self.light_rate <= self.busy_rate and self.rate_tau_s > 0
         assert 0 < self.ack_timeout_s <= self.bind_timeout_s, "need 0 < ack_timeout_s <= bind_timeout_s"
-        assert 0 <= self.cache_threshold <= 1, (
-            f"cache_threshold must be in [0, 1], got {self.cache_threshold}"
-        )
+        assert 0 <= self.cache_threshold <= 1, f"cache_threshold {self.cache_threshold} not in [0, 1]"
         assert self.balance_abs_threshold >= 0 and self.balance_rel_threshold >= 1
 
 
