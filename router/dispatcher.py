@@ -144,7 +144,7 @@ class Dispatcher:
             for hb in beats
         ]
         if forgotten := self.prefixes.sync(views):
-            log.info("engines %s: prefix cache index forgotten (restarted, gone or binding)", forgotten)
+            log.info("engines %s: prefix cache index forgotten (restarted or gone)", forgotten)
         return Snapshot(
             now=time.time(),
             waiting=waiting,

@@ -49,6 +49,12 @@ class RouterMetrics:
             "flying_router_dispatched", "Requests assigned by the router (the admission fast path is in "
             "flying_requests_total{event=\"fast\"})", ["target"], registry=r,
         )  # fmt: skip
+        self.dp_rules = Counter(
+            "flying_router_dp_dispatch", "DP dispatches decided by rule: prefix (followed the prompt's prefix to "
+            "the engine caching it), least-loaded (--dispatch least-loaded), no-chain (prompt under one block), "
+            "no-match (no engine holds --cache-threshold of it), imbalanced (loads out of balance)", ["rule"],
+            registry=r,
+        )  # fmt: skip
         self.binds = Counter(
             "flying_router_binds", "TP group binds: issued by the router, bound (every member reports it), or "
             "rolled back before they bound", ["reason", "mode", "outcome"], registry=r,
@@ -73,6 +79,9 @@ class RouterMetrics:
         if assigned:
             self.dispatched.labels("group").inc(min(to_group, assigned))
             self.dispatched.labels("dp").inc(max(0, assigned - to_group))
+        for x in d.dispatches:
+            if x.rule is not None:
+                self.dp_rules.labels(x.rule).inc()
         for g in d.binds:
             self.binds.labels(g.reason, bind_mode(g), "issued").inc()
         releases = {cmd.epoch: cmd for _, cmd in d.commands if isinstance(cmd, Release)}

@@ -70,6 +70,9 @@ from router.prefix_index import PrefixIndex
 from router.transform_cost import adopt_moves, kv_transform_ms
 
 DispatchRule = Literal["cache-aware", "least-loaded"]
+# why a DP dispatch went where it did: followed its prefix; least loaded because dispatch is least-loaded, the
+# request has no chain, no engine holds cache_threshold of it, or loads are out of balance
+DpRule = Literal["prefix", "least-loaded", "no-chain", "no-match", "imbalanced"]
 
 
 @dataclass(frozen=True)
@@ -110,11 +113,9 @@ class PolicyConfig:
     kv_transform_fixed_ms: float = 4.0
     # DP dispatch (issue 16): by prefix affinity (router.prefix_index), or least loaded only
     dispatch: DispatchRule = "cache-aware"
-    cache_threshold: float = 0.3  # the best engine's matched share of the prompt's blocks to follow it ...
-    balance_abs_threshold: float = 8.0  # ... unless the candidates' loads differ by more than this ...
-    balance_rel_threshold: float = (
-        1.5  # ... and the highest is above this times the lowest: least loaded then
-    )
+    cache_threshold: float = 0.3  # follow the engine holding most of the prompt, at least this share ...
+    balance_abs_threshold: float = 8.0  # ... unless loads differ by more than this ...
+    balance_rel_threshold: float = 1.5  # ... and the highest is above this times the lowest
 
     def __post_init__(self) -> None:
         for name in ("light_width", "priority_width"):
@@ -124,9 +125,7 @@ class PolicyConfig:
         assert self.light_load >= 0 and self.calm_s >= 0 and self.busy_wait_s > 0
         assert 0 <= self.light_rate <= self.busy_rate and self.rate_tau_s > 0
         assert 0 < self.ack_timeout_s <= self.bind_timeout_s, "need 0 < ack_timeout_s <= bind_timeout_s"
-        assert 0 <= self.cache_threshold <= 1, (
-            f"cache_threshold must be in [0, 1], got {self.cache_threshold}"
-        )
+        assert 0 <= self.cache_threshold <= 1, f"cache_threshold {self.cache_threshold} not in [0, 1]"
         assert self.balance_abs_threshold >= 0 and self.balance_rel_threshold >= 1
 
 
@@ -176,6 +175,7 @@ class Dispatch:
     engine: int  # the DP engine, or the group's leader
     url: str
     epoch: int = 0  # the TP group's epoch (0: DP)
+    rule: DpRule | None = None  # how a DP dispatch chose its engine (None: a TP dispatch)
 
 
 @dataclass
@@ -568,29 +568,33 @@ class _Round:
         ]
         if not fits:
             return False
-        best = self.pick_dp(r, fits)
+        best, rule = self.pick_dp(r, fits)
         self.sent.setdefault(best.engine, set()).update(r.chain)
         self.dp_inflight[best.engine] += 1
         if self.cfg.spread_s > 0:
             self.recent[best.engine] = self.recent.get(best.engine, 0.0) + 1
         self.dp_kv[best.engine] += r.kv_tokens
-        self.out.dispatches.append(Dispatch(r, best.engine, best.url))
+        self.out.dispatches.append(Dispatch(r, best.engine, best.url, rule=rule))
         return True
 
-    def pick_dp(self, r: QueuedRequest, fits: list[EngineView]) -> EngineView:
+    def pick_dp(self, r: QueuedRequest, fits: list[EngineView]) -> tuple[EngineView, DpRule]:
         """Cache-aware (SGLang's model gateway's rule): the engine holding the longest prefix of ``r``'s chain, the
         least loaded of those, when it holds at least ``cache_threshold`` of the chain's blocks and the
         candidates' loads are balanced (not both more than ``balance_abs_threshold`` apart and the highest above
         ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded."""
         least = min(fits, key=self.dp_key)
         chain = r.chain
-        if self.cfg.dispatch != "cache-aware" or not chain or self.imbalanced(fits):
-            return least
+        if self.cfg.dispatch != "cache-aware":
+            return least, "least-loaded"
+        if not chain:
+            return least, "no-chain"
+        if self.imbalanced(fits):
+            return least, "imbalanced"
         held = {e.engine: self.s.prefixes.match(e.engine, chain, self.sent.get(e.engine, ())) for e in fits}
         top = max(held.values())
         if top == 0 or top < self.cfg.cache_threshold * len(chain):
-            return least
-        return min((e for e in fits if held[e.engine] == top), key=self.dp_key)
+            return least, "no-match"
+        return min((e for e in fits if held[e.engine] == top), key=self.dp_key), "prefix"
 
     def imbalanced(self, fits: list[EngineView]) -> bool:
         loads = [self.dp_score(e.engine) for e in fits]

@@ -4,9 +4,10 @@ The router cannot see the engines' radix caches; like SGLang's model gateway it 
 its own dispatches. Per engine an LRU of chain hashes, bounded by the engine's KV in blocks
 (``max_total_tokens // BLOCK``: a radix cache holds at most the whole pool), with a chain recorded deepest block
 first, so the shallow blocks a prompt shares with others are the most recent and the deep ones are evicted
-first, as a radix cache evicts leaves. An engine's entries are forgotten when it restarts (a new launch id), leaves
-the live set, or reads a bind (a TP group's requests bypass the prefix cache, and its KV pool is the group's until
-the release): it starts again empty in DP.
+first, as a radix cache evicts leaves. An engine's entries are forgotten when it restarts (a new launch id) or leaves
+the live set. They are kept while it is bound: the workers keep the radix tree through a bind and a release
+(worker_ext/sglang_patches/prefix_cache.py; a group's TP requests bypass it, and its KV demand may evict unlocked
+DP prefixes, which the index does not see), and nothing is recorded for a bound engine.
 
 The policy (router.policy) only reads it (:meth:`PrefixIndex.match`); the caller (the router's dispatcher, the
 simulator) updates it: :meth:`sync` with the engines of each snapshot before the round, :meth:`record` with each
@@ -31,7 +32,8 @@ class PrefixIndex:
         self.block = block
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._cap: dict[int, int] = {}
-        self._key: dict[int, tuple[str, bool]] = {}  # what the entries are valid for: (launch id, in DP)
+        self._launch: dict[int, str] = {}  # the launch the entries are valid for
+        self._dp: dict[int, bool] = {}  # in DP, no bind read: its prompts go through the prefix cache
 
     def sync(self, engines: Iterable[EngineView]) -> list[int]:
         """Bring the index in line with a snapshot's live engines; returns those whose entries were forgotten."""
@@ -39,17 +41,18 @@ class PrefixIndex:
         for e in engines:
             engine = e.engine
             seen.add(engine)
-            key = (e.launch_id, e.mode == "dp" and not e.epoch and not e.pending)
-            if self._key.get(engine) != key:
+            if self._launch.get(engine) != e.launch_id or engine not in self._lru:
                 if self._lru.get(engine):
                     forgotten.append(engine)
                 self._lru[engine] = OrderedDict()
-                self._key[engine] = key
+                self._launch[engine] = e.launch_id
+            self._dp[engine] = e.mode == "dp" and not e.epoch and not e.pending
             self._cap[engine] = max(1, e.max_total_tokens // self.block)
         for engine in [e for e in self._lru if e not in seen]:
             if self._lru.pop(engine):
                 forgotten.append(engine)
-            self._key.pop(engine, None)
+            self._launch.pop(engine, None)
+            self._dp.pop(engine, None)
             self._cap.pop(engine, None)
         return sorted(forgotten)
 
@@ -66,8 +69,9 @@ class PrefixIndex:
 
     def record(self, engine: int, chain: Sequence[int]) -> None:
         """The engine was sent a prompt with ``chain`` (its cache will hold it): touch deepest first, evict the
-        least recently used beyond its capacity. Ignored for an engine :meth:`sync` does not know as in DP."""
-        if not self._key.get(engine, ("", False))[1]:
+        least recently used beyond its capacity. Ignored for an engine :meth:`sync` does not know as in DP (a
+        bound engine's TP requests bypass its cache)."""
+        if not self._dp.get(engine, False):
             return
         lru = self._lru[engine]
         for h in reversed(chain):

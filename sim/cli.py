@@ -314,7 +314,7 @@ def prefix_main(a: argparse.Namespace, d: SimConfig) -> int:
         a.requests, a.seed, a.session_rate, a.system_prompts, a.system_tokens, a.max_turns, (lo_user, hi_user),
         (lo_out, hi_out), a.think_s,
     )  # fmt: skip
-    rows: dict[tuple[str, str], dict[str, float]] = {}
+    rows: dict[tuple[str, str], dict] = {}
     for mode in a.modes.split(","):
         for dispatch in a.dispatch.split(","):
             policy = dataclasses.replace(d.policy, light_width=a.tp_width, dispatch=dispatch,

@@ -1,8 +1,9 @@
 """A simulated engine's prefix cache (issue 16): an LRU of the blocks an engine has computed (prompts when they start, prompt
 and answer when they finish, as SGLang's radix cache inserts them), bounded by its KV less what its running
 requests reserve for their outputs; a request that starts prefills only the blocks after its longest cached
-prefix (at least its last token). Cleared when the engine joins a TP group: a group's requests bypass the cache
-and prefill in full.
+prefix (at least its last token). It is kept through a bind and a release, as the workers keep SGLang's radix tree
+(worker_ext/sglang_patches/prefix_cache.py): a group's requests bypass it (they prefill in full), and the group's
+KV demand evicts from it (``sim.simulator.SimGroup.trim_caches``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,3 @@ class PrefixCache:
             self.lru.move_to_end(h)
         while self.lru and len(self.lru) * self.block > room_tokens:
             self.lru.popitem(last=False)
-
-    def clear(self) -> None:
-        self.lru.clear()

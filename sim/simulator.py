@@ -432,6 +432,15 @@ class SimGroup:
             self.sim.at(self.sim.now + self.sim.cfg.cost.switch_ms / 1000 + delay, self.sim.dissolve, self)
         elif self.unit.has_work():
             self.unit.step()
+            self.trim_caches()
+
+    def trim_caches(self) -> None:
+        """The members keep their prefix caches through the epoch (TP requests bypass them), but the group's KV
+        demand evicts their unlocked DP prefixes: each member holds a 1/width share of it, beside its own DP KV."""
+        share = -(-self.unit.kv_used // len(self.members))
+        for m in self.members:
+            e = self.sim.engines[m]
+            e.cache.insert((), self.sim.kv_per_engine - e.dp.kv_used - share)
 
     def move_out(self) -> float:
         """Release at once: every TP request goes back to DP on its owner, by scatter (its KV moves there if the
@@ -497,6 +506,7 @@ class Simulator:
         self.records: dict[int, Group] = {}  # "Redis": the router's group records
         self.state = RouterState(busy=True)
         self.prefixes = PrefixIndex()  # the router's mirror of the engines' prefix caches
+        self.dp_rules: collections.Counter[str] = collections.Counter()  # DP dispatches by Dispatch.rule
         self.epochs = itertools.count(1)
         self.groups: dict[int, SimGroup] = {}
         self.tp_load: dict[int, list[int]] = {}
@@ -658,6 +668,7 @@ class Simulator:
             self.engines[x.engine].assigned += 1
             if not x.epoch:
                 self.prefixes.record(x.engine, x.request.chain)
+                self.dp_rules[x.rule or ""] += 1
             if x.epoch:
                 load = self.tp_load.setdefault(x.epoch, [0, 0])
                 load[0] += 1
@@ -692,7 +703,6 @@ class Simulator:
             for m in b.members:
                 e = self.engines[m]
                 e.group, e.pending, e.arrived, e.last_epoch = g, None, 0, b.epoch
-                e.cache.clear()  # the group's KV pool: its requests bypass the prefix cache
             self.groups[b.epoch] = g
             self.at(self.now + (self.cfg.cost.switch_ms + g.transform_ms) / 1000, self.formed, g)
         self.note_states()

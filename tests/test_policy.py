@@ -684,17 +684,15 @@ def test_a_match_below_cache_threshold_or_no_chain_goes_to_the_least_loaded():
     engines = [eng(0), eng(1, inflight=2)]
     idx = index_with(engines, {1: [SYSTEM[: 2 * BLOCK]]})
     r = creq("r", SYSTEM + list(range(2 * BLOCK)))  # 2 of 10 blocks held on engine 1: 0.2 < 0.3
-    assert [
-        x.engine for x in decide(dataclasses.replace(snap([r], engines), prefixes=idx), DP_ONLY).dispatches
-    ] == [0]
+    d = decide(dataclasses.replace(snap([r], engines), prefixes=idx), DP_ONLY)
+    assert [(x.engine, x.rule) for x in d.dispatches] == [(0, "no-match")]
     low = dataclasses.replace(DP_ONLY, cache_threshold=0.2)
     assert [
         x.engine for x in decide(dataclasses.replace(snap([r], engines), prefixes=idx), low).dispatches
     ] == [1]
     short = req("short", prompt=10)  # shorter than a block: no chain
-    assert [
-        x.engine for x in decide(dataclasses.replace(snap([short], engines), prefixes=idx), low).dispatches
-    ] == [0]
+    d = decide(dataclasses.replace(snap([short], engines), prefixes=idx), low)
+    assert [(x.engine, x.rule) for x in d.dispatches] == [(0, "no-chain")]
 
 
 def test_cache_aware_falls_back_to_least_loaded_only_when_both_balance_thresholds_are_exceeded():
@@ -705,12 +703,12 @@ def test_cache_aware_falls_back_to_least_loaded_only_when_both_balance_threshold
         engines = [eng(0, inflight=load0), eng(1, inflight=load1)]
         cfg = dataclasses.replace(DP_ONLY, max_inflight_per_worker=100)
         (x,) = decide(dataclasses.replace(snap([r], engines), prefixes=idx_for(engines)), cfg).dispatches
-        return x.engine
+        return x.engine, x.rule
 
-    assert where(0, 8) == 1, "8 apart: not more than the absolute threshold"
-    assert where(0, 9) == 0, "9 apart and 9 > 1.5 x 0: out of balance"
-    assert where(20, 29) == 1, "9 apart but 29 < 1.5 x 20: balanced"
-    assert where(20, 31) == 0, "11 apart and 31 > 30"
+    assert where(0, 8) == (1, "prefix"), "8 apart: not more than the absolute threshold"
+    assert where(0, 9) == (0, "imbalanced"), "9 apart and 9 > 1.5 x 0: out of balance"
+    assert where(20, 29) == (1, "prefix"), "9 apart but 29 < 1.5 x 20: balanced"
+    assert where(20, 31) == (0, "imbalanced"), "11 apart and 31 > 30"
 
 
 def test_requests_of_one_round_follow_each_others_prefixes():
@@ -728,13 +726,13 @@ def test_tp_dispatches_ignore_prefixes_and_grouped_engines_are_no_candidates():
     g = bound(5, (0, 1), reason="load")
     engines = [in_epoch(0, 5), in_epoch(1, 5), eng(2, inflight=3), eng(3, inflight=3)]
     idx = index_with([eng(i) for i in range(4)], {0: [SYSTEM]})
-    idx.sync(engines)  # engines 0 and 1 joined a group: forgotten
+    idx.sync(engines)  # engines 0 and 1 joined a group (their trees outlive it)
     r = creq("r", SYSTEM + [1] * BLOCK)
     d = decide(dataclasses.replace(snap([r], engines, [g], state=LIGHT), prefixes=idx), CFG)
-    assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 5)], (
-        "light load: the load group, prefix or not"
-    )
-    assert idx.match(0, r.chain) == 0
+    assert [(x.engine, x.epoch, x.rule) for x in d.dispatches] == [(0, 5, None)], "light: the load group"
+    busy = dataclasses.replace(DP_ONLY, max_inflight_per_worker=8)
+    d = decide(dataclasses.replace(snap([r], engines, [g]), prefixes=idx), busy)
+    assert [(x.engine, x.rule) for x in d.dispatches] == [(2, "no-match")], "a bound engine takes no DP work"
 
 
 def test_fast_targets_of_cache_aware_dp_dispatch_carry_affinity():

@@ -33,8 +33,11 @@ def test_capacity_is_the_engines_kv_in_blocks_and_the_deep_blocks_go_first():
     assert idx.match(0, b) == 6 and idx.match(0, a) == 3
 
 
-def test_an_engine_is_forgotten_when_it_restarts_leaves_or_binds():
+def test_an_engine_is_forgotten_when_it_restarts_or_leaves_and_kept_through_a_bind():
+    """The workers keep the radix tree through a bind and a release; a bound engine records nothing (its TP
+    requests bypass the tree)."""
     chain = block_hashes(list(range(2 * BLOCK)))
+    other = block_hashes(list(range(5, 5 + 2 * BLOCK)))
 
     def fresh() -> PrefixIndex:
         idx = PrefixIndex()
@@ -44,17 +47,15 @@ def test_an_engine_is_forgotten_when_it_restarts_leaves_or_binds():
 
     idx = fresh()
     assert idx.sync([eng(0, launch_id="L1"), eng(1)]) == [] and idx.match(0, chain) == 2
-    for why in (
-        [eng(0, launch_id="L2")],  # restarted
-        [eng(1)],  # gone (heartbeat expired)
-        [eng(0, launch_id="L1", pending=3)],  # read a bind
-        [eng(0, launch_id="L1", mode="tp", epoch=3)],  # in a group
-    ):
+    for why in ([eng(0, launch_id="L2")], [eng(1)]):  # restarted; gone (heartbeat expired)
         idx = fresh()
         assert idx.sync(why) == [0], why
         assert idx.match(0, chain) == 0
-    idx.record(0, chain)  # in a group: a TP request does not fill the prefix cache
-    assert idx.match(0, chain) == 0
-    idx.sync([eng(0, launch_id="L1")])  # released: back in DP, empty
-    idx.record(0, chain)
-    assert idx.match(0, chain) == 2
+    idx = fresh()
+    for bound in ([eng(0, launch_id="L1", pending=3)], [eng(0, launch_id="L1", mode="tp", epoch=3)]):
+        assert idx.sync(bound) == [] and idx.match(0, chain) == 2, "the tree outlives the bind"
+        idx.record(0, other)
+        assert idx.match(0, other) == 0, "a TP request does not fill the tree"
+    idx.sync([eng(0, launch_id="L1")])  # released: back in DP, with what it held before
+    idx.record(0, other)
+    assert idx.match(0, chain) == 2 and idx.match(0, other) == 2

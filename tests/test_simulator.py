@@ -31,7 +31,12 @@ def scenarios(draw):
         long = draw(st.booleans()) and draw(st.booleans()) and draw(st.booleans())
         prompt = draw(st.integers(4500, 7000)) if long else draw(st.integers(10, 1500))
         prio = draw(st.sampled_from(["high", "normal", "normal", "low"]))
-        reqs.append(SimRequest(t, prio, prompt, draw(st.integers(1, 60))))
+        out = draw(st.integers(1, 60))
+        # block chains (issue 16): a shared prefix of one of two system prompts, then the request's own blocks
+        system, shared = draw(st.integers(0, 1)), draw(st.integers(0, 20))
+        own = (1000 * (len(reqs) + 1) + j for j in range(10**6))
+        blocks = tuple(system * 100 + j if j < shared else next(own) for j in range((prompt + out) // 64))
+        reqs.append(SimRequest(t, prio, prompt, out, blocks=blocks))
     down = draw(st.lists(st.tuples(st.floats(0, 5), st.floats(0.1, 3)), max_size=2))
     policy = PolicyConfig(
         tp_inflight_per_engine=draw(st.integers(1, 4)),
@@ -50,6 +55,8 @@ def scenarios(draw):
         busy_rate=2.0,
         rate_tau_s=draw(st.sampled_from([0.5, 2.0])),
         spread_s=draw(st.sampled_from([0.0, 2.0])),
+        dispatch=draw(st.sampled_from(["cache-aware", "least-loaded"])),
+        balance_abs_threshold=draw(st.sampled_from([0.0, 8.0])),
     )
     cfg = SimConfig(
         engines=engines,
@@ -382,6 +389,16 @@ def test_a_cached_prefix_is_not_prefilled_again_and_a_tp_group_bypasses_the_cach
     assert [r.cached for r in tp.reqs] == [0, 0], "a group's requests prefill in full"
 
 
+def test_a_groups_kv_demand_evicts_its_members_cached_prefixes_and_nothing_more():
+    sim = Simulator(SimConfig(engines=2, mode="tp", cost=SMALL), [SimRequest(0.0, "normal", 3000, 8)])
+    held = tuple(range(50))  # 3,200 tokens of DP prefixes cached on engine 0 before the bind
+    sim.engines[0].cache.insert(held, room_tokens=4000)
+    sim.run()
+    kept = 4000 - -(-3008 // 2)  # the TP request's KV, half on each member
+    assert len(sim.engines[0].cache.lru) == kept // 64
+    assert sim.engines[0].cache.hit(held) == kept // 64, "the shallow blocks stay"
+
+
 def test_cache_aware_dispatch_beats_least_loaded_on_shared_prefixes_and_equals_it_without():
     from sim.prefix_report import summarize_prefix
     from sim.prefix_workload import shared_prefix_workload
@@ -397,7 +414,9 @@ def test_cache_aware_dispatch_beats_least_loaded_on_shared_prefixes_and_equals_i
     ca, ll = run("cache-aware"), run("least-loaded")
     assert ca["hit_rate"] > ll["hit_rate"] + 0.05 and ca["ttft_p50_ms"] < ll["ttft_p50_ms"]
     assert ca["served"] == ll["served"] == 400
-    assert run("cache-aware", system_prompts=0) == run("least-loaded", system_prompts=0), "nothing to follow"
+    ca, ll = run("cache-aware", system_prompts=0), run("least-loaded", system_prompts=0)
+    assert ca.pop("by_rule") == {"no-match": 1.0} and ll.pop("by_rule") == {"least-loaded": 1.0}
+    assert ca == ll, "nothing to follow: the same decisions"
 
 
 def test_flying_sim_compares_dispatch_rules_on_the_shared_prefix_workload(tmp_path, capsys):
