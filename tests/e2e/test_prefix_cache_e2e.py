@@ -43,6 +43,15 @@ def generate(url: str, ids: list[int], n: int = 8) -> dict:
     return resp.json()
 
 
+def flush(url: str, timeout_s: float = 30) -> None:
+    """Empty a server's prefix cache (SGLang flushes only when idle), so that its next request runs cold: other
+    tests' prompts can share a first token or two with these by chance."""
+    deadline = time.monotonic() + timeout_s
+    while (code := httpx.post(url + "/flush_cache", timeout=30).status_code) != 200:
+        assert time.monotonic() < deadline, f"{url} did not flush its cache ({code})"
+        time.sleep(0.2)
+
+
 def logprobs(out: dict) -> list[float]:
     return [x[0] for x in out["meta_info"]["output_token_logprobs"]]
 
@@ -65,6 +74,7 @@ def idle_and_whole(cluster, timeout_s: float = 30) -> dict:
 def test_dp_requests_reuse_cached_prefixes(cluster):
     url = worker_url(cluster, 0)
     prefix = system_prompt(next(_unique))
+    flush(url)
     first = generate(url, prefix + question(0, 1))
     second = generate(url, prefix + question(0, 2))
     assert first["meta_info"]["cached_tokens"] == 0
@@ -76,6 +86,8 @@ def test_dp_after_a_release_is_bit_identical_to_stock_with_its_cache_on(cluster,
     and release of the group between them: identical log-probs, the second a cache hit on both."""
     url, seed = worker_url(cluster, 0), next(_unique)
     prefix = system_prompt(seed)
+    flush(stock_server)
+    flush(url)
     stock = [generate(stock_server, prefix + question(seed, k), 16) for k in (1, 2)]
     ours = [generate(url, prefix + question(seed, 1), 16)]
     r = cluster.client()
@@ -151,7 +163,8 @@ def test_switch_sequences_with_shared_prefix_traffic_keep_the_cache_sound(cluste
         probe = prefixes[i] + question(seed, 200 + i)
         warm = generate(urls[i], probe, 8)
         assert warm["meta_info"]["cached_tokens"] >= len(prefixes[i]), "the prefix should still be cached"
-        cold = generate(stock_server, probe, 8)  # stock has never seen this prefix
+        flush(stock_server)
+        cold = generate(stock_server, probe, 8)
         assert cold["meta_info"]["cached_tokens"] == 0
         assert warm["output_ids"] == cold["output_ids"]
         diff = max(abs(a - b) for a, b in zip(logprobs(warm), logprobs(cold)))
