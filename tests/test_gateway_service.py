@@ -230,6 +230,20 @@ async def test_a_stream_that_cannot_resume_ends_with_an_error_event(gateway, are
     assert not await aredis.hget(keys.stats, "requeued")
 
 
+async def serve_chat(gateway, engine, priority: str = "normal", request_id: str | None = None):
+    """One non-streaming chat request through ``gateway.serve``, with ``engine`` (an httpx handler) as every
+    engine; returns the Reply."""
+    await gateway.upstream.client.aclose()
+    gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), priority, request_id)
+    connected = asyncio.create_task(asyncio.Event().wait())
+    try:
+        return await asyncio.wait_for(gateway.serve(adm, connected), 10)
+    finally:
+        connected.cancel()
+
+
 async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, aredis, keys):
     """A TP group that loses a member aborts its requests with 503 (worker_ext.sglang_patches): nothing reached
     the client yet, so the request goes to another engine instead of failing."""
@@ -243,15 +257,7 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
         calls.append(request)
         return answers[len(calls) - 1]
 
-    await gateway.upstream.client.aclose()
-    gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
-    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
-    connected = asyncio.create_task(asyncio.Event().wait())
-    try:
-        reply = await asyncio.wait_for(gateway.serve(adm, connected), 10)
-    finally:
-        connected.cancel()
+    reply = await serve_chat(gateway, engine)
     assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
     assert len(calls) == 2
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
@@ -266,19 +272,7 @@ async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(ga
         rids.append(json.loads(request.content)["rid"])
         return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "ok"}}]})
 
-    await gateway.upstream.client.aclose()
-    gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
-    served = []
-    for _ in range(2):
-        adm = await gateway.admit(
-            decode(json.dumps(body).encode(), ChatCompletionRequest), "high", "client-1"
-        )
-        connected = asyncio.create_task(asyncio.Event().wait())
-        try:
-            served.append((await asyncio.wait_for(gateway.serve(adm, connected), 10)).assignment.id)
-        finally:
-            connected.cancel()
+    served = [(await serve_chat(gateway, engine, "high", "client-1")).assignment.id for _ in range(2)]
     assert served[0] == "client-1" and re.fullmatch(r"client-1-[0-9a-f]{8}", served[1]), served
     assert rids == served
     assert await aredis.hget(keys.request(served[1]), "state") == b"done"
@@ -319,15 +313,7 @@ async def test_a_resumed_streams_usage_counts_the_clients_prompt_and_its_cached_
 async def test_a_non_streaming_answer_keeps_the_engines_cached_tokens(gateway):
     usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
     answer = {"choices": [{"index": 0, "message": {"content": "one two"}}], "usage": usage}
-    await gateway.upstream.client.aclose()
-    gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(200, json=answer)))  # fmt: skip
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
-    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
-    connected = asyncio.create_task(asyncio.Event().wait())
-    try:
-        reply = await asyncio.wait_for(gateway.serve(adm, connected), 10)
-    finally:
-        connected.cancel()
+    reply = await serve_chat(gateway, lambda _: httpx.Response(200, json=answer))
     assert reply.status == 200 and reply.body["usage"] == usage
 
 

@@ -20,27 +20,7 @@ def chunk(data: bytes) -> bytes:
 async def serve(answer: bytes, close_after: bool):
     """A server answering every request with ``answer``; ``close_after``: then it closes the connection (as an
     idle keep-alive timeout would)."""
-    conns = []
-
-    async def handle(reader, writer):
-        conns.append(writer)
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            n = next(
-                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
-            )
-            await reader.readexactly(n)
-            writer.write(answer)
-            await writer.drain()
-            if close_after:
-                writer.close()
-                return
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", conns
+    return await scripted([(0, answer)], close_after)
 
 
 async def lines(up: Upstream, url: str) -> list[str]:
@@ -81,8 +61,9 @@ async def test_a_content_length_answer_and_a_stream_cut_short():
     await up.close()
 
 
-async def scripted(steps: list[tuple[float, bytes]]):
-    """A server that answers each request with ``steps``: (seconds to wait, bytes to write), in order."""
+async def scripted(steps: list[tuple[float, bytes]], close_after: bool = False):
+    """A server that answers each request with ``steps``: (seconds to wait, bytes to write), in order;
+    ``close_after``: then it closes the connection."""
     conns = []
 
     async def handle(reader, writer):
@@ -101,6 +82,9 @@ async def scripted(steps: list[tuple[float, bytes]]):
                 if writer.is_closing():
                     return
                 writer.write(data)
+            if close_after:  # close() sends what was written first
+                writer.close()
+                return
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", conns
