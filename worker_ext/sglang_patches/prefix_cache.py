@@ -37,10 +37,6 @@ _EVICT = ("evict", "evict_for_alloc")
 _PATCHED = (*_AS_DISABLED, *_SCALED, *_EVICT, "free_kv_row")
 
 
-def tree(scheduler: Any) -> Any:
-    return scheduler.tree_cache
-
-
 def enabled(scheduler: Any) -> bool:
     """The engine shares prefixes (its radix cache is on)."""
     t = scheduler.tree_cache
@@ -144,11 +140,17 @@ def bypass(scheduler: Any, base: BaseAllocator, width: int) -> None:
     t.free_kv_row = free_kv_row
 
 
-def restore(scheduler: Any) -> None:
-    """The tree as SGLang made it (after the sub-slot allocator is gone)."""
+def _bypassed(scheduler: Any) -> PhysicalView | None:
+    """The tree's allocator view while :func:`bypass` is applied, else None."""
     t = scheduler.tree_cache
     view = t.__dict__.get("token_to_kv_pool_allocator") if t is not None else None
-    if not isinstance(view, PhysicalView):
+    return view if isinstance(view, PhysicalView) else None
+
+
+def restore(scheduler: Any) -> None:
+    """The tree as SGLang made it (after the sub-slot allocator is gone)."""
+    t, view = scheduler.tree_cache, _bypassed(scheduler)
+    if view is None:
         return
     for name in _PATCHED:
         t.__dict__.pop(name, None)
@@ -157,9 +159,8 @@ def restore(scheduler: Any) -> None:
 
 def evict_physical(scheduler: Any, num_tokens: int) -> None:
     """Bound: make ``num_tokens`` physical slots free, evicting unlocked tree content if needed."""
-    t = scheduler.tree_cache
-    view = t.__dict__.get("token_to_kv_pool_allocator") if t is not None else None
-    if not isinstance(view, PhysicalView):
+    t, view = scheduler.tree_cache, _bypassed(scheduler)
+    if view is None:
         return
     short = num_tokens - view.available_size()
     if short > 0:
@@ -171,9 +172,7 @@ def evict_physical(scheduler: Any, num_tokens: int) -> None:
 def evictable_physical(scheduler: Any) -> int:
     """Bound: physical slots the tree could give back."""
     t = scheduler.tree_cache
-    if t is None or not isinstance(t.__dict__.get("token_to_kv_pool_allocator"), PhysicalView):
-        return 0
-    return int(type(t).evictable_size(t))
+    return int(type(t).evictable_size(t)) if _bypassed(scheduler) is not None else 0
 
 
 def make_room(scheduler: Any, num_tokens: int) -> None:
