@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
 
+from flying.autopipeline import AutoPipeline
 from flying.keys import Keys
 from flying.messages import PRIORITY_CLASS, Assignment, QueuedRequest, encode, from_hash, to_hash
 
@@ -141,15 +142,16 @@ class QueueFull(Exception):
 
 
 class RequestQueue:
-    """Async facade over the queue scripts; used by the gateway (admit/finish/requeue) and router (assign)."""
+    """Async facade over the queue scripts; used by the gateway (admit/finish/requeue) and router (assign). With
+    ``pipe`` (the gateway's), the per-request scripts (admit, finish, requeue) go through that auto-pipelined
+    connection instead of redis-py's pool."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, pipe: AutoPipeline | None = None) -> None:
         self.r = client
         self.keys = keys
-        self._admit = client.register_script(_ADMIT)
+        self.pipe = pipe
+        self._scripts = {src: client.register_script(src) for src in (_ADMIT, _REQUEUE, _FINISH)}
         self._assign = client.register_script(_ASSIGN)
-        self._requeue = client.register_script(_REQUEUE)
-        self._finish = client.register_script(_FINISH)
         self._states = client.register_script(_STATES)
 
     async def admit(self, req: QueuedRequest, max_queue: int = 0, max_ahead: int = 0) -> Assignment | None:
@@ -158,7 +160,8 @@ class RequestQueue:
         or, on the fast path (the queue empty and a target the router published free), its assignment."""
         k = self.keys
         fields = [x for kv in to_hash(req).items() for x in kv if kv[0] != "seq"]
-        out = await self._admit(
+        out = await self._run(
+            _ADMIT,
             keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats, k.fast_path],
             args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
                   k.inflight_prefix, 1 if req.prefix else 0, *fields],
@@ -173,6 +176,11 @@ class RequestQueue:
         if isinstance(out, list):
             return Assignment(id=req.id, engine=int(out[1]), url=text(out[2]), queue_ms=0.0)
         return None
+
+    async def _run(self, source: str, keys: list[str], args: list) -> object:
+        if self.pipe is not None:
+            return await self.pipe.script(source, keys, args)
+        return await self._scripts[source](keys=keys, args=args)
 
     async def assign(
         self, req: QueuedRequest, engine: int, url: str, now: float | None = None, epoch: int = 0
@@ -213,7 +221,8 @@ class RequestQueue:
         """Put an assigned request back at its original place in the queue (its worker could not take it); the
         router sends it elsewhere than ``engine`` while another engine is live."""
         k = self.keys
-        done = await self._requeue(
+        done = await self._run(
+            _REQUEUE,
             keys=[k.queue, k.request(req.id), k.inflight(engine), k.wake, k.stats],
             args=[req.id, PRIORITY_CLASS[req.priority], reason, engine],
         )
@@ -224,7 +233,8 @@ class RequestQueue:
         record names, let its record expire."""
         assert state in ("done", "failed", "cancelled"), state
         k = self.keys
-        done = await self._finish(
+        done = await self._run(
+            _FINISH,
             keys=[k.queue, k.request(rid), k.wake, k.stats],
             args=[rid, state, time.time(), error, FINISHED_TTL_S, k.inflight_prefix],
         )

@@ -23,6 +23,7 @@ import msgspec
 import redis.asyncio as aioredis
 from starlette.types import Receive
 
+from flying.autopipeline import AutoPipeline
 from flying.cancel import reraise_if_cancelled, stop_task
 from flying.groups import merge_sets
 from flying.keys import Keys
@@ -115,7 +116,7 @@ class Gateway:
         self.started = time.time()  # the model card's "created"
         self.keys = Keys(config.key_prefix)
         self.r = client
-        self.queue = RequestQueue(client, self.keys)
+        self.queue = RequestQueue(client, self.keys, pipe=autopipeline(client))
         self.waiter = AssignmentWaiter(
             client, self.keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit
         )
@@ -146,6 +147,8 @@ class Gateway:
             log.warning("the gateway monitor did not end when cancelled; left behind")
         await self.waiter.stop()
         await self.upstream.close()
+        if self.queue.pipe is not None:
+            self.queue.pipe.close()
         with contextlib.suppress(aioredis.RedisError):
             await self.r.delete(self.keys.gateway(self.config.gateway_id))
 
@@ -636,6 +639,15 @@ class Gateway:
         task = asyncio.ensure_future(_logged(coro))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def autopipeline(client: aioredis.Redis) -> AutoPipeline | None:
+    """An auto-pipelined connection to the client's Redis for the per-request scripts (none for TLS, which it
+    does not speak: those go through the client's pool)."""
+    pool = client.connection_pool
+    if issubclass(pool.connection_class, aioredis.SSLConnection):
+        return None
+    return AutoPipeline.like(pool.connection_kwargs)
 
 
 async def _logged(coro: Awaitable) -> None:
