@@ -171,8 +171,7 @@ class _Protocol(asyncio.Protocol):
 
 def pack(args: Sequence[Arg]) -> bytes:
     """One command in RESP."""
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        b = a if isinstance(a, bytes) else (a.encode() if isinstance(a, str) else repr(a).encode())
-        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(parts)
+    enc = [
+        a.encode() if isinstance(a, str) else a if isinstance(a, bytes) else repr(a).encode() for a in args
+    ]
+    return b"*%d\r\n" % len(enc) + b"".join([b"$%d\r\n%s\r\n" % (len(b), b) for b in enc])

@@ -173,12 +173,17 @@ class RelayResponse(StreamingResponse):
             await self.relay.aclose()
 
 
-async def chat_completions(request: Request) -> Response:
-    return await completions(request, "chat")
+class CompletionRoute:
+    """A completion endpoint as a plain ASGI app: Starlette wraps a function endpoint in a second
+    exception-handling layer per request, which the hot path skips; its errors still reach the app's handlers
+    (the ExceptionMiddleware around the router)."""
 
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
-async def text_completions(request: Request) -> Response:
-    return await completions(request, "completion")
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await completions(Request(scope, receive), self.kind)
+        await response(scope, receive, send)
 
 
 async def models(request: Request) -> Response:
@@ -308,8 +313,8 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
             await client.aclose()
 
     routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", text_completions, methods=["POST"]),
+        Route("/v1/chat/completions", CompletionRoute("chat"), methods=["POST"]),
+        Route("/v1/completions", CompletionRoute("completion"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

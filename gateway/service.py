@@ -383,7 +383,9 @@ class Gateway:
         """The assignment (from the subscription or the reconciliation); no Redis call of its own while it
         waits. Raises ClientGone, QueueTimeout, or NoLiveWorkers (set on the future by the monitor)."""
         rid = adm.record.id
-        if fut.done() and not fut.cancelled() and fut.exception() is None:  # the fast path: assigned at admission
+        if (
+            fut.done() and not fut.cancelled() and fut.exception() is None
+        ):  # the fast path: assigned at admission
             self.holding.pop(rid, None)
             return fut.result()
         try:

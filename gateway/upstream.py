@@ -25,7 +25,7 @@ CONNECT_TIMEOUT_S = 3.0
 DRAIN_S = (
     1.0  # a stream given up after its last event: how long its end may take before the connection closes
 )
-MAX_IDLE = 64  # pooled keep-alive connections per engine
+MAX_IDLE = 512  # pooled keep-alive connections per engine (fewer: a burst beyond them reconnects, and churns)
 PAUSE_BYTES = 1 << 20  # an unread body this large pauses reading from the engine
 _encode = msgspec.json.Encoder().encode
 
@@ -105,12 +105,15 @@ class _Conn(asyncio.Protocol):
             self._waiter.set_result(None)
 
     async def wait(self, timeout_s: float) -> None:
-        """Until more arrives, the connection ends, or ``timeout_s`` passes (TimeoutError)."""
-        self._waiter = asyncio.get_running_loop().create_future()
+        """Until more arrives, the connection ends, or ``timeout_s`` passes (TimeoutError). (A timer on the
+        future rather than ``asyncio.timeout``: this runs a few times per request.)"""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _expire, waiter)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._waiter
+            await waiter
         finally:
+            timer.cancel()
             self._waiter = None
 
     def take(self) -> bytes:
@@ -125,6 +128,11 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
         self.closed = True
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class StreamResponse:
