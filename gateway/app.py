@@ -71,7 +71,7 @@ async def completions(request: Request, kind: str) -> Response:
             gw.metrics.rejected.labels(str(status), exc.code or "").inc()
         raise
     finally:
-        gw.metrics.requests.labels(request.scope["path"], str(status), seen["priority"]).inc()
+        gw.metrics.child(gw.metrics.requests, request.scope["path"], str(status), seen["priority"]).inc()
 
 
 async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str]) -> Response:
@@ -94,7 +94,7 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
     try:
         reply = await gw.serve(adm, disconnected)
-        gw.metrics.ttft.labels(priority).observe(time.monotonic() - t0)
+        gw.metrics.child(gw.metrics.ttft, priority).observe(time.monotonic() - t0)
     except ClientGone:
         disconnected.cancel()
         return Response(status_code=499)

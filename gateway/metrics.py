@@ -4,6 +4,8 @@ gateway: queue time from admission to the router's assignment, TTFT from the req
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -38,3 +40,13 @@ class GatewayMetrics:
             "flying_gateway_rejected", "Requests refused, by HTTP status and error code (429 backpressure, 400 "
             "invalid, 401 no or wrong API key, ...)", ["status", "reason"], registry=r,
         )  # fmt: skip
+        self._children: dict[tuple, Any] = {}
+
+    def child(self, metric: Counter | Histogram, *labels: str):
+        """``metric.labels(*labels)``, looked up once per label set (``labels`` takes a lock and builds a key on
+        every call; this runs a few times per request)."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found

@@ -356,7 +356,7 @@ class Gateway:
                 adm = adm.renamed(f"{base}-{uuid.uuid4().hex[:8]}")
         while True:
             a = await self.wait_assignment(adm, fut, disconnected)
-            self.metrics.queue_time.labels(adm.record.priority).observe(
+            self.metrics.child(self.metrics.queue_time, adm.record.priority).observe(
                 max(0.0, time.time() - adm.record.enqueued_at)
             )
             try:

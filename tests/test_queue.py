@@ -7,8 +7,19 @@ import asyncio
 import msgspec
 import pytest
 
+from flying.autopipeline import AutoPipeline
 from flying.messages import Assignment, QueuedRequest, decode
 from flying.queue import DuplicateId, QueueFull, RequestQueue, reap_stale_inflight
+
+
+@pytest.fixture(params=["pool", "autopipeline"])
+async def queue(request, aredis, keys, redis_server):
+    """The queue as the router uses it (redis-py's pool) and as the gateway does (its per-request scripts on one
+    auto-pipelined connection)."""
+    pipe = AutoPipeline(port=redis_server.port) if request.param == "autopipeline" else None
+    yield RequestQueue(aredis, keys, pipe=pipe)
+    if pipe is not None:
+        pipe.close()
 
 
 def mk(i: str, priority: str = "normal", t: float = 0.0) -> QueuedRequest:
@@ -17,8 +28,8 @@ def mk(i: str, priority: str = "normal", t: float = 0.0) -> QueuedRequest:
     )
 
 
-async def test_orders_by_priority_class_then_arrival(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_orders_by_priority_class_then_arrival(aredis, keys, queue):
+    q = queue
     for i, p in [
         ("n1", "normal"),
         ("l1", "low"),
@@ -31,16 +42,16 @@ async def test_orders_by_priority_class_then_arrival(aredis, keys):
     assert [r.id for r in await q.peek(10)] == ["h1", "h2", "n1", "n2", "l1", "l2"]
 
 
-async def test_ties_in_time_keep_admission_order(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_ties_in_time_keep_admission_order(aredis, keys, queue):
+    q = queue
     ids = [f"r{i}" for i in range(20)]
     for i in ids:
         await q.admit(mk(i, "normal", t=1.0))  # identical timestamps: the sequence number breaks the tie
     assert [r.id for r in await q.peek(50)] == ids
 
 
-async def test_queue_full_rejects_and_keeps_nothing(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_queue_full_rejects_and_keeps_nothing(aredis, keys, queue):
+    q = queue
     await q.admit(mk("a"), max_queue=1)
     with pytest.raises(QueueFull):
         await q.admit(mk("b"), max_queue=1)
@@ -48,8 +59,8 @@ async def test_queue_full_rejects_and_keeps_nothing(aredis, keys):
     assert await aredis.exists(keys.request("b")) == 0
 
 
-async def test_an_id_with_a_record_is_refused_and_the_record_kept(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_an_id_with_a_record_is_refused_and_the_record_kept(aredis, keys, queue):
+    q = queue
     await q.admit(mk("a", "high"))
     with pytest.raises(DuplicateId):
         await q.admit(mk("a", "low"))
@@ -57,8 +68,8 @@ async def test_an_id_with_a_record_is_refused_and_the_record_kept(aredis, keys):
     assert await aredis.hget(keys.request("a"), "priority") == b"high"
 
 
-async def test_assign_is_atomic_and_notifies_the_gateway(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_assign_is_atomic_and_notifies_the_gateway(aredis, keys, queue):
+    q = queue
     pubsub = aredis.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(keys.gateway_channel("g"))
     await q.admit(mk("a"))
@@ -79,8 +90,8 @@ async def test_assign_is_atomic_and_notifies_the_gateway(aredis, keys):
     await pubsub.aclose()
 
 
-async def test_requeue_restores_the_original_position(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_requeue_restores_the_original_position(aredis, keys, queue):
+    q = queue
     for i in ("a", "b", "c"):
         await q.admit(mk(i))
     [a] = await q.peek(1)
@@ -96,8 +107,8 @@ async def test_requeue_restores_the_original_position(aredis, keys):
     assert not await q.requeue(a, 0, "twice"), "only an assigned request can be requeued"
 
 
-async def test_finish_clears_inflight_and_sets_a_ttl(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_finish_clears_inflight_and_sets_a_ttl(aredis, keys, queue):
+    q = queue
     await q.admit(mk("a"))
     [a] = await q.peek(1)
     await q.assign(a, 1, "http://e1")
@@ -109,8 +120,8 @@ async def test_finish_clears_inflight_and_sets_a_ttl(aredis, keys):
     assert stats[b"admitted"] == b"1" and stats[b"assigned"] == b"1" and stats[b"completed"] == b"1"
 
 
-async def test_finish_wakes_the_router_only_while_requests_wait(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_finish_wakes_the_router_only_while_requests_wait(aredis, keys, queue):
+    q = queue
     for rid in ("a", "b"):
         await q.admit(mk(rid))
     await aredis.delete(keys.wake)
@@ -123,8 +134,8 @@ async def test_finish_wakes_the_router_only_while_requests_wait(aredis, keys):
     assert await aredis.llen(keys.wake) == 0, "nothing waits: no wake"
 
 
-async def test_reap_drops_only_stale_inflight_entries(aredis, keys):
-    q = RequestQueue(aredis, keys)
+async def test_reap_drops_only_stale_inflight_entries(aredis, keys, queue):
+    q = queue
     await q.admit(mk("live"))
     [live] = await q.peek(1)
     await q.assign(live, 0, "http://e0")
@@ -133,13 +144,13 @@ async def test_reap_drops_only_stale_inflight_entries(aredis, keys):
     assert await aredis.smembers(keys.inflight(0)) == {b"live"}
 
 
-async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, keys):
+async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, keys, queue):
     """With targets published, a normal or low request admitted to an empty queue is assigned at once to the
     least loaded target with a free slot and KV for it (the reply is the assignment: nothing is published on the
     gateway's channel); high priority, a non-empty queue, a full target or too much KV: queued for the router."""
     from flying.messages import FastTarget, encode
 
-    q = RequestQueue(aredis, keys)
+    q = queue
     targets = [FastTarget(engine=0, url="http://e0", cap=2, max_kv=100), FastTarget(engine=1, url="http://e1", cap=1, max_kv=100)]  # fmt: skip
     assert await q.admit(mk("none")) is None, "no targets published: queued"
     await q.finish("none", "cancelled")
@@ -173,11 +184,11 @@ async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, k
     await pubsub.aclose()
 
 
-async def test_a_prefix_chain_round_trips_through_the_record(aredis, keys):
+async def test_a_prefix_chain_round_trips_through_the_record(aredis, keys, queue):
     """The chain the gateway computed is stored with the request record and read back by the router's peek."""
     from flying.prefix import block_hashes, encode_chain
 
-    q = RequestQueue(aredis, keys)
+    q = queue
     chain = block_hashes(list(range(40 * 64)))
     req = msgspec.structs.replace(mk("p"), prefix=encode_chain(chain))
     await q.admit(req)
@@ -187,12 +198,12 @@ async def test_a_prefix_chain_round_trips_through_the_record(aredis, keys):
     assert (await q.peek(5))[1].chain == ()
 
 
-async def test_affinity_targets_take_only_requests_without_a_prefix_chain(aredis, keys):
+async def test_affinity_targets_take_only_requests_without_a_prefix_chain(aredis, keys, queue):
     """Cache-aware dispatch publishes DP targets with ``affinity``: a request with a prefix chain waits for the
     router's round (which places it by prefix); one without takes the fast path as before."""
     from flying.messages import FastTarget, encode
 
-    q = RequestQueue(aredis, keys)
+    q = queue
     await aredis.set(keys.fast_path, encode([FastTarget(engine=0, url="http://e0", cap=4, max_kv=100, affinity=True)]))  # fmt: skip
     assert await q.admit(msgspec.structs.replace(mk("c"), prefix="AAAAAAAAAAE=")) is None, "queued"
     await q.finish("c", "cancelled")
