@@ -72,7 +72,9 @@ class AutoPipeline:
 
     async def script(self, source: str, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         """``EVALSHA`` of ``source`` (``SCRIPT LOAD`` first when Redis does not know it)."""
-        sha = self._shas.get(source) or hashlib.sha1(source.encode()).hexdigest()
+        sha = self._shas.get(source)
+        if sha is None:
+            sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
         try:
             return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
         except ResponseError as exc:
