@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,38 @@ class NotReady(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range: a port the kernel hands out (bind to
+    port 0) can be taken, in the seconds before its server binds it (an SGLang worker binds after its imports),
+    as the source port of any outgoing connection, which a worker then fails to bind ("address already in use").
+    Successive calls in one process return distinct ports."""
+    global _offset
+    base = _ephemeral_low() - PORT_SPAN
+    if base < 1024:  # an unusual ephemeral range: leave the choice to the kernel
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    if _offset is None:
+        _offset = random.randrange(PORT_SPAN)
+    for _ in range(PORT_SPAN):
+        port, _offset = base + _offset, (_offset + 1) % PORT_SPAN
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + PORT_SPAN - 1}")
+
+
+PORT_SPAN = 8192  # free_port's ports: the 8192 below the ephemeral range (24576-32767 with Linux's default)
+_offset: int | None = None  # the next port free_port tries, from the span's start
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

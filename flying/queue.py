@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -177,7 +178,7 @@ class RequestQueue:
             return Assignment(id=req.id, engine=int(out[1]), url=text(out[2]), queue_ms=0.0)
         return None
 
-    async def _run(self, source: str, keys: list[str], args: list) -> object:
+    async def _run(self, source: str, keys: list[str], args: list[Any]) -> Any:
         if self.pipe is not None:
             return await self.pipe.script(source, keys, args)
         return await self._scripts[source](keys=keys, args=args)
