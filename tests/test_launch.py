@@ -3,13 +3,16 @@ TTL), and rides out Redis losing its data or restarting."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import threading
 import time
 
+import pytest
 import redis
 
 from devstack.redis_server import RedisServer
+from flying.procs import free_port
 from worker_ext import launch
 
 
@@ -135,3 +138,18 @@ def test_the_radix_cache_is_on_for_bound_capable_workers_unless_turned_off():
         engine=0, num_engines=2, model_path="m", port=1, comm_port=2, prefix_cache=False
     )
     assert "--disable-radix-cache" in launch.sglang_command(off)
+
+
+def test_a_worker_whose_port_is_taken_exits_at_once_saying_so():
+    """Not after SGLang's start-up, nor in a hang: SGLang's server finds the port taken only once loaded, and its
+    exit then waits on its scheduler process."""
+    port = free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        cfg = launch.WorkerConfig(engine=3, num_engines=4, model_path="m", port=port, host="127.0.0.1")
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit, match=f"engine 3: cannot serve on 127.0.0.1:{port}: .*in use"):
+            launch.run(cfg)
+        assert time.monotonic() - t0 < 5
+    assert launch.port_taken("127.0.0.1", port) == ""

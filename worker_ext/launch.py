@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -170,6 +171,10 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
 
 
 def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 30) -> int:
+    if why := port_taken(cfg.host, cfg.port):
+        # SGLang would find out only after its imports and model load, and then hang in its exit (its scheduler
+        # process is joined, never stopped), so the launcher would wait out ready_timeout_s
+        raise SystemExit(f"flying-worker: engine {cfg.engine}: cannot serve on {cfg.host}:{cfg.port}: {why}")
     keys = Keys(cfg.key_prefix)
     r = redis.Redis.from_url(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
     with contextlib.suppress(redis.RedisError):
@@ -208,6 +213,17 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
         _terminate(proc)
         with contextlib.suppress(redis.RedisError):
             r.delete(keys.ready(cfg.engine))
+
+
+def port_taken(host: str, port: int) -> str:
+    """Why the HTTP server could not listen on ``host:port`` now ('' if it could)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or repr(exc)
+    return ""
 
 
 def drain(r: redis.Redis, ready_key: str, inflight_key: str, proc: subprocess.Popen, grace_s: float) -> int:
