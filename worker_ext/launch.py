@@ -170,8 +170,11 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
     return env
 
 
+PORT_WAIT_S = 10.0  # how long a worker waits for its HTTP port to be free before it gives up
+
+
 def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 30) -> int:
-    if why := port_taken(cfg.host, cfg.port):
+    if why := port_taken(cfg.host, cfg.port, wait_s=PORT_WAIT_S):
         # SGLang would find out only after its imports and model load, and then hang in its exit (its scheduler
         # process is joined, never stopped), so the launcher would wait out ready_timeout_s
         raise SystemExit(f"flying-worker: engine {cfg.engine}: cannot serve on {cfg.host}:{cfg.port}: {why}")
@@ -215,15 +218,21 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
             r.delete(keys.ready(cfg.engine))
 
 
-def port_taken(host: str, port: int) -> str:
-    """Why the HTTP server could not listen on ``host:port`` now ('' if it could)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return exc.strerror or repr(exc)
-    return ""
+def port_taken(host: str, port: int, wait_s: float = 0.0) -> str:
+    """Why the HTTP server could not listen on ``host:port`` ('' if it can), after waiting up to ``wait_s`` for
+    it to be free (a previous server on it may still be exiting)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is free
+            try:
+                s.bind((host, port))
+                return ""
+            except OSError as exc:
+                why = exc.strerror or repr(exc)
+        if time.monotonic() >= deadline:
+            return why
+        time.sleep(0.25)
 
 
 def drain(r: redis.Redis, ready_key: str, inflight_key: str, proc: subprocess.Popen, grace_s: float) -> int:
@@ -280,6 +289,10 @@ def _terminate(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(
+                timeout=5
+            )  # gone, its port with it, before the launcher is (a restart can bind at once)
 
 
 def parser() -> argparse.ArgumentParser:
