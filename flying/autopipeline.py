@@ -91,6 +91,7 @@ class AutoPipeline:
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
+        protocol: _Protocol | None = None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 if self.path:
@@ -106,9 +107,14 @@ class AutoPipeline:
                     setup.append(("CLIENT", "SETNAME", self.client_name))
                 for reply in await asyncio.gather(*(protocol.send(cmd) for cmd in setup)):
                     assert reply in (b"OK", "OK"), reply
-        except (OSError, TimeoutError) as exc:
+        except BaseException as exc:
+            if protocol is not None:
+                protocol.close()  # half set up (refused AUTH, a timeout): not kept, not leaked
+            if not isinstance(exc, (OSError, TimeoutError)):
+                raise
             where = self.path or f"{self.host}:{self.port}"
             raise ConnectionError(f"cannot connect to Redis at {where}: {exc!r}") from exc
+        assert protocol is not None
         self._protocol = protocol
         return protocol
 

@@ -91,3 +91,18 @@ async def test_a_redis_restart_fails_the_calls_in_flight_and_then_serves_again(t
 
 def test_pack_is_resp():
     assert pack(["SET", b"k", 3, 0.5]) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n3\r\n$3\r\n0.5\r\n"
+
+
+async def test_a_password_is_sent_and_a_wrong_one_is_refused(tmp_path):
+    server = RedisServer(data_dir=tmp_path).start()
+    try:
+        redis.Redis(port=server.port).config_set("requirepass", "s3cret")
+        with pytest.raises(ResponseError, match="WRONGPASS|invalid password"):
+            await AutoPipeline(port=server.port, password="wrong").execute("PING")
+        p = AutoPipeline.like(
+            aioredis.Redis(port=server.port, password="s3cret").connection_pool.connection_kwargs
+        )
+        assert await p.execute("PING") == b"PONG"
+        p.close()
+    finally:
+        server.stop()
