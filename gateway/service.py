@@ -383,10 +383,8 @@ class Gateway:
         """The assignment (from the subscription or the reconciliation); no Redis call of its own while it
         waits. Raises ClientGone, QueueTimeout, or NoLiveWorkers (set on the future by the monitor)."""
         rid = adm.record.id
-        if (
-            fut.done() and not fut.cancelled() and fut.exception() is None
-        ):  # the fast path: assigned at admission
-            self.holding.pop(rid, None)
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            self.holding.pop(rid, None)  # the fast path: assigned at admission
             return fut.result()
         try:
             waits: set[asyncio.Future[Any]] = {fut, disconnected}
