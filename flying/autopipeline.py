@@ -3,9 +3,10 @@ finish) without redis-py's per-call cost.
 
 redis-py's asyncio client spends 150-200 us of CPU per ``EVALSHA`` (pool checkout, retry and event wrappers, a
 parser in Python); this connection spends about 40 (``benchmarks/gateway_throughput.py`` counts the gateway's CPU
-per request). Commands are written as they are called, those of one event-loop turn in one ``write``, and replies
-are matched to callers in order (Redis answers a connection's commands in the order they came), so concurrent
-callers share round trips: auto-pipelining, as ioredis and Lettuce do it. Replies are parsed by ``hiredis``.
+per request). A call made while replies are pending is written with the other calls of its event-loop turn in one
+``write`` (one made with none pending, at light load, at once), and replies are matched to callers in order (Redis
+answers a connection's commands in the order they came), so concurrent callers share round trips:
+auto-pipelining, as ioredis and Lettuce do it. Replies are parsed by ``hiredis``.
 
 Failures are redis-py's exceptions, so callers handle them as before: ``ConnectionError`` for a call whose
 connection is lost or cannot be opened (a call that was sent may or may not have run), ``ResponseError`` for an
@@ -142,9 +143,14 @@ class _Protocol(asyncio.Protocol):
         if self.lost is not None:
             fut.set_exception(ConnectionError(f"Redis connection lost: {self.lost!r}"))
             return fut
-        if not self.out:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self.out.append(pack(args))
+        if (
+            not self.waiting and self.transport is not None
+        ):  # nothing in flight (light load): no batch to wait for
+            self.transport.write(pack(args))
+        else:  # with replies pending, the calls of this loop turn go out together
+            if not self.out:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self.out.append(pack(args))
         self.waiting.append(fut)
         return fut
 
