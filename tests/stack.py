@@ -43,6 +43,16 @@ def announce_engine(sync_redis, keys: Keys, engine: int = 0, url: str = "http://
     sync_redis.set(keys.ready(engine), "L")
 
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+    """One HTTP/1.1 request from a scripted test engine's connection: (head, body), None once the client is gone."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    n = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+    return head, await reader.readexactly(n)
+
+
 class RouterThread:
     """The real router's loop in a thread of its own (TestClient and uvicorn run the app in other threads)."""
 

@@ -21,6 +21,7 @@ from gateway.service import ClientGone, Gateway
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig
+from tests.stack import read_request
 
 PROMPT = [1, 1, 1, 1]  # CountWords' chat template: one word, plus 3
 WORDS = ("one", "two", "three")
@@ -81,15 +82,9 @@ class ScriptedEngine:
         self.calls: list[tuple[str, dict]] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            length = next(
-                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
-            )
-            self.calls.append((head.split()[1].decode(), json.loads(await reader.readexactly(length))))
+        while (request := await read_request(reader)) is not None:
+            head, body = request
+            self.calls.append((head.split()[1].decode(), json.loads(body)))
             events, end = self.scripts[len(self.calls) - 1]
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

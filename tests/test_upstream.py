@@ -9,6 +9,7 @@ import pytest
 
 from flying.procs import free_port
 from gateway.upstream import StreamBroken, Upstream, WorkerUnavailable
+from tests.stack import read_request
 
 SSE = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%s0\r\n\r\n"
 
@@ -68,15 +69,7 @@ async def scripted(steps: list[tuple[float, bytes]], close_after: bool = False):
 
     async def handle(reader, writer):
         conns.append(writer)
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            n = next(
-                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
-            )
-            await reader.readexactly(n)
+        while await read_request(reader) is not None:
             for delay, data in steps:
                 await asyncio.sleep(delay)
                 if writer.is_closing():
