@@ -1,13 +1,24 @@
 """Bind and release one engine at a step boundary: the per-engine DP<->TP state machine.
 
-Bind (every member, at its next clean step boundary): deal with its DP work (adopt it into the group with its KV,
-worker_ext.adoption; pause it with its KV, hard preemption; or drain it first, worker_ext.preemption), point the
-weights at its Megatron shard (worker_ext.weights: views of the one resident layout, nothing copied), view the KV
-pool at the group's width and carve TP slots from the engine's one allocator (worker_ext.kv_layout), give the
-row-parallel layers the pooled group (worker_ext.comm_pool). The leader (first member) keeps its scheduler loop: it
-forms each batch, broadcasts a step plan before every forward and samples; followers leave their loop and execute
-the plans (worker_ext.step_plan) until the leader broadcasts the release. Each request streams from the engine it
-arrived on.
+States: DP -> pending bind (``PendingBind``) -> bound (an ``Epoch``) -> DP, or straight into the next epoch (a width
+change). ``Binding`` is the only object that moves an engine between them; it composes the parts that own the rest
+of the switching state, each changed only through its own methods:
+
+- ``PendingBind`` (worker_ext.preemption): the bind not yet entered and the DP work held back for it;
+- ``Layout`` (worker_ext.layout): weights, heads, reductions, KV views and the sub-slot allocator at a width;
+- ``Ownership`` (worker_ext.ownership): who streams each TP request, the leader's outbox, a follower's own requests;
+- ``Shadows`` / ``StepPlans`` (worker_ext.step_plan): a follower's rows for TP requests, the plans themselves;
+- ``AbortRelay`` (worker_ext.aborts): members' client aborts relayed to the leader;
+- ``Adoption`` (worker_ext.adoption): the KV transformation at bind (adopt) and release (scatter).
+
+Everything SGLang is reached through one ``SchedulerSurface`` (worker_ext.sglang_patches.surface).
+
+Bind (every member, at its next clean step boundary): deal with its DP work (adopt it into the group with its KV;
+pause it with its KV, hard preemption; or drain it first), point the weights at its shard, view the KV pool at the
+group's width and carve TP slots from the engine's one allocator, give the row-parallel layers the pooled group.
+The leader (first member) keeps its scheduler loop: it forms each batch, broadcasts a step plan before every
+forward and samples; followers leave their loop and execute the plans (:meth:`Binding.follow`) until the leader
+broadcasts the release. Each request streams from the engine it arrived on.
 
 Release (leader): once its TP requests have finished; at once by retraction (they are recomputed in DP on the
 leader); or at once by scatter (they continue in DP on their owners, KV moved). Every member then restores its DP
@@ -21,87 +32,59 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flying.messages import Bind, Command, Release
-from worker_ext import aborts, adoption, preemption, sglang_patches, step_plan
-from worker_ext.comm_pool import CommPool, MergedGroup
+from worker_ext.aborts import AbortRelay
+from worker_ext.adoption import Adoption
+from worker_ext.epoch import Epoch, Leave
 from worker_ext.intake import Intake, intake
-from worker_ext.kv_transform import ExchangeStats
-from worker_ext.rank_messages import Handshake, Noop, ReleasePlan
-from worker_ext.sglang_patches import memory_pool, model, prefix_cache
-from worker_ext.sglang_patches import requests as rq
-from worker_ext.weights import WeightsManager, storage_bytes
+from worker_ext.kv_transform import Held
+from worker_ext.ownership import Ownership
+from worker_ext.preemption import PendingBind
+from worker_ext.rank_messages import Forward, Handshake, Noop, ReleasePlan
+from worker_ext.sglang_patches import LOCAL_GROUP, RequestLimits
+from worker_ext.sglang_patches.surface import SchedulerSurface, Stash
+from worker_ext.step_plan import Shadows, StepPlans
 
 if TYPE_CHECKING:
     from worker_ext.heartbeat import Load
+    from worker_ext.layout import Layout
 
 log = logging.getLogger("flying.binding")
-KEEPALIVE_S = 0.5  # an idle leader still broadcasts this often, so followers can tell idle from dead
 
 
-@dataclass
-class Epoch:
-    epoch: int
-    members: tuple[int, ...]
-    rank: int
-    group: MergedGroup
-    release_asked: bool = False
-    retract: bool = False  # release at once: the TP requests are recomputed in DP on the leader
-    scatter: bool = False  # release at once: the TP requests go back to DP on their owners with their KV
-    next_bind: Bind | None = None  # a width change: go straight to this group once drained
-    failed: BaseException | None = (
-        None  # the group broke mid-step (leader): end the epoch at the next boundary
-    )
-
-    @property
-    def width(self) -> int:
-        return len(self.members)
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
+class HandshakeMismatch(RuntimeError):
+    """A member's first message from its leader is not the handshake of the epoch it bound."""
 
 
 class Binding:
-    def __init__(self, scheduler: Any, engine: int, pool: CommPool, on_change: Any = None) -> None:
-        self.s, self.engine, self.pool = scheduler, engine, pool
-        self.on_change = on_change or (
-            lambda: None
-        )  # re-publish the heartbeat (a follower's loop is blocked)
-        self.layers = sglang_patches.decoder_layers(scheduler)
-        self.dims = model.dims(self.layers)
-        # the resident layout, once: the weights are reordered and the projections restore stock order from now on
-        self.weights = WeightsManager([model.layer_weights(layer) for layer in self.layers], self.dims)
-        for layer in self.layers:
-            model.apply_resident_layout(layer, self.weights.activation_order(1))
-        self.row_parallel_dp = {id(layer): model.row_parallel_state(layer) for layer in self.layers}
-        self.kv = memory_pool.KVViews(sglang_patches.kv_pool(scheduler))
-        self.allocator = scheduler.token_to_kv_pool_allocator
+    def __init__(
+        self,
+        engine: SchedulerSurface,
+        index: int,
+        pool: Any,
+        layout: Layout,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        """``pool``: the engine's CommPool (``get(members)``, ``store``, ``ready``, ``groups``, ``rebuilds``,
+        ``num_engines``); ``on_change``: re-publish the heartbeat (a follower's loop is blocked)."""
+        self.engine, self.index, self.pool, self.layout = engine, index, pool, layout
+        self.on_change = on_change or (lambda: None)
+        self.pending = PendingBind(engine, index, pool)
+        self.ownership = Ownership(engine)
+        self.shadows = Shadows(engine)
+        self.plans = StepPlans(engine, self.shadows)
+        self.aborts = AbortRelay(engine, index, pool)
+        self.adoption = Adoption(engine, index, layout, self.ownership, self.shadows)
         self.epoch: Epoch | None = None
-        self.pending: Bind | None = None
-        self.stash: Any = None
-        self.shadows: dict[str, step_plan.ShadowReq] = {}
-        self.template: Any = None  # a ForwardBatch of this engine's own, reused by followers
-        self.last_plan = 0.0
+        self.last_epoch = 0  # the newest epoch this engine has bound (or seen rolled back)
+        self._stash: Stash | None = None  # the paused DP work, while bound
+        self._dp_limits: RequestLimits | None = None  # the engine's own limits, while bound
         self.bind_ms = self.release_ms = 0.0
-        self.last_epoch = 0  # the newest epoch this engine has bound
-        self.held: list = []  # DP requests held back while a sequential bind waits for the running ones
-        self.soft_dp_rids: set[str] | None = None  # soft bind: the DP work that must drain first
-        self.drained_for = 0  # sequential bind: the epoch this engine has counted itself drained for
-        self.param_bytes = self._param_bytes()
         self.error = ""
-        self.owners: dict[str, int] = {}  # leader: rank of the member that streams each copied request
-        self.sent: dict[str, tuple[int, int]] = {}  # leader: output ids, log-probs already emitted per copy
-        self.outbox: list[rq.Emitted] = []  # leader: output for other members, sent with the next message
-        self.owned: dict[str, Any] = {}  # follower: its own requests the leader runs
-        self.aborts_seen, self.aborts_polled = (
-            0,
-            0.0,
-        )  # leader: members' client aborts applied (worker_ext.aborts)
-        self.transform: Load = {"transform_ms": 0.0, "transform_tokens": 0, "transform_peak_bytes": 0,
-                                "transform_retracted": 0}  # fmt: skip
+        self.param_bytes = layout.param_bytes()
 
     # --- state reported in heartbeats ---------------------------------------------------------------------
 
@@ -110,7 +93,7 @@ class Binding:
         return {
             "mode": "tp" if e else "dp",
             "epoch": e.epoch if e else 0,
-            "pending": self.pending.epoch if self.pending else 0,
+            "pending": self.pending.epoch,
             "group": e.members if e else (),
             "width": e.width if e else 1,
             "bind_ms": round(self.bind_ms, 3),
@@ -121,140 +104,139 @@ class Binding:
             "num_engines": self.pool.num_engines,
             "param_bytes": self.param_bytes,
             **(
-                {"max_total_tokens": self.dp_limits.max_total_tokens} if e else {}
+                {"max_total_tokens": self._dp_limits.max_total_tokens} if e and self._dp_limits else {}
             ),  # its own, not the group's
             "kv_transform": True,
-            **self.transform,
+            **self.adoption.stats,
         }
-
-    def note_transform(self, stats: ExchangeStats, retracted: int) -> None:
-        self.transform.update(
-            {
-                "transform_ms": round(stats.ms, 3),
-                "transform_tokens": stats.tokens,
-                "transform_peak_bytes": stats.peak_bytes,
-                "transform_retracted": retracted,
-            }
-        )
-        log.info(
-            "engine %d: KV transformation moved %d token slices in %.1f ms (peak %.2f MB extra)",
-            self.engine, stats.tokens, stats.ms, stats.peak_bytes / 2**20,
-        )  # fmt: skip
-
-    def divert(self, req: Any) -> bool:
-        return adoption.divert(self, req)
-
-    def deliver(self, emitted: list[rq.Emitted]) -> None:
-        adoption.deliver(self, emitted)
-
-    def take_outbox(self) -> list[rq.Emitted]:
-        out, self.outbox = self.outbox, []
-        return out
 
     # --- step boundary ------------------------------------------------------------------------------------
 
     def on_step(self, commands: list[Command]) -> None:
+        """The scheduler's step boundary: take the router's commands, enter a ready bind, and as a bound leader
+        apply members' aborts and release (or keep the group alive)."""
         for cmd in commands:
-            e, pending = self.epoch, self.pending
-            match intake(
-                cmd, self.engine, self.last_epoch, e.epoch if e else 0, pending.epoch if pending else 0
-            ):
-                case Intake.BIND:
-                    assert isinstance(cmd, Bind)  # intake answers BIND to binds only
-                    self.pending = cmd
-                case Intake.WIDTH_CHANGE:
-                    assert isinstance(cmd, Bind) and e is not None  # a bind while bound
-                    e.next_bind, e.release_asked = cmd, True
-                case Intake.RELEASE:
-                    assert isinstance(cmd, Release) and e is not None  # a release of the bound epoch
-                    e.release_asked, e.retract, e.scatter = True, cmd.retract, cmd.scatter
-                case Intake.CANCEL:  # the router rolled the bind back before this engine applied it
-                    preemption.cancel_pending(self)
-        if self.epoch is None and self.pending is not None:
-            if self.pending.preempt == "soft":
-                if preemption.soft_ready(self, self.pending):
-                    cmd, self.pending = self.pending, None
-                    self._enter(cmd)
-                    return
-            elif self.pending.preempt == "sequential" and not preemption.all_drained(self, self.pending):
-                # admit no new DP work; bind once every member has drained
-                self.held += sglang_patches.hold_waiting(self.s)
-            elif sglang_patches.at_clean_step_boundary(self.s):
-                cmd, self.pending = self.pending, None
-                self._enter(cmd)
-                return
+            self._take(cmd)
+        if self.epoch is None:
+            ready = self.pending.take_ready()
+            if ready is not None:
+                self._enter(ready)
+            return
         e = self.epoch
-        if e is None or not e.leader:
+        if not e.leader:
             return
         if e.failed is not None:
             self.abort(e.failed)
             return
         try:
-            aborts.apply(self, e)
-            live = sglang_patches.live_rids(self.s)
-            clean = sglang_patches.at_clean_step_boundary(self.s)
-            transform = (
-                e.scatter or (e.retract and self.owners) or (e.next_bind is not None and e.next_bind.adopt)
-            )
-            if e.release_asked and live and transform and clean:
-                # at once, no recompute: every TP request goes back to DP on its owner with its KV
-                held = adoption.scatter_manifest(self)
-                e.group.broadcast_object(ReleasePlan(e.next_bind, held, self.take_outbox()))
-                self.scatter_and_leave(held, e.next_bind)
-            elif e.release_asked and live and e.retract and clean:
-                # SGLang's retraction frees their TP KV; after the release they are recomputed in DP, here
-                moved = sglang_patches.retract_running(self.s) + sglang_patches.hold_waiting(self.s)
-                e.group.broadcast_object(ReleasePlan(None, None, self.take_outbox()))
-                self.leave(None)
-                self.s.waiting_queue.extend(moved)
-                log.info("engine %d: %d TP requests continue in DP", self.engine, len(moved))
-            elif e.release_asked and not live and sglang_patches.at_clean_step_boundary(self.s):
-                # (a prefill batch not yet merged into the running batch holds TP requests live_rids misses)
-                e.group.broadcast_object(ReleasePlan(e.next_bind, None, self.take_outbox()))
-                self.leave(e.next_bind)
-            elif self.outbox or time.monotonic() - self.last_plan > KEEPALIVE_S:
-                e.group.broadcast_object(Noop(self.take_outbox()))
-                self.last_plan = time.monotonic()
+            self.aborts.apply(e.epoch, self.ownership)
+            self._lead(e)
         except RuntimeError as exc:
             self.abort(exc)
+
+    def _take(self, cmd: Command) -> None:
+        e = self.epoch
+        match intake(cmd, self.index, self.last_epoch, e.epoch if e else 0, self.pending.epoch):
+            case Intake.BIND if isinstance(cmd, Bind):
+                self.pending.accept(cmd)
+            case Intake.WIDTH_CHANGE if isinstance(cmd, Bind) and e is not None:
+                e.ask_width_change(cmd)
+            case Intake.RELEASE if isinstance(cmd, Release) and e is not None:
+                e.ask_release(cmd.retract, cmd.scatter)
+            case Intake.CANCEL:  # the router rolled the bind back before this engine applied it
+                self.last_epoch = max(self.last_epoch, self.pending.cancel())
+                self.on_change()
+
+    def _lead(self, e: Epoch) -> None:
+        """Leader, bound, at a step boundary."""
+        live = bool(self.engine.live_rids())
+        clean = self.engine.at_clean_step_boundary()
+        action = e.next_action(live, self.ownership.has_copies) if clean else Leave.STAY
+        if (
+            action is Leave.SCATTER
+        ):  # at once, no recompute: every TP request back to DP on its owner, KV moved
+            held = self.adoption.scatter_manifest()
+            e.group.broadcast_object(ReleasePlan(e.next_bind, held, self.ownership.take_outbox()))
+            self._scatter_and_leave(held, e.next_bind)
+        elif action is Leave.RETRACT:
+            # SGLang's retraction frees their TP KV; after the release they are recomputed in DP, here
+            moved = self.engine.retract_running() + self.engine.hold_waiting()
+            e.group.broadcast_object(ReleasePlan(None, None, self.ownership.take_outbox()))
+            self._leave(None)
+            self.engine.queue_back(moved)
+            log.info("engine %d: %d TP requests continue in DP", self.index, len(moved))
+        elif action is Leave.DRAINED:
+            e.group.broadcast_object(ReleasePlan(e.next_bind, None, self.ownership.take_outbox()))
+            self._leave(e.next_bind)
+        elif self.ownership.has_outbox or self.plans.keepalive_due():
+            e.group.broadcast_object(Noop(self.ownership.take_outbox()))
+            self.plans.sent()
+
+    # --- a follower's loop --------------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """A follower's loop while bound: apply the leader's messages in order until the epoch ends."""
+        e = self.epoch
+        while e is not None and self.epoch is e:
+            try:
+                msg = e.group.broadcast_object()
+                if not isinstance(msg, Forward | Noop | ReleasePlan):
+                    raise RuntimeError(f"epoch {e.epoch}: unexpected message from the leader: {msg!r}")
+                self.ownership.deliver(msg.emit)
+                self.aborts.forward(
+                    e.epoch, self.ownership
+                )  # its own clients' aborts (its loop cannot read them)
+                if isinstance(msg, ReleasePlan) and msg.scatter is not None:
+                    self._scatter_and_leave(msg.scatter, msg.next)
+                    return
+                if isinstance(msg, ReleasePlan):
+                    self._leave(msg.next)
+                    return
+                if isinstance(msg, Forward):
+                    self.plans.execute(msg)
+            except RuntimeError as exc:
+                self.abort(exc)
+
+    # --- the forward hook ---------------------------------------------------------------------------------
+
+    def around_forward(self, original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any,
+                       **kwargs: Any) -> Any:  # fmt: skip
+        """Every ``ModelRunner.forward``: unbound, as is (the batch is kept as the template followers fill in);
+        bound, the leader broadcasts the plan first, and the all-reduces go over the group."""
+        e = self.epoch
+        if e is None:
+            self.plans.keep_template(forward_batch)
+            return original(runner, forward_batch, *args, **kwargs)
+        try:
+            if e.leader and not e.failed:
+                e.group.broadcast_object(self.plans.plan(forward_batch, self.ownership.take_outbox()))
+                self.plans.sent()
+            if not e.failed:
+                with self.engine.tp_group(e.group):
+                    return original(runner, forward_batch, *args, **kwargs)
+        except RuntimeError as exc:
+            if not e.leader:
+                raise  # a follower's follow() aborts the epoch
+            e.fail(exc)
+            self.error = f"epoch {e.epoch} aborted: {type(exc).__name__}: {str(exc)[:200]}"
+            log.error("engine %d: %s", self.index, self.error, exc_info=exc)
+        # The group is gone mid-step. Finish this step alone (the scheduler needs its output), with every request
+        # of the batch ending in an abort; the next step boundary ends the epoch (see on_step).
+        self.engine.abort_batch(f"tensor-parallel group {e.members} lost a member; request aborted")
+        with self.engine.tp_group(LOCAL_GROUP):
+            return original(runner, forward_batch, *args, **kwargs)
+
+    # --- bind ---------------------------------------------------------------------------------------------
 
     def _enter(self, cmd: Bind) -> None:
         """Bind; a follower then serves step plans until its group is released."""
         if self._bind(cmd):
-            if not self.epoch.leader:  # type: ignore[union-attr]
-                step_plan.follow(self)
-        elif self.epoch is None and self.stash is not None:  # a refused width change: back to DP
+            if self.epoch is not None and not self.epoch.leader:
+                self.follow()
+        elif self.epoch is None and self._stash is not None:  # a refused width change: back to DP
             self._resume_dp()
-        elif self.held:  # a refused sequential bind: let the held DP work in
-            sglang_patches.unhold_waiting(self.s, self.held)
-            self.held = []
-
-    def scatter_and_leave(self, held: list, next_bind: Bind | None) -> None:
-        """Every member: TP requests back to DP on their owners (KV moved), then release; a width change binds the
-        next group by adoption."""
-        e = self.epoch
-        assert e is not None
-        back = adoption.scatter(self, e, held)
-        self._unbind("released by scatter")
-        rq.merge_decoding(self.s, back)
-        self.on_change()
-        if next_bind is not None and self.engine in next_bind.members:
-            self.pending = next_bind  # entered at this engine's next clean step boundary (adopting)
-
-    def leave(self, next_bind: Bind | None) -> None:
-        """Release the current epoch; with ``next_bind`` naming this engine, go straight into that group (a width
-        change: the DP work stays paused, the weights go from one shard layout to the other directly)."""
-        if next_bind is not None and self.engine in next_bind.members:
-            self._unbind("width change", resume=False)
-            self._enter(next_bind)
-        else:
-            self._unbind("released")
-
-    def _param_bytes(self) -> int:
-        """Bytes over the unique storages behind the model's parameters (must not grow across switches)."""
-        return storage_bytes(p.data for p in sglang_patches.model_runner(self.s).model.parameters())
-
-    # --- bind / release -----------------------------------------------------------------------------------
+        else:  # a refused sequential or adopting bind: let the held DP work in
+            self.pending.let_held_in()
 
     def _bind(self, cmd: Bind) -> bool:
         t0 = time.perf_counter()
@@ -264,112 +246,128 @@ class Binding:
             self.error = f"bind {cmd.epoch} refused: {exc}"
             log.error(self.error)
             return False
-        width, rank = len(cmd.members), cmd.members.index(self.engine)
-        restart: list = []
+        width, rank = len(cmd.members), cmd.members.index(self.index)
+        restart = []
         if cmd.preempt == "soft" and rank == 0:  # the group's requests started in DP mode: re-prefill them
-            restart = sglang_patches.retract_running(self.s) + sglang_patches.hold_waiting(self.s)
-        self.soft_dp_rids = None
-        work = adoption.adoptable_work(self) if cmd.adopt else None
-        if self.stash is None:  # from DP (a width change keeps the paused DP work and limits as they are)
+            restart = self.engine.retract_running() + self.engine.hold_waiting()
+        work = self.adoption.adoptable_work(self.pending.peek_held()) if cmd.adopt else None
+        if self._stash is None:  # from DP (a width change keeps the paused DP work and limits as they are)
             # adopting: the DP work stays where it is until the handshake (then it moves or is paused)
-            self.stash = (
-                sglang_patches.empty_stash() if cmd.adopt else sglang_patches.stash_dp_work(self.s, self.held)
+            self._stash = (
+                self.engine.empty_stash()
+                if cmd.adopt
+                else self.engine.stash_dp_work(self.pending.take_held())
             )
-            self.held = [] if not cmd.adopt else self.held
-            sglang_patches.suspend_idle_checks(self.s)
-            self.dp_limits = sglang_patches.request_limits(self.s)
-        self.s.waiting_queue[:0] = restart
-        sglang_patches.set_request_limits(self.s, self.dp_limits, width)
-        self.weights.activate(width, rank)
-        self._set_layout(width, group)
-        self.sub = memory_pool.install_sub_allocator(self.allocator, width)
-        prefix_cache.bypass(self.s, self.sub.base, width)  # the DP prefix tree: kept, not used by TP requests
-        self.epoch = Epoch(cmd.epoch, tuple(cmd.members), rank, group)
-        self.aborts_seen = 0
+            self.engine.suspend_idle_checks()
+            self._dp_limits = self.engine.request_limits()
+        self.engine.queue_front(restart)
+        self.engine.set_request_limits(self._dp_limits_now(), width)
+        sub = self.layout.bind(width, rank, group)
+        self.engine.bypass_prefix_cache(sub.base, width)  # the DP prefix tree: kept, not used by TP requests
+        self.epoch = e = Epoch(cmd.epoch, tuple(cmd.members), rank, group)
+        self.aborts.start_epoch()
         self.last_epoch = max(self.last_epoch, cmd.epoch)
         try:
-            if rank == 0:
-                group.broadcast_object(Handshake(cmd.epoch))
-            else:
-                got = group.broadcast_object()
-                assert isinstance(got, Handshake) and got.epoch == cmd.epoch, f"bind handshake got {got}"
+            self._handshake(e)
             if cmd.adopt:
-                adoption.adopt(self, self.epoch, work)
-        except (RuntimeError, AssertionError) as exc:
+                self._adopt(e, work)
+        except RuntimeError as exc:
             self.abort(exc)
             return False
-        self.last_plan = time.monotonic()
+        self.plans.sent()
         self.bind_ms = (time.perf_counter() - t0) * 1000
         self.error = ""
-        self.param_bytes = self._param_bytes()
+        self.param_bytes = self.layout.param_bytes()
         self.on_change()
         log.info(
             "engine %d bound: epoch %d, group %s, rank %d (%.1f ms)",
-            self.engine,
-            cmd.epoch,
-            cmd.members,
-            rank,
-            self.bind_ms,
-        )
+            self.index, cmd.epoch, cmd.members, rank, self.bind_ms,
+        )  # fmt: skip
         return True
 
-    def _set_layout(self, width: int, group: MergedGroup | None) -> None:
-        """Head counts, row-parallel reduction and KV views for ``width`` (1 with no group: the DP layout).
-        The weights are switched separately (WeightsManager)."""
-        for layer in self.layers:
-            model.set_width(
-                layer,
-                self.dims.num_heads,
-                self.dims.num_kv_heads,
-                width,
-                group,
-                self.row_parallel_dp[id(layer)],
-                self.weights.activation_order(width),
-            )
-        self.kv.set_width(width)
+    def _dp_limits_now(self) -> RequestLimits:
+        if self._dp_limits is None:
+            raise RuntimeError("bound without the engine's DP limits")
+        return self._dp_limits
+
+    @staticmethod
+    def _handshake(e: Epoch) -> None:
+        if e.leader:
+            e.group.broadcast_object(Handshake(e.epoch))
+            return
+        got = e.group.broadcast_object()
+        if not (isinstance(got, Handshake) and got.epoch == e.epoch):
+            raise HandshakeMismatch(f"bind handshake of epoch {e.epoch} got {got!r}")
+
+    def _adopt(self, e: Epoch, work: tuple[list[Any], list[Any]] | None) -> None:
+        """The DP work moves into the group with its KV, or (it cannot move, or a member lacks KV) is paused."""
+        if work is None:
+            self._stash = self.engine.stash_dp_work(self.pending.take_held())
+        held = self.pending.peek_held()
+        moved = self.adoption.adopt(
+            e, work, held
+        )  # raising, the held requests stay held (_enter lets them in)
+        self.pending.take_held()
+        if not moved and work is not None:
+            self._stash = self.engine.stash_dp_work(held)
+
+    # --- release ------------------------------------------------------------------------------------------
+
+    def _scatter_and_leave(self, held: list[Held], next_bind: Bind | None) -> None:
+        """Every member: TP requests back to DP on their owners (KV moved), then release; a width change binds the
+        next group by adoption."""
+        e = self.epoch
+        if e is None:
+            raise RuntimeError("scatter while not bound")
+        back = self.adoption.scatter(e, held)
+        self._unbind("released by scatter")
+        self.engine.merge_decoding(back)
+        self.on_change()
+        if next_bind is not None and self.index in next_bind.members:
+            self.pending.accept(next_bind)  # entered at this engine's next clean step boundary (adopting)
+
+    def _leave(self, next_bind: Bind | None) -> None:
+        """Release the current epoch; with ``next_bind`` naming this engine, go straight into that group (a width
+        change: the DP work stays paused, the weights go from one shard layout to the other directly)."""
+        if next_bind is not None and self.index in next_bind.members:
+            self._unbind("width change", resume=False)
+            self._enter(next_bind)
+        else:
+            self._unbind("released")
 
     def _unbind(self, why: str, resume: bool = True) -> None:
         t0 = time.perf_counter()
         e = self.epoch
-        assert e is not None
-        for rid in list(self.shadows):
-            step_plan.free_shadow(self, rid)
-        rq.remove_output_filter(self.s)
-        self.owners.clear()
-        self.sent.clear()
-        self.outbox = []
-        memory_pool.remove_sub_allocator(self.allocator)
-        prefix_cache.restore(self.s)
-        self._set_layout(1, None)
+        if e is None:
+            raise RuntimeError("release while not bound")
+        self.shadows.free_all()
+        self.engine.remove_output_filter()
+        self.ownership.forget_copies()
+        self.layout.unbind()
+        self.engine.restore_prefix_cache()
         self.epoch = None
         if not resume:
             return  # a width change: the next bind follows at once, no DP state in between to publish
         self._resume_dp()
         self.release_ms = (time.perf_counter() - t0) * 1000
-        self.param_bytes = self._param_bytes()
+        self.param_bytes = self.layout.param_bytes()
         self.on_change()
-        log.info("engine %d back in DP (%s, epoch %d, %.1f ms)", self.engine, why, e.epoch, self.release_ms)
+        log.info("engine %d back in DP (%s, epoch %d, %.1f ms)", self.index, why, e.epoch, self.release_ms)
 
     def _resume_dp(self) -> None:
-        self.weights.release()
-        sglang_patches.restore_dp_work(self.s, self.stash)
-        sglang_patches.resume_idle_checks(self.s)
-        sglang_patches.set_request_limits(self.s, self.dp_limits, 1)
-        self.stash = None
+        self.layout.release_weights()
+        if self._stash is not None:
+            self.engine.restore_dp_work(self._stash)
+        self.engine.resume_idle_checks()
+        self.engine.set_request_limits(self._dp_limits_now(), 1)
+        self._stash = None
 
     def abort(self, exc: BaseException) -> None:
         """A member died or stalled: end the epoch here, abort this engine's TP requests, back to DP."""
         e = self.epoch
         self.error = f"epoch {e.epoch if e else '?'} aborted: {type(exc).__name__}: {str(exc)[:200]}"
-        log.error("engine %d: %s", self.engine, self.error, exc_info=exc)
+        log.error("engine %d: %s", self.index, self.error, exc_info=exc)
         if e is not None:
-            sglang_patches.drop_tp_requests(self.s)
-            for req in self.owned.values():  # a follower's own requests the leader ran: end them here
-                req.finished_reason = sglang_patches.group_lost()
-                prefix_cache.let_go(self.s, req)
-            rq.stream(self.s, list(self.owned.values()))
-            self.owned = {}
+            self.engine.drop_tp_requests()
+            self.engine.end_group_lost(list(self.ownership.take_owned().values()))
             self._unbind("aborted")
-
-    def around_forward(self, original, runner, forward_batch, *args, **kwargs):
-        return step_plan.around_forward(self, original, runner, forward_batch, *args, **kwargs)

@@ -88,6 +88,8 @@ def _start_switching(scheduler, config: HeartbeatConfig) -> None:
     from worker_ext.binding import Binding
     from worker_ext.comm_pool import CommPool
     from worker_ext.commands import CommandReader
+    from worker_ext.layout import Layout
+    from worker_ext.sglang_patches.surface import SGLangScheduler
 
     num_engines = int(os.environ.get(settings.NUM_ENGINES, "1"))
     port = os.environ.get(settings.COMM_PORT)
@@ -100,7 +102,9 @@ def _start_switching(scheduler, config: HeartbeatConfig) -> None:
     ).start()
     _commands = CommandReader(config.redis_url, Keys(config.key_prefix), config.engine).start()
     sglang_patches.register_idle_wake(scheduler, _commands.wake_socket)
-    _binding = Binding(scheduler, config.engine, pool, on_change=lambda: _beat(scheduler))
+    engine = SGLangScheduler(scheduler)
+    layout = Layout(engine.decoder_layers(), engine.kv_pool(), engine.kv_allocator(), engine.parameters)
+    _binding = Binding(engine, config.engine, pool, layout, on_change=lambda: _beat(scheduler))
 
 
 def _on_step(scheduler) -> None:
@@ -114,6 +118,7 @@ def _on_step(scheduler) -> None:
 def _beat(scheduler) -> None:
     from worker_ext import sglang_patches
 
-    assert _publisher is not None  # set before the first step and before the binding exists
+    if _publisher is None:  # set before the first step and before the binding exists
+        return
     switching = _binding.status() if _binding is not None else {}
     _publisher.beat(**(sglang_patches.scheduler_load(scheduler) | switching))

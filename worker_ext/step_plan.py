@@ -1,7 +1,7 @@
 """Step plans: while bound, the leader's scheduler forms every batch and broadcasts a plan before each forward
 (the ForwardBatch fields minus engine-local ones, the live request ids, output for other members to stream); a
-follower leaves its scheduler loop and executes plans on its own request rows and KV slots (shadows) until the
-leader broadcasts the release.
+follower leaves its scheduler loop and executes plans on its own request rows and KV slots (its *shadows* of the TP
+requests) until the leader broadcasts the release (the loop is ``Binding.follow``).
 """
 
 from __future__ import annotations
@@ -9,18 +9,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from worker_ext import aborts, sglang_patches
-from worker_ext.rank_messages import Forward, Noop, ReleasePlan
-from worker_ext.sglang_patches import memory_pool, prefix_cache
-
-if TYPE_CHECKING:
-    from worker_ext.binding import Binding
+from worker_ext.rank_messages import Forward
+from worker_ext.sglang_patches.requests import Emitted
+from worker_ext.sglang_patches.surface import SchedulerSurface
 
 log = logging.getLogger("flying.step_plan")
+KEEPALIVE_S = 0.5  # an idle leader still broadcasts this often, so followers can tell idle from dead
+
+
+class FollowerOutOfKV(RuntimeError):
+    """A follower cannot carve the KV slots a plan needs: the group cannot go on (the epoch is aborted)."""
 
 
 @dataclass
@@ -33,85 +35,86 @@ class ShadowReq:
     pinned: int = 0
 
 
-def around_forward(b: Binding, original, runner, forward_batch, *args, **kwargs):
-    """Every ``ModelRunner.forward``: unbound, as is (the batch is kept as the template followers fill in); bound,
-    the leader broadcasts the plan first, and the all-reduces go over the group."""
-    e = b.epoch
-    if e is None:
-        b.template = forward_batch
-        return original(runner, forward_batch, *args, **kwargs)
-    try:
-        if e.leader and not e.failed:
-            e.group.broadcast_object(plan(b, forward_batch))
-            b.last_plan = time.monotonic()
-        if not e.failed:
-            with sglang_patches.tp_group_override(e.group):
-                return original(runner, forward_batch, *args, **kwargs)
-    except RuntimeError as exc:
-        if not e.leader:
-            raise  # a follower's follow() aborts the epoch
-        e.failed = exc
-        b.error = f"epoch {e.epoch} aborted: {type(exc).__name__}: {str(exc)[:200]}"
-        log.error("engine %d: %s", b.engine, b.error, exc_info=exc)
-    # The group is gone mid-step. Finish this step alone (the scheduler needs its output), with every request
-    # of the batch ending in an abort; the next step boundary ends the epoch (see Binding.on_step).
-    sglang_patches.abort_batch(b.s, f"tensor-parallel group {e.members} lost a member; request aborted")
-    with sglang_patches.tp_group_override(sglang_patches.LOCAL_GROUP):
-        return original(runner, forward_batch, *args, **kwargs)
+class Shadows:
+    """A follower's request rows and KV slots for the group's TP requests."""
 
+    def __init__(self, engine: SchedulerSurface) -> None:
+        self.engine = engine
+        self._by_rid: dict[str, ShadowReq] = {}
 
-def plan(b: Binding, fb: Any) -> Forward:
-    live = sorted(sglang_patches.live_rids(b.s) | set(fb.rids))
-    return Forward(sglang_patches.batch_fields(fb), live, b.take_outbox())
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._by_rid
 
+    def __len__(self) -> int:
+        return len(self._by_rid)
 
-def follow(b: Binding) -> None:
-    """A follower's loop while bound: apply the leader's messages in order until the epoch ends."""
-    e = b.epoch
-    assert e is not None
-    while b.epoch is e:
-        try:
-            msg = e.group.broadcast_object()
-            assert isinstance(msg, Forward | Noop | ReleasePlan)  # the leader sends plans while bound
-            b.deliver(msg.emit)
-            aborts.forward(b, e)  # the follower's own clients' aborts, which its idle loop cannot read
-            if isinstance(msg, ReleasePlan) and msg.scatter is not None:
-                b.scatter_and_leave(msg.scatter, msg.next)
-                return
-            if isinstance(msg, ReleasePlan):
-                b.leave(msg.next)
-                return
-            if isinstance(msg, Forward):
-                execute(b, msg)
-        except RuntimeError as exc:
-            b.abort(exc)
+    def add(self, rid: str, row: int, slots: torch.Tensor, pinned: int = 0) -> None:
+        """A TP request whose KV already sits in ``slots`` (adopted), in its own ``row``."""
+        self._by_rid[rid] = ShadowReq(row, [slots], pinned)
 
+    def slots(self, rid: str) -> torch.Tensor:
+        return torch.cat(self._by_rid[rid].slots)
 
-def free_shadow(b: Binding, rid: str) -> None:
-    sh = b.shadows.pop(rid)
-    own = torch.cat(sh.slots)[sh.pinned :] if sh.slots else None
-    if own is not None and own.numel():
-        b.allocator.free(own)
-    memory_pool.free_row(b.s, sh.row)
-
-
-def execute(b: Binding, msg: Forward) -> None:
-    live = set(msg.live)
-    for rid in [r for r in b.shadows if r not in live]:
-        free_shadow(b, rid)
-    rows, locs = [], []
-    for rid, seq, n in sglang_patches.batch_tokens(msg.fields):
-        sh = b.shadows.get(rid)
+    def extend(self, rid: str, seq: int, n: int) -> tuple[int, torch.Tensor]:
+        """Room for ``n`` new tokens of ``rid`` (``seq`` long after them): returns its row and the new slots."""
+        sh = self._by_rid.get(rid)
         if sh is None:
-            sh = b.shadows[rid] = ShadowReq(memory_pool.alloc_row(b.s))
-        prefix_cache.make_room(b.s, n)
-        slots = b.allocator.alloc(n)
-        assert slots is not None, "follower out of KV slots"
-        memory_pool.write_row(b.s, sh.row, slots, start=seq - n)
+            sh = self._by_rid[rid] = ShadowReq(self.engine.alloc_row())
+        self.engine.make_room(n)
+        slots = self.engine.alloc_slots(n)
+        if slots is None:
+            raise FollowerOutOfKV(f"follower out of KV slots for {n} tokens of {rid}")
+        self.engine.write_row(sh.row, slots, start=seq - n)
         sh.slots.append(slots)
-        rows.append(sh.row)
-        locs.append(slots)
-    fb = sglang_patches.follower_batch(b.template, msg.fields, rows, torch.cat(locs))
-    # Through around_forward: the pooled all-reduce, and no plan (a follower does not send one).
-    with torch.inference_mode():
-        sglang_patches.model_runner(b.s).forward(fb)
+        return sh.row, slots
+
+    def free(self, rid: str) -> None:
+        sh = self._by_rid.pop(rid)
+        own = torch.cat(sh.slots)[sh.pinned :] if sh.slots else None
+        if own is not None and own.numel():
+            self.engine.free_slots(own)
+        self.engine.free_row(sh.row)
+
+    def free_except(self, live: set[str]) -> None:
+        for rid in [r for r in self._by_rid if r not in live]:
+            self.free(rid)
+
+    def free_all(self) -> None:
+        self.free_except(set())
+
+
+class StepPlans:
+    """The plan side of a bound group: the leader sends one before each forward (and keepalives when idle); a
+    follower executes them on its shadows, over a ForwardBatch of its own kept as the template."""
+
+    def __init__(self, engine: SchedulerSurface, shadows: Shadows) -> None:
+        self.engine = engine
+        self.shadows = shadows
+        self.template: Any = None  # a ForwardBatch of this engine's own, reused by followers
+        self._last_sent = 0.0
+
+    def keep_template(self, forward_batch: Any) -> None:
+        self.template = forward_batch
+
+    def plan(self, forward_batch: Any, emit: list[Emitted]) -> Forward:
+        live = sorted(self.engine.live_rids() | set(self.engine.batch_rids(forward_batch)))
+        return Forward(self.engine.batch_fields(forward_batch), live, emit)
+
+    def sent(self) -> None:
+        """The leader just broadcast a message."""
+        self._last_sent = time.monotonic()
+
+    def keepalive_due(self) -> bool:
+        return time.monotonic() - self._last_sent > KEEPALIVE_S
+
+    def execute(self, msg: Forward) -> None:
+        """Follower: run the leader's forward on this engine's shadows of its requests."""
+        self.shadows.free_except(set(msg.live))
+        rows, locs = [], []
+        for rid, seq, n in self.engine.batch_tokens(msg.fields):
+            row, slots = self.shadows.extend(rid, seq, n)
+            rows.append(row)
+            locs.append(slots)
+        if self.template is None:
+            raise RuntimeError("no ForwardBatch of this engine's own seen yet (warm-up should have run one)")
+        self.engine.forward(self.template, msg.fields, rows, torch.cat(locs))

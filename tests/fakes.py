@@ -1,0 +1,413 @@
+"""Small fakes of what the worker's switching components talk to: the scheduler surface
+(worker_ext.sglang_patches.surface.SchedulerSurface) over plain lists, a pooled group whose collectives are
+scripted, the communicator pool and its store, and the engine's layout. No SGLang, no torch.distributed."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from worker_ext.sglang_patches import RequestLimits
+from worker_ext.sglang_patches.requests import Emitted
+
+
+@dataclass
+class FakeReq:
+    rid: str
+    output_ids: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    shared: int = 0  # tokens of its KV that sit in the prefix tree
+    movable: bool = True
+    finished_reason: str | None = None
+    row: int = -1
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+@dataclass
+class FakeEngine:
+    """A scheduler's queues as lists; every other call is recorded in ``calls``."""
+
+    running_reqs: list[FakeReq] = field(default_factory=list)
+    waiting_reqs: list[FakeReq] = field(default_factory=list)
+    clean: bool = True  # at a clean step boundary
+    kv_free: int = 1 << 20  # slots alloc_slots can still give
+    aborts_in: list[list[str]] = field(default_factory=list)  # what receive_aborts returns, call by call
+    limits: RequestLimits = RequestLimits(1000, 990, 4096)
+    width: int = 1  # the width of the request limits set
+    idle_checks: bool = True
+    bypassed: bool = False
+    divert: Callable[[Any], bool] | None = None
+    streamed: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # requests ended as "group lost"
+    forwards: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (rows, slots) of followers
+    rows_in_use: set[int] = field(default_factory=set)
+    slots_freed: int = 0
+    calls: list[str] = field(default_factory=list)
+    tp_groups: list[Any] = field(default_factory=list)
+    _next_row: int = 0
+    _next_slot: int = 0
+
+    # --- the request queues ---------------------------------------------------------------------------------
+    def running(self) -> list[FakeReq]:
+        return [r for r in self.running_reqs if not r.finished()]
+
+    def waiting(self) -> list[FakeReq]:
+        return list(self.waiting_reqs)
+
+    def live_rids(self) -> set[str]:
+        return {r.rid for r in self.running_reqs + self.waiting_reqs}
+
+    def unfinished_running_rids(self) -> set[str]:
+        return {r.rid for r in self.running()}
+
+    def has_running_dp_work(self) -> bool:
+        return bool(self.running())
+
+    def at_clean_step_boundary(self) -> bool:
+        return self.clean
+
+    def hold_waiting(self) -> list[FakeReq]:
+        held, self.waiting_reqs = self.waiting_reqs, []
+        return held
+
+    def queue_front(self, reqs: list[FakeReq]) -> None:
+        self.waiting_reqs[:0] = reqs
+
+    def queue_back(self, reqs: list[FakeReq]) -> None:
+        self.waiting_reqs.extend(reqs)
+
+    def retract_running(self) -> list[FakeReq]:
+        reqs = self.running()
+        for r in reqs:
+            r.kv_len = 0
+        self.running_reqs = []
+        return reqs
+
+    def drop_from_batches(self, rids: set[str]) -> list[FakeReq]:
+        gone = [r for r in self.running_reqs + self.waiting_reqs if r.rid in rids]
+        self.running_reqs = [r for r in self.running_reqs if r.rid not in rids]
+        self.waiting_reqs = [r for r in self.waiting_reqs if r.rid not in rids]
+        return gone
+
+    def merge_decoding(self, reqs: list[FakeReq]) -> None:
+        self.running_reqs += reqs
+
+    # --- DP work and limits ---------------------------------------------------------------------------------
+    def stash_dp_work(self, held: list[FakeReq] | None = None) -> tuple[Any, list[Any], Any]:
+        stash = (self.running_reqs, list(held or []) + self.waiting_reqs, None)
+        self.running_reqs, self.waiting_reqs = [], []
+        return stash
+
+    def empty_stash(self) -> tuple[Any, list[Any], Any]:
+        return [], [], None
+
+    def restore_dp_work(self, stash: tuple[Any, list[Any], Any]) -> None:
+        running, waiting, _ = stash
+        self.running_reqs += running
+        self.waiting_reqs[:0] = waiting
+
+    def suspend_idle_checks(self) -> None:
+        self.idle_checks = False
+
+    def resume_idle_checks(self) -> None:
+        self.idle_checks = True
+
+    def request_limits(self) -> RequestLimits:
+        return self.limits
+
+    def set_request_limits(self, dp: RequestLimits, width: int) -> None:
+        self.width = width
+
+    # --- the prefix tree ------------------------------------------------------------------------------------
+    def bypass_prefix_cache(self, base: Any, width: int) -> None:
+        self.bypassed = True
+
+    def restore_prefix_cache(self) -> None:
+        self.bypassed = False
+
+    def evictable_physical(self) -> int:
+        return 0
+
+    def evict_physical(self, num_tokens: int) -> None:
+        self.calls.append(f"evict {num_tokens}")
+
+    def make_room(self, num_tokens: int) -> None:
+        self.calls.append(f"make_room {num_tokens}")
+
+    def let_go(self, req: FakeReq) -> None:
+        self.calls.append(f"let_go {req.rid}")
+
+    def shared_len(self, req: FakeReq) -> int:
+        return req.shared
+
+    # --- one request ----------------------------------------------------------------------------------------
+    def adoptable(self, req: FakeReq) -> bool:
+        return req.movable and not req.finished()
+
+    def kv_length(self, req: FakeReq) -> int:
+        return req.kv_len
+
+    def kv_slots(self, req: FakeReq) -> torch.Tensor:
+        return torch.arange(req.kv_len)
+
+    def kv_row(self, req: FakeReq) -> int:
+        return req.row
+
+    def detach_kv(self, req: FakeReq) -> tuple[int, int]:
+        row, n = req.row, req.kv_len
+        req.row, req.kv_len = -1, 0
+        return row, n
+
+    def attach_kv(self, req: FakeReq, row: int, length: int) -> None:
+        req.row, req.kv_len = row, length
+
+    def release_kv(self, req: FakeReq) -> None:
+        req.kv_len = 0
+
+    def retract(self, reqs: list[FakeReq]) -> None:
+        for r in reqs:
+            r.kv_len = 0
+
+    def reset_for_recompute(self, req: FakeReq) -> None:
+        req.kv_len = 0
+
+    def state_of(self, req: FakeReq) -> FakeReq:
+        return FakeReq(req.rid, list(req.output_ids))
+
+    def req_from_state(self, st: FakeReq) -> FakeReq:
+        return FakeReq(st.rid, list(st.output_ids))
+
+    def progress(self, req: FakeReq) -> tuple[int, int]:
+        return len(req.output_ids), 0
+
+    def emitted_since(self, req: FakeReq, sent: tuple[int, int]) -> Emitted:
+        em = Emitted(rid=req.rid, output_ids=req.output_ids[sent[0] :])
+        if req.finished():
+            em.finished_reason = req.finished_reason
+        return em
+
+    def apply_emitted(self, req: FakeReq, em: Emitted) -> None:
+        req.output_ids += em.output_ids
+        if em.finished_reason is not None:
+            req.finished_reason = em.finished_reason
+
+    def is_finished(self, req: FakeReq) -> bool:
+        return req.finished()
+
+    # --- rows and slots -------------------------------------------------------------------------------------
+    def alloc_row(self) -> int:
+        self._next_row += 1
+        self.rows_in_use.add(self._next_row)
+        return self._next_row
+
+    def free_row(self, row: int) -> None:
+        self.rows_in_use.remove(row)
+
+    def write_row(self, row: int, slots: torch.Tensor, start: int = 0) -> None:
+        self.calls.append(f"write_row {row} {slots.numel()}@{start}")
+
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
+        if n > self.kv_free:
+            return None
+        self.kv_free -= n
+        self._next_slot += n
+        return torch.arange(self._next_slot - n, self._next_slot)
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        self.kv_free += slots.numel()
+        self.slots_freed += slots.numel()
+
+    # --- output and ends ------------------------------------------------------------------------------------
+    def stream(self, reqs: list[FakeReq]) -> None:
+        self.streamed += [r.rid for r in reqs]
+
+    def apply_output_filter(self, divert: Callable[[Any], bool]) -> None:
+        self.divert = divert
+
+    def remove_output_filter(self) -> None:
+        self.divert = None
+
+    def end_group_lost(self, reqs: list[FakeReq]) -> None:
+        for r in reqs:
+            r.finished_reason = "group lost"
+        self.lost += [r.rid for r in reqs]
+
+    def drop_tp_requests(self) -> list[str]:
+        reqs = [r for r in self.running_reqs + self.waiting_reqs if not r.finished()]
+        self.end_group_lost(reqs)
+        self.running_reqs, self.waiting_reqs = [], []
+        return [r.rid for r in reqs]
+
+    def abort_batch(self, message: str) -> None:
+        self.calls.append(f"abort_batch {message}")
+
+    def receive_aborts(self) -> list[str]:
+        return self.aborts_in.pop(0) if self.aborts_in else []
+
+    def abort(self, rid: str) -> None:
+        self.calls.append(f"abort {rid}")
+
+    def end_aborted(self, reqs: list[FakeReq]) -> None:
+        for r in reqs:
+            r.finished_reason = "abort"
+        self.stream(reqs)
+
+    # --- the forward ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tp_group(self, group: Any) -> Iterator[None]:
+        self.tp_groups.append(group)
+        yield
+
+    def batch_fields(self, forward_batch: Any) -> dict[str, Any]:
+        return dict(forward_batch)
+
+    def batch_tokens(self, fields: dict[str, Any]) -> list[tuple[str, int, int]]:
+        return list(fields["tokens"])
+
+    def batch_rids(self, forward_batch: Any) -> list[str]:
+        return [rid for rid, _, _ in forward_batch["tokens"]]
+
+    def forward(self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor) -> None:
+        self.forwards.append((rows, slots.tolist()))
+
+
+class FakeGroup:
+    """One member's view of a pooled group. The leader's broadcasts are recorded in ``sent``; a follower's
+    receives come from ``inbox`` in order; ``all_gather_object`` answers this member's object with ``others``.
+    ``broken``: every collective raises as a lost member makes gloo raise."""
+
+    def __init__(self, members: tuple[int, ...], rank: int, inbox: list[Any] | None = None) -> None:
+        self.members, self.rank = members, rank
+        self.inbox = list(inbox or [])
+        self.sent: list[Any] = []
+        self.others: list[Any] = []
+        self.broken = False
+        self.data = self
+
+    def _check(self) -> None:
+        if self.broken:
+            raise RuntimeError("Connection closed by peer")
+
+    def broadcast_object(self, obj: object = None) -> object:
+        self._check()
+        if self.rank == 0:
+            self.sent.append(obj)
+            return obj
+        if not self.inbox:
+            raise RuntimeError("timed out waiting for the leader")
+        return self.inbox.pop(0)
+
+    def all_gather_object(self, obj: object) -> list[Any]:
+        self._check()
+        return [obj, *self.others] if self.rank == 0 else [*self.others[:1], obj, *self.others[1:]]
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check()
+        return tensor
+
+    def alltoall_base(self, out: torch.Tensor, inp: torch.Tensor, *_: Any) -> FakeGroup:
+        """A KV exchange of one member with itself (only empty exchanges are run through fakes)."""
+        self._check()
+        out.copy_(inp)
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+class FakeStore:
+    """torch.distributed's Store, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.counters: dict[str, int] = {}
+
+    def add(self, key: str, n: int) -> int:
+        self.counters[key] = self.counters.get(key, 0) + n
+        return self.counters[key]
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+
+class FakePool:
+    def __init__(
+        self, groups: dict[tuple[int, ...], FakeGroup], num_engines: int = 2, store: Any = None
+    ) -> None:
+        self.groups = groups
+        self.num_engines = num_engines
+        self.rebuilds = 0
+        self.store = store
+        self.ready = threading.Event()
+        self.ready.set()
+
+    def get(self, members: tuple[int, ...]) -> FakeGroup:
+        if members not in self.groups:
+            raise KeyError(f"no pooled group for {members}")
+        return self.groups[members]
+
+
+class FakeSub:
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.base = self
+        self.free = 1000
+
+    def available_size(self) -> int:
+        return self.free
+
+    def alloc(self, n: int) -> torch.Tensor:
+        return torch.arange(n)
+
+    def take_over(self, slots: torch.Tensor, keep: int) -> torch.Tensor:
+        return slots
+
+
+class FakeLayout:
+    def __init__(self) -> None:
+        self.width, self.rank = 1, 0
+        self.weights_width = 1  # the weights stay on a shard until released
+        self.sub: FakeSub | None = None
+        self.available = 1000
+
+    def bind(self, width: int, rank: int, group: Any) -> FakeSub:
+        self.width = self.weights_width = width
+        self.rank = rank
+        self.sub = FakeSub(width)
+        return self.sub
+
+    def unbind(self) -> None:
+        self.width, self.sub = 1, None
+
+    def release_weights(self) -> None:
+        self.weights_width = 1
+
+    def param_bytes(self) -> int:
+        return 1234
+
+    def sub_allocator(self) -> FakeSub:
+        if self.sub is None:
+            raise RuntimeError("not bound")
+        return self.sub
+
+    def sub_available(self) -> int:
+        return self.available
+
+    def base_available(self) -> int:
+        return self.available
+
+    def kv_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [torch.zeros(16, 2)], [torch.zeros(16, 2)]

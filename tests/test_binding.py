@@ -1,0 +1,262 @@
+"""The worker's DP <-> TP state machine (worker_ext.binding), transition by transition, against fakes of the
+scheduler surface, the pooled group and the layout (tests/fakes.py): no SGLang process."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from flying.messages import Bind, Release
+from tests.fakes import FakeEngine, FakeGroup, FakeLayout, FakePool, FakeReq, FakeStore
+from worker_ext.binding import Binding
+from worker_ext.rank_messages import AdoptManifest, Forward, Handshake, Noop, ReleasePlan
+from worker_ext.sglang_patches import LOCAL_GROUP
+from worker_ext.sglang_patches.requests import Emitted
+
+
+def make(index: int = 0, members: tuple[int, ...] = (0, 1), inbox: list | None = None, **engine_kw):
+    engine = FakeEngine(**engine_kw)
+    group = FakeGroup(members, members.index(index) if index in members else 0, inbox)
+    pool = FakePool({members: group}, store=FakeStore())
+    layout = FakeLayout()
+    changes: list[str] = []
+    b = Binding(engine, index, pool, layout, on_change=lambda: changes.append(b.status()["mode"]))
+    return b, engine, group, layout, changes
+
+
+@pytest.fixture(autouse=True)
+def _quiet_aborts(caplog):
+    caplog.set_level(logging.CRITICAL, logger="flying")
+
+
+def test_a_hard_bind_waits_for_a_clean_step_boundary_then_pauses_dp_work_with_its_kv():
+    running = FakeReq("dp-1", kv_len=7)
+    b, engine, group, layout, _ = make(running_reqs=[running], waiting_reqs=[FakeReq("dp-2")], clean=False)
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert b.status()["mode"] == "dp" and b.status()["pending"] == 1
+    engine.clean = True
+    b.on_step([])
+    st = b.status()
+    assert (st["mode"], st["epoch"], st["pending"], st["group"], st["width"]) == ("tp", 1, 0, (0, 1), 2)
+    assert group.sent == [Handshake(1)]
+    assert engine.running_reqs == [] and engine.waiting_reqs == []  # paused, not dropped
+    assert running.kv_len == 7
+    assert (engine.width, layout.width, engine.bypassed, engine.idle_checks) == (2, 2, True, False)
+    assert st["max_total_tokens"] == engine.limits.max_total_tokens  # its own, not the group's
+
+
+def test_releasing_a_drained_group_restores_the_dp_layout_and_resumes_paused_work():
+    b, engine, group, layout, changes = make(running_reqs=[FakeReq("dp-1", kv_len=3)])
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    b.on_step([Release(epoch=1)])
+    assert isinstance(group.sent[-1], ReleasePlan) and group.sent[-1].next is None
+    assert b.status()["mode"] == "dp" and b.epoch is None
+    assert [r.rid for r in engine.running_reqs] == ["dp-1"] and engine.running_reqs[0].kv_len == 3
+    assert (engine.width, layout.width, layout.weights_width, engine.bypassed) == (1, 1, 1, False)
+    assert engine.idle_checks
+    assert changes == ["tp", "dp"]
+
+
+def test_a_release_waits_while_tp_requests_are_live_and_keeps_the_group_alive():
+    b, engine, group, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    engine.waiting_reqs = [FakeReq("tp-1")]
+    b.plans._last_sent = 0.0  # a keepalive is due
+    b.on_step([Release(epoch=1)])
+    assert b.epoch is not None and b.epoch.release_asked
+    assert isinstance(group.sent[-1], Noop)
+    engine.waiting_reqs = []
+    b.on_step([])
+    assert b.epoch is None and isinstance(group.sent[-1], ReleasePlan)
+
+
+def test_a_release_of_a_pending_bind_cancels_it_and_lets_held_work_in():
+    b, engine, _, _, changes = make(running_reqs=[FakeReq("dp-1")], waiting_reqs=[FakeReq("dp-2")])
+    b.on_step([Bind(epoch=3, members=(0, 1), preempt="sequential")])
+    assert engine.waiting_reqs == [] and b.pending.held == 1  # no new DP work while the running work drains
+    b.on_step([Release(epoch=3)])
+    assert b.status()["pending"] == 0 and b.epoch is None
+    assert [r.rid for r in engine.waiting_reqs] == ["dp-2"]
+    assert changes == ["dp"]
+    b.on_step([Bind(epoch=3, members=(0, 1))])  # the same bind again (a follower re-reading its stream)
+    assert b.status()["pending"] == 0
+
+
+def test_a_sequential_bind_enters_once_every_member_has_drained():
+    store = FakeStore()
+    b, engine, _, _, _ = make(running_reqs=[FakeReq("dp-1")])
+    b.pool.store = store
+    b.on_step([Bind(epoch=2, members=(0, 1), preempt="sequential")])
+    assert b.epoch is None
+    engine.running_reqs[0].finished_reason = "stop"
+    b.on_step([])
+    assert (
+        b.epoch is None and store.counters["flying/seq/2/drained"] == 1
+    )  # counted itself, waits for engine 1
+    store.add("flying/seq/2/drained", 1)
+    b.on_step([])
+    assert b.epoch is not None and b.epoch.epoch == 2
+
+
+def test_a_member_lost_during_the_bind_handshake_returns_the_engine_to_dp_with_its_work():
+    b, engine, group, layout, _ = make(index=1, running_reqs=[FakeReq("dp-1", kv_len=5)])
+    group.broken = True
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    st = b.status()
+    assert st["mode"] == "dp" and "epoch 1 aborted" in st["switch_error"]
+    assert [r.rid for r in engine.running_reqs] == ["dp-1"] and engine.running_reqs[0].kv_len == 5
+    assert (layout.width, layout.weights_width, engine.width, engine.bypassed) == (1, 1, 1, False)
+    assert b.last_epoch == 1  # not entered again
+
+
+def test_a_wrong_handshake_aborts_the_bind():
+    b, _, _, _, _ = make(index=1, inbox=[Handshake(7)])
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert b.epoch is None and "HandshakeMismatch" in b.error
+
+
+def test_a_bind_over_a_group_the_pool_lacks_is_refused_and_held_work_comes_back():
+    b, engine, _, _, _ = make(waiting_reqs=[FakeReq("dp-1")])
+    b.pool.store = None  # no barrier without a store: the pool refuses the bind instead
+    b.on_step([Bind(epoch=1, members=(0, 2), preempt="sequential")])
+    assert b.epoch is None and "refused" in b.error
+    assert [r.rid for r in engine.waiting_reqs] == ["dp-1"]
+
+
+def test_an_abort_during_adoption_ends_the_members_requests_as_group_lost():
+    """Nothing has moved when the manifests' all-gather fails, but the group is gone: the requests end with the
+    group-lost abort (the gateway re-dispatches them) and the engine is back in DP."""
+    running = FakeReq("dp-1", kv_len=4)
+    b, engine, group, _, _ = make(running_reqs=[running], waiting_reqs=[FakeReq("dp-2")])
+    real = group.all_gather_object
+
+    def gather_fails(obj):
+        group.broken = True
+        return real(obj)
+
+    group.all_gather_object = gather_fails  # type: ignore[method-assign]
+    b.on_step([Bind(epoch=1, members=(0, 1), adopt=True)])
+    assert b.epoch is None and "aborted" in b.error
+    assert engine.lost == ["dp-1", "dp-2"] and running.finished_reason == "group lost"
+    assert engine.running_reqs == [] and engine.waiting_reqs == [] and engine.width == 1
+
+
+def test_an_adoption_a_member_cannot_hold_falls_back_to_a_hard_bind():
+    b, engine, group, layout, _ = make(running_reqs=[FakeReq("dp-1", kv_len=4)])
+    layout.available = 0
+    group.others = [AdoptManifest(rank=1, available=0, running=[("x", 8, 0)])]
+    b.on_step([Bind(epoch=1, members=(0, 1), adopt=True)])
+    assert b.epoch is not None  # bound, hard: the DP work is paused with its KV
+    assert engine.running_reqs == []
+    b.on_step([Release(epoch=1)])
+    assert [r.rid for r in engine.running_reqs] == ["dp-1"]
+
+
+def test_a_request_that_cannot_move_pauses_the_members_work_and_the_rest_adopts():
+    pinned = FakeReq("dp-1", kv_len=4, movable=False)
+    b, engine, group, _, _ = make(running_reqs=[pinned])
+    group.others = [AdoptManifest(rank=1, available=0, running=[])]
+    b.on_step([Bind(epoch=1, members=(0, 1), adopt=True)])
+    assert b.epoch is not None and engine.running_reqs == []
+    b.on_step([Release(epoch=1)])
+    assert engine.running_reqs == [pinned]
+
+
+def test_a_leader_whose_group_breaks_mid_forward_finishes_the_step_alone_then_aborts_the_epoch():
+    b, engine, group, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    engine.running_reqs = [FakeReq("tp-1", kv_len=2)]
+    group.broken = True
+    ran = []
+    out = b.around_forward(lambda runner, fb: ran.append(fb) or "logits", None, {"tokens": [("tp-1", 3, 1)]})
+    assert out == "logits" and len(ran) == 1
+    assert engine.tp_groups[-1] is LOCAL_GROUP
+    assert any(c.startswith("abort_batch") for c in engine.calls)
+    assert b.epoch is not None and b.epoch.failed is not None
+    b.on_step([])
+    assert b.epoch is None and engine.lost == ["tp-1"]
+
+
+def test_a_bound_leader_broadcasts_a_plan_before_each_forward():
+    b, engine, group, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    engine.running_reqs = [FakeReq("tp-1")]
+    b.around_forward(lambda runner, fb: None, None, {"tokens": [("tp-2", 5, 5)]})
+    plan = group.sent[-1]
+    assert isinstance(plan, Forward) and plan.live == ["tp-1", "tp-2"]
+    assert engine.tp_groups == [group]
+
+
+def test_unbound_forwards_run_as_they_are_and_keep_the_follower_template():
+    b, engine, _, _, _ = make()
+    b.around_forward(lambda runner, fb: None, None, {"tokens": []})
+    assert b.plans.template == {"tokens": []} and engine.tp_groups == []
+
+
+def test_a_follower_executes_plans_streams_its_own_requests_and_leaves_on_the_release():
+    mine = FakeReq("own-1", output_ids=[1])
+    plans = [
+        Handshake(1),
+        Forward({"tokens": [("tp-1", 4, 4)]}, ["tp-1"]),
+        Noop([Emitted(rid="own-1", output_ids=[2, 3])]),
+        Forward({"tokens": [("tp-1", 5, 1)]}, ["tp-1"]),
+        ReleasePlan(),
+    ]
+    b, engine, _, _, _ = make(index=1, inbox=plans)
+    b.plans.keep_template({"tokens": []})
+    b.ownership.hold([mine])
+    b.on_step([Bind(epoch=1, members=(0, 1))])  # a follower serves plans inside its step boundary
+    assert b.epoch is None and b.status()["mode"] == "dp"
+    assert [len(slots) for _, slots in engine.forwards] == [4, 1]
+    assert engine.forwards[0][0] == engine.forwards[1][0]  # the same shadow row, grown
+    assert mine.output_ids == [1, 2, 3] and engine.streamed == ["own-1"]
+    assert engine.rows_in_use == set() and engine.slots_freed == 5  # the shadow freed at release
+
+
+def test_a_follower_whose_leader_goes_silent_aborts_its_epoch_and_ends_its_own_requests():
+    mine = FakeReq("own-1")
+    b, engine, _, _, _ = make(index=1, inbox=[Handshake(1)])
+    b.ownership.hold([mine])
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert b.epoch is None and "aborted" in b.error
+    assert engine.lost == ["own-1"] and mine.finished_reason == "group lost"
+
+
+def test_a_follower_out_of_kv_aborts_the_epoch_instead_of_crashing():
+    b, engine, _, _, _ = make(index=1, inbox=[Handshake(1), Forward({"tokens": [("tp-1", 9, 9)]}, ["tp-1"])])
+    b.plans.keep_template({"tokens": []})
+    engine.kv_free = 4
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert b.epoch is None and "FollowerOutOfKV" in b.error
+
+
+def test_a_width_change_goes_straight_to_the_new_group_with_dp_work_still_paused():
+    b, engine, group, layout, _ = make(members=(0, 1), running_reqs=[FakeReq("dp-1")])
+    wide = FakeGroup((0, 1, 2, 3), 0)
+    b.pool.groups[(0, 1, 2, 3)] = wide
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    b.on_step([Bind(epoch=2, members=(0, 1, 2, 3))])
+    assert isinstance(group.sent[-1], ReleasePlan) and group.sent[-1].next == Bind(
+        epoch=2, members=(0, 1, 2, 3)
+    )
+    assert b.status()["epoch"] == 2 and layout.width == 4 and engine.width == 4
+    assert engine.running_reqs == []  # still paused
+    b.on_step([Release(epoch=2)])
+    assert [r.rid for r in engine.running_reqs] == ["dp-1"] and engine.width == 1
+
+
+def test_a_retracting_release_recomputes_the_tp_requests_in_dp():
+    b, engine, group, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    engine.running_reqs = [FakeReq("tp-1", kv_len=6)]
+    engine.waiting_reqs = [FakeReq("tp-2")]
+    b.on_step([Release(epoch=1, retract=True)])
+    assert b.epoch is None and isinstance(group.sent[-1], ReleasePlan)
+    assert [r.rid for r in engine.waiting_reqs] == ["tp-1", "tp-2"] and engine.waiting_reqs[0].kv_len == 0
+
+
+def test_commands_for_other_engines_or_old_epochs_are_ignored():
+    b, _, _, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(1, 2)), Release(epoch=9)])
+    assert b.status()["pending"] == 0 and b.epoch is None

@@ -1,0 +1,70 @@
+"""One bound epoch of an engine: its group, its rank in it, and what the router asked of it since it bound.
+
+The binding (``worker_ext.binding``) creates an ``Epoch`` when it binds and drops it when it leaves; the asks
+arrive at step boundaries (``ask_release``, ``ask_width_change``) or from the forward hook (``fail``), and the
+leader acts on them at its next clean step boundary (``next_action``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from flying.messages import Bind
+
+
+class Leave(Enum):
+    """How a leader ends its epoch at a clean step boundary."""
+
+    STAY = "stay"  # nothing asked, or not possible yet
+    SCATTER = "scatter"  # every TP request continues in DP on its owner, KV moved
+    RETRACT = "retract"  # the TP requests are recomputed in DP on the leader
+    DRAINED = "drained"  # no TP request is left: release (or change width) at once
+
+
+@dataclass
+class Epoch:
+    epoch: int
+    members: tuple[int, ...]
+    rank: int
+    group: Any  # a worker_ext.comm_pool.MergedGroup (or a test's fake of it)
+    release_asked: bool = False
+    retract: bool = False  # release at once: the TP requests are recomputed in DP on the leader
+    scatter: bool = False  # release at once: the TP requests go back to DP on their owners with their KV
+    next_bind: Bind | None = None  # a width change: go straight to this group once released
+    failed: BaseException | None = (
+        None  # the group broke mid-step (leader): end the epoch at the next boundary
+    )
+
+    @property
+    def width(self) -> int:
+        return len(self.members)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def ask_release(self, retract: bool = False, scatter: bool = False) -> None:
+        self.release_asked, self.retract, self.scatter = True, retract, scatter
+
+    def ask_width_change(self, cmd: Bind) -> None:
+        self.next_bind, self.release_asked = cmd, True
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = exc
+
+    def next_action(self, live: bool, has_copies: bool) -> Leave:
+        """What the leader does at a clean step boundary, given whether TP requests are live and whether it runs
+        copies of other members' requests."""
+        if not self.release_asked:
+            return Leave.STAY
+        if not live:
+            return Leave.DRAINED
+        adopting = self.next_bind is not None and self.next_bind.adopt
+        if self.scatter or (self.retract and has_copies) or adopting:
+            return Leave.SCATTER
+        if self.retract:
+            return Leave.RETRACT
+        return Leave.STAY
