@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One-time, idempotent setup: .venv with CPU torch, sglang 0.5.23 (CPU way), this project, redis-server.
+# One-time, idempotent setup: .venv with CPU torch, the supported sglang (CPU way), this project, redis-server.
 # On a GPU host set FLYING_GPU=1 to install stock sglang with its CUDA torch instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 VENV=${FLYING_VENV:-$ROOT/.venv}
+# the supported SGLang version is written once, in worker_ext/sglang_patches/__init__.py
+SGLANG=$(sed -n 's/^SUPPORTED_SGLANG = "\([^"]*\)".*/\1/p' "$ROOT/worker_ext/sglang_patches/__init__.py")
+[ -n "$SGLANG" ] || { echo "setup: SUPPORTED_SGLANG not found in worker_ext/sglang_patches/__init__.py" >&2; exit 1; }
 
 die() { echo "setup: $*" >&2; exit 1; }
 command -v "$PY" >/dev/null || die "python3 not found (need Python >= 3.11)"
@@ -19,8 +22,8 @@ VPY="$VENV/bin/python"
 PIP=("$VPY" -m pip install --disable-pip-version-check -q)
 
 if [ "${FLYING_GPU:-0}" = "1" ]; then
-  echo "setup: GPU host: stock sglang==0.5.23 with its CUDA torch"
-  "${PIP[@]}" "sglang==0.5.23"
+  echo "setup: GPU host: stock sglang==$SGLANG with its CUDA torch"
+  "${PIP[@]}" "sglang==$SGLANG"
   "${PIP[@]}" -e ".[test]"
 else
   CONSTRAINTS="$ROOT/scripts/cpu-constraints.txt"
@@ -33,8 +36,8 @@ else
   TORCH_VER=$("$VPY" -c 'import torch; print(torch.__version__)')
   echo "torch==$TORCH_VER" > "$CONSTRAINTS.local"
   if ! "$VPY" -c 'import sglang' 2>/dev/null; then
-    echo "setup: installing sglang==0.5.23 (no deps) and its CPU runtime deps"
-    "${PIP[@]}" --no-deps "sglang==0.5.23"
+    echo "setup: installing sglang==$SGLANG (no deps) and its CPU runtime deps"
+    "${PIP[@]}" --no-deps "sglang==$SGLANG"
   fi
   "${PIP[@]}" -c "$CONSTRAINTS.local" -r "$ROOT/scripts/sglang-cpu-requirements.txt"
   "${PIP[@]}" -c "$CONSTRAINTS.local" -e ".[test]"

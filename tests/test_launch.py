@@ -162,3 +162,20 @@ def test_a_port_freed_while_the_worker_waits_is_taken():
     held.listen()
     threading.Timer(0.5, held.close).start()  # a previous server on the port, still exiting
     assert launch.port_taken("127.0.0.1", port, wait_s=5) == ""
+
+
+def test_the_supported_sglang_version_is_checked_with_a_clear_error():
+    from worker_ext import sglang_patches
+
+    sglang_patches.check_version()  # the installed one is the supported one
+    with pytest.raises(sglang_patches.SGLangMismatch, match=r"patches sglang 0\.5\.23, but sglang 0\.4\.0"):
+        sglang_patches.check_version("0.4.0")
+
+
+def test_a_worker_config_out_of_range_is_a_value_error_naming_the_flag():
+    from worker_ext.launch import WorkerConfig
+
+    with pytest.raises(ValueError, match="--engine 2"):
+        WorkerConfig(engine=2, num_engines=2, model_path="/m", port=30000)
+    with pytest.raises(ValueError, match="--port 0"):
+        WorkerConfig(engine=0, num_engines=2, model_path="/m", port=0)

@@ -33,6 +33,7 @@ from flying import cli, logs, settings
 from flying.keys import Keys
 from flying.logs import LogFormat
 from flying.procs import NotReady, wait_healthy
+from worker_ext import sglang_patches
 from worker_ext.cpu_compat import SGLANG_CPU_ARGS, on_cpu_host, sglang_cpu_env
 
 log = logging.getLogger("flying.worker")
@@ -66,8 +67,10 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
-        assert 0 <= self.engine < self.num_engines, f"engine {self.engine} not in [0, {self.num_engines})"
-        assert 0 < self.port < 65536, f"bad port {self.port}"
+        if not 0 <= self.engine < self.num_engines:
+            raise ValueError(f"--engine {self.engine} is not in [0, --num-engines {self.num_engines})")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a TCP port")
 
     @property
     def url(self) -> str:
@@ -363,6 +366,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
     logs.setup(a.log_format)
+    try:
+        sglang_patches.check_version()  # once, before anything starts: the patches fit one SGLang version
+    except sglang_patches.SGLangMismatch as exc:
+        sys.exit(f"flying-worker: {exc}")
     cpu = on_cpu_host() if a.device == "auto" else a.device == "cpu"
     extra = tuple(x for x in a.extra if x != "--")
     cfg = WorkerConfig(

@@ -40,10 +40,13 @@ class TinyLlamaSpec:
     init_std: float = 0.05
 
     def __post_init__(self) -> None:
-        assert self.hidden_size % self.num_attention_heads == 0, "hidden_size must divide by heads"
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must divide by {self.num_attention_heads} heads"
+            )
         for width in (1, 2, 4):
-            assert self.num_key_value_heads % width == 0, f"kv heads must shard at TP width {width}"
-            assert self.intermediate_size % width == 0, f"intermediate must shard at TP width {width}"
+            if self.num_key_value_heads % width or self.intermediate_size % width:
+                raise ValueError(f"kv heads and intermediate size must shard at TP width {width}")
 
     @classmethod
     def sized(

@@ -140,10 +140,11 @@ class WeightsManager:
         self.layers, self.dims = layers, dims
         self.qkv_layout, self.gate_up_layout = qkv_layout(dims), gate_up_layout(dims)
         for lw in layers:
-            assert lw.qkv.data.shape[0] == self.qkv_layout.numel(), "fused QKV rows do not match the dims"
-            assert lw.gate_up.data.shape[0] == self.gate_up_layout.numel(), (
-                "gate_up rows do not match the dims"
-            )
+            if (
+                lw.qkv.data.shape[0] != self.qkv_layout.numel()
+                or lw.gate_up.data.shape[0] != self.gate_up_layout.numel()
+            ):
+                raise ValueError(f"the model's fused QKV / gate_up rows do not match its dims {dims}")
             _permute_rows_(lw.qkv.data, self.qkv_layout)
             _permute_rows_(lw.gate_up.data, self.gate_up_layout)
         self.full = [(lw.qkv.data, lw.o.data, lw.gate_up.data, lw.down.data) for lw in layers]

@@ -1,7 +1,9 @@
-"""Every touch point with SGLang internals (pinned: sglang 0.5.23), behind small ``apply_*`` functions.
+"""Every touch point with SGLang internals (pinned: :data:`SUPPORTED_SGLANG`), behind small ``apply_*`` functions
+and the :class:`~worker_ext.sglang_patches.surface.SchedulerSurface` the switching components use.
 
-An SGLang upgrade should be one diff to this package. Each function asserts the preconditions it relies on, so a
-changed internal fails loudly at start-up instead of misbehaving at serve time.
+An SGLang upgrade should be one diff to this package. Each function checks the preconditions it relies on
+(:func:`require`), so a changed internal fails loudly at start-up with :class:`SGLangMismatch` instead of
+misbehaving at serve time.
 """
 
 from __future__ import annotations
@@ -21,15 +23,34 @@ if TYPE_CHECKING:
     from worker_ext.heartbeat import Load
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-SUPPORTED_SGLANG = "0.5.23"
+SUPPORTED_SGLANG = "0.5.23"  # the one place the supported version is written (scripts/setup.sh reads it here)
 
 
-def check_version() -> None:
-    import sglang
+class SGLangMismatch(RuntimeError):
+    """The installed SGLang is not the version this package patches, or an internal it relies on changed."""
 
-    assert sglang.__version__ == SUPPORTED_SGLANG, (
-        f"worker_ext.sglang_patches targets sglang {SUPPORTED_SGLANG}, found {sglang.__version__}"
-    )
+
+def require(condition: object, what: str) -> None:
+    """A precondition on SGLang's internals (kept under ``python -O``, unlike an assert)."""
+    if not condition:
+        raise SGLangMismatch(f"{what} (flying-serving patches sglang {SUPPORTED_SGLANG})")
+
+
+def check_version(found: str | None = None) -> None:
+    """Refuse to patch any SGLang but :data:`SUPPORTED_SGLANG` (``found``: the version to check, else the
+    installed one)."""
+    if found is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("sglang")
+        except PackageNotFoundError:
+            found = "(none)"
+    if found != SUPPORTED_SGLANG:
+        raise SGLangMismatch(
+            f"flying-serving's worker patches sglang {SUPPORTED_SGLANG}, but sglang {found} is installed: "
+            f"install sglang=={SUPPORTED_SGLANG} (bash scripts/setup.sh does)"
+        )
 
 
 REQUEST_LOGGER = "sglang.srt.utils.request_logger.stdout"  # where --log-requests lines go (no target given)
@@ -40,7 +61,7 @@ def apply_request_log_handler(handler: logging.Handler) -> None:
     before SGLang's RequestLogger, which gives a handler of its own only to a logger that has none. A line in
     SGLang's JSON request format becomes ``msg`` "<event> <rid>", ``request_id`` and ``sglang`` (the rest)."""
     log = logging.getLogger(REQUEST_LOGGER)
-    assert not log.handlers, f"{REQUEST_LOGGER} was set up before the plugin"
+    require(not log.handlers, f"{REQUEST_LOGGER} was set up before the plugin")
     log.addHandler(handler)
     log.addFilter(_lift_rid)
     log.setLevel(logging.INFO)
@@ -64,7 +85,7 @@ def apply_scheduler_hooks(on_init: Callable[[Any], None], on_step: Callable[[Any
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    assert callable(getattr(Scheduler, "ingest_requests", None)), "Scheduler.ingest_requests missing"
+    require(callable(getattr(Scheduler, "ingest_requests", None)), "Scheduler.ingest_requests missing")
 
     def after_init(result, scheduler, *args, **kwargs):
         on_init(scheduler)
@@ -112,7 +133,7 @@ def apply_forward_hook(around: Callable[..., Any]) -> None:
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    assert callable(getattr(ModelRunner, "forward", None)), "ModelRunner.forward missing"
+    require(callable(getattr(ModelRunner, "forward", None)), "ModelRunner.forward missing")
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.forward", around, HookType.AROUND
     )
@@ -146,14 +167,16 @@ def decoder_layers(scheduler: Any) -> list[Any]:
             "kv_size",
             "head_dim",
         ):
-            assert hasattr(attn, name), f"attention layer lacks {name}"
-        assert hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"), "MLP lacks gate_up_proj/down_proj"
+            require(hasattr(attn, name), f"attention layer lacks {name}")
+        require(
+            hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"), "MLP lacks gate_up_proj/down_proj"
+        )
     return layers
 
 
 def kv_pool(scheduler: Any) -> Any:
     pool = model_runner(scheduler).token_to_kv_pool
-    assert isinstance(getattr(pool, "k_buffer", None), list), "KV pool without per-layer k_buffer"
+    require(isinstance(getattr(pool, "k_buffer", None), list), "KV pool without per-layer k_buffer")
     return pool
 
 
@@ -296,7 +319,8 @@ def follower_batch(template: Any, fields: dict[str, Any], rows: list[int], out_c
 
     import torch
 
-    assert template is not None, "no ForwardBatch of this engine's own seen yet (warm-up should have run one)"
+    if template is None:
+        raise RuntimeError("no ForwardBatch of this engine's own seen yet (warm-up should have run one)")
     idx = torch.tensor(rows, dtype=torch.int64)
     return dataclasses.replace(
         template, **fields, req_pool_indices=idx, req_pool_indices_cpu=idx, out_cache_loc=out_cache_loc

@@ -1,4 +1,4 @@
-"""The SGLang memory-pool internals a bind touches (pinned: sglang 0.5.23): the token allocator a sub-slot
+"""The SGLang memory-pool internals a bind touches (pinned: ``SUPPORTED_SGLANG``): the token allocator a sub-slot
 allocator is installed over, request rows of ``req_to_token``, and the KV buffers' per-width views."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from worker_ext import kv_layout
+from worker_ext.sglang_patches import require
 
 
 class BaseAllocator:
@@ -16,8 +17,8 @@ class BaseAllocator:
 
     def __init__(self, allocator: Any) -> None:
         cls = type(allocator)
-        assert all(callable(getattr(cls, n, None)) for n in ("alloc", "free", "available_size")), (
-            "allocator API"
+        require(
+            all(callable(getattr(cls, n, None)) for n in ("alloc", "free", "available_size")), "allocator API"
         )
         self._allocator, self._free = allocator, cls.free
         self.alloc = cls.alloc.__get__(allocator)
@@ -49,7 +50,8 @@ def remove_sub_allocator(allocator: Any) -> None:
 
 def alloc_row(scheduler: Any) -> int:
     got = scheduler.req_to_token_pool.alloc_rows(1)
-    assert got, "out of request rows"
+    if not got:
+        raise RuntimeError("out of request rows")
     return got[0]
 
 
@@ -66,7 +68,7 @@ class KVViews:
     """The KV pool's per-layer buffers, viewed at a width (worker_ext.kv_layout.view); width 1 is the DP layout."""
 
     def __init__(self, pool: Any) -> None:
-        assert isinstance(getattr(pool, "k_buffer", None), list), "KV pool without per-layer k_buffer"
+        require(isinstance(getattr(pool, "k_buffer", None), list), "KV pool without per-layer k_buffer")
         self.pool = pool
         self.full = (list(pool.k_buffer), list(pool.v_buffer))
         self.dims = {n: getattr(pool, n) for n in ("head_num", "row_dim", "v_row_dim") if hasattr(pool, n)}

@@ -1,4 +1,4 @@
-"""The SGLang model internals a bind touches (pinned: sglang 0.5.23): attention head counts per width, the
+"""The SGLang model internals a bind touches (pinned: ``SUPPORTED_SGLANG``): attention head counts per width, the
 row-parallel layers' reduction group, and the two fused projections whose outputs come back to stock column order
 (worker_ext.weights: the resident layout)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker_ext.sglang_patches import require
 from worker_ext.weights import ActivationOrder, Dims, LayerWeights
 
 
@@ -25,11 +26,13 @@ def apply_resident_layout(layer: Any, order: ActivationOrder) -> None:
     (``order``, replaced per width by :func:`set_width`) before SGLang splits them into q, k, v and gate, up."""
     a, m = layer.self_attn, layer.mlp
     for proj, name in ((a.qkv_proj, "qkv_out"), (m.gate_up_proj, "gate_up_out")):
-        assert getattr(proj, "bias", None) is None, "fused projection with a bias: not in the resident layout"
+        require(
+            getattr(proj, "bias", None) is None, "fused projection with a bias: not in the resident layout"
+        )
         assert not hasattr(proj, "flying_order"), "resident layout applied twice"
         proj.forward = _ordered(proj, proj.forward, name)
     dual_gemm = getattr(getattr(m, "dual_gemm", None), "mode", None)
-    assert dual_gemm is None, "a fused gate_up+down kernel would read the resident layout"
+    require(dual_gemm is None, "a fused gate_up+down kernel would read the resident layout")
     set_order(layer, order)
 
 

@@ -1,4 +1,4 @@
-"""The engine's prefix tree while it is bound (pinned: sglang 0.5.23, ``UnifiedRadixCache``).
+"""The engine's prefix tree while it is bound (pinned: ``SUPPORTED_SGLANG``, ``UnifiedRadixCache``).
 
 In DP the radix tree works as on stock SGLang: its values are physical KV slots, shared by the DP requests whose
 prompts match (a running request's prompt is in the tree, locked, from its first step on). A bind views the same
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from worker_ext.sglang_patches import require
 from worker_ext.sglang_patches.memory_pool import BaseAllocator
 
 # Tree methods answered as a disabled tree answers them while bound (TP requests neither hit nor fill the tree).
@@ -91,7 +92,7 @@ def bypass(scheduler: Any, base: BaseAllocator, width: int) -> None:
         return
     t = scheduler.tree_cache
     cls = type(t)
-    assert all(callable(getattr(cls, n, None)) for n in _PATCHED), "prefix tree API"
+    require(all(callable(getattr(cls, n, None)) for n in _PATCHED), "prefix tree API")
     assert "match_prefix" not in t.__dict__, "tree already bypassed"
     engine_allocator = t.token_to_kv_pool_allocator
     view = PhysicalView(engine_allocator, base)

@@ -1,4 +1,4 @@
-"""The SGLang request internals a KV transformation touches (pinned: sglang 0.5.23): a request's KV row, its
+"""The SGLang request internals a KV transformation touches (pinned: ``SUPPORTED_SGLANG``): a request's KV row, its
 state as another member re-creates it, a decode batch of requests whose KV is already in place, and the output
 path (which member's detokenizer a token goes to).
 """
@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 import torch
+
+from worker_ext.sglang_patches import require
 
 # Output lists a request with return_logprob accumulates per generated token (Req.logprob.*).
 LOGPROB_LISTS = (
@@ -197,7 +199,7 @@ def apply_output_hook() -> None:
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    assert callable(getattr(SchedulerOutputStreamer, "stream_output", None)), "stream_output missing"
+    require(callable(getattr(SchedulerOutputStreamer, "stream_output", None)), "stream_output missing")
 
     from worker_ext.sglang_patches import prefix_cache
 
