@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from worker_ext.ownership import Ownership
 from worker_ext.sglang_patches.surface import SchedulerSurface
+
+if TYPE_CHECKING:
+    from worker_ext.comm_pool import CommPool
 
 log = logging.getLogger("flying.aborts")
 POLL_S = 0.05  # how often a leader looks for members' aborts
@@ -24,7 +27,7 @@ class AbortRelay:
     """Members' client aborts, relayed to the leader over the pool's rendezvous store (``pool.store``: a
     torch.distributed Store, None while unconnected; it is replaced when engine 0 restarts)."""
 
-    def __init__(self, engine: SchedulerSurface, index: int, pool: Any) -> None:
+    def __init__(self, engine: SchedulerSurface, index: int, pool: CommPool) -> None:
         self.engine, self.index, self.pool = engine, index, pool
         self._seen = 0  # leader: the members' aborts of this epoch applied so far
         self._polled = 0.0

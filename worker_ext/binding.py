@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from flying.messages import Bind, Command, Release
 from worker_ext.aborts import AbortRelay
-from worker_ext.adoption import Adoption
+from worker_ext.adoption import Adoption, Work
 from worker_ext.epoch import Epoch, Leave
 from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import Held
@@ -49,6 +49,7 @@ from worker_ext.sglang_patches.surface import SchedulerSurface, Stash
 from worker_ext.step_plan import Shadows, StepPlans
 
 if TYPE_CHECKING:
+    from worker_ext.comm_pool import CommPool
     from worker_ext.heartbeat import Load
     from worker_ext.layout import Layout
 
@@ -64,12 +65,11 @@ class Binding:
         self,
         engine: SchedulerSurface,
         index: int,
-        pool: Any,
+        pool: CommPool,
         layout: Layout,
         on_change: Callable[[], None] | None = None,
     ) -> None:
-        """``pool``: the engine's CommPool (``get(members)``, ``store``, ``ready``, ``groups``, ``rebuilds``,
-        ``num_engines``); ``on_change``: re-publish the heartbeat (a follower's loop is blocked)."""
+        """``on_change``: re-publish the heartbeat (a follower's loop is blocked)."""
         self.engine, self.index, self.pool, self.layout = engine, index, pool, layout
         self.on_change = on_change or (lambda: None)
         self.pending = PendingBind(engine, index, pool)
@@ -299,7 +299,7 @@ class Binding:
         if not (isinstance(got, Handshake) and got.epoch == e.epoch):
             raise HandshakeMismatch(f"bind handshake of epoch {e.epoch} got {got!r}")
 
-    def _adopt(self, e: Epoch, work: tuple[list[Any], list[Any]] | None) -> None:
+    def _adopt(self, e: Epoch, work: Work | None) -> None:
         """The DP work moves into the group with its KV, or (it cannot move, or a member lacks KV) is paused."""
         if work is None:
             self._stash = self.engine.stash_dp_work(self.pending.take_held())

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from flying.messages import Bind
+
+if TYPE_CHECKING:
+    from worker_ext.comm_pool import MergedGroup
 
 
 class Leave(Enum):
@@ -28,7 +31,7 @@ class Epoch:
     epoch: int
     members: tuple[int, ...]
     rank: int
-    group: Any  # a worker_ext.comm_pool.MergedGroup (or a test's fake of it)
+    group: MergedGroup
     release_asked: bool = False
     retract: bool = False  # release at once: the TP requests are recomputed in DP on the leader
     scatter: bool = False  # release at once: the TP requests go back to DP on their owners with their KV
