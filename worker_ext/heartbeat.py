@@ -69,8 +69,10 @@ class HeartbeatConfig:
     ttl_ms: int = 3000
 
     def __post_init__(self) -> None:
-        assert self.engine >= 0, f"engine index must be >= 0, got {self.engine}"
-        assert self.ttl_ms > self.interval_s * 1000 * 3, "ttl must cover several missed beats"
+        if self.engine < 0:
+            raise ValueError(f"engine index must be >= 0, got {self.engine}")
+        if self.ttl_ms <= self.interval_s * 1000 * 3:
+            raise ValueError(f"ttl_ms {self.ttl_ms} must cover several missed beats of {self.interval_s} s")
 
 
 class HeartbeatPublisher:

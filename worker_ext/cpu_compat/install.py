@@ -34,9 +34,10 @@ def guard_source(src: str) -> str:
         "    return lambda fn: fn\n\n"
     )
     anchor = "@functools.lru_cache(None)\ndef get_meta_lib():"
-    assert anchor in src, (
-        "torchvision/_meta_registrations.py changed shape; update worker_ext/cpu_compat/install.py"
-    )
+    if anchor not in src:
+        raise RuntimeError(
+            "torchvision/_meta_registrations.py changed shape; update worker_ext/cpu_compat/install.py"
+        )
     return src.replace(anchor, helper + anchor, 1)
 
 
