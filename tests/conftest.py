@@ -1,4 +1,8 @@
-"""Shared fixtures: a real redis-server per session (fresh key prefix per test), the tiny model."""
+"""Shared fixtures: a real redis-server per session (fresh key prefix per test), the tiny model; the test tiers.
+
+Two tiers: ``pytest -m "not e2e"`` is the fast tier (unit and Redis-level tests, run before each commit) and plain
+``pytest`` the full suite (what CI runs). A test that needs SGLang workers is marked ``e2e``; a unit or Redis-level
+test that takes seconds is marked ``slow``, which adds ``e2e``, so the fast tier leaves both out."""
 
 from __future__ import annotations
 
@@ -13,6 +17,13 @@ from devstack.redis_server import RedisServer
 from flying.keys import Keys
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ def gateway_with_keys(redis_server, keys, tiny_model, tmp_path):
         yield url, tmp_path / "gateway.log"
 
 
+@pytest.mark.slow
 def test_the_openai_client_with_a_key_is_served_and_without_one_gets_401(gateway_with_keys):
     url, log = gateway_with_keys
     msgs = [{"role": "user", "content": "hi"}]

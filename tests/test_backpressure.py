@@ -103,6 +103,7 @@ async def burst(url: str, n: int, priority: str) -> list[httpx.Response]:
         )
 
 
+@pytest.mark.slow
 def test_a_burst_gets_200_or_429_with_retry_after_only(redis_server, sync_redis, keys, engine_url):
     """300 requests at once, a queue of 100 and a Redis pool of 8 connections: every answer is 200 or a 429 with
     Retry-After and an OpenAI-shaped rate_limit_exceeded body; the pool makes callers wait, it never refuses."""

@@ -35,6 +35,7 @@ def _member(engine, n, port, out):
     out.put((engine, res))
 
 
+@pytest.mark.slow
 def test_every_engine_builds_its_groups_and_they_work():
     ctx = mp.get_context("spawn")
     out, port, n = ctx.Queue(), free_port(), 4
@@ -70,6 +71,7 @@ def _dies_or_waits(engine, port, out):
         out.put(("error", time.monotonic() - t0, str(exc)[:80]))
 
 
+@pytest.mark.slow
 def test_a_dead_member_is_an_error_within_the_timeout_not_a_hang():
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
@@ -97,6 +99,7 @@ def _restartable(engine, port, launch_id, cmd, out):
         out.put((engine, x.item(), pool.rebuilds))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("restarted", [1, 0], ids=["member", "store-host"])
 def test_a_restarted_member_rejoins_its_groups(restarted):
     """Kill one engine's process and start a new one (a new launch id): the survivor rebuilds the group with it

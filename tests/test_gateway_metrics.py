@@ -26,6 +26,7 @@ def sample(text: str, name: str, **labels) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_requests_ttft_queue_time_and_rejections_by_priority(gateway):
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
     msgs = [{"role": "user", "content": "hi"}]

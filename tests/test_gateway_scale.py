@@ -8,6 +8,7 @@ import statistics
 import time
 
 import msgspec
+import pytest
 
 from flying.queue import RequestQueue
 from gateway.app import redis_client
@@ -33,6 +34,7 @@ def connections(sync_redis, name: str) -> int:
     return sum(1 for c in sync_redis.client_list() if c.get("name") == name)
 
 
+@pytest.mark.slow
 async def test_ten_thousand_waiting_requests(redis_server, sync_redis, aredis, keys):
     announce_engine(sync_redis, keys)
     sync_redis.set(keys.router_lease, "absent-router", px=600_000)  # not degraded: admission stays open

@@ -132,9 +132,10 @@ def _rank(rank: int, width: int, port: int, lengths: dict[int, list[int]], share
 
 @pytest.mark.parametrize(
     ("lengths", "shared"),
-    [({0: [5, 9], 1: [12]}, 0), ({0: [3], 1: [], 2: [17, 1], 3: [8, 8, 2]}, 0), ({0: [5, 9], 1: [12, 4]}, 3),
-     ({0: [3], 1: [], 2: [17, 2], 3: [8, 8, 2]}, 2)],
-    ids=["width2", "width4", "width2-cached-prefix", "width4-cached-prefix"],
+    [pytest.param({0: [5, 9], 1: [12]}, 0, id="width2"),
+     pytest.param({0: [3], 1: [], 2: [17, 1], 3: [8, 8, 2]}, 0, id="width4", marks=pytest.mark.slow),
+     pytest.param({0: [5, 9], 1: [12, 4]}, 3, id="width2-cached-prefix", marks=pytest.mark.slow),
+     pytest.param({0: [3], 1: [], 2: [17, 2], 3: [8, 8, 2]}, 2, id="width4-cached-prefix", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_adopt_then_scatter_moves_head_slices_bit_exactly(lengths, shared):
     """With a cached prefix, several requests of a member share its slots (as SGLang's radix tree shares them)."""

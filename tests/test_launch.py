@@ -140,6 +140,7 @@ def test_the_radix_cache_is_on_for_bound_capable_workers_unless_turned_off():
     assert "--disable-radix-cache" in launch.sglang_command(off)
 
 
+@pytest.mark.slow
 def test_a_worker_whose_port_is_taken_exits_at_once_saying_so():
     """Within PORT_WAIT_S, not after SGLang's start-up nor in a hang: SGLang's server finds the port taken only
     once loaded, and its exit then waits on its scheduler process."""

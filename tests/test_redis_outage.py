@@ -75,6 +75,7 @@ async def load_with_outage(url: str, server: RedisServer, tmp_path) -> tuple[lis
         return await asyncio.gather(*before), during, server
 
 
+@pytest.mark.slow
 def test_a_redis_restart_that_loses_everything_fails_no_accepted_request(tmp_path, engine, keys):
     server = RedisServer(data_dir=tmp_path).start()
     proc, engine_url = engine

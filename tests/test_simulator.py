@@ -78,6 +78,7 @@ def scenarios(draw):
     return cfg, reqs
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_event_sequences_keep_the_invariants_and_serve_every_request(scenario):
@@ -264,6 +265,7 @@ def test_light_load_adopts_busy_engines_where_it_used_to_wait_for_them_to_drain(
             assert max(gaps(r) for r in records[:2]) < 0.2
 
 
+@pytest.mark.slow
 def test_engines_without_kv_transform_never_get_adopt_or_scatter():
     """Gating: one engine of four runs an older worker; the policy never sends adopt/scatter to a group with it
     (the simulator asserts it on every command), while the others' groups do use them."""
