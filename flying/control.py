@@ -62,11 +62,13 @@ def bind(
     preempt: str = "hard",
     record: bool = True,
     adopt: bool = False,
+    sp_threshold: int | None = None,
 ) -> int:
     """Bind ``members`` by hand; with ``record`` the router sees a ``manual`` group. A group it overlaps is
     replaced when the change is a direct width change: the old group lies inside ``members`` ((0,1) -> (0,1,2,3))
     or contains them with the same leader ((0,1,2,3) -> (0,1); the leader takes the command and sends the
-    engines left out back to DP). Any other overlap is refused."""
+    engines left out back to DP). Any other overlap is refused. ``sp_threshold``: the group's steps of at least
+    this many batched tokens run sequence-parallel (0: never; None: the leader's own ``--sp-threshold``)."""
     epoch = next_epoch(r, keys)
     if record:
         inside = [g for g in groups(r, keys) if set(g.members) & set(members)]
@@ -87,7 +89,13 @@ def bind(
             adopt=adopt,
         )
         r.hset(keys.groups, str(epoch), encode(g))
-    cmd = Bind(epoch=epoch, members=tuple(members), preempt=preempt, adopt=adopt)  # type: ignore[arg-type]
+    cmd = Bind(
+        epoch=epoch,
+        members=tuple(members),
+        preempt=preempt,  # type: ignore[arg-type]
+        adopt=adopt,
+        sp_threshold=sp_threshold,
+    )
     send(r, keys, members, cmd)
     return epoch
 

@@ -106,6 +106,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     param_bytes: int = (
         0  # bytes over the unique storages of the model's parameters (constant across switches)
     )
+    steps_tp: int = 0  # forwards this engine ran as a bound group's member in TP mode, since it started ...
+    steps_sp: int = 0  # ... and in SP mode (sequence-parallel prefill, worker_ext.sequence_parallel)
     running: int = 0
     waiting: int = 0
     free_kv_tokens: int = 0
@@ -144,6 +146,10 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
     members: tuple[int, ...]
     preempt: Preempt = "hard"
     adopt: bool = False
+    sp_threshold: int | None = (
+        None  # steps of at least this many batched tokens run sequence-parallel (0: never;
+    )
+    # None: the leader engine's own --sp-threshold)
 
     @property
     def width(self) -> int:

@@ -15,10 +15,16 @@ LAUNCH_ID = "FLYING_LAUNCH_ID"
 COMM_HOST = "FLYING_COMM_HOST"  # the communicator pool's rendezvous store (hosted by engine 0)
 COMM_PORT = "FLYING_COMM_PORT"
 LOG_FORMAT = "FLYING_LOG_FORMAT"  # set by flying-worker for the SGLang server's processes (the plugin)
+SP_THRESHOLD = "FLYING_SP_THRESHOLD"  # a bound group's SP steps: batched tokens from which a step runs in SP
 
 API_KEYS = "FLYING_API_KEYS"  # the gateway's API keys, comma-separated (see gateway.auth)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_SP_THRESHOLD = 512  # batched tokens (docs/benchmarks.md, "Sequence-parallel prefill", says why)
+
+
+def sp_threshold() -> int:
+    return int(os.environ.get(SP_THRESHOLD, DEFAULT_SP_THRESHOLD))
 
 
 def redis_url() -> str:

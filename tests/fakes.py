@@ -274,6 +274,10 @@ class FakeEngine:
     def batch_rids(self, forward_batch: Any) -> list[str]:
         return [rid for rid, _, _ in forward_batch["tokens"]]
 
+    def step_tokens(self, forward_batch: Any) -> tuple[bool, int]:
+        new = [n for _, _, n in forward_batch["tokens"]]
+        return any(n > 1 for n in new), sum(new)
+
     def forward(self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor) -> None:
         self.forwards.append((rows, slots.tolist()))
 
@@ -378,6 +382,10 @@ class FakeSub:
 
 class FakeLayout:
     def __init__(self) -> None:
+        from worker_ext.sequence_parallel import StepMode
+
+        self.mode = StepMode.TP
+        self.modes: list[StepMode] = []  # every step_mode call
         self.width, self.rank = 1, 0
         self.weights_width = 1  # the weights stay on a shard until released
         self.sub: FakeSub | None = None
@@ -390,7 +398,13 @@ class FakeLayout:
         return self.sub
 
     def unbind(self) -> None:
-        self.width, self.sub = 1, None
+        from worker_ext.sequence_parallel import StepMode
+
+        self.width, self.sub, self.mode = 1, None, StepMode.TP
+
+    def step_mode(self, mode: Any) -> None:
+        self.modes.append(mode)
+        self.mode = mode
 
     def release_weights(self) -> None:
         self.weights_width = 1

@@ -260,3 +260,57 @@ def test_commands_for_other_engines_or_old_epochs_are_ignored():
     b, _, _, _, _ = make()
     b.on_step([Bind(epoch=1, members=(1, 2)), Release(epoch=9)])
     assert b.status()["pending"] == 0 and b.epoch is None
+
+
+def test_the_leader_runs_large_prefill_steps_sequence_parallel_and_tells_the_members():
+    b, engine, group, layout, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1), sp_threshold=8)])
+    run = lambda fb: b.around_forward(lambda runner, f: None, None, fb)  # noqa: E731
+    run({"tokens": [("a", 12, 12)]})  # a 12-token prefill
+    run({"tokens": [("a", 13, 1)]})  # its decode
+    run({"tokens": [("b", 4, 4)]})  # a small prefill
+    assert [m.mode.value for m in group.sent if isinstance(m, Forward)] == ["sp", "tp", "tp"]
+    assert [m.value for m in layout.modes] == ["sp", "tp", "tp"]
+    assert (b.status()["steps_sp"], b.status()["steps_tp"]) == (1, 2)
+
+
+def test_a_bind_without_its_own_threshold_takes_the_engines_and_zero_turns_sp_off():
+    b, _, group, _, _ = make()
+    b.sp_threshold = 4
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    b.around_forward(lambda runner, f: None, None, {"tokens": [("a", 6, 6)]})
+    b.on_step([Release(epoch=1)])
+    b.on_step([Bind(epoch=2, members=(0, 1), sp_threshold=0)])
+    b.around_forward(lambda runner, f: None, None, {"tokens": [("a", 6, 6)]})
+    assert [m.mode.value for m in group.sent if isinstance(m, Forward)] == ["sp", "tp"]
+
+
+def test_a_follower_switches_mode_as_each_plan_says():
+    from worker_ext.sequence_parallel import StepMode
+
+    plans = [
+        Handshake(1),
+        Forward({"tokens": [("tp-1", 9, 9)]}, ["tp-1"], mode=StepMode.SP),
+        Forward({"tokens": [("tp-1", 10, 1)]}, ["tp-1"]),
+        ReleasePlan(),
+    ]
+    b, engine, _, layout, _ = make(index=1, inbox=plans)
+    b.plans.keep_template({"tokens": []})
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert [m.value for m in layout.modes] == ["sp", "tp"] and len(engine.forwards) == 2
+
+
+def test_a_group_lost_during_an_sp_step_finishes_it_alone_in_tp():
+    from worker_ext.sequence_parallel import StepMode
+
+    b, engine, group, layout, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1), sp_threshold=2)])
+    calls = []
+
+    def forward(runner, fb):
+        calls.append(layout.mode)
+        if len(calls) == 1:
+            raise RuntimeError("peer gone during the all-to-all")
+
+    b.around_forward(forward, None, {"tokens": [("a", 6, 6)]})
+    assert calls == [StepMode.SP, StepMode.TP] and engine.tp_groups[-1] is LOCAL_GROUP

@@ -44,6 +44,7 @@ from worker_ext.kv_transform import Held
 from worker_ext.ownership import Ownership
 from worker_ext.preemption import PendingBind
 from worker_ext.rank_messages import Forward, Handshake, Noop, ReleasePlan
+from worker_ext.sequence_parallel import StepMode, choose_mode
 from worker_ext.sglang_patches import LOCAL_GROUP, RequestLimits
 from worker_ext.sglang_patches.surface import SchedulerSurface, Stash
 from worker_ext.step_plan import Shadows, StepPlans
@@ -68,9 +69,13 @@ class Binding:
         pool: CommPool,
         layout: Layout,
         on_change: Callable[[], None] | None = None,
+        sp_threshold: int = 0,
     ) -> None:
-        """``on_change``: re-publish the heartbeat (a follower's loop is blocked)."""
+        """``on_change``: re-publish the heartbeat (a follower's loop is blocked); ``sp_threshold``: the batched
+        tokens from which a bound step runs sequence-parallel, unless a bind says otherwise (0: never)."""
         self.engine, self.index, self.pool, self.layout = engine, index, pool, layout
+        self.sp_threshold = sp_threshold
+        self.steps = {StepMode.TP: 0, StepMode.SP: 0}  # forwards run while bound, by mode
         self.on_change = on_change or (lambda: None)
         self.pending = PendingBind(engine, index, pool)
         self.ownership = Ownership(engine)
@@ -107,6 +112,8 @@ class Binding:
                 {"max_total_tokens": self._dp_limits.max_total_tokens} if e and self._dp_limits else {}
             ),  # its own, not the group's
             "kv_transform": True,
+            "steps_tp": self.steps[StepMode.TP],
+            "steps_sp": self.steps[StepMode.SP],
             **self.adoption.stats,
         }
 
@@ -193,6 +200,7 @@ class Binding:
                     self._leave(msg.next)
                     return
                 if isinstance(msg, Forward):
+                    self.layout.step_mode(msg.mode)
                     self.plans.execute(msg)
             except RuntimeError as exc:
                 self.abort(exc)
@@ -209,9 +217,12 @@ class Binding:
             return original(runner, forward_batch, *args, **kwargs)
         try:
             if e.leader and not e.failed:
-                e.group.broadcast_object(self.plans.plan(forward_batch, self.ownership.take_outbox()))
+                mode = choose_mode(*self.engine.step_tokens(forward_batch), e.width, e.sp_threshold)
+                e.group.broadcast_object(self.plans.plan(forward_batch, self.ownership.take_outbox(), mode))
                 self.plans.sent()
+                self.layout.step_mode(mode)
             if not e.failed:
+                self.steps[self.layout.mode] += 1
                 with self.engine.tp_group(e.group):
                     return original(runner, forward_batch, *args, **kwargs)
         except RuntimeError as exc:
@@ -223,6 +234,7 @@ class Binding:
         # The group is gone mid-step. Finish this step alone (the scheduler needs its output), with every request
         # of the batch ending in an abort; the next step boundary ends the epoch (see on_step).
         self.engine.abort_batch(f"tensor-parallel group {e.members} lost a member; request aborted")
+        self.layout.step_mode(StepMode.TP)  # no collective: an SP step would exchange with the lost member
         with self.engine.tp_group(LOCAL_GROUP):
             return original(runner, forward_batch, *args, **kwargs)
 
@@ -264,7 +276,8 @@ class Binding:
         self.engine.set_request_limits(self._dp_limits_now(), width)
         sub = self.layout.bind(width, rank, group)
         self.engine.bypass_prefix_cache(sub.base, width)  # the DP prefix tree: kept, not used by TP requests
-        self.epoch = e = Epoch(cmd.epoch, tuple(cmd.members), rank, group)
+        threshold = self.sp_threshold if cmd.sp_threshold is None else cmd.sp_threshold
+        self.epoch = e = Epoch(cmd.epoch, tuple(cmd.members), rank, group, sp_threshold=threshold)
         self.aborts.start_epoch()
         self.last_epoch = max(self.last_epoch, cmd.epoch)
         try:

@@ -62,6 +62,16 @@ class MergedGroup:
         self.data.allreduce([tensor]).wait()
         return tensor
 
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> None:
+        """Rows of ``inp`` to each rank by ``in_splits``, rows from each rank into ``out`` by ``out_splits`` (the
+        data group: a sequence-parallel step's exchange, worker_ext.sequence_parallel)."""
+        self.data.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()).wait()
+
+    def all_gather(self, out: list[torch.Tensor], inp: torch.Tensor) -> None:
+        self.data.allgather([out], [inp]).wait()
+
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0 sends ``obj``; every rank returns it. Pickle over the control group (length, then bytes)."""
         if self.rank == 0:

@@ -32,6 +32,7 @@ class Epoch:
     members: tuple[int, ...]
     rank: int
     group: MergedGroup
+    sp_threshold: int = 0  # steps of this many batched tokens run sequence-parallel (0: never)
     release_asked: bool = False
     retract: bool = False  # release at once: the TP requests are recomputed in DP on the leader
     scatter: bool = False  # release at once: the TP requests go back to DP on their owners with their KV

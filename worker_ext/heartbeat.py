@@ -47,6 +47,8 @@ class Load(TypedDict, total=False):
     transform_peak_bytes: int
     transform_retracted: int
     param_bytes: int
+    steps_tp: int
+    steps_sp: int
     running: int
     waiting: int
     free_kv_tokens: int

@@ -58,6 +58,9 @@ class WorkerConfig:
     cpu: bool = True
     comm_port: int | None = None  # communicator-pool rendezvous on engine 0; None: this engine never binds
     comm_host: str = "127.0.0.1"
+    sp_threshold: int = (
+        settings.DEFAULT_SP_THRESHOLD
+    )  # a bound group's steps of this many batched tokens run in SP (0: never)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     enable_metrics: bool = False  # SGLang's own Prometheus metrics on the engine's port (/metrics)
     log_format: LogFormat = "text"  # the launcher's lines, the plugin's, and SGLang's request lines
@@ -71,6 +74,8 @@ class WorkerConfig:
             raise ValueError(f"--engine {self.engine} is not in [0, --num-engines {self.num_engines})")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
+        if self.sp_threshold < 0:
+            raise ValueError(f"--sp-threshold {self.sp_threshold} must be >= 0 (0: never SP)")
 
     @property
     def url(self) -> str:
@@ -170,6 +175,7 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
     if cfg.comm_port:
         env[settings.COMM_PORT] = str(cfg.comm_port)
         env[settings.COMM_HOST] = cfg.comm_host
+        env[settings.SP_THRESHOLD] = str(cfg.sp_threshold)
     return env
 
 
@@ -340,6 +346,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--comm-host", default=d.comm_host, help="host of engine 0, which serves the rendezvous store"
     )
+    p.add_argument(
+        "--sp-threshold",
+        type=int,
+        default=d.sp_threshold,
+        help="tokens: while bound, a prefill step of at least this many batched tokens runs sequence-parallel "
+        "(each member its slice of the tokens through its full weights, all-to-alls around attention); smaller "
+        "and decode steps run tensor-parallel; 0: never SP (a bind's own setting, flyctl bind --sp-threshold, "
+        "wins)",
+    )
     logs.add_argument(p)
     p.add_argument(
         "--log-requests",
@@ -386,6 +401,7 @@ def main(argv: list[str] | None = None) -> None:
         cpu=cpu,
         comm_port=a.comm_port,
         comm_host=a.comm_host,
+        sp_threshold=a.sp_threshold,
         extra_args=extra,
         enable_metrics=a.enable_metrics,
         prefix_cache=not a.disable_radix_cache,

@@ -4,6 +4,10 @@ Width ``d`` at rank ``r``: the weights are views of rank r's shard of the one re
 nothing copied), attention runs r's heads, the row-parallel layers reduce over the group, the KV buffers are viewed
 at d (worker_ext.kv_layout) and every user of the engine's allocator gets virtual slots of d carved from its
 physical slots (a sub-slot allocator). Width 1 is the DP layout.
+
+While bound, each step runs in one of two modes (:class:`~worker_ext.sequence_parallel.StepMode`): TP (the
+shard view of the weights, all-reduces over the group) or SP (the full view, this member's slice of the tokens,
+all-to-alls around attention). Both read and write the same TP KV view; switching is re-pointing views.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import torch
 
 from worker_ext import kv_layout
+from worker_ext.sequence_parallel import SPStep, StepMode
 from worker_ext.sglang_patches import memory_pool, model
 from worker_ext.weights import WeightsManager, storage_bytes
 
@@ -25,8 +30,11 @@ class Layout:
         kv_pool: Any,
         allocator: Any,
         parameters: Callable[[], Iterable[torch.Tensor]],
+        stack: Any = None,
     ) -> None:
+        """``stack``: the decoder stack (embeddings, layers, final norm) an SP step slices the tokens of."""
         self.layers = layers
+        self._stack = stack
         self.dims = model.dims(layers)
         self._parameters = parameters
         self._allocator = allocator
@@ -37,17 +45,51 @@ class Layout:
         self._row_parallel_dp = {id(layer): model.row_parallel_state(layer) for layer in layers}
         self._kv = memory_pool.KVViews(kv_pool)
         self._sub: kv_layout.SubSlotAllocator | None = None
+        self._bound: tuple[int, int, Any] = (1, 0, None)  # width, rank, group
+        self._sp: SPStep | None = None
+        self.mode = StepMode.TP
 
     def bind(self, width: int, rank: int, group: Any) -> kv_layout.SubSlotAllocator:
         """Rank ``rank`` of a group of ``width``; returns the sub-slot allocator now installed."""
         self.weights.activate(width, rank)
         self._set(width, group)
         self._sub = memory_pool.install_sub_allocator(self._allocator, width)
+        self._bound, self._sp, self.mode = (width, rank, group), SPStep(group, rank, width), StepMode.TP
         return self._sub
+
+    def step_mode(self, mode: StepMode) -> None:
+        """Bound: run the next forward in ``mode`` (views re-pointed, nothing copied)."""
+        if mode is self.mode:
+            return
+        width, rank, group = self._bound
+        if self._sp is None or width == 1:
+            raise RuntimeError("step modes apply to a bound engine only")
+        if mode is StepMode.SP and self._stack is None:
+            raise RuntimeError("this engine's layout has no decoder stack to run SP steps on")
+        dp_state = self._row_parallel_dp
+        if mode is StepMode.SP:
+            self.weights.activate(1, 0)
+            order = self.weights.activation_order(1)
+            for layer in self.layers:
+                model.set_order(layer, order)
+                model.set_row_parallel(layer, None, dp_state[id(layer)])
+                model.apply_sp_attention(layer, self._sp, self.dims.q_rows, self.dims.kv_rows)
+            model.apply_sp_stack(self._stack, self._sp)
+        else:
+            self.weights.activate(width, rank)
+            order = self.weights.activation_order(width)
+            for layer in self.layers:
+                model.remove_sp_attention(layer)
+                model.set_order(layer, order)
+                model.set_row_parallel(layer, group, dp_state[id(layer)])
+            model.remove_sp_stack(self._stack)
+        self.mode = mode
 
     def unbind(self) -> None:
         """Heads, reductions, KV views and allocator back to DP; the weights stay on the shard until
         :meth:`release_weights` (a width change goes straight from one shard to the next)."""
+        self.step_mode(StepMode.TP)
+        self._bound, self._sp = (1, 0, None), None
         memory_pool.remove_sub_allocator(self._allocator)
         self._sub = None
         self._set(1, None)

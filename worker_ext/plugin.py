@@ -103,8 +103,21 @@ def _start_switching(scheduler, config: HeartbeatConfig) -> None:
     _commands = CommandReader(config.redis_url, Keys(config.key_prefix), config.engine).start()
     sglang_patches.register_idle_wake(scheduler, _commands.wake_socket)
     engine = SGLangScheduler(scheduler)
-    layout = Layout(engine.decoder_layers(), engine.kv_pool(), engine.kv_allocator(), engine.parameters)
-    _binding = Binding(engine, config.engine, pool, layout, on_change=lambda: _beat(scheduler))
+    layout = Layout(
+        engine.decoder_layers(),
+        engine.kv_pool(),
+        engine.kv_allocator(),
+        engine.parameters,
+        engine.decoder_stack(),
+    )
+    _binding = Binding(
+        engine,
+        config.engine,
+        pool,
+        layout,
+        on_change=lambda: _beat(scheduler),
+        sp_threshold=settings.sp_threshold(),
+    )
 
 
 def _on_step(scheduler) -> None:

@@ -10,6 +10,7 @@ import msgspec
 
 from flying.messages import Bind
 from worker_ext.kv_transform import Held
+from worker_ext.sequence_parallel import StepMode
 from worker_ext.sglang_patches.requests import Emitted, ReqState
 
 
@@ -26,6 +27,7 @@ class Forward(msgspec.Struct):
     fields: dict[str, Any]
     live: list[str]
     emit: list[Emitted] = []
+    mode: StepMode = StepMode.TP
 
 
 class Noop(msgspec.Struct):

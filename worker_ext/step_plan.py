@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from worker_ext.rank_messages import Forward
+from worker_ext.sequence_parallel import StepMode
 from worker_ext.sglang_patches.requests import Emitted
 from worker_ext.sglang_patches.surface import SchedulerSurface
 
@@ -96,9 +97,9 @@ class StepPlans:
     def keep_template(self, forward_batch: Any) -> None:
         self.template = forward_batch
 
-    def plan(self, forward_batch: Any, emit: list[Emitted]) -> Forward:
+    def plan(self, forward_batch: Any, emit: list[Emitted], mode: StepMode) -> Forward:
         live = sorted(self.engine.live_rids() | set(self.engine.batch_rids(forward_batch)))
-        return Forward(self.engine.batch_fields(forward_batch), live, emit)
+        return Forward(self.engine.batch_fields(forward_batch), live, emit, mode)
 
     def sent(self) -> None:
         """The leader just broadcast a message."""

@@ -4,10 +4,13 @@ row-parallel layers' reduction group, and the two fused projections whose output
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker_ext.sglang_patches import require
 from worker_ext.weights import ActivationOrder, Dims, LayerWeights
+
+if TYPE_CHECKING:
+    from worker_ext.sequence_parallel import SPStep
 
 
 def dims(layers: list[Any]) -> Dims:
@@ -79,5 +82,63 @@ def set_width(
         a.num_kv_heads,
         a.num_kv_heads,
     )
+    set_row_parallel(layer, group, dp_state)
+
+
+def set_row_parallel(layer: Any, group: Any, dp_state: list) -> None:
+    """The row-parallel projections reduce over ``group``, or (None) as in DP."""
     for m, (tp_group, reduce) in zip(row_parallel_layers(layer), dp_state):
         m.tp_group, m.reduce_results = (group, True) if group is not None else (tp_group, reduce)
+
+
+# --- sequence-parallel steps (worker_ext.sequence_parallel) ----------------------------------------------------
+
+
+def apply_sp_attention(layer: Any, step: SPStep, q_size: int, kv_size: int) -> None:
+    """The layer's attention for an SP step: the full QKV projection of this member's tokens, rotary on their
+    positions, the all-to-all to every token of this member's heads, SGLang's own attention over the TP KV view
+    (head counts stay at the group's width), the all-to-all back and the full o_proj (no reduction). Undone by
+    :func:`remove_sp_attention`."""
+    a = layer.self_attn
+    require(all(hasattr(a, n) for n in ("qkv_proj", "rotary_emb", "attn", "o_proj")), "LlamaAttention layout")
+
+    def forward(positions: Any, hidden_states: Any, forward_batch: Any) -> Any:
+        qkv, _ = a.qkv_proj(hidden_states)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = a.rotary_emb(positions, q, k)
+        q, k, v = step.heads_of_all_tokens(q, k, v)
+        out = a.attn(q, k, v, forward_batch)
+        output, _ = a.o_proj(step.tokens_of_all_heads(out))
+        return output
+
+    a.forward = forward
+
+
+def remove_sp_attention(layer: Any) -> None:
+    layer.self_attn.__dict__.pop("forward", None)
+
+
+def apply_sp_stack(stack: Any, step: SPStep) -> None:
+    """The decoder stack (``LlamaModel``) for an SP step: its layers and final norm run this member's slice of the
+    tokens; the hidden states are all-gathered after the norm, so the logits see every token. Undone by
+    :func:`remove_sp_stack`."""
+    original = type(stack).forward
+
+    def forward(input_ids: Any, positions: Any, forward_batch: Any, input_embeds: Any = None,
+                pp_proxy_tensors: Any = None) -> Any:  # fmt: skip
+        lo, hi = step.begin(int(positions.shape[0]))
+        embeds = None if input_embeds is None else input_embeds[lo:hi]
+        ids = None if input_ids is None else input_ids[lo:hi]
+        hidden = original(
+            stack, ids, positions[lo:hi], forward_batch, embeds, pp_proxy_tensors=pp_proxy_tensors
+        )
+        require(
+            not isinstance(hidden, tuple), "SP steps need a decoder stack without auxiliary hidden states"
+        )
+        return step.gather(hidden)
+
+    stack.forward = forward
+
+
+def remove_sp_stack(stack: Any) -> None:
+    stack.__dict__.pop("forward", None)

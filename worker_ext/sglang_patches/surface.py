@@ -32,6 +32,7 @@ from worker_ext.sglang_patches import (
     model_runner,
     prefix_cache,
     request_limits,
+    require,
     restore_dp_work,
     resume_idle_checks,
     retract_running,
@@ -124,6 +125,7 @@ class SchedulerSurface(Protocol):
     def batch_fields(self, forward_batch: Any) -> dict[str, Any]: ...
     def batch_tokens(self, fields: dict[str, Any]) -> list[tuple[str, int, int]]: ...
     def batch_rids(self, forward_batch: Any) -> list[str]: ...
+    def step_tokens(self, forward_batch: Any) -> tuple[bool, int]: ...
     def forward(
         self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor
     ) -> None: ...
@@ -141,6 +143,14 @@ class SGLangScheduler:
 
     def kv_pool(self) -> Any:
         return kv_pool(self.s)
+
+    def decoder_stack(self) -> Any:
+        """The model's decoder stack (``LlamaModel``: embeddings, layers, final norm)."""
+        stack = model_runner(self.s).model.model
+        require(
+            callable(getattr(type(stack), "forward", None)), "the model has no decoder stack (model.model)"
+        )
+        return stack
 
     def kv_allocator(self) -> Any:
         return self.s.token_to_kv_pool_allocator
@@ -335,6 +345,12 @@ class SGLangScheduler:
 
     def batch_rids(self, forward_batch: Any) -> list[str]:
         return list(forward_batch.rids)
+
+    def step_tokens(self, forward_batch: Any) -> tuple[bool, int]:
+        """Whether the forward is a prefill (extend, mixed included) and its batched tokens."""
+        if forward_batch.forward_mode.is_extend() and forward_batch.extend_num_tokens is not None:
+            return True, int(forward_batch.extend_num_tokens)
+        return False, int(forward_batch.batch_size)
 
     def forward(self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor) -> None:
         """A follower's forward of the leader's batch over its own rows and slots (through the forward hook)."""
