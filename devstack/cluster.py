@@ -157,10 +157,6 @@ class Cluster:
         self.standby = spawn(cmd, self.log("router-standby"))
         self.progress("standby router starting")
 
-    def kill_standby(self, sig: int = signal.SIGKILL) -> None:
-        stop(self.standby, sig=sig)
-        self.standby = None
-
     def start_gateway(self) -> None:
         c = self.config
         cmd = self._command(
