@@ -25,6 +25,7 @@ from flying import taskdump
 from gateway import schemas
 from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
+from gateway.disconnect import CancelOnDisconnect, ClientGone, watch_disconnect
 from gateway.drain import CountRequests, Drain
 from gateway.errors import (
     APIError,
@@ -38,7 +39,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
-from gateway.service import DONE, ClientGone, Gateway, watch_disconnect
+from gateway.service import DONE, Gateway
 
 log = logging.getLogger("flying.gateway")
 
@@ -134,21 +135,12 @@ class RelayResponse(StreamingResponse):
     ) -> None:
         super().__init__(relay, media_type="text/event-stream", headers=headers)
         self.relay, self.unstarted, self.disconnected = relay, unstarted, disconnected
-        self.started = self.complete = self.gone = False
+        self.started = self.complete = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-
-        def left(_: asyncio.Future[None]) -> None:
-            # (the watcher ends with the response too; and a callback already scheduled runs even once removed)
-            if active and not self.complete and not self.disconnected.cancelled():
-                self.gone = True
-                task.cancel()
-
-        active = True
-        self.disconnected.add_done_callback(left)
+        watch = CancelOnDisconnect(self.disconnected)
         try:
+            watch.check()
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
@@ -156,17 +148,19 @@ class RelayResponse(StreamingResponse):
             async for chunk in self.relay:  # to its end: the relay's cleanup runs in it
                 if not self.complete:
                     self.complete = chunk.endswith(DONE)
+                    if self.complete:  # (the watcher ends with the response too)
+                        watch.close()
                     await send({"type": "http.response.body", "body": chunk, "more_body": not self.complete})
             if not self.complete:
                 self.complete = True
+                watch.close()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not self.gone:
+            if not watch.caught():
                 raise
-            task.uncancel()  # the client left: the response ends here, as a finished one
+            # the client left: the response ends here, as a finished one
         finally:
-            active = False
-            self.disconnected.remove_done_callback(left)
+            watch.close()
             self.disconnected.cancel()
             if not self.started:
                 self.unstarted()

@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import msgspec
 import redis.asyncio as aioredis
-from starlette.types import Receive
 
 from flying.autopipeline import AutoPipeline
 from flying.cancel import reraise_if_cancelled, stop_task
@@ -43,6 +42,7 @@ from flying.workers import live_workers
 from gateway.assignments import AssignmentWaiter
 from gateway.backpressure import Backpressure
 from gateway.config import GatewayConfig
+from gateway.disconnect import CancelOnDisconnect, ClientGone
 from gateway.errors import (
     ContextTooLong,
     InvalidRequest,
@@ -63,10 +63,6 @@ SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integ
 GATEWAY_TTL_MS = (
     3000  # the liveness key's TTL; refreshed every monitor_s (the router reaps a dead gateway's work)
 )
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request waited."""
 
 
 @dataclass(frozen=True)
@@ -474,38 +470,17 @@ class Gateway:
     ):
         """``await coro``, unless the client disconnects first: then it is cancelled, the engine is told to abort
         the request, and ClientGone is raised. (The disconnect cancels this task; no task of its own for ``coro``.)"""
-        task = asyncio.current_task()
-        assert task is not None
-        gone = active = False
-
-        def left(_: asyncio.Future[None]) -> None:
-            nonlocal gone
-            if (
-                active and not disconnected.cancelled()
-            ):  # (a callback already scheduled runs even once removed)
-                gone = True
-                task.cancel()
-
-        if not disconnected.done():
-            active = True
-            disconnected.add_done_callback(left)
-        else:
-            gone = not disconnected.cancelled()
+        watch = CancelOnDisconnect(disconnected)
         try:
-            if gone:
-                raise asyncio.CancelledError
+            watch.check()
             return await coro
         except asyncio.CancelledError:
-            if not gone:
+            if not watch.caught():
                 raise
-            if active:
-                task.uncancel()
             self.spawn(self._abandon(adm, a, "client disconnected"))
             raise ClientGone(adm.record.id) from None
         finally:
-            if active:
-                active = False
-                disconnected.remove_done_callback(left)
+            watch.close()
             if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                 coro.close()  # never started (the client had left already)
 
@@ -676,10 +651,3 @@ def unavailable(line: str) -> str:
 
 def sse_error(err) -> bytes:
     return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-
-
-async def watch_disconnect(receive: Receive) -> None:
-    """Completes when the ASGI server reports that the client went away."""
-    while True:
-        if (await receive())["type"] == "http.disconnect":
-            return
