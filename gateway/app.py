@@ -182,7 +182,7 @@ class CompletionRoute:
 
 async def models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    beats = await gw.workers()
+    beats = await gw.cluster.workers()
     card = {
         "id": gw.config.served_model_name,
         "object": "model",
@@ -190,7 +190,7 @@ async def models(request: Request) -> Response:
         "owned_by": "flying-serving",
     }
     if beats:
-        card["max_model_len"] = gw.context_limit(beats)
+        card["max_model_len"] = gw.cluster.context_limit(beats)
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -208,11 +208,12 @@ async def health(request: Request) -> Response:
             {"status": "draining", "gateway_id": gw.config.gateway_id}, status_code=503, headers=RETRY
         )
     try:
-        beats = await gw.workers(max_age_s=0)
+        beats = await gw.cluster.workers(max_age_s=0)
         depth = await gw.queue.depth()
     except aioredis.RedisError as exc:
         return JSONResponse({"status": "unhealthy", "redis": repr(exc)}, status_code=503, headers=RETRY)
-    why = (["no live engine"] if not beats else []) + [w for w in gw.degraded() if w != "no live engine"]
+    others = [w for w in gw.cluster.degraded() if w != "no live engine"]
+    why = (["no live engine"] if not beats else []) + others
     body = {
         "status": "degraded" if why else "ok",
         "gateway_id": gw.config.gateway_id,
