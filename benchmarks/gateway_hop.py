@@ -31,7 +31,8 @@ BODY = {
 async def ttft_ms(c: httpx.AsyncClient, url: str) -> float:
     t0 = time.perf_counter()
     async with c.stream("POST", url + "/v1/chat/completions", json=BODY) as r:
-        assert r.status_code == 200, await r.aread()
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:200]!r}")
         lines = r.aiter_lines()
         async for line in lines:
             if line.startswith("data:"):

@@ -62,4 +62,3 @@ def decode_chain(text: str) -> tuple[int, ...]:
         return ()
     raw = base64.b64decode(text)
     return struct.unpack(f"<{len(raw) // 8}Q", raw)
-
