@@ -94,9 +94,8 @@ class Admission:
         if not req.stream or keep:  # the engine's own endpoint
             return Admitted(record, path, body, bool(req.stream))
         up = upstream_body(body, chat, ids if isinstance(ids, list) else None)
-        known = (
-            up["prompt"] if isinstance(up["prompt"], list) else None
-        )  # a text prompt's: from the first chunk
+        # a text prompt's ids come with the engine's first chunk
+        known = up["prompt"] if isinstance(up["prompt"], list) else None
         return Admitted(
             record, "/v1/completions", up, True, Resumable(up, max_tokens, chat=chat, prompt_ids=known)
         )

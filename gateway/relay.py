@@ -186,9 +186,7 @@ class Relay:
         log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated),
                     extra={"request_id": adm.record.id})  # fmt: skip
         fut = await self.waiting.retry_or_fail(adm, a, why, cause="mid_stream")
-        never = (
-            asyncio.get_running_loop().create_future()
-        )  # a client that leaves cancels this generator instead
+        never = asyncio.get_running_loop().create_future()  # a client that leaves cancels this generator
         a = await self.waiting.wait_assignment(adm, fut, never)
         resp = await self.upstream.open_stream(a.url, adm.path, body)
         if resp.status_code != 200:
