@@ -15,22 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 
 import httpx
-import redis
-
-from devstack.redis_server import RedisServer
-from flying.keys import Keys
-from flying.procs import free_port, spawn, stop, wait_healthy
-from loadgen.fake_server import start_process
-from worker_ext import launch
-from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
-from worker_ext.tinymodel import ensure
+from _stack import gateway_stack
 
 BODY = {
     "model": "tiny-llama",
@@ -43,7 +31,8 @@ BODY = {
 async def ttft_ms(c: httpx.AsyncClient, url: str) -> float:
     t0 = time.perf_counter()
     async with c.stream("POST", url + "/v1/chat/completions", json=BODY) as r:
-        assert r.status_code == 200, await r.aread()
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:200]!r}")
         lines = r.aiter_lines()
         async for line in lines:
             if line.startswith("data:"):
@@ -81,32 +70,10 @@ def main() -> None:
         help="rounds on the same stack; the medians of their results are quoted",
     )
     a = p.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gateway-hop-"))
-    model = ensure(Path(".flying/test-model"), seed=0)
-    server = RedisServer(data_dir=tmp / "redis").start()
-    keys = Keys("flying")
-    engine, engine_url = start_process(tmp / "engine.log", ttft_ms=0, itl_ms=0)
-    hb = HeartbeatPublisher(
-        HeartbeatConfig(engine=0, url=engine_url, model="tiny-llama", redis_url=server.url, launch_id="L")
-    )
-    hb.beat(context_len=4096, max_total_tokens=65536, free_kv_tokens=65536)
-    hb.start()
-    r = redis.Redis.from_url(server.url)
-    threading.Thread(target=launch.keep_ready, args=(r, keys.ready(0), "L", engine), daemon=True).start()
-    common = ["--redis-url", server.url]
-    router = spawn([sys.executable, "-m", "router.main", *common, "--manual"], tmp / "router.log")
-    port = free_port()
-    gw_cmd = [sys.executable, "-m", "gateway.main", *common, "--model-path", str(model), "--port", str(port)]
-    gateway = spawn(gw_cmd, tmp / "gateway.log")
-    gw_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(gateway, gw_url, 60)
-        rounds = [asyncio.run(measure(gw_url, engine_url, a.pairs)) for _ in range(a.rounds)]
-    finally:
-        for proc in (gateway, router, engine):
-            stop(proc)
-        hb.stop()
-        server.stop()
+    with gateway_stack("gateway-hop") as stack:
+        engine_url = stack.engines[0][1]
+        rounds = [asyncio.run(measure(stack.url, engine_url, a.pairs)) for _ in range(a.rounds)]
+    tmp = stack.tmp
     print(
         f"{a.rounds} rounds of {a.pairs} alternating pairs, streaming, max_tokens 4, one at a time (logs in {tmp})"
     )

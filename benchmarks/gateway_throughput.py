@@ -22,20 +22,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
-import redis
-
-from devstack.redis_server import RedisServer
-from flying.keys import Keys
-from flying.procs import free_port, spawn, stop, wait_healthy
-from loadgen.fake_server import start_process
-from worker_ext import launch
-from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
-from worker_ext.tinymodel import ensure
+from _stack import gateway_stack
 
 BODY = json.dumps(
     {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
@@ -145,29 +135,12 @@ def main() -> None:
         "stacks, one line per stack)",
     )
     a = p.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gateway-throughput-"))
-    model = ensure(Path(".flying/test-model"), seed=0)
-    server = RedisServer(data_dir=tmp / "redis").start()
-    keys, engines, beats = Keys("flying"), [], []
-    r = redis.Redis.from_url(server.url)
-    for e in range(2):
-        proc, url = start_process(tmp / f"engine{e}.log", ttft_ms=0, itl_ms=0)
-        hb = HeartbeatPublisher(HeartbeatConfig(engine=e, url=url, model="tiny-llama", redis_url=server.url, launch_id="L"))  # fmt: skip
-        hb.beat(context_len=4096, max_total_tokens=1 << 20, free_kv_tokens=1 << 20, num_engines=2)
-        hb.start()
-        threading.Thread(target=launch.keep_ready, args=(r, keys.ready(e), "L", proc), daemon=True).start()
-        engines.append((proc, url))
-        beats.append(hb)
-    common = ["--redis-url", server.url]
-    router = spawn([sys.executable, "-m", "router.main", *common, "--manual", "--max-inflight-per-worker", "4096"], tmp / "router.log")  # fmt: skip
-    port = free_port()
-    gw_cmd = [sys.executable, "-m", "gateway.main", *common, "--model-path", str(model), "--port", str(port), "--max-queue", "100000"]  # fmt: skip
-    gateway = spawn(gw_cmd, tmp / "gateway.log")
-    try:
-        wait_healthy(gateway, f"http://127.0.0.1:{port}", 60)
+    router_args, gateway_args = ["--max-inflight-per-worker", "4096"], ["--max-queue", "100000"]
+    with gateway_stack("gateway-throughput", 2, 1 << 20, router_args, gateway_args) as stack:
+        port, gateway, engines = stack.port, stack.gateway, stack.engines
         asyncio.run(drive("127.0.0.1", port, "/v1/chat/completions", 50, 2))  # warm-up
-        assert server.proc is not None
-        procs = {"gateway": gateway.pid, "router": router.pid, "redis": server.proc.pid}
+        assert stack.server.proc is not None
+        procs = {"gateway": gateway.pid, "router": stack.router.pid, "redis": stack.server.proc.pid}
         procs |= {f"engine{e}": proc.pid for e, (proc, _) in enumerate(engines)}
         procs["client+heartbeats"] = None  # this process
         spy = record(gateway.pid, a.py_spy) if a.py_spy else None
@@ -181,12 +154,7 @@ def main() -> None:
         direct, direct_s = asyncio.run(
             drive("127.0.0.1", eng_port, "/v1/chat/completions", a.rate, a.seconds)
         )
-    finally:
-        for proc in (gateway, router, *(e[0] for e in engines)):
-            stop(proc)
-        for hb in beats:
-            hb.stop()
-        server.stop()
+    tmp = stack.tmp
     print(f"offered {a.rate:g} req/s for {a.seconds:g} s, streaming chat, max_tokens 2 (logs in {tmp})")
     for name, res, took in (("via gateway", via, via_s), ("direct", direct, direct_s)):
         ok = [x for x in res if x[0] == 200]

@@ -43,7 +43,8 @@ def load(url: str, model: Path, n: int, conc: int, out_tokens: int) -> dict:
     cfg = runner.RunConfig(url, "x", api="completions", max_concurrency=conc, warmup=2)
     records, duration = asyncio.run(runner.run(cfg, plan(w, PromptMaker(model))))
     s = metrics.summarize(records, duration)
-    assert s["failed"] == 0, s["errors"]
+    if s["failed"]:
+        raise RuntimeError(f"{s['failed']} requests failed: {s['errors']}")
     return {"tok_s": s["output_throughput"], "tpot": s["tpot_ms"]["p50"]}
 
 
@@ -98,7 +99,8 @@ def prompt_logprobs(url: str, text: str) -> list[float]:
 def max_diff(a: str, b: str) -> float:
     text = "Tell me a story about a dragon and a castle, and then another one about the river and the sea."
     x, y = prompt_logprobs(a, text), prompt_logprobs(b, text)
-    assert len(x) == len(y) > 3
+    if not len(x) == len(y) > 3:
+        raise RuntimeError(f"the engines' prompt log-probabilities differ in number: {len(x)} and {len(y)}")
     return max(abs(p - q) for p, q in zip(x, y))
 
 

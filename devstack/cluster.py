@@ -45,17 +45,21 @@ class ClusterConfig:
     standby_router: bool = False  # a second router waiting for the lease (the demo runs one)
     log_format: str = "text"  # every process's --log-format: text or json (see flying.logs)
     router_metrics_port: int = field(default_factory=free_port)  # the router's Prometheus metrics (0: off)
-    # the router's DP dispatch (issue 16; router_args given after these override them)
+    # the router's DP dispatch (router_args given after these override them)
     dispatch: DispatchRule = PolicyConfig.dispatch
     cache_threshold: float = PolicyConfig.cache_threshold
     balance_abs_threshold: float = PolicyConfig.balance_abs_threshold
     balance_rel_threshold: float = PolicyConfig.balance_rel_threshold
 
     def __post_init__(self) -> None:
-        assert self.num_engines >= 1, "num_engines must be >= 1"
+        if self.num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {self.num_engines}")
         if not self.worker_ports:
             object.__setattr__(self, "worker_ports", tuple(free_port() for _ in range(self.num_engines)))
-        assert len(self.worker_ports) == self.num_engines, "one port per engine"
+        if len(self.worker_ports) != self.num_engines:
+            raise ValueError(
+                f"worker_ports needs one port per engine: {len(self.worker_ports)} for {self.num_engines} engines"
+            )
 
     @property
     def gateway_url(self) -> str:
@@ -157,10 +161,6 @@ class Cluster:
         self.standby = spawn(cmd, self.log("router-standby"))
         self.progress("standby router starting")
 
-    def kill_standby(self, sig: int = signal.SIGKILL) -> None:
-        stop(self.standby, sig=sig)
-        self.standby = None
-
     def start_gateway(self) -> None:
         c = self.config
         cmd = self._command(
@@ -176,7 +176,10 @@ class Cluster:
     def restart_redis(self, down_s: float = 1.0, sig: int = signal.SIGTERM) -> None:
         """Stop the private redis-server with ``sig``, wait ``down_s``, start it again on the same port and data
         directory (with AOF it comes back with its data, all but the last second after a SIGKILL)."""
-        assert self.redis_server is not None, "only a Redis this cluster started can be restarted"
+        if self.redis_server is None:
+            raise RuntimeError(
+                "only a Redis this cluster started can be restarted (this one uses an external one)"
+            )
         old = self.redis_server
         stop(old.proc, sig=sig)
         time.sleep(down_s)

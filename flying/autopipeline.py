@@ -106,8 +106,9 @@ class AutoPipeline:
                     setup.append(("SELECT", self.db))
                 if self.client_name:
                     setup.append(("CLIENT", "SETNAME", self.client_name))
-                for reply in await asyncio.gather(*(protocol.send(cmd) for cmd in setup)):
-                    assert reply in (b"OK", "OK"), reply
+                for cmd, reply in zip(setup, await asyncio.gather(*(protocol.send(cmd) for cmd in setup))):
+                    if reply not in (b"OK", "OK"):
+                        raise ResponseError(f"Redis answered {cmd[0]!s} with {reply!r}, not OK")
         except BaseException as exc:
             if protocol is not None:
                 protocol.close()  # half set up (refused AUTH, a timeout): not kept, not leaked

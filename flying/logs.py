@@ -43,7 +43,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def formatter(fmt: LogFormat) -> logging.Formatter:
-    assert fmt in FORMATS, f"log format must be one of {FORMATS}, got {fmt!r}"
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     return JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT)
 
 

@@ -62,13 +62,3 @@ def decode_chain(text: str) -> tuple[int, ...]:
         return ()
     raw = base64.b64decode(text)
     return struct.unpack(f"<{len(raw) // 8}Q", raw)
-
-
-def common_blocks(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading blocks two chains share (cumulative hashes: the first disagreement ends it)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

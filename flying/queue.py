@@ -275,9 +275,6 @@ class RequestQueue:
     async def depth(self) -> int:
         return int(await self.r.zcard(self.keys.queue))
 
-    async def wake_router(self) -> None:
-        await self.r.lpush(self.keys.wake, 1)
-
 
 def text(x: object) -> str:
     """A Redis reply value as str."""

@@ -25,6 +25,7 @@ from flying import taskdump
 from gateway import schemas
 from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
+from gateway.disconnect import CancelOnDisconnect, ClientGone, watch_disconnect
 from gateway.drain import CountRequests, Drain
 from gateway.errors import (
     APIError,
@@ -38,7 +39,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
-from gateway.service import DONE, ClientGone, Gateway, watch_disconnect
+from gateway.service import DONE, Gateway
 
 log = logging.getLogger("flying.gateway")
 
@@ -134,21 +135,12 @@ class RelayResponse(StreamingResponse):
     ) -> None:
         super().__init__(relay, media_type="text/event-stream", headers=headers)
         self.relay, self.unstarted, self.disconnected = relay, unstarted, disconnected
-        self.started = self.complete = self.gone = False
+        self.started = self.complete = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-
-        def left(_: asyncio.Future[None]) -> None:
-            # (the watcher ends with the response too; and a callback already scheduled runs even once removed)
-            if active and not self.complete and not self.disconnected.cancelled():
-                self.gone = True
-                task.cancel()
-
-        active = True
-        self.disconnected.add_done_callback(left)
+        watch = CancelOnDisconnect(self.disconnected)
         try:
+            watch.check()
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
@@ -156,17 +148,19 @@ class RelayResponse(StreamingResponse):
             async for chunk in self.relay:  # to its end: the relay's cleanup runs in it
                 if not self.complete:
                     self.complete = chunk.endswith(DONE)
+                    if self.complete:  # (the watcher ends with the response too)
+                        watch.close()
                     await send({"type": "http.response.body", "body": chunk, "more_body": not self.complete})
             if not self.complete:
                 self.complete = True
+                watch.close()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not self.gone:
+            if not watch.caught():
                 raise
-            task.uncancel()  # the client left: the response ends here, as a finished one
+            # the client left: the response ends here, as a finished one
         finally:
-            active = False
-            self.disconnected.remove_done_callback(left)
+            watch.close()
             self.disconnected.cancel()
             if not self.started:
                 self.unstarted()
@@ -188,7 +182,7 @@ class CompletionRoute:
 
 async def models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    beats = await gw.workers()
+    beats = await gw.cluster.workers()
     card = {
         "id": gw.config.served_model_name,
         "object": "model",
@@ -196,7 +190,7 @@ async def models(request: Request) -> Response:
         "owned_by": "flying-serving",
     }
     if beats:
-        card["max_model_len"] = gw.context_limit(beats)
+        card["max_model_len"] = gw.cluster.context_limit(beats)
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -214,11 +208,12 @@ async def health(request: Request) -> Response:
             {"status": "draining", "gateway_id": gw.config.gateway_id}, status_code=503, headers=RETRY
         )
     try:
-        beats = await gw.workers(max_age_s=0)
+        beats = await gw.cluster.workers(max_age_s=0)
         depth = await gw.queue.depth()
     except aioredis.RedisError as exc:
         return JSONResponse({"status": "unhealthy", "redis": repr(exc)}, status_code=503, headers=RETRY)
-    why = (["no live engine"] if not beats else []) + [w for w in gw.degraded() if w != "no live engine"]
+    others = [w for w in gw.cluster.degraded() if w != "no live engine"]
+    why = (["no live engine"] if not beats else []) + others
     body = {
         "status": "degraded" if why else "ok",
         "gateway_id": gw.config.gateway_id,

@@ -37,10 +37,22 @@ class GatewayConfig:
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 
     def __post_init__(self) -> None:
-        assert self.max_queue >= 1, "max_queue must be >= 1"
-        assert self.queue_timeout_s > 0 and self.request_timeout_s > 0, "timeouts must be > 0"
-        assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
-        assert self.max_attempts >= 1, "max_attempts must be >= 1"
-        assert self.max_wait_s >= 0, "max_wait_s must be >= 0 (0: no bound by wait)"
-        assert self.redis_max_connections >= 4, "redis_max_connections must be >= 4"
-        assert self.reconcile_s > 0 and self.monitor_s > 0, "reconcile_s and monitor_s must be > 0"
+        _at_least("max_queue", self.max_queue, 1)
+        _above("queue_timeout_s", self.queue_timeout_s, 0)
+        _above("request_timeout_s", self.request_timeout_s, 0)
+        _at_least("default_max_tokens", self.default_max_tokens, 1)
+        _at_least("max_attempts", self.max_attempts, 1)
+        _at_least("max_wait_s", self.max_wait_s, 0, " (0: no bound by wait)")
+        _at_least("redis_max_connections", self.redis_max_connections, 4)
+        _above("reconcile_s", self.reconcile_s, 0)
+        _above("monitor_s", self.monitor_s, 0)
+
+
+def _at_least(name: str, value: float, low: float, note: str = "") -> None:
+    if not value >= low:
+        raise ValueError(f"{name} must be >= {low}{note}, got {value!r}")
+
+
+def _above(name: str, value: float, low: float) -> None:
+    if not value > low:
+        raise ValueError(f"{name} must be > {low}, got {value!r}")

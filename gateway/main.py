@@ -76,24 +76,27 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     d = GatewayConfig(model_path="")
     p = parser()
     a = p.parse_args(argv)
-    return dataclasses.replace(
-        d,
-        model_path=a.model_path,
-        served_model_name=a.served_model_name,
-        host=a.host,
-        port=a.port,
-        redis_url=a.redis_url,
-        key_prefix=a.key_prefix,
-        max_queue=a.max_queue,
-        queue_timeout_s=a.queue_timeout_s,
-        max_wait_s=a.max_wait_s,
-        redis_max_connections=a.redis_max_connections,
-        drain_grace_s=a.drain_grace_s,
-        default_max_tokens=a.default_max_tokens,
-        api_keys=read_keys(settings.api_keys(), a.api_key_file),
-        metrics_require_key=a.metrics_require_key,
-        log_format=a.log_format,
-    )
+    try:
+        return dataclasses.replace(
+            d,
+            model_path=a.model_path,
+            served_model_name=a.served_model_name,
+            host=a.host,
+            port=a.port,
+            redis_url=a.redis_url,
+            key_prefix=a.key_prefix,
+            max_queue=a.max_queue,
+            queue_timeout_s=a.queue_timeout_s,
+            max_wait_s=a.max_wait_s,
+            redis_max_connections=a.redis_max_connections,
+            drain_grace_s=a.drain_grace_s,
+            default_max_tokens=a.default_max_tokens,
+            api_keys=read_keys(settings.api_keys(), a.api_key_file),
+            metrics_require_key=a.metrics_require_key,
+            log_format=a.log_format,
+        )
+    except ValueError as exc:  # a setting out of its range
+        p.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,9 @@ class PromptCounter:
         """The prompt's token ids as the engine's chat endpoint would make them (template, then tokenizer)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert isinstance(text, str), "tokenize=False renders one conversation to text"
+        # tokenize=False renders one conversation to text (a transformers that does not is not supported)
+        if not isinstance(text, str):
+            raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
         return self.ids(text, special=False)
 
     def chat(self, req: ChatCompletionRequest) -> int:

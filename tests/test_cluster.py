@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from devstack.cluster import ClusterConfig
+import pytest
+
+from devstack.cluster import Cluster, ClusterConfig
 from router.main import parse_args
 from router.policy import PolicyConfig
 
@@ -21,3 +23,16 @@ def test_dispatch_settings_reach_the_router_and_router_args_override_them():
         2,
     )
     assert parse_args([*cfg.dispatch_args(), "--dispatch", "cache-aware"]).policy.dispatch == "cache-aware"
+
+
+def test_an_engine_count_or_ports_that_do_not_fit_are_value_errors():
+    with pytest.raises(ValueError, match="num_engines must be >= 1, got 0"):
+        ClusterConfig(Path("m"), num_engines=0)
+    with pytest.raises(ValueError, match="worker_ports needs one port per engine: 1 for 2 engines"):
+        ClusterConfig(Path("m"), num_engines=2, worker_ports=(30001,))
+
+
+def test_only_a_redis_the_cluster_started_can_be_restarted():
+    cluster = Cluster(ClusterConfig(Path("m"), redis_url="redis://127.0.0.1:1/0"))
+    with pytest.raises(RuntimeError, match="only a Redis this cluster started can be restarted"):
+        cluster.restart_redis()

@@ -152,7 +152,7 @@ async def test_a_stream_whose_client_left_before_it_started_is_still_cleaned_up(
     import asyncio
 
     from gateway.app import RelayResponse
-    from gateway.service import watch_disconnect
+    from gateway.disconnect import watch_disconnect
 
     ran, dropped = [], []
 

@@ -183,7 +183,7 @@ def test_a_prompt_the_tokenizer_rejects_is_a_400(app_client):
         def chat_ids(self, req):
             raise RuntimeError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-    app_client.app.state.gateway.count_tokens = Rejecting()
+    app_client.app.state.gateway.admission.count_tokens = Rejecting()
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}]}
     resp = app_client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400

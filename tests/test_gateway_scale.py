@@ -92,7 +92,7 @@ async def test_ten_thousand_waiting_requests(redis_server, sync_redis, aredis, k
 async def test_a_long_prompt_is_tokenized_off_the_event_loop(redis_server, sync_redis, keys):
     import threading
 
-    from gateway.service import OFF_LOOP_CHARS
+    from gateway.admission import OFF_LOOP_CHARS
 
     class Where(CountWords):
         threads: list[str] = []

@@ -16,8 +16,9 @@ import pytest
 from flying.messages import GROUP_LOST as LOST
 from flying.messages import Heartbeat, encode
 from gateway.config import GatewayConfig
+from gateway.disconnect import ClientGone
 from gateway.schemas import ChatCompletionRequest, decode
-from gateway.service import ClientGone, Gateway
+from gateway.service import Gateway
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig

@@ -52,7 +52,7 @@ def test_text_names_the_id_in_the_message():
 
 
 def test_unknown_format_is_refused():
-    with pytest.raises(AssertionError, match="log format"):
+    with pytest.raises(ValueError, match="log format must be one of text, json, got 'xml'"):
         logs.formatter("xml")  # type: ignore[arg-type]
 
 

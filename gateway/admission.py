@@ -1,0 +1,129 @@
+"""Admission: a request checked against what the deployment can serve (its model, a live engine, a router
+dispatching, the context length) and made into what the gateway queues and forwards (:class:`Admitted`: the
+queue record, the engine endpoint and body, and for a resumable stream its progress). The prompt is tokenized
+here, a long one off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+
+from flying.messages import Priority, QueuedRequest
+from flying.prefix import block_hashes, encode_chain
+from gateway.cluster_view import ClusterView
+from gateway.config import GatewayConfig
+from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
+from gateway.resume import Resumable, upstream_body
+from gateway.schemas import NOT_RESUMABLE, ChatCompletionRequest, requested_max_tokens
+
+SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
+OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event loop
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A validated request, ready to queue and forward."""
+
+    record: QueuedRequest
+    path: str  # SGLang endpoint
+    body: dict
+    stream: bool
+    resume: Resumable | None = None  # a stream that can continue on another engine (see gateway.resume)
+
+    def renamed(self, rid: str) -> Admitted:
+        """The same request under id ``rid`` (record and SGLang rid)."""
+        self.body["rid"] = rid  # the one body dict, shared with ``resume``
+        return dataclasses.replace(self, record=msgspec.structs.replace(self.record, id=rid))
+
+
+class Admission:
+    """Validates requests for one gateway: ``count_tokens`` is the prompt counter (``chat_ids(req)``: a chat
+    prompt's ids; ``completion(req)``: a completion prompt's ids or length); the cluster view says what the
+    deployment can serve."""
+
+    def __init__(self, config: GatewayConfig, cluster: ClusterView, count_tokens) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.count_tokens = count_tokens
+
+    async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:
+        """Validate ``req`` and build its record and engine body, under ``request_id`` (else a fresh id)."""
+        if req.model != self.config.served_model_name:
+            raise ModelNotFound(
+                f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",
+                param="model",
+            )
+        cluster = self.cluster
+        beats = await cluster.workers() or await cluster.workers(max_age_s=0)  # before a 503, look again
+        if not beats:
+            raise NoLiveWorkers("no live workers; try again later")
+        if cluster.router_missing():
+            raise NoRouter("no router is dispatching (none holds the lease); try again later")
+        chat = isinstance(req, ChatCompletionRequest)
+        size = sum(len(m.text()) for m in req.messages) if chat else len(req.prompt)
+        if size > OFF_LOOP_CHARS:  # a long prompt is tokenized on a thread: other requests keep flowing
+            ids = await asyncio.to_thread(self._tokens, req, chat)
+        else:
+            ids = self._tokens(req, chat)
+        prompt = ids if isinstance(ids, int) else len(ids)
+        limit = cluster.limit(beats)
+        max_tokens = self._max_tokens(req, prompt, limit)
+        rid = request_id or uuid.uuid4().hex
+        chain = block_hashes(ids if isinstance(ids, list) else req.prompt)  # for cache-aware dispatch
+        body = msgspec.to_builtins(req)
+        body.pop("max_completion_tokens", None)
+        body.update(max_tokens=max_tokens, rid=rid, priority=SGLANG_PRIORITY[priority])
+        record = QueuedRequest(
+            id=rid,
+            priority=priority,
+            model=req.model,
+            prompt_tokens=prompt,
+            max_tokens=max_tokens,
+            gateway=self.config.gateway_id,
+            enqueued_at=time.time(),
+            n=req.n,
+            prefix=encode_chain(chain),
+        )
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        keep = req.logprobs or req.n > 1 or (not chat and req.echo) or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)  # fmt: skip
+        if not req.stream or keep:  # the engine's own endpoint
+            return Admitted(record, path, body, bool(req.stream))
+        up = upstream_body(body, chat, ids if isinstance(ids, list) else None)
+        # a text prompt's ids come with the engine's first chunk
+        known = up["prompt"] if isinstance(up["prompt"], list) else None
+        return Admitted(
+            record, "/v1/completions", up, True, Resumable(up, max_tokens, chat=chat, prompt_ids=known)
+        )
+
+    def _tokens(self, req, chat: bool) -> list[int] | int:
+        """The chat prompt's token ids, or a completion prompt's length; a prompt the tokenizer or chat
+        template rejects (e.g. roles a template does not allow) is the client's error."""
+        try:
+            return self.count_tokens.chat_ids(req) if chat else self.count_tokens.completion(req)
+        except Exception as exc:  # noqa: BLE001 - tokenizers and Jinja templates raise anything
+            param = "messages" if chat else "prompt"
+            raise InvalidRequest(f"the {param} could not be tokenized: {exc}", param=param) from None
+
+    def _max_tokens(self, req, prompt: int, limit: int) -> int:
+        asked, param = requested_max_tokens(req)
+        if asked is not None and asked < 1:
+            raise InvalidRequest(f"{param} must be at least 1, got {asked}", param=param)
+        if prompt >= limit:
+            raise ContextTooLong(
+                f"This model's maximum context length is {limit} tokens; the prompt has {prompt} tokens.",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        if asked is None:
+            return min(self.config.default_max_tokens, limit - prompt)
+        if prompt + asked > limit:
+            raise ContextTooLong(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt + asked} tokens ({prompt} in the prompt, {asked} in the completion).",
+                param=param,
+            )
+        return asked

@@ -1,0 +1,121 @@
+"""What a gateway knows of the cluster: the live engines (their heartbeats), whether a router holds the lease,
+since when no engine has been live, whether the router pools KV for long requests, and from these the largest
+request the deployment can hold and why it cannot serve (if it cannot). :meth:`ClusterView.observe` refreshes it
+once per monitor tick, in one round trip that also renews this gateway's liveness key."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import NamedTuple
+
+import redis.asyncio as aioredis
+
+from flying.groups import merge_sets
+from flying.keys import Keys
+from flying.messages import Heartbeat, RouterState, decode
+from flying.workers import live_workers
+from gateway.config import GatewayConfig
+
+# the liveness key's TTL; refreshed every monitor_s (the router reaps a dead gateway's work)
+GATEWAY_TTL_MS = 3000
+
+
+class Tick(NamedTuple):
+    """One observation's counts beyond the view itself (for the service rate)."""
+
+    now: float  # time.monotonic() when it was read
+    assigned: int  # the deployment's ``assigned`` counter
+    depth: int  # requests waiting in the global queue
+
+
+class ClusterView:
+    """The cluster as this gateway sees it. The engines' heartbeats are read at most every ``max_age_s`` and
+    concurrent callers share one read; the router's lease and the engines' absence are tracked per
+    :meth:`observe` (through :meth:`update`, which tests drive directly)."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, config: GatewayConfig) -> None:
+        self.r = client
+        self.keys = keys
+        self.gateway_id = config.gateway_id
+        self.no_router_grace_s = config.no_router_grace_s
+        self._workers: tuple[float, list[Heartbeat]] = (-1e9, [])
+        self._refresh: asyncio.Future[list[Heartbeat]] | None = None  # the one read in flight
+        self.no_workers_since: float | None = None
+        self.router_seen = time.monotonic()  # last time a router held the lease (start: a grace period)
+        self.pooled_context = True  # the router binds groups for long requests (from its published state)
+
+    async def workers(self, max_age_s: float = 0.25) -> list[Heartbeat]:
+        """The live engines, as read at most ``max_age_s`` ago; concurrent callers share one refresh."""
+        ts, beats = self._workers
+        if time.monotonic() - ts <= max_age_s:
+            return beats
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._read_workers())
+        return await asyncio.shield(self._refresh)
+
+    async def _read_workers(self) -> list[Heartbeat]:
+        beats = await live_workers(self.r, self.keys)
+        raw = await self.r.get(self.keys.router_state)
+        self.pooled_context = decode(raw, RouterState).long_context if raw else True
+        self._workers = (time.monotonic(), beats)
+        return beats
+
+    async def announce(self) -> None:
+        """Set this gateway's liveness key (start-up; :meth:`observe` renews it)."""
+        await self.r.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
+
+    async def observe(self) -> Tick:
+        """Re-read the engines, renew the liveness key, and read the router's lease, the ``assigned`` counter and
+        the queue's depth (one pipeline)."""
+        beats = await self.workers(max_age_s=0)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
+        pipe.hget(self.keys.stats, "assigned")
+        pipe.exists(self.keys.router_lease)
+        pipe.zcard(self.keys.queue)
+        _, assigned, lease, depth = await pipe.execute()
+        now = time.monotonic()
+        self.update(now, live=bool(beats), lease=bool(lease))
+        return Tick(now, int(assigned or 0), depth)
+
+    def update(self, now: float, live: bool, lease: bool) -> None:
+        """Note what one observation at ``now`` saw: some engine ``live``, a router holding the ``lease``."""
+        if lease:
+            self.router_seen = now
+        if live:
+            self.no_workers_since = None
+        elif self.no_workers_since is None:
+            self.no_workers_since = now
+
+    def no_workers_for(self, now: float) -> float:
+        """How long no engine has been live, as of ``now`` (0 while one is)."""
+        return 0.0 if self.no_workers_since is None else now - self.no_workers_since
+
+    def router_missing(self) -> bool:
+        """No router has held the lease for ``no_router_grace_s``: nothing would dispatch a new request."""
+        return time.monotonic() - self.router_seen > self.no_router_grace_s
+
+    def degraded(self) -> list[str]:
+        """Why this deployment cannot serve new requests now (empty: it can)."""
+        why = []
+        if self.no_workers_since is not None:
+            why.append("no live engine")
+        if self.router_missing():
+            why.append(f"no router has held the lease for {time.monotonic() - self.router_seen:.0f} s")
+        return why
+
+    def limit(self, beats: list[Heartbeat]) -> int:
+        """:meth:`context_limit` as the router places long requests now."""
+        return self.context_limit(beats, self.pooled_context)
+
+    @staticmethod
+    def context_limit(beats: list[Heartbeat], pooled: bool = True) -> int:
+        """Largest prompt+output the deployment can hold: one engine's context length, capped by the KV of the
+        widest group whose members are all live (one engine's KV when engines cannot bind)."""
+        live = {hb.engine for hb in beats}
+        per_engine = min(hb.max_total_tokens for hb in beats)
+        sets = merge_sets(max(hb.num_engines for hb in beats)) if pooled else []
+        widest = max((len(ms) for ms in sets if set(ms) <= live), default=1)
+        kv = max(max(hb.max_total_tokens for hb in beats), widest * per_engine)
+        return min(max(hb.context_len for hb in beats), kv)

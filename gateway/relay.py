@@ -1,0 +1,226 @@
+"""The relay: a request forwarded to its engine and the answer brought back. Non-streaming, the engine's JSON
+(:meth:`Relay.forward`); streaming, nothing goes to the client before the engine's first event
+(:meth:`Relay.first_event`: an engine that fails before it is replaced), then the events as they come
+(:meth:`Relay.relay`), continued on another engine if this one fails mid-stream (:mod:`gateway.resume`). A client
+that leaves has its request aborted on the engine and its slot freed (:meth:`Relay.drop` if it left before its
+stream started)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+
+import httpx
+import msgspec
+
+from flying.messages import GROUP_LOST, Assignment, engine_gave_up
+from flying.queue import RequestQueue
+from gateway.admission import Admitted
+from gateway.background import Background
+from gateway.disconnect import CancelOnDisconnect, ClientGone
+from gateway.errors import WorkerFailed
+from gateway.upstream import StreamBroken, Upstream, WorkerUnavailable
+from gateway.waiting import WaitingRoom
+
+log = logging.getLogger("flying.gateway")
+DONE = b"data: [DONE]\n\n"  # a stream's last event
+
+
+class Relay:
+    """Forwards admitted requests to the engines through ``upstream``; a failed engine's request goes back to
+    the ``waiting`` room."""
+
+    def __init__(self, upstream: Upstream, waiting: WaitingRoom, background: Background) -> None:
+        self.upstream = upstream
+        self.waiting = waiting
+        self.queue: RequestQueue = waiting.queue
+        self.background = background
+
+    async def forward(self, adm: Admitted, a: Assignment, disconnected: asyncio.Future[None]):
+        """Non-streaming: the engine's (status, JSON body). Raises WorkerUnavailable or ClientGone."""
+        resp = await self._unless_gone(adm, a, self.upstream.post(a.url, adm.path, adm.body), disconnected)
+        if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
+            raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}")
+        try:
+            payload = resp.json()
+        except ValueError:
+            error = f"engine {a.engine} answered {resp.status_code} with a body that is not JSON: {resp.text[:120]!r}"
+            await self.queue.finish(adm.record.id, "failed", error)
+            raise WorkerFailed(error) from None
+        state = "done" if resp.status_code == 200 else "failed"
+        await self.queue.finish(adm.record.id, state, "" if state == "done" else resp.text[:200])
+        return resp.status_code, payload
+
+    async def first_event(
+        self, adm: Admitted, a: Assignment, resp, disconnected: asyncio.Future[None]
+    ) -> AsyncIterator[list[str]]:
+        """Streaming: wait for the engine's first SSE event before the client gets anything, so an engine that
+        dies (or a group that loses a member) before it can still be replaced: raises WorkerUnavailable and the
+        request is re-dispatched; ClientGone if the client leaves meanwhile. Returns the stream's lines in the
+        batches they arrived in, the first starting with that event."""
+        batches = resp.aiter_batches()
+
+        async def read() -> list[str]:
+            try:
+                async for batch in batches:
+                    for i, line in enumerate(batch):
+                        if line.startswith("data:"):
+                            return batch[i:]
+            except Exception as exc:  # noqa: BLE001 - any upstream failure before the first event: try another
+                raise WorkerUnavailable(f"engine {a.engine} failed before its first event: {exc!r}") from exc
+            raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
+
+        try:
+            first = await self._unless_gone(adm, a, read(), disconnected)
+            if why := unavailable(first[0]):
+                raise WorkerUnavailable(f"engine {a.engine} ended the stream before a token: {why}")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await resp.aclose()
+            raise
+        return _prepend(first, batches)
+
+    async def _unless_gone(
+        self, adm: Admitted, a: Assignment, coro: Awaitable, disconnected: asyncio.Future[None]
+    ):
+        """``await coro``, unless the client disconnects first: then it is cancelled, the engine is told to abort
+        the request, and ClientGone is raised. (The disconnect cancels this task; no task of its own for ``coro``.)"""
+        watch = CancelOnDisconnect(disconnected)
+        try:
+            watch.check()
+            return await coro
+        except asyncio.CancelledError:
+            if not watch.caught():
+                raise
+            self.background.spawn(self._abandon(adm, a, "client disconnected"))
+            raise ClientGone(adm.record.id) from None
+        finally:
+            watch.close()
+            if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()  # never started (the client had left already)
+
+    async def relay(
+        self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[list[str]]
+    ) -> AsyncGenerator[bytes, None]:
+        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`), the last chunk ending with
+        ``DONE``. A resumable stream whose engine
+        dies, or aborts it (its TP group lost a member), after the first event continues on another engine from
+        the tokens already sent (:mod:`gateway.resume`, within ``max_attempts``); any other broken stream ends
+        with an error event."""
+        state, error = "cancelled", "client disconnected"
+        try:
+            while True:
+                try:
+                    async for chunk in self._events(adm, a, events):
+                        yield chunk
+                    state, error = "done", ""
+                    break
+                except WorkerUnavailable as exc:
+                    if adm.resume is None or adm.resume.prompt_ids is None:
+                        raise
+                    with contextlib.suppress(Exception):
+                        await resp.aclose()
+                    if adm.resume.remaining() <= 0:  # it broke after its last token: nothing left to ask
+                        yield DONE
+                        state, error = "done", ""
+                        break
+                    a, resp, events = await self._resume(adm, a, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any upstream failure that cannot be resumed: an error event
+            state, error = "failed", f"engine {a.engine} failed mid-stream: {exc!r}"
+            yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error)) + DONE
+        finally:  # spawned first: an await here may be cancelled again (the client left)
+            if state == "cancelled":
+                self.background.spawn(self._abandon(adm, a, error))
+            else:
+                self.background.spawn(self.waiting.finish_surely(adm.record.id, state, error))
+            if state == "done":
+                resp.finish()  # its connection goes back to the pool once the response's end is in
+            else:
+                with contextlib.suppress(Exception):
+                    await resp.aclose()
+
+    async def _events(
+        self, adm: Admitted, a: Assignment, batches: AsyncIterator[list[str]]
+    ) -> AsyncIterator[bytes]:
+        """One engine's events as the client gets them, through ``[DONE]``: those that arrived together in one
+        piece (one write to the client); WorkerUnavailable if the engine fails, aborts the request or closes the
+        stream before its end."""
+        try:
+            async for batch in batches:
+                out: list[bytes] = []
+                for line in batch:
+                    if not line.startswith("data:"):
+                        continue
+                    if line.strip() == "data: [DONE]":
+                        out.append(DONE)
+                        yield b"".join(out)
+                        return
+                    if adm.resume is None:
+                        out.append((line + "\n\n").encode())
+                        if why := unavailable(line):
+                            yield b"".join(out)
+                            raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
+                        continue
+                    event, data = adm.resume.event(line[5:].strip())
+                    if why := engine_gave_up(event):
+                        if out:
+                            yield b"".join(out)
+                        raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
+                    if data is not None:
+                        out += (b"data: ", data, b"\n\n")
+                if out:
+                    yield b"".join(out)
+        except (httpx.HTTPError, StreamBroken) as exc:
+            raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}") from exc
+        raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
+
+    async def _resume(self, adm: Admitted, a: Assignment, why: str):
+        """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),
+        then the remaining tokens from a new engine. Returns (assignment, response, events)."""
+        assert adm.resume is not None, "only a resumable stream is resumed"
+        body = adm.resume.continuation()
+        log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated),
+                    extra={"request_id": adm.record.id})  # fmt: skip
+        fut = await self.waiting.retry_or_fail(adm, a, why, cause="mid_stream")
+        never = asyncio.get_running_loop().create_future()  # a client that leaves cancels this generator
+        a = await self.waiting.wait_assignment(adm, fut, never)
+        resp = await self.upstream.open_stream(a.url, adm.path, body)
+        if resp.status_code != 200:
+            await resp.aread()
+            raise WorkerUnavailable(f"engine {a.engine} answered {resp.status_code}: {resp.text[:200]}")
+        return a, resp, await self.first_event(adm, a, resp, never)
+
+    async def _abandon(self, adm: Admitted, a: Assignment, why: str) -> None:
+        """The client left: free its slot in Redis and stop it on the engine, both at once (an engine busy with
+        many aborts must not hold the slot)."""
+        await asyncio.gather(
+            self.upstream.abort(a.url, *adm.record.engine_rids()),
+            self.waiting.finish_surely(adm.record.id, "cancelled", why),
+        )
+
+    def drop(self, adm: Admitted, a: Assignment, resp) -> None:
+        """A stream whose client left before it started: close the engine's stream, abort it there, free its
+        slot (what the relay does when it ends)."""
+        self.background.spawn(resp.aclose())
+        self.background.spawn(self._abandon(adm, a, "client disconnected before its stream started"))
+
+
+async def _prepend(first: list[str], rest: AsyncIterator[list[str]]) -> AsyncIterator[list[str]]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def unavailable(line: str) -> str:
+    """Why an SSE line says the engine gave up on the request ('' if it does not): see engine_gave_up."""
+    with contextlib.suppress(ValueError):  # (msgspec.DecodeError is one)
+        return engine_gave_up(msgspec.json.decode(line[5:]))
+    return ""
+
+
+def sse_error(err) -> bytes:
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\n"

@@ -1,0 +1,175 @@
+"""A gateway's requests in the global queue (Redis), from admission to their end: admitted within the
+backpressure limits for their priority (else 429), waited for until the router assigns them (no Redis call per
+waiting request: :mod:`gateway.assignments`), put back when their engine fails before answering (within
+``max_attempts``), their end recorded (retried through a Redis outage), and admitted again if Redis lost them
+while they waited."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from flying.autopipeline import AutoPipeline
+from flying.cancel import reraise_if_cancelled
+from flying.keys import Keys
+from flying.messages import Assignment, QueuedRequest
+from flying.queue import DuplicateId, QueueFull, RequestQueue
+from gateway.admission import Admitted
+from gateway.assignments import AssignmentWaiter
+from gateway.background import Background
+from gateway.backpressure import Backpressure
+from gateway.config import GatewayConfig
+from gateway.disconnect import ClientGone
+from gateway.errors import QueueFullError, QueueTimeout, WorkerFailed
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("flying.gateway")
+FINISH_RETRY_S = 300.0  # how long a request's end is retried while Redis is away
+
+
+class WaitingRoom:
+    """Owns this gateway's waiting requests: the futures of their assignments (``waiter``) and, for those Redis
+    may lose, their records (``holding``, to admit them again)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        client: aioredis.Redis,
+        keys: Keys,
+        metrics: GatewayMetrics,
+        background: Background,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.background = background
+        self.queue = RequestQueue(client, keys, pipe=autopipeline(client))
+        self.waiter = AssignmentWaiter(
+            client, keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit
+        )
+        self.backpressure = Backpressure(config.max_queue, config.max_wait_s)
+        self.holding: dict[
+            str, QueuedRequest
+        ] = {}  # waiting requests' records, to re-admit if Redis lost them
+        self.readmitted = 0
+
+    async def enqueue(self, adm: Admitted) -> asyncio.Future[Assignment]:
+        """Admit to the global queue, within the backpressure limits for its priority (else 429)."""
+        rid = adm.record.id
+        limits = self.backpressure.limits(adm.record.priority)
+        fut = self.waiter.expect(rid)
+        try:
+            fast = await self.queue.admit(adm.record, limits.max_depth, limits.max_ahead)
+        except QueueFull as exc:
+            self.waiter.forget(rid)
+            bound = limits.max_depth if exc.reason == "depth" else limits.max_ahead
+            retry = self.backpressure.retry_after_s(exc.count - bound + 1)
+            why = (
+                f"the queue is full for {adm.record.priority} priority ({exc.count} waiting)"
+                if exc.reason == "depth"
+                else f"the estimated wait is too long ({exc.count} requests ahead)"
+            )
+            raise QueueFullError(f"{why}; retry after {retry} s", retry_after_s=retry) from None
+        except BaseException:
+            self.waiter.forget(rid)
+            raise
+        if fast is not None:  # assigned at admission (the queue was empty): no wait for the router's round
+            self.waiter.resolve(fast)
+            return fut
+        self.waiter.mark_admitted(rid)
+        self.holding[rid] = adm.record
+        return fut
+
+    async def readmit(self, rids: list[str]) -> None:
+        """Redis lost these waiting requests (a restart without persistence, or with the last second of AOF
+        lost): admit them again, beyond the backpressure limits (they were accepted), so the router serves
+        them."""
+        for rid in rids:
+            if (record := self.holding.get(rid)) is None:
+                continue
+            with contextlib.suppress(QueueFull, DuplicateId):  # DuplicateId: its record is back already
+                await self.queue.admit(record)
+            self.readmitted += 1
+        log.warning("re-admitted %d waiting requests that Redis had lost", len(rids))
+
+    async def wait_assignment(
+        self, adm: Admitted, fut: asyncio.Future[Assignment], disconnected: asyncio.Future[None]
+    ) -> Assignment:
+        """The assignment (from the subscription or the reconciliation); no Redis call of its own while it
+        waits. Raises ClientGone, QueueTimeout, or NoLiveWorkers (set on the future by the monitor)."""
+        rid = adm.record.id
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            self.holding.pop(rid, None)  # the fast path: assigned at admission
+            return fut.result()
+        try:
+            waits: set[asyncio.Future[Any]] = {fut, disconnected}
+            done, _ = await asyncio.wait(
+                waits, timeout=self.config.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if fut in done:
+                self.holding.pop(rid, None)
+                return fut.result()
+            if disconnected in done:
+                raise ClientGone(rid)
+            raise QueueTimeout(f"request was not scheduled within {self.config.queue_timeout_s:.0f} s")
+        except BaseException:
+            self.holding.pop(rid, None)
+            self.waiter.forget(rid)
+            try:
+                await self.queue.finish(rid, "cancelled", "not scheduled")
+            except aioredis.RedisError:  # Redis away: retried in the background until it is back
+                self.background.spawn(self.finish_surely(rid, "cancelled", "not scheduled"))
+            raise
+
+    async def retry_or_fail(
+        self, adm: Admitted, a: Assignment, why: str, cause: str = "before_first_event"
+    ) -> asyncio.Future[Assignment]:
+        """The engine died before answering: put the request back in the queue (bounded) or fail it."""
+        rec = await self.queue.get(adm.record.id)
+        attempts = int(rec.get("attempts", 0)) + 1
+        if attempts >= self.config.max_attempts:
+            await self.queue.finish(adm.record.id, "failed", why)
+            raise WorkerFailed(f"engine {a.engine} failed and {attempts} attempts are used up: {why}")
+        log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why,
+                    extra={"request_id": adm.record.id})  # fmt: skip
+        self.metrics.redispatched.labels(cause).inc()
+        fut = self.waiter.expect(adm.record.id)
+        await self.queue.requeue(adm.record, a.engine, why)
+        self.waiter.mark_admitted(adm.record.id)
+        self.holding[adm.record.id] = adm.record
+        return fut
+
+    async def finish_surely(self, rid: str, state: str, error: str = "") -> None:
+        """``queue.finish``, retried while Redis is away (up to FINISH_RETRY_S): a finish lost to an outage would
+        leave the record ``assigned`` and its engine's inflight slot taken for good."""
+        delay, deadline = 0.1, time.monotonic() + FINISH_RETRY_S
+        while True:
+            try:
+                await self.queue.finish(rid, state, error)
+                return
+            except aioredis.RedisError as exc:
+                reraise_if_cancelled()
+                if time.monotonic() > deadline:
+                    log.error(
+                        "request %s: could not record its end (%s) for %.0f s: %r",
+                        rid,
+                        state,
+                        FINISH_RETRY_S,
+                        exc,
+                    )
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+def autopipeline(client: aioredis.Redis) -> AutoPipeline | None:
+    """An auto-pipelined connection to the client's Redis for the per-request scripts (none for TLS, which it
+    does not speak: those go through the client's pool)."""
+    pool = client.connection_pool
+    if issubclass(pool.connection_class, aioredis.SSLConnection):
+        return None
+    return AutoPipeline.like(pool.connection_kwargs)

@@ -1,0 +1,143 @@
+"""Admission alone, against a fake cluster view (no Redis): which requests it refuses and with which error, and
+what it makes of those it accepts (the engine endpoint, the body, the record, a resumable stream's progress)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from flying.messages import Heartbeat
+from flying.prefix import decode_chain
+from gateway.admission import Admission, Admitted
+from gateway.cluster_view import ClusterView
+from gateway.config import GatewayConfig
+from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, decode
+
+
+class FakeCluster:
+    """What admission asks of the cluster view: the live engines (``reads`` counts the reads), whether a router
+    dispatches, the context limit."""
+
+    def __init__(self, beats: list[Heartbeat], router: bool = True) -> None:
+        self.beats, self.router = beats, router
+        self.reads: list[float] = []
+
+    async def workers(self, max_age_s: float = 0.25) -> list[Heartbeat]:
+        self.reads.append(max_age_s)
+        return self.beats
+
+    def router_missing(self) -> bool:
+        return not self.router
+
+    def limit(self, beats: list[Heartbeat]) -> int:
+        return ClusterView.context_limit(beats)
+
+
+class CountWords:
+    def chat_ids(self, req):
+        return [1] * (sum(len(m.text().split()) for m in req.messages) + 3)
+
+    def completion(self, req):
+        return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.split())
+
+
+ENGINE = Heartbeat(
+    engine=0, url="http://e0", pid=1, model="m", context_len=64, max_total_tokens=64, ts=time.time()
+)
+
+
+def admission(beats=(ENGINE,), router: bool = True, counter=None, **config) -> Admission:
+    cfg = GatewayConfig(model_path="unused", default_max_tokens=16, **config)
+    return Admission(cfg, FakeCluster(list(beats), router), counter or CountWords())  # type: ignore[arg-type]
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi there"}]} | fields
+    return decode(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+def completion(**fields) -> CompletionRequest:
+    return decode(json.dumps({"model": "tiny-llama", "prompt": "a b c"} | fields).encode(), CompletionRequest)
+
+
+async def test_a_chat_request_is_made_into_its_record_and_the_engines_chat_body():
+    adm = await admission().admit(chat(max_tokens=8), "high", "rid-1")
+    assert isinstance(adm, Admitted) and adm.path == "/v1/chat/completions" and not adm.stream
+    assert adm.resume is None
+    assert adm.body["rid"] == "rid-1" and adm.body["priority"] == 2 and adm.body["max_tokens"] == 8
+    rec = adm.record
+    assert (rec.id, rec.priority, rec.prompt_tokens, rec.max_tokens) == ("rid-1", "high", 5, 8)
+
+
+async def test_a_fresh_id_when_none_is_given_and_the_default_max_tokens_within_the_context():
+    a = await admission().admit(chat(), "normal")
+    b = await admission().admit(chat(), "normal")
+    assert a.record.id != b.record.id and len(a.record.id) == 32
+    assert a.record.max_tokens == 16, "the default"
+    long = await admission().admit(chat(messages=[{"role": "user", "content": "w " * 50}]), "normal")
+    assert long.record.max_tokens == 64 - 53, "what the context has left"
+
+
+async def test_a_streaming_chat_request_travels_as_a_resumable_token_id_completion():
+    adm = await admission().admit(chat(stream=True), "normal")
+    assert adm.stream and adm.path == "/v1/completions"
+    assert adm.resume is not None and adm.resume.chat and adm.resume.prompt_ids == [1] * 5
+    assert adm.body["prompt"] == [1] * 5
+    assert decode_chain(adm.record.prefix) == (), "shorter than one block: no chain"
+
+
+async def test_a_stream_that_asks_for_logprobs_keeps_the_engines_own_endpoint():
+    adm = await admission().admit(chat(stream=True, logprobs=True), "normal")
+    assert adm.stream and adm.path == "/v1/chat/completions" and adm.resume is None
+
+
+async def test_a_completion_with_a_text_prompt_learns_its_ids_from_the_first_chunk():
+    adm = await admission().admit(completion(stream=True), "low")
+    assert adm.path == "/v1/completions" and adm.body["priority"] == 0
+    assert adm.resume is not None and adm.resume.prompt_ids is None
+
+
+async def test_another_model_is_not_found():
+    with pytest.raises(ModelNotFound, match="does not exist"):
+        await admission().admit(chat(model="other"), "normal")
+
+
+async def test_no_live_engine_is_looked_for_again_before_the_503():
+    adm = admission(beats=())
+    with pytest.raises(NoLiveWorkers):
+        await adm.admit(chat(), "normal")
+    assert adm.cluster.reads == [0.25, 0], "a cached read, then a fresh one"
+
+
+async def test_no_router_dispatching_is_a_503():
+    with pytest.raises(NoRouter):
+        await admission(router=False).admit(chat(), "normal")
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "param"),
+    [
+        ({"max_tokens": 0}, InvalidRequest, "max_tokens"),
+        ({"max_completion_tokens": 0}, InvalidRequest, "max_completion_tokens"),
+        ({"max_tokens": 60}, ContextTooLong, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "w " * 61}]}, ContextTooLong, "messages"),
+    ],
+    ids=["max-tokens-0", "max-completion-tokens-0", "over-the-context", "prompt-fills-the-context"],
+)
+async def test_sizes_the_deployment_cannot_hold_are_refused_naming_the_parameter(fields, error, param):
+    with pytest.raises(error) as caught:
+        await admission().admit(chat(**fields), "normal")
+    assert caught.value.param == param
+
+
+async def test_a_prompt_the_tokenizer_rejects_is_the_clients_error():
+    class Rejecting(CountWords):
+        def chat_ids(self, req):
+            raise ValueError("roles must alternate")
+
+    with pytest.raises(InvalidRequest, match="could not be tokenized: roles must alternate") as caught:
+        await admission(counter=Rejecting()).admit(chat(), "normal")
+    assert caught.value.param == "messages"

@@ -1,0 +1,39 @@
+"""GatewayConfig refuses a setting out of its range with a ValueError naming the setting; the CLI reports it as a
+usage error."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.main import parse_args
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("max_queue", 0, "max_queue must be >= 1, got 0"),
+        ("queue_timeout_s", 0.0, "queue_timeout_s must be > 0, got 0.0"),
+        ("request_timeout_s", -1.0, "request_timeout_s must be > 0, got -1.0"),
+        ("default_max_tokens", 0, "default_max_tokens must be >= 1, got 0"),
+        ("max_attempts", 0, "max_attempts must be >= 1, got 0"),
+        ("max_wait_s", -1.0, r"max_wait_s must be >= 0 \(0: no bound by wait\), got -1.0"),
+        ("redis_max_connections", 3, "redis_max_connections must be >= 4, got 3"),
+        ("reconcile_s", 0.0, "reconcile_s must be > 0, got 0.0"),
+        ("monitor_s", 0.0, "monitor_s must be > 0, got 0.0"),
+    ],
+)
+def test_a_setting_out_of_range_is_a_value_error_naming_it(setting, value, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        GatewayConfig(model_path="m", **{setting: value})
+
+
+def test_the_bounds_themselves_are_accepted():
+    GatewayConfig(model_path="m", max_queue=1, default_max_tokens=1, max_attempts=1, max_wait_s=0, redis_max_connections=4)  # fmt: skip
+
+
+def test_the_cli_reports_a_setting_out_of_range_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--model-path", "m", "--max-queue", "0"])
+    assert exited.value.code == 2
+    assert "max_queue must be >= 1, got 0" in capsys.readouterr().err

@@ -1,0 +1,93 @@
+"""CancelOnDisconnect: a client's leaving cancels the task at whatever it awaits, and only that cancel is caught
+and taken back; the request's normal end (the watcher cancelled) and any other cancel are not the client's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.disconnect import CancelOnDisconnect, watch_disconnect
+
+
+async def guarded(disconnected: asyncio.Future[None], step) -> str:
+    """``step`` awaited under the watch: "gone" if the client left, else what it returned."""
+    watch = CancelOnDisconnect(disconnected)
+    try:
+        watch.check()
+        return await step
+    except asyncio.CancelledError:
+        if not watch.caught():
+            raise
+        assert asyncio.current_task().cancelling() == 0, "the cancel is taken back"
+        return "gone"
+    finally:
+        watch.close()
+
+
+async def test_a_disconnect_cancels_the_awaited_step_and_is_caught():
+    disconnected = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(guarded(disconnected, asyncio.sleep(10, "slept")))
+    await asyncio.sleep(0)
+    disconnected.set_result(None)
+    assert await asyncio.wait_for(task, 2) == "gone"
+
+
+async def test_a_client_gone_before_it_opens_is_gone_at_once_and_nothing_is_cancelled():
+    disconnected = asyncio.get_running_loop().create_future()
+    disconnected.set_result(None)
+    step = asyncio.sleep(10)
+    assert await asyncio.wait_for(guarded(disconnected, step), 2) == "gone"
+    step.close()
+
+
+async def test_the_watcher_cancelled_is_the_requests_end_not_a_disconnect():
+    disconnected = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(guarded(disconnected, asyncio.sleep(0.05, "slept")))
+    await asyncio.sleep(0)
+    disconnected.cancel()
+    assert await asyncio.wait_for(task, 2) == "slept"
+    already = asyncio.get_running_loop().create_future()
+    already.cancel()
+    assert await guarded(already, asyncio.sleep(0, "slept")) == "slept"
+
+
+async def test_another_cancel_is_not_caught():
+    disconnected = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(guarded(disconnected, asyncio.sleep(10)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not disconnected.done()
+
+
+async def test_once_closed_a_disconnect_cancels_nothing():
+    disconnected = asyncio.get_running_loop().create_future()
+    watch = CancelOnDisconnect(disconnected)
+    watch.close()
+    watch.close()  # idempotent
+    disconnected.set_result(None)
+    await asyncio.sleep(0.01)
+    assert not watch.gone and asyncio.current_task().cancelling() == 0
+
+
+async def test_a_disconnect_whose_callback_is_pending_at_close_cancels_nothing():
+    """The watcher completed but its callback had not run yet when the watch closed (the response's last chunk
+    went out): a callback already scheduled runs even once removed, and does nothing."""
+    disconnected = asyncio.get_running_loop().create_future()
+    watch = CancelOnDisconnect(disconnected)
+    disconnected.set_result(None)
+    watch.close()
+    await asyncio.sleep(0.01)
+    assert not watch.gone and not watch.caught()
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_watch_disconnect_ends_on_the_servers_disconnect_message():
+    messages = iter([{"type": "http.request"}, {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(messages)
+
+    await asyncio.wait_for(watch_disconnect(receive), 2)

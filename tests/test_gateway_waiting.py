@@ -1,0 +1,113 @@
+"""WaitingRoom alone, against a real Redis and no router: admission within the backpressure limits, the wait's
+ends (timeout, client gone), re-queueing within ``max_attempts``, and re-admission of what Redis lost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from flying.messages import Assignment, QueuedRequest
+from gateway.admission import Admitted
+from gateway.background import Background
+from gateway.config import GatewayConfig
+from gateway.disconnect import ClientGone
+from gateway.errors import QueueFullError, QueueTimeout, WorkerFailed
+from gateway.metrics import GatewayMetrics
+from gateway.waiting import WaitingRoom
+
+
+@pytest.fixture
+async def room(aredis, keys):
+    def make(**config) -> WaitingRoom:
+        cfg = GatewayConfig(model_path="unused", key_prefix=keys.prefix, gateway_id="g1", **config)
+        made = WaitingRoom(cfg, aredis, keys, GatewayMetrics(), Background())
+        rooms.append(made)
+        return made
+
+    rooms: list[WaitingRoom] = []
+    yield make
+    for made in rooms:
+        if made.queue.pipe is not None:
+            made.queue.pipe.close()
+
+
+def admitted(rid: str, priority: str = "normal") -> Admitted:
+    rec = QueuedRequest(id=rid, priority=priority, model="m", prompt_tokens=4, max_tokens=4, gateway="g1", enqueued_at=time.time())  # fmt: skip
+    return Admitted(rec, "/v1/chat/completions", {"rid": rid}, stream=False)
+
+
+def never() -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
+
+
+async def state(aredis, keys, rid: str) -> bytes | None:
+    return await aredis.hget(keys.request(rid), "state")
+
+
+async def test_an_admitted_request_waits_held_and_a_full_queue_is_a_429_with_retry_after(room, aredis, keys):
+    r = room(max_queue=1)
+    fut = await r.enqueue(admitted("a", "high"))
+    assert not fut.done() and set(r.holding) == {"a"} and "a" in r.waiter.admitted
+    with pytest.raises(
+        QueueFullError, match=r"queue is full for high priority \(1 waiting\); retry after"
+    ) as full:
+        await r.enqueue(admitted("b", "high"))
+    assert full.value.retry_after_s >= 1
+    assert "b" not in r.waiter.pending and "b" not in r.holding
+    assert await aredis.zcard(keys.queue) == 1
+
+
+async def test_a_wait_that_times_out_is_a_504_and_its_record_is_cancelled(room, aredis, keys):
+    r = room(queue_timeout_s=0.1)
+    adm = admitted("a")
+    fut = await r.enqueue(adm)
+    with pytest.raises(QueueTimeout):
+        await r.wait_assignment(adm, fut, never())
+    assert await state(aredis, keys, "a") == b"cancelled"
+    assert not r.holding and "a" not in r.waiter.pending and await aredis.zcard(keys.queue) == 0
+
+
+async def test_a_client_that_leaves_while_waiting_is_gone_and_its_record_cancelled(room, aredis, keys):
+    r = room()
+    adm = admitted("a")
+    fut = await r.enqueue(adm)
+    left = never()
+    left.set_result(None)
+    with pytest.raises(ClientGone):
+        await r.wait_assignment(adm, fut, left)
+    assert await state(aredis, keys, "a") == b"cancelled" and not r.holding
+
+
+async def test_the_assignment_ends_the_wait(room):
+    r = room()
+    adm = admitted("a")
+    fut = await r.enqueue(adm)
+    a = Assignment(id="a", engine=0, url="http://e0", queue_ms=0.0)
+    r.waiter.resolve(a)
+    assert await r.wait_assignment(adm, fut, never()) == a
+    assert not r.holding
+
+
+async def test_a_failed_engine_sends_the_request_back_until_its_attempts_are_used_up(room, aredis, keys):
+    r = room(max_attempts=2)
+    adm = admitted("a")
+    await r.enqueue(adm)
+    assert await r.queue.assign(adm.record, 0, "http://e0")  # as the router would
+    a = Assignment(id="a", engine=0, url="http://e0", queue_ms=0.0)
+    fut = await r.retry_or_fail(adm, a, "connection refused")
+    assert not fut.done() and "a" in r.holding and await aredis.zscore(keys.queue, "a") is not None
+    assert r.metrics.redispatched.labels("before_first_event")._value.get() == 1
+    assert await r.queue.assign(adm.record, 0, "http://e0")
+    with pytest.raises(WorkerFailed, match="engine 0 failed and 2 attempts are used up: reset"):
+        await r.retry_or_fail(adm, a, "reset")
+    assert await state(aredis, keys, "a") == b"failed"
+
+
+async def test_waiting_requests_redis_lost_are_admitted_again(room, aredis, keys):
+    r = room(max_queue=1)
+    await r.enqueue(admitted("a"))
+    await aredis.delete(keys.request("a"), keys.queue)  # a Redis restart without persistence
+    await r.readmit(["a", "unknown"])
+    assert r.readmitted == 1 and await aredis.zscore(keys.queue, "a") is not None
