@@ -4,9 +4,10 @@ flyctl status                      engines (mode, epoch, group, load, prefix-cac
                                    groups, regime, queue
 flyctl queue [-n 20]               the waiting requests in dispatch order
 flyctl watch [--interval 1]        status, refreshed until Ctrl-C
-flyctl bind 0 1 [--preempt hard] [--adopt]
+flyctl bind 0 1 [--preempt hard] [--adopt] [--sp-threshold N]
                                    bind engines 0 and 1 into one TP group by hand (prints the epoch);
-                                   --adopt: their DP requests become the group's, KV moved by head slices
+                                   --adopt: their DP requests become the group's, KV moved by head slices;
+                                   --sp-threshold: its steps of N batched tokens or more run sequence-parallel
 flyctl release EPOCH 0 1 [--retract | --scatter]
                                    release that epoch's group back to DP (--retract: at once, its TP
                                    requests recomputed in DP on the leader; --scatter: at once, each TP
@@ -30,7 +31,7 @@ from flying.queue import text
 def render_status(r: redis.Redis, keys: Keys) -> str:
     lines = [
         f"{'engine':>6} {'mode':>4} {'epoch':>5} {'pending':>7} {'group':>9} {'inflight':>8} {'run':>4} "
-        f"{'wait':>4} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10}  error"
+        f"{'wait':>4} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10} {'steps sp/tp':>13}  error"
     ]
     beats = control.status(r, keys)
     for e, hb in beats.items():
@@ -39,7 +40,8 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
         hit = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
         lines.append(
             f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
-            f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f}  "
+            f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
+            f"{f'{hb.steps_sp}/{hb.steps_tp}':>13}  "
             f"{hb.switch_error}"
         )
     if not beats:
@@ -103,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the members' DP requests become the group's (no drain, no recompute)",
     )
+    b.add_argument(
+        "--sp-threshold",
+        type=int,
+        default=None,
+        help="the group's steps of at least this many batched tokens run sequence-parallel (0: never; default: "
+        "the leader's flying-worker --sp-threshold)",
+    )
     rel = sub.add_parser("release")
     rel.add_argument("epoch", type=int)
     rel.add_argument("members", type=int, nargs="+")
@@ -121,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("flyctl: a group needs at least two distinct engines", file=sys.stderr)
                 return 2
             try:
-                print(control.bind(r, keys, tuple(sorted(set(a.members))), a.preempt, adopt=a.adopt))
+                members = tuple(sorted(set(a.members)))
+                print(control.bind(r, keys, members, a.preempt, adopt=a.adopt, sp_threshold=a.sp_threshold))
             except ValueError as exc:
                 print(f"flyctl: {exc}", file=sys.stderr)
                 return 2

@@ -108,6 +108,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     )
     steps_tp: int = 0  # forwards this engine ran as a bound group's member in TP mode, since it started ...
     steps_sp: int = 0  # ... and in SP mode (sequence-parallel prefill, worker_ext.sequence_parallel)
+    comm_ms: dict[str, float] = {}  # its bound group's time in each data collective (all_reduce, all_to_all,
+    # all_gather), since the group was built
     running: int = 0
     waiting: int = 0
     free_kv_tokens: int = 0

@@ -294,6 +294,7 @@ class FakeGroup:
         self.others: list[Any] = []
         self.broken = False
         self.data = self
+        self.spent_ms: dict[str, float] = {}
 
     def _check(self) -> None:
         if self.broken:

@@ -114,6 +114,7 @@ class Binding:
             "kv_transform": True,
             "steps_tp": self.steps[StepMode.TP],
             "steps_sp": self.steps[StepMode.SP],
+            **({"comm_ms": {k: round(v, 3) for k, v in e.group.spent_ms.items()}} if e else {}),
             **self.adoption.stats,
         }
 

@@ -45,6 +45,7 @@ class MergedGroup:
     rank: int
     data: dist.ProcessGroup
     control: dist.ProcessGroup
+    spent_ms: dict[str, float] = field(default_factory=dict)  # time in each data collective, since built
 
     @property
     def rank_in_group(self) -> int:  # the names SGLang's linear layers read
@@ -58,8 +59,13 @@ class MergedGroup:
     def leader(self) -> int:
         return self.members[0]
 
+    def _spent(self, kind: str, t0: float) -> None:
+        self.spent_ms[kind] = self.spent_ms.get(kind, 0.0) + (time.perf_counter() - t0) * 1000
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         self.data.allreduce([tensor]).wait()
+        self._spent("all_reduce", t0)
         return tensor
 
     def all_to_all(
@@ -67,10 +73,14 @@ class MergedGroup:
     ) -> None:
         """Rows of ``inp`` to each rank by ``in_splits``, rows from each rank into ``out`` by ``out_splits`` (the
         data group: a sequence-parallel step's exchange, worker_ext.sequence_parallel)."""
+        t0 = time.perf_counter()
         self.data.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()).wait()
+        self._spent("all_to_all", t0)
 
     def all_gather(self, out: list[torch.Tensor], inp: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         self.data.allgather([out], [inp]).wait()
+        self._spent("all_gather", t0)
 
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0 sends ``obj``; every rank returns it. Pickle over the control group (length, then bytes)."""

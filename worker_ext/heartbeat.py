@@ -49,6 +49,7 @@ class Load(TypedDict, total=False):
     param_bytes: int
     steps_tp: int
     steps_sp: int
+    comm_ms: dict[str, float]
     running: int
     waiting: int
     free_kv_tokens: int

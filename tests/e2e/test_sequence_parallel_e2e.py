@@ -1,0 +1,152 @@
+"""Sequence-parallel steps inside a bound group, on real SGLang CPU workers: a prompt prefilled in SP steps (chunked
+over several steps, mixed with decodes) gives tp=1's prompt log-probs and greedy text, decodes on in TP, and the
+release leaves DP bit-exact; at width 4 against a stock tp=1 server; with adopted requests and a scatter."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from devstack.cluster import Cluster, ClusterConfig
+from flying import control
+from tests.e2e.test_switching import wait_mode, worker_url
+
+pytestmark = pytest.mark.e2e
+SHORT = [(13 * i + 1) % 900 + 5 for i in range(24)]
+LONG = [(7 * i + 3) % 1000 + 5 for i in range(300)]  # five 64-token chunks
+CHUNK = 64
+
+
+def generate(url: str, ids: list[int], n: int) -> dict:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    resp = httpx.post(url + "/generate", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def prompt_logprobs(out: dict) -> list[float]:
+    return [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]]  # the first token has none
+
+
+class Running:
+    """One request in a thread."""
+
+    def __init__(self, url: str, ids: list[int], n: int) -> None:
+        self.out: dict = {}
+        self.thread = threading.Thread(target=lambda: self.out.update(generate(url, ids, n)))
+        self.thread.start()
+
+    def join(self) -> dict:
+        self.thread.join(300)
+        return self.out
+
+
+def decode_time(url: str, n: int) -> float:
+    t0 = time.monotonic()
+    generate(url, SHORT, n)
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_model, tmp_path_factory):
+    """Two engines with small prefill chunks and mixed batches (a chunk and running decodes in one step)."""
+    config = ClusterConfig(
+        model_path=tiny_model,
+        num_engines=2,
+        log_dir=tmp_path_factory.mktemp("sp-cluster"),
+        max_total_tokens=4096,
+        router_args=("--manual",),
+        worker_args=("--", "--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk"),
+    )
+    with Cluster(config, progress=print) as c:
+        yield c
+
+
+def bind_sp(c, members: tuple[int, ...], threshold: int = 16, adopt: bool = False) -> int:
+    epoch = control.bind(c.client(), c.keys, members, adopt=adopt, sp_threshold=threshold)
+    wait_mode(c, members, "tp", epoch=epoch)
+    return epoch
+
+
+def release(c, members: tuple[int, ...], epoch: int, scatter: bool = False) -> None:
+    control.release(c.client(), c.keys, members, epoch, scatter=scatter)
+    wait_mode(c, members, "dp")
+
+
+def sp_steps(c, engine: int) -> int:
+    return control.status(c.client(), c.keys)[engine].steps_sp
+
+
+def assert_matches(ours: dict, ref: dict, what: str) -> None:
+    diffs = [abs(a - b) for a, b in zip(prompt_logprobs(ours), prompt_logprobs(ref))]
+    assert len(diffs) == len(prompt_logprobs(ref)) > 200
+    assert max(diffs) <= 1e-5, f"{what}: prompt log-probs differ by up to {max(diffs):.2e}"
+    assert ours["output_ids"] == ref["output_ids"], f"{what}: greedy text differs"
+
+
+def test_a_chunked_sp_prefill_matches_tp1_and_the_release_leaves_dp_bit_exact(chunked):
+    url = worker_url(chunked, 0)
+    ref = generate(url, LONG, 16)  # DP: tp=1's arithmetic, the same chunks
+    epoch = bind_sp(chunked, (0, 1))
+    before = sp_steps(chunked, 0)
+    ours = generate(url, LONG, 16)
+    assert sp_steps(chunked, 0) - before >= len(prompt_logprobs(ref)) // CHUNK  # every chunk an SP step
+    assert_matches(ours, ref, "SP prefill, TP decode")
+    release(chunked, (0, 1), epoch)
+    after = generate(url, LONG, 16)
+    assert after["meta_info"]["input_token_logprobs"] == ref["meta_info"]["input_token_logprobs"]
+    assert after["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
+
+
+def test_sp_steps_mixed_with_decodes_give_each_request_its_own_text(chunked):
+    url, n = worker_url(chunked, 0), 120
+    refs = [generate(url, SHORT, n), generate(url, LONG, 8)]
+    epoch = bind_sp(chunked, (0, 1))
+    try:
+        wait = decode_time(url, n) * 0.2
+        decoding = Running(url, SHORT, n)
+        time.sleep(wait)
+        assert decoding.thread.is_alive(), "the decoding request finished before the prefill: make it longer"
+        long = generate(url, LONG, 8)  # its chunks share steps with the running decode
+        short = decoding.join()
+    finally:
+        release(chunked, (0, 1), epoch)
+    assert short["output_ids"] == refs[0]["output_ids"]
+    assert_matches(long, refs[1], "SP prefill mixed with a decode")
+
+
+def test_adopted_requests_decode_beside_an_sp_prefill_and_scatter_back_to_dp(chunked):
+    urls, n = [worker_url(chunked, i) for i in (0, 1)], 200
+    refs = [generate(urls[1], SHORT, n), generate(urls[0], LONG, 8)]
+    wait = decode_time(urls[1], n) * 0.15
+    adopted = Running(urls[1], SHORT, n)
+    time.sleep(wait)
+    epoch = bind_sp(chunked, (0, 1), adopt=True)
+    assert adopted.thread.is_alive(), "the request finished before the bind: make it longer"
+    long = generate(urls[0], LONG, 8)
+    release(chunked, (0, 1), epoch, scatter=True)
+    got = adopted.join()
+    assert got["output_ids"] == refs[0]["output_ids"] and got["meta_info"]["num_retractions"] == 0
+    assert_matches(long, refs[1], "SP prefill beside an adopted request")
+
+
+def test_width_4_sp_prefill_matches_a_stock_tp1_server(cluster4, stock_server):
+    text = [
+        (11 * i + 5) % 1000 + 5 for i in range(560)
+    ]  # more than one engine's KV (512): it needs the group
+    members = (0, 1, 2, 3)
+    epoch = bind_sp(cluster4, members)
+    try:
+        ours = generate(worker_url(cluster4, 0), text, 8)
+        assert sp_steps(cluster4, 0) >= 1
+    finally:
+        release(cluster4, members, epoch)
+    assert_matches(ours, generate(stock_server, text, 8), "width-4 SP prefill vs stock tp=1")
