@@ -65,14 +65,23 @@ import msgspec
 
 from flying.groups import merge_sets
 from flying.groups import widths as group_widths
-from flying.messages import Bind, Command, FastTarget, Group, Preempt, QueuedRequest, Release, RouterState
+from flying.messages import FastTarget, Group, GroupReason, Preempt, QueuedRequest, RouterState
+from router.decision import (
+    BindMode,
+    BindNote,
+    Decision,
+    Dispatch,
+    DistrustNote,
+    DpRule,
+    RegimeNote,
+    ReleaseCause,
+    ReleaseMode,
+    ReleaseNote,
+)
 from router.prefix_index import PrefixIndex
 from router.transform_cost import adopt_moves, kv_transform_ms
 
 DispatchRule = Literal["cache-aware", "least-loaded"]
-# why a DP dispatch went where it did: followed its prefix; least loaded because dispatch is least-loaded, the
-# request has no chain, no engine holds cache_threshold of it, or loads are out of balance
-DpRule = Literal["prefix", "least-loaded", "no-chain", "no-match", "imbalanced"]
 
 
 @dataclass(frozen=True)
@@ -169,30 +178,6 @@ class Snapshot:
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
 
 
-@dataclass(frozen=True)
-class Dispatch:
-    request: QueuedRequest
-    engine: int  # the DP engine, or the group's leader
-    url: str
-    epoch: int = 0  # the TP group's epoch (0: DP)
-    rule: DpRule | None = None  # how a DP dispatch chose its engine (None: a TP dispatch)
-
-
-@dataclass
-class Decision:
-    dispatches: list[Dispatch] = field(default_factory=list)
-    binds: list[Group] = field(default_factory=list)  # new records, epoch 0: the caller assigns epochs
-    put: dict[int, Group] = field(default_factory=dict)  # changed records by epoch
-    drop: list[int] = field(default_factory=list)  # records to delete (the group is gone)
-    commands: list[tuple[tuple[int, ...], Command]] = field(default_factory=list)  # releases
-    state: RouterState = field(default_factory=RouterState)
-    notes: list[str] = field(default_factory=list)  # why groups changed, for logs
-    fast: list[FastTarget] = field(default_factory=list)  # where a short request may go before the next round
-
-    def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
-        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt)
-
-
 USABLE = ("bound", "binding")
 SHORT = (
     "load",
@@ -253,23 +238,30 @@ class _Round:
         self.groups[g.epoch] = g
         self.out.put[g.epoch] = g
 
-    def release(self, g: Group, why: str, retract: bool = False, scatter: bool = False) -> None:
+    def release(
+        self,
+        g: Group,
+        cause: ReleaseCause,
+        mode: ReleaseMode = ReleaseMode.WAIT,
+        seconds: float = 0.0,
+        engines: tuple[int, ...] = (),
+        width: int = 0,
+    ) -> None:
+        """Mark ``g`` releasing and send its members the release (the figures: :class:`ReleaseNote`'s)."""
         self.put(_replace(g, state="releasing", since=self.now))
-        self.out.commands.append((g.members, Release(epoch=g.epoch, retract=retract, scatter=scatter)))
-        how = " by scatter" if scatter else " retracting" if retract else ""
-        self.out.notes.append(f"release epoch {g.epoch} {g.members} ({g.reason}){how}: {why}")
+        self.out.release(ReleaseNote(g.epoch, g.members, g.reason, mode, cause, seconds, engines, width))
 
-    def release_now(self, g: Group, why: str) -> None:
+    def release_now(self, g: Group, cause: ReleaseCause, seconds: float = 0.0) -> None:
         """Release at once: by scatter where the members transform KV (each TP request continues in DP on its
         owner, KV moved, no recompute), else by retraction (recomputed in DP on the leader); a group holding a
         request that needs the pooled KV, or one bound by adoption whose members cannot scatter (its adopted
         requests' streams are on their owners, not on the leader), waits for its TP requests instead."""
         if not self.retractable(g):
-            self.release(g, why)
+            self.release(g, cause, seconds=seconds)
         elif self.can_transform(g.members):
-            self.release(g, why, scatter=True)
+            self.release(g, cause, ReleaseMode.SCATTER, seconds)
         else:
-            self.release(g, why, retract=not g.adopt)
+            self.release(g, cause, ReleaseMode.WAIT if g.adopt else ReleaseMode.RETRACT, seconds)
 
     def in_groups(self) -> set[int]:
         return {m for g in self.groups.values() for m in g.members} | self.reserved
@@ -289,7 +281,7 @@ class _Round:
                     self.out.drop.append(g.epoch)
                 continue
             if any(b is None for b in beats):
-                self.release(g, "a member is gone")
+                self.release(g, ReleaseCause.MEMBER_GONE)
             elif g.state == "binding":
                 if all(b.epoch == g.epoch for b in beats):  # type: ignore[union-attr]
                     self.put(_replace(g, state="bound", since=self.now, last_used=self.now))
@@ -297,21 +289,24 @@ class _Round:
                     silent := [b.engine for b in beats if g.epoch not in (b.epoch, b.pending)]  # type: ignore[union-attr]
                 ):
                     self.release(
-                        g, f"{silent} did not acknowledge within {self.cfg.ack_timeout_s:g} s: rolled back"
+                        g,
+                        ReleaseCause.NOT_ACKNOWLEDGED,
+                        seconds=self.cfg.ack_timeout_s,
+                        engines=tuple(silent),
                     )
                     self.distrust(silent)
                 elif age > self.cfg.bind_timeout_s:
-                    self.release(g, f"not bound within {self.cfg.bind_timeout_s:g} s: rolled back")
+                    self.release(g, ReleaseCause.NOT_BOUND, seconds=self.cfg.bind_timeout_s)
                     self.distrust([b.engine for b in beats if b.epoch != g.epoch])  # type: ignore[union-attr]
             elif any(b.epoch != g.epoch for b in beats):  # type: ignore[union-attr]
-                self.release(g, "the group broke up (a member aborted the epoch)")
+                self.release(g, ReleaseCause.BROKE_UP)
 
     def distrust(self, engines: list[int]) -> None:
         """Members that failed a bind are left out of binds for ``suspect_s`` (retrying at once would stall the
         requests waiting for a group again); they keep serving DP."""
         for e in engines:
             self.suspect[e] = self.now + self.cfg.suspect_s
-        self.out.notes.append(f"engines {engines} not picked for binds for {self.cfg.suspect_s:g} s")
+        self.out.events.append(DistrustNote(tuple(engines), self.cfg.suspect_s))
 
     # --- KV transformation (Gyges-style: head slices move within the group) -----------------------------------
 
@@ -389,15 +384,13 @@ class _Round:
             calm = (st.calm_since or self.now) if light else 0.0
             if light and self.now - calm >= cfg.calm_s:
                 self.out.state = msgspec.structs.replace(st, busy=False, calm_since=calm, changed_at=self.now)
-                self.out.notes.append(
-                    f"light load ({demand} requests, {rate:.1f}/s on {n} engines): TP groups allowed"
-                )
+                self.out.events.append(RegimeNote(busy=False, demand=demand, rate=rate, engines=n))
             else:
                 self.out.state = msgspec.structs.replace(st, busy=True, calm_since=calm)
         elif self.pressure:
             self.out.state = msgspec.structs.replace(st, busy=True, calm_since=0.0, changed_at=self.now)
-            self.out.notes.append(
-                f"load rising ({demand} requests, {rate:.1f}/s, oldest waits {oldest:.2f} s): back to DP"
+            self.out.events.append(
+                RegimeNote(busy=True, demand=demand, rate=rate, engines=n, oldest_s=oldest)
             )
 
     # --- releases -----------------------------------------------------------------------------------------
@@ -434,7 +427,7 @@ class _Round:
             if g.reason == "load" and busy:
                 # its requests continue in DP (scattered to their owners, or retracted to the leader), unless one
                 # of them needs the group's pooled KV
-                self.release_now(g, "load rose")
+                self.release_now(g, ReleaseCause.LOAD_ROSE)
             elif (
                 g.state == "bound"
                 and self.now - g.since >= cfg.max_defer_s
@@ -443,18 +436,18 @@ class _Round:
                 # paused DP work resumes now: the group's requests continue in DP (unless one of them needs the
                 # group's pooled KV); DP work that only queues waits for the group's requests instead, unless they
                 # can move to their owners by scatter (no recompute)
-                why = f"DP work deferred for {cfg.max_defer_s:g} s"
+                why, after = ReleaseCause.DP_DEFERRED, cfg.max_defer_s
                 if self.paused_dp(g) > 0 or self.can_transform(g.members):
-                    self.release_now(g, why)
+                    self.release_now(g, why, seconds=after)
                 else:
-                    self.release(g, why)
+                    self.release(g, why, seconds=after)
             elif (
                 g.state == "bound" and not tp_busy and not queued_tp and self.now - g.last_used >= cfg.keep_s
             ):
                 if not busy and g.width == cfg.light_width and not self.paused_dp(g):
                     self.put(_replace(g, reason="load"))  # light load: keep it, as a load group
                 elif busy or g.reason == "long" or self.paused_dp(g):
-                    self.release(g, f"no TP work for {cfg.keep_s:g} s")
+                    self.release(g, ReleaseCause.NO_TP_WORK, seconds=cfg.keep_s)
 
     def retractable(self, g: Group) -> bool:
         """The group's requests can continue in DP on its leader (none needs the group's pooled KV)."""
@@ -488,13 +481,15 @@ class _Round:
         them included (with a margin of a tenth, for the tokens they decode before they read the bind)."""
         return int(0.9 * sum(self.live[m].free_kv_tokens - self.dp_kv[m] for m in members))
 
-    def bind(self, members: tuple[int, ...], reason: str, preempt: Preempt, adopt: bool = False) -> Group:
+    def bind(
+        self, members: tuple[int, ...], reason: GroupReason, preempt: Preempt, adopt: bool = False
+    ) -> Group:
         """A new group record; ``adopt``: by adoption (the members' DP requests become its TP requests, their KV
         transformed; it forms at the members' next step boundary, like a hard bind, and pauses nothing)."""
         g = Group(
             epoch=0,
             members=members,
-            reason=reason,  # type: ignore[arg-type]
+            reason=reason,
             preempt="hard" if adopt else preempt,
             since=self.now,
             last_used=self.now,
@@ -503,8 +498,12 @@ class _Round:
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
-        how = f"adoption, {self.adopt_ms(members):.0f} ms" if adopt else f"{preempt} preemption"
-        self.out.notes.append(f"bind {members} ({reason}, {how})")
+        note = (
+            BindNote(members, reason, BindMode.ADOPT, self.adopt_ms(members))
+            if adopt
+            else BindNote(members, reason, BindMode(preempt))
+        )
+        self.out.events.append(note)
         return g
 
     def group_room(self, g: Group, r: QueuedRequest) -> bool:
@@ -523,7 +522,7 @@ class _Round:
         r: QueuedRequest,
         width: int,
         states: tuple[str, ...],
-        reasons: tuple[str, ...] | None = None,
+        reasons: tuple[GroupReason, ...] | None = None,
         imminent: bool = False,
     ) -> Group | None:
         """The narrowest, least-loaded group with room for ``r``; ``imminent``: binding groups only if hard
@@ -744,7 +743,9 @@ class _Round:
         else:
             self.release_idle_blocking(width)
 
-    def reuse_idle(self, r: QueuedRequest, width: int, reasons: tuple[str, ...], reason: str) -> bool:
+    def reuse_idle(
+        self, r: QueuedRequest, width: int, reasons: tuple[GroupReason, ...], reason: GroupReason
+    ) -> bool:
         """Send ``r`` to a bound group of ``reasons`` that is idle (no TP work, no paused DP work) and holds it,
         the narrowest; the group becomes a ``reason`` group (reused: no release and re-bind)."""
         idle = [
@@ -774,7 +775,7 @@ class _Round:
                 g.state == "bound" and g.reason != "manual" and not self.group_n(g) for g in inside
             ) and all(m in self.live for m in ms):
                 for g in inside:
-                    self.release(g, f"making room for a width-{width} group")
+                    self.release(g, ReleaseCause.MAKING_ROOM, width=width)
                 return
 
 

@@ -117,7 +117,7 @@ def _mode_panel(ax, track: dict[str, list[float]], decisions: Sequence[SimDecisi
     cmap = {"release": "v", "bind": "^"}
     for d in decisions:
         label = decision_label(d)
-        color = REASON_COLORS.get(d.reason, "#636363") if d.kind == "bind" else _cause_color(d.cause)
+        color = REASON_COLORS.get(d.reason, "#636363") if d.kind == "bind" else _cause_color(str(d.cause))
         ax.plot([d.at], [engines * (1.06 if d.kind == "bind" else 1.16)], cmap[d.kind], color=color, markersize=5,
                 label=None if label in seen else label, linestyle="none")  # fmt: skip
         seen.add(label)

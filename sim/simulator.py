@@ -36,7 +36,6 @@ import collections
 import dataclasses
 import heapq
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -48,6 +47,7 @@ from flying.groups import pooled_limit
 from flying.messages import PRIORITY_CLASS, Bind, Group, QueuedRequest, Release, RouterState
 from flying.prefix import BLOCK, MAX_BLOCKS, encode_chain
 from loadgen.metrics import RequestRecord
+from router.decision import ReleaseCause
 from router.policy import Decision, EngineView, GroupLoad, PolicyConfig, Snapshot, decide
 from router.prefix_index import PrefixIndex
 from router.transform_cost import adopt_moves, scatter_moves
@@ -154,20 +154,14 @@ class Req:
 @dataclass(frozen=True)
 class SimDecision:
     """A bind or release the router decided: ``reason`` is the group's (load, priority, long), ``cause`` why a
-    release was sent (e.g. "load rose", "no TP work")."""
+    release was sent (None for a bind)."""
 
     at: float
     kind: Literal["bind", "release"]
     epoch: int
     members: tuple[int, ...]
     reason: str
-    cause: str = ""
-
-
-def release_cause(note: str) -> str:
-    """The policy's release note -> its cause without numbers: "... : no TP work for 0.5 s" -> "no TP work"."""
-    why = note.partition(": ")[2]
-    return re.sub(r" (for|within) [\d.]+ s", "", why).split(":")[0]
+    cause: ReleaseCause | None = None
 
 
 class Unit:
@@ -685,15 +679,9 @@ class Simulator:
 
     def note_decisions(self, d: Decision, binds: list[Group]) -> None:
         self.decisions += [SimDecision(self.now, "bind", g.epoch, g.members, g.reason) for g in binds]
-        notes = [n for n in d.notes if n.startswith("release epoch")]  # one per release command, in order
-        releases = [cmd for _, cmd in d.commands if isinstance(cmd, Release)]
-        assert len(notes) == len(releases), f"{len(releases)} releases but notes {notes}"
-        for cmd, note in zip(releases, notes):
-            g = self.records.get(cmd.epoch)
-            members, reason = (g.members, g.reason) if g else ((), "")
-            self.decisions.append(
-                SimDecision(self.now, "release", cmd.epoch, members, reason, release_cause(note))
-            )
+        self.decisions += [
+            SimDecision(self.now, "release", n.epoch, n.members, n.reason, n.cause) for n in d.releases
+        ]
 
     # --- binding ------------------------------------------------------------------------------------------
 
