@@ -19,6 +19,7 @@ from typing import Literal
 import msgspec
 
 from flying.messages import Bind, Command, FastTarget, Group, GroupReason, QueuedRequest, Release, RouterState
+from router.prefix_index import PrefixIndex
 
 # why a DP dispatch went where it did: followed its prefix; least loaded because dispatch is least-loaded, the
 # request has no chain, no engine holds cache_threshold of it, or loads are out of balance (metrics label values)
@@ -208,6 +209,11 @@ class Plan:
     def dp_dispatches(self) -> list[Dispatch]:
         """Dispatches to DP engines (their prompts go through the engine's prefix cache)."""
         return [x for x in self.dispatches if not x.epoch]
+
+    def record_prefixes(self, prefixes: PrefixIndex) -> None:
+        """The DP dispatches' prompts enter the engines' prefix caches: record them in the caller's index."""
+        for x in self.dp_dispatches:
+            prefixes.record(x.engine, x.request.chain)
 
 
 def plan(d: Decision, epochs: Iterable[int]) -> Plan:

@@ -65,7 +65,7 @@ import msgspec
 
 from flying.groups import merge_sets
 from flying.groups import widths as group_widths
-from flying.messages import FastTarget, Group, GroupReason, Preempt, QueuedRequest, RouterState
+from flying.messages import FastTarget, Group, GroupReason, GroupState, Preempt, QueuedRequest, RouterState
 from router.decision import (
     BindMode,
     BindNote,
@@ -78,6 +78,7 @@ from router.decision import (
     ReleaseMode,
     ReleaseNote,
 )
+from router.engine_view import EngineView
 from router.prefix_index import PrefixIndex
 from router.transform_cost import adopt_moves, kv_transform_ms
 
@@ -139,24 +140,6 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
-class EngineView:
-    """What the policy knows about one live engine (from its heartbeat and its inflight set)."""
-
-    engine: int
-    url: str
-    inflight: int  # assigned by the router and not finished (DP and, on a leader, TP requests)
-    free_kv_tokens: int
-    max_total_tokens: int
-    mode: str = "dp"
-    epoch: int = 0  # the epoch it is bound in (0: none)
-    pending: int = 0  # a bind it has read and not applied yet
-    num_engines: int = 1  # engines its communicator pool spans (1: cannot bind)
-    beat_ts: float = 0.0
-    kv_transform: bool = False  # it applies Bind.adopt / Release.scatter
-    launch_id: str = ""  # its server's launch (a restart forgets its prefix cache)
-
-
-@dataclass(frozen=True)
 class GroupLoad:
     """TP requests assigned to one group (epoch) and not finished."""
 
@@ -178,12 +161,9 @@ class Snapshot:
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
 
 
-USABLE = ("bound", "binding")
-SHORT = (
-    "load",
-    "priority",
-    "manual",
-)  # groups a request one engine holds may go to (a long prefill would stall it)
+USABLE: tuple[GroupState, ...] = ("bound", "binding")
+# groups a request one engine holds may go to (a long prefill would stall it)
+SHORT: tuple[GroupReason, ...] = ("load", "priority", "manual")
 
 
 def _replace(g: Group, **kw: object) -> Group:
@@ -521,7 +501,7 @@ class _Round:
         self,
         r: QueuedRequest,
         width: int,
-        states: tuple[str, ...],
+        states: tuple[GroupState, ...],
         reasons: tuple[GroupReason, ...] | None = None,
         imminent: bool = False,
     ) -> Group | None:

@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MYPY=${MYPY:-.venv/bin/mypy}
-"$MYPY" --strict flying router/policy.py router/prefix_index.py router/transform_cost.py worker_ext/intake.py
+"$MYPY" --strict flying router/policy.py router/prefix_index.py router/transform_cost.py router/decision.py router/engine_view.py worker_ext/intake.py
 "$MYPY" gateway router loadgen flyctl worker_ext sim devstack

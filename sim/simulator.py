@@ -40,15 +40,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import msgspec
 import numpy as np
 
 from flying.groups import pooled_limit
-from flying.messages import PRIORITY_CLASS, Bind, Group, QueuedRequest, Release, RouterState
+from flying.messages import PRIORITY_CLASS, Bind, Group, Heartbeat, QueuedRequest, Release, RouterState
 from flying.prefix import BLOCK, MAX_BLOCKS, encode_chain
 from loadgen.metrics import RequestRecord
-from router.decision import ReleaseCause
-from router.policy import Decision, EngineView, GroupLoad, PolicyConfig, Snapshot, decide
+from router.decision import Decision, ReleaseCause, plan
+from router.engine_view import EngineView
+from router.policy import GroupLoad, PolicyConfig, Snapshot, decide
 from router.prefix_index import PrefixIndex
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cost_model import H200_LLAMA70B, CostModel
@@ -303,20 +303,26 @@ class Engine:
     def transforms(self) -> bool:
         return self.sim.cfg.kv_transform and self.idx not in self.sim.cfg.no_kv_transform
 
-    def view(self) -> EngineView:
-        return EngineView(
-            self.idx,
-            f"sim://{self.idx}",
-            self.assigned,
-            self.sim.kv_per_engine - self.dp.kv_used,
-            self.sim.kv_per_engine,
-            mode=self.mode,
-            epoch=self.group.epoch if self.group else 0,
+    def heartbeat(self) -> Heartbeat:
+        """What a worker would publish now (the fields the router reads)."""
+        g, kv = self.group, self.sim.kv_per_engine
+        return Heartbeat(
+            engine=self.idx,
+            url=f"sim://{self.idx}",
+            pid=0,
+            model="sim",
+            mode="tp" if g else "dp",
+            epoch=g.epoch if g else 0,
             pending=self.pending.epoch if self.pending else 0,
             num_engines=self.sim.cfg.engines,
-            beat_ts=self.beat_ts,
             kv_transform=self.transforms,
+            free_kv_tokens=kv - self.dp.kv_used,
+            max_total_tokens=kv,
+            ts=self.beat_ts,
         )
+
+    def view(self) -> EngineView:
+        return EngineView.from_heartbeat(self.heartbeat(), self.assigned)
 
     def command(self, cmd: Bind | Release) -> None:
         """The worker's own intake rule (:func:`worker_ext.intake.intake`); width changes are not modelled (the
@@ -640,28 +646,30 @@ class Simulator:
             self.check_invariants()
 
     def apply(self, d: Decision) -> None:
-        binds = [msgspec.structs.replace(g, epoch=next(self.epochs)) for g in d.binds]
-        for g in [*d.put.values(), *binds]:
+        """As the router applies a decision (:func:`router.decision.plan`): records, then commands (each member
+        reads its command ``command_ms`` later), then assignments."""
+        p = plan(d, itertools.islice(self.epochs, len(d.binds)))
+        for g in p.records:
             self.records[g.epoch] = g
-        for ep in d.drop:
+        for ep in p.drop:
             self.records.pop(ep, None)
-        self.state = d.state
-        self.log += [(self.now, n) for n in d.notes]
-        self.note_decisions(d, binds)
-        for members, cmd in [*d.commands, *map(d.bind_command, binds)]:
+        self.state = p.state
+        self.log += [(self.now, str(n)) for n in p.events]
+        self.note_decisions(d, p.binds)
+        for members, cmd in p.sends:
             if self.check and (getattr(cmd, "adopt", False) or getattr(cmd, "scatter", False)):
                 lacking = [m for m in members if not self.engines[m].transforms]
                 assert not lacking, f"{cmd} sent to {members}, but {lacking} cannot transform KV"
             for m in members:
                 self.at(self.now + self.cfg.command_ms / 1000, self.engines[m].command, cmd)
-        for x in d.dispatches:
+        p.record_prefixes(self.prefixes)
+        for x in p.dispatches:
             r = self.queue[PRIORITY_CLASS[x.request.priority]].pop(x.request.id)
             assert r.i not in self.dispatched, f"request {r.i} dispatched twice"
             self.dispatched.add(r.i)
             r.engine, r.epoch = x.engine, x.epoch
             self.engines[x.engine].assigned += 1
             if not x.epoch:
-                self.prefixes.record(x.engine, x.request.chain)
                 self.dp_rules[x.rule or ""] += 1
             if x.epoch:
                 load = self.tp_load.setdefault(x.epoch, [0, 0])
