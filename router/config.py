@@ -3,56 +3,114 @@ defaults are read from here."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from flying.logs import LogFormat
 from flying.messages import Preempt
 
 DispatchRule = Literal["cache-aware", "least-loaded"]
+T = TypeVar("T")
+
+
+def setting(default: T, help: str) -> T:
+    """A config field with its default and its one-line description (``help``: what it does and its unit; the
+    CLI appends the default)."""
+    return field(default=default, metadata={"help": help})
+
+
+def describe(cls: type) -> dict[str, str]:
+    """Field name -> its ``help``, for the fields of config dataclass ``cls`` that carry one."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    load_adaptation: bool = True
-    priority: bool = True
-    long_context: bool = True
-    light_width: int = 2  # width of the groups formed under light load
-    priority_width: int = 2  # width of a group bound for a high-priority request
-    priority_preempt: Preempt = "hard"
-    long_preempt: Preempt = "sequential"  # hard only where the members' free KV holds the request
-    max_inflight_per_worker: int = 32  # requests one DP engine is handed before the rest wait in Redis
-    spread_s: float = 0.0  # DP dispatch also counts the requests an engine was sent within about this long
-    tp_inflight_per_engine: int = 4  # a group of width w takes w * this TP requests at once
-    regime: Literal["inflight", "rate"] = "inflight"  # what says light or busy load (see update_regime)
-    light_load: float = (
-        0.5  # light: queued + inflight <= this share of the groups' capacity (all engines bound) ...
+    """The bind/release policy's settings (:mod:`router.policy`). Each field's ``help`` is its one description:
+    ``flying-router --help`` shows it (one flag per field), ``flying-sim --policy FIELD=VALUE`` sets it."""
+
+    load_adaptation: bool = setting(
+        True, "bind engines into light_width groups under light load (TP latency); DP when busy"
     )
-    calm_s: float = 2.0  # ... for this long before load groups form
-    busy_load: float = 1.0  # busy: queued + inflight above this share of the groups' capacity (or a wait)
-    light_rate: float = 0.75  # rate regime: light at most this many admissions per second per engine ...
-    busy_rate: float = 1.0  # ... busy above this many
-    rate_tau_s: float = 2.0  # time constant of the admission rate's exponential average
-    busy_wait_s: float = 0.25  # busy: a normal request has waited this long in the queue
-    keep_s: float = 1.0  # a priority/long group without TP work for this long is released
-    long_max_share: float = 0.5  # long groups hold at most this share of the engines (the rest stay DP)
-    long_wait_s: float = 60.0  # under busy load a long request waits up to this long before binding
-    max_defer_s: float = 5.0  # a bind pauses DP work at most this long (then released, retracting)
-    ack_timeout_s: float = 2.0  # members must acknowledge a bind within this ...
-    bind_timeout_s: float = 60.0  # ... and complete it within this (a sequential bind drains DP work first)
-    suspect_s: float = 10.0  # a member that failed a bind is not picked for another one for this long
-    # KV transformation (Bind.adopt / Release.scatter), used only where every member's heartbeat says kv_transform
-    kv_transform: bool = True
-    adopt_max_ms: float = 100.0  # a bind adopts only if its estimated transformation stalls the group <= this
-    adopt_max_inflight: int = 64  # ... and its members hold at most this many DP requests each
-    kv_bytes_per_token: int = 163_840  # for that estimate (Llama-3-70B, FP8 KV); see router.transform_cost
-    kv_link_gbps: float = 360.0  # per member and direction
-    kv_transform_fixed_ms: float = 4.0
-    # DP dispatch (issue 16): by prefix affinity (router.prefix_index), or least loaded only
-    dispatch: DispatchRule = "cache-aware"
-    cache_threshold: float = 0.3  # follow the engine holding most of the prompt, at least this share ...
-    balance_abs_threshold: float = 8.0  # ... unless loads differ by more than this ...
-    balance_rel_threshold: float = 1.5  # ... and the highest is above this times the lowest
+    priority: bool = setting(True, "bind a priority_width group for a high-priority request")
+    long_context: bool = setting(True, "bind a group whose pooled KV holds a request one engine's KV cannot")
+    light_width: int = setting(2, "engines per group formed under light load (a power of two)")
+    priority_width: int = setting(2, "engines per group bound for a high-priority request (a power of two)")
+    priority_preempt: Preempt = setting(
+        "hard", "how a priority bind takes busy engines: hard pauses their DP work, sequential drains it"
+    )
+    long_preempt: Preempt = setting(
+        "sequential", "how a long-context bind takes busy engines (hard only where their free KV holds it)"
+    )
+    max_inflight_per_worker: int = setting(
+        32, "requests one DP engine is handed before the rest wait in Redis"
+    )
+    spread_s: float = setting(
+        0.0, "seconds: DP dispatch also counts requests an engine was sent within about this long"
+    )
+    tp_inflight_per_engine: int = setting(4, "a group of width w takes w times this many TP requests at once")
+    regime: Literal["inflight", "rate"] = setting(
+        "inflight", "what judges light and busy load: queued + inflight requests, or the admission rate"
+    )
+    light_load: float = setting(
+        0.5, "light: queued + inflight at most this share of the groups' capacity (for calm_s)"
+    )
+    calm_s: float = setting(2.0, "seconds of light load before load groups form")
+    busy_load: float = setting(1.0, "busy: queued + inflight above this share of the groups' capacity")
+    light_rate: float = setting(0.75, "rate regime: light at most this many admissions per second per engine")
+    busy_rate: float = setting(1.0, "rate regime: busy above this many admissions per second per engine")
+    rate_tau_s: float = setting(2.0, "seconds: time constant of the admission rate's exponential average")
+    busy_wait_s: float = setting(
+        0.25, "seconds: busy once a normal request has waited this long in the queue"
+    )
+    keep_s: float = setting(
+        1.0, "seconds: a priority or long-context group without TP work for this long is released"
+    )
+    long_max_share: float = setting(
+        0.5, "long-context groups hold at most this share of the engines (one always allowed)"
+    )
+    long_wait_s: float = setting(
+        60.0, "seconds: under busy load a long request waits up to this long before binding"
+    )
+    max_defer_s: float = setting(
+        5.0, "seconds: a bind pauses DP work at most this long (then released, retracting)"
+    )
+    ack_timeout_s: float = setting(
+        2.0, "seconds: members must acknowledge a bind within this, else it is rolled back"
+    )
+    bind_timeout_s: float = setting(
+        60.0, "seconds: members must complete a bind within this (a sequential bind drains first)"
+    )
+    suspect_s: float = setting(
+        10.0, "seconds: a member that failed a bind is not picked for another one for this long"
+    )
+    kv_transform: bool = setting(
+        True, "move KV between DP and TP layouts (bind by adoption, release by scatter) where engines can"
+    )
+    adopt_max_ms: float = setting(
+        100.0, "milliseconds: adopt only if the estimated KV transformation stalls the group at most this"
+    )
+    adopt_max_inflight: int = setting(64, "adopt only if each member holds at most this many DP requests")
+    kv_bytes_per_token: int = setting(
+        163_840, "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)"
+    )
+    kv_link_gbps: float = setting(360.0, "GB/s per member and direction, for the transformation estimate")
+    kv_transform_fixed_ms: float = setting(
+        4.0, "milliseconds: fixed cost per KV transformation, for the estimate"
+    )
+    dispatch: DispatchRule = setting(
+        "cache-aware",
+        "DP dispatch: cache-aware follows the prompt's prefix to the engine that probably caches it "
+        "(least loaded when none holds cache_threshold of it, or loads are out of balance); least-loaded ignores it",
+    )
+    cache_threshold: float = setting(
+        0.3, "cache-aware: share (0-1) of the prompt's prefix blocks the best engine must hold"
+    )
+    balance_abs_threshold: float = setting(
+        8.0, "cache-aware: requests; loads out of balance when max - min exceeds this ..."
+    )
+    balance_rel_threshold: float = setting(1.5, "... and max exceeds this times min (then least loaded)")
 
     def __post_init__(self) -> None:
         for name in ("light_width", "priority_width"):
@@ -71,11 +129,13 @@ class RouterConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "flying"
     peek: int = 256  # queue head examined per dispatch round
-    poll_s: float = 0.05  # longest sleep between rounds when nothing wakes the router
-    lease_ms: int = 2000  # router leadership lease; a standby takes over this long after a crash
+    poll_s: float = setting(0.05, "seconds: longest sleep between rounds when nothing wakes it")
+    lease_ms: int = setting(
+        2000, "milliseconds: leadership lease; a standby router takes over this long after a crash"
+    )
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    metrics_port: int = 0  # Prometheus metrics (router.metrics); 0: off
-    metrics_host: str = "127.0.0.1"
+    metrics_port: int = setting(0, "port of the Prometheus metrics (0: off)")  # router.metrics
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus metrics")
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 
     def __post_init__(self) -> None:
