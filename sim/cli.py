@@ -25,11 +25,13 @@ from pathlib import Path
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.trace import PRESETS, read_trace
 from router.policy import PolicyConfig
+from sim.config import SimConfig
 from sim.cost_model import calibration
 from sim.plots import burst_spans, mode_counts, plot, shift_share
 from sim.prefix_report import prefix_table, ratios, summarize_prefix
 from sim.prefix_workload import shared_prefix_workload
-from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload, two_level_phase
+from sim.simulator import Simulator
+from sim.workload import SimRequest, paper_workload, two_level_phase
 
 FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
 

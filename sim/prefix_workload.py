@@ -14,7 +14,7 @@ import numpy as np
 
 from flying.prefix import block_hashes
 from sim.prefix_cache import UNCAPPED
-from sim.simulator import SimRequest
+from sim.workload import SimRequest
 
 
 def shared_prefix_workload(

@@ -14,9 +14,11 @@ from flying.messages import Bind, Group, Release
 from router.policy import PolicyConfig
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cli import flat_period
+from sim.config import SimConfig
 from sim.cost_model import CostModel, calibration
 from sim.plots import mode_counts
-from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload
+from sim.simulator import Simulator
+from sim.workload import SimRequest, paper_workload
 
 SMALL = CostModel(kv_tokens=4000, max_running=16, chunk_tokens=512)
 
