@@ -20,6 +20,12 @@ def setting(default: T, help: str) -> T:
     return field(default=default, metadata={"help": help})
 
 
+def _require(ok: bool, message: str) -> None:
+    """A setting a user gave is out of range: ValueError naming it (checked under ``python -O`` too)."""
+    if not ok:
+        raise ValueError(message)
+
+
 def describe(cls: type) -> dict[str, str]:
     """Field name -> its ``help``, for the fields of config dataclass ``cls`` that carry one."""
     return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
@@ -115,13 +121,30 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         for name in ("light_width", "priority_width"):
             w = getattr(self, name)
-            assert w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}"
-        assert self.max_inflight_per_worker >= 1 and self.tp_inflight_per_engine >= 1
-        assert self.light_load >= 0 and self.calm_s >= 0 and self.busy_wait_s > 0
-        assert 0 <= self.light_rate <= self.busy_rate and self.rate_tau_s > 0
-        assert 0 < self.ack_timeout_s <= self.bind_timeout_s, "need 0 < ack_timeout_s <= bind_timeout_s"
-        assert 0 <= self.cache_threshold <= 1, f"cache_threshold {self.cache_threshold} not in [0, 1]"
-        assert self.balance_abs_threshold >= 0 and self.balance_rel_threshold >= 1
+            _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")
+        for name in ("max_inflight_per_worker", "tp_inflight_per_engine"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("light_load", "calm_s"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("busy_wait_s", "rate_tau_s"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _require(
+            0 <= self.light_rate <= self.busy_rate,
+            f"need 0 <= light_rate <= busy_rate, got {self.light_rate} and {self.busy_rate}",
+        )
+        _require(
+            0 < self.ack_timeout_s <= self.bind_timeout_s,
+            f"need 0 < ack_timeout_s <= bind_timeout_s, got {self.ack_timeout_s} and {self.bind_timeout_s}",
+        )
+        _require(0 <= self.cache_threshold <= 1, f"cache_threshold {self.cache_threshold} not in [0, 1]")
+        _require(
+            self.balance_abs_threshold >= 0,
+            f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}",
+        )
+        _require(
+            self.balance_rel_threshold >= 1,
+            f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}",
+        )
 
 
 @dataclass(frozen=True)
@@ -139,6 +162,6 @@ class RouterConfig:
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 
     def __post_init__(self) -> None:
-        assert self.peek >= 1, "peek must be >= 1"
-        assert 0 < self.poll_s <= 1, "poll_s must be in (0, 1]"
-        assert self.lease_ms >= 500, "lease_ms must be >= 500"
+        _require(self.peek >= 1, f"peek must be >= 1, got {self.peek}")
+        _require(0 < self.poll_s <= 1, f"poll_s must be in (0, 1], got {self.poll_s}")
+        _require(self.lease_ms >= 500, f"lease_ms must be >= 500, got {self.lease_ms}")

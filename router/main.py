@@ -59,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     d = RouterConfig()
     p = parser()
     a = p.parse_args(argv)
+    try:
+        return _config(d, a)
+    except ValueError as exc:
+        p.error(str(exc))  # exits
+
+
+def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:
     policy = PolicyConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PolicyConfig)})
     if a.manual:
         policy = dataclasses.replace(policy, load_adaptation=False, priority=False, long_context=False)

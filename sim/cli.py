@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("sim-out"))
     p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
     a = p.parse_args(argv)
+    if unknown := [m for m in a.modes.split(",") if m not in MODES]:
+        p.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
     lo_in, hi_in = (int(x) for x in a.input.split(":"))
     lo_out, hi_out = (int(x) for x in a.output.split(":"))
     if a.workload == "shared-prefix":

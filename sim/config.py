@@ -4,6 +4,7 @@ simulated router's policy, the cost model, and the faults to inject."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,6 +49,12 @@ class SimConfig:
         True  # the engines apply Bind.adopt / Release.scatter (and say so in their heartbeats) ...
     )
     no_kv_transform: tuple[int, ...] = ()  # ... except these (an older worker build)
+
+    def __post_init__(self) -> None:
+        if self.mode not in typing.get_args(Mode):
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(typing.get_args(Mode))}")
+        if self.engines < 1 or self.tp_width < 1:
+            raise ValueError(f"need engines >= 1 and tp_width >= 1, got {self.engines} and {self.tp_width}")
 
     def effective_policy(self) -> PolicyConfig:
         if self.mode == "dynamic":
