@@ -29,7 +29,7 @@ The three use cases, each switchable in :class:`PolicyConfig`:
   Under pressure it waits up to ``long_wait_s`` first, and long groups hold at most ``long_max_share`` of the
   engines (one is always allowed), so a burst is served in DP.
 
-KV transformation (Gyges-style, issue 12) is used only where every member's heartbeat reports ``kv_transform`` and
+KV transformation (Gyges-style) is used only where every member's heartbeat reports ``kv_transform`` and
 ``PolicyConfig.kv_transform`` is on (``flying-router --no-kv-transform``); otherwise every decision is as without it.
 Its cost enters the decision: an adoption's stall is estimated from the members' KV in use (head slices of
 ``kv_bytes_per_token`` over ``kv_link_gbps`` plus ``kv_transform_fixed_ms``, :mod:`router.transform_cost`); above
@@ -39,7 +39,7 @@ scatter, or by waiting). Hysteresis: light needs ``calm_s`` of light load, the t
 light and busy, and a queue that only waits for load groups forming at their members' next step boundary is not
 pressure. DP dispatch is least loaded, counting requests sent within about ``spread_s`` twice (a released group's
 follower, whose TP requests its leader owns, would otherwise take every new request at once); cache-aware
-(``dispatch``, issue 16) it follows the prompt's prefix (:func:`router.dp_dispatch.pick_dp`) to the engine whose cache probably
+(``dispatch``) it follows the prompt's prefix (:func:`router.dp_dispatch.pick_dp`) to the engine whose cache probably
 holds most of it (:mod:`router.prefix_index`, which the caller keeps), unless loads are out of balance. TP
 dispatches ignore prefixes: a group's requests bypass the prefix cache.
 

@@ -1,6 +1,6 @@
 """What a KV transformation costs, for the policy (whether adopting beats waiting) and the simulator.
 
-KV transformation (issue 12: ``Bind.adopt``, ``Release.scatter``): a request's KV moves between the members of one
+KV transformation (``Bind.adopt``, ``Release.scatter``): a request's KV moves between the members of one
 group by head slices. At width ``d`` a member keeps its own ``1/d`` of each of its requests' heads in place and sends
 the other ``(d-1)/d`` (adoption); at a scatter a request's owner receives the ``(d-1)/d`` the other members hold. One
 transformation costs :func:`kv_transform_ms`: a fixed part plus the bytes of the busiest member's moved head slices

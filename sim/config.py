@@ -26,7 +26,7 @@ class SimConfig:
             tp_inflight_per_engine=8,
             busy_load=0.5,
             light_load=0.4,
-            # issue 12 (docs/benchmarks.md): the admission-rate regime (a burst's start and end show at once),
+            # docs/benchmarks.md: the admission-rate regime (a burst's start and end show at once),
             # adoption over busy blocks, DP dispatch that spreads a released group's new work
             regime="rate",
             light_rate=0.75,

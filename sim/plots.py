@@ -1,4 +1,4 @@
-"""``flying-sim``'s picture (issue 18): what each simulated system did over time, Figure-8 style.
+"""``flying-sim``'s picture: what each simulated system did over time, Figure-8 style.
 
 Panels, top to bottom: the dynamic run's *mode track* (engines by mode: DP, binding, TP at each width, releasing;
 the DP requests paused under a group; the router's bind and release decisions, coloured by reason), the shift run's

@@ -1,5 +1,10 @@
 """A discrete-event, trace-driven simulation of N engines run by the *live* policy (:func:`router.policy.decide`).
 
+This module is the event loop and the simulated router: it snapshots the engines as the router does (their
+heartbeats, :meth:`router.engine_view.EngineView.from_heartbeat`) and applies each decision as the router does
+(:func:`router.decision.plan`). The engines are :mod:`sim.engine`; the workloads :mod:`sim.workload` and
+:mod:`sim.prefix_workload`; the settings :class:`sim.config.SimConfig`.
+
 Each engine is a continuous-batching scheduler whose step times come from :mod:`sim.cost_model`; a bound group is
 one scheduler at its width with the members' pooled KV. Commands behave as the workers' (worker_ext.binding) do:
 a member acknowledges a bind on reading it (``pending``), applies it at its next step boundary (hard: its DP work
@@ -24,7 +29,7 @@ engines whose every step runs in sequence parallelism, or in full TP when it bat
 tokens (:meth:`sim.cost_model.CostModel.shift_step_ms`), with as many running requests and prefill tokens per
 step per GPU as a DP engine and the KV that the second, TP-sharded weight copy leaves.
 
-For pictures (issue 18) the simulator records each engine's mode whenever it changes (:attr:`Simulator.track`:
+For pictures the simulator records each engine's mode whenever it changes (:attr:`Simulator.track`:
 ``dp``, ``binding``, ``tp<width>``, ``releasing``, with the paused DP requests), the router's bind and release
 decisions with their reason (:attr:`Simulator.decisions`) and, under ``shift``, which configuration each step ran
 in (:attr:`Simulator.shift_steps`).
