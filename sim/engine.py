@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 from flying.messages import Bind, Heartbeat, QueuedRequest, Release
 from flying.prefix import BLOCK
@@ -191,7 +191,7 @@ class Engine:
         )  # running, waiting: for the group it waits to form
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Literal["dp", "tp"]:
         return "tp" if self.group else "dp"
 
     @property
@@ -220,7 +220,7 @@ class Engine:
             url=f"sim://{self.idx}",
             pid=0,
             model="sim",
-            mode="tp" if g else "dp",
+            mode=self.mode,
             epoch=g.epoch if g else 0,
             pending=self.pending.epoch if self.pending else 0,
             num_engines=self.sim.cfg.engines,

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from flying.groups import pooled_limit
-from flying.messages import PRIORITY_CLASS, Bind, Group, QueuedRequest, RouterState
+from flying.messages import PRIORITY_CLASS, Bind, Group, GroupReason, QueuedRequest, RouterState
 from flying.prefix import MAX_BLOCKS, encode_chain
 from loadgen.metrics import RequestRecord
 from router.decision import Decision, ReleaseCause, plan
@@ -67,7 +67,7 @@ class SimDecision:
     kind: Literal["bind", "release"]
     epoch: int
     members: tuple[int, ...]
-    reason: str
+    reason: GroupReason
     cause: ReleaseCause | None = None
 
 
