@@ -1,11 +1,150 @@
-"""Router configuration (frozen; CLI defaults are read from here)."""
+"""Router configuration: the policy's (:class:`PolicyConfig`) and the process's (:class:`RouterConfig`); frozen, CLI
+defaults are read from here."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
 from flying.logs import LogFormat
-from router.policy import PolicyConfig
+from flying.messages import Preempt
+
+DispatchRule = Literal["cache-aware", "least-loaded"]
+T = TypeVar("T")
+
+
+def setting(default: T, help: str) -> T:
+    """A config field with its default and its one-line description (``help``: what it does and its unit; the
+    CLI appends the default)."""
+    return field(default=default, metadata={"help": help})
+
+
+def _require(ok: bool, message: str) -> None:
+    """A setting a user gave is out of range: ValueError naming it (checked under ``python -O`` too)."""
+    if not ok:
+        raise ValueError(message)
+
+
+def describe(cls: type) -> dict[str, str]:
+    """Field name -> its ``help``, for the fields of config dataclass ``cls`` that carry one."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The bind/release policy's settings (:mod:`router.policy`). Each field's ``help`` is its one description:
+    ``flying-router --help`` shows it (one flag per field), ``flying-sim --policy FIELD=VALUE`` sets it."""
+
+    load_adaptation: bool = setting(
+        True, "bind engines into light_width groups under light load (TP latency); DP when busy"
+    )
+    priority: bool = setting(True, "bind a priority_width group for a high-priority request")
+    long_context: bool = setting(True, "bind a group whose pooled KV holds a request one engine's KV cannot")
+    light_width: int = setting(2, "engines per group formed under light load (a power of two)")
+    priority_width: int = setting(2, "engines per group bound for a high-priority request (a power of two)")
+    priority_preempt: Preempt = setting(
+        "hard", "how a priority bind takes busy engines: hard pauses their DP work, sequential drains it"
+    )
+    long_preempt: Preempt = setting(
+        "sequential", "how a long-context bind takes busy engines (hard only where their free KV holds it)"
+    )
+    max_inflight_per_worker: int = setting(
+        32, "requests one DP engine is handed before the rest wait in Redis"
+    )
+    spread_s: float = setting(
+        0.0, "seconds: DP dispatch also counts requests an engine was sent within about this long"
+    )
+    tp_inflight_per_engine: int = setting(4, "a group of width w takes w times this many TP requests at once")
+    regime: Literal["inflight", "rate"] = setting(
+        "inflight", "what judges light and busy load: queued + inflight requests, or the admission rate"
+    )
+    light_load: float = setting(
+        0.5, "light: queued + inflight at most this share of the groups' capacity (for calm_s)"
+    )
+    calm_s: float = setting(2.0, "seconds of light load before load groups form")
+    busy_load: float = setting(1.0, "busy: queued + inflight above this share of the groups' capacity")
+    light_rate: float = setting(0.75, "rate regime: light at most this many admissions per second per engine")
+    busy_rate: float = setting(1.0, "rate regime: busy above this many admissions per second per engine")
+    rate_tau_s: float = setting(2.0, "seconds: time constant of the admission rate's exponential average")
+    busy_wait_s: float = setting(
+        0.25, "seconds: busy once a normal request has waited this long in the queue"
+    )
+    keep_s: float = setting(
+        1.0, "seconds: a priority or long-context group without TP work for this long is released"
+    )
+    long_max_share: float = setting(
+        0.5, "long-context groups hold at most this share of the engines (one always allowed)"
+    )
+    long_wait_s: float = setting(
+        60.0, "seconds: under busy load a long request waits up to this long before binding"
+    )
+    max_defer_s: float = setting(
+        5.0, "seconds: a bind pauses DP work at most this long (then released, retracting)"
+    )
+    ack_timeout_s: float = setting(
+        2.0, "seconds: members must acknowledge a bind within this, else it is rolled back"
+    )
+    bind_timeout_s: float = setting(
+        60.0, "seconds: members must complete a bind within this (a sequential bind drains first)"
+    )
+    suspect_s: float = setting(
+        10.0, "seconds: a member that failed a bind is not picked for another one for this long"
+    )
+    kv_transform: bool = setting(
+        True, "move KV between DP and TP layouts (bind by adoption, release by scatter) where engines can"
+    )
+    adopt_max_ms: float = setting(
+        100.0, "milliseconds: adopt only if the estimated KV transformation stalls the group at most this"
+    )
+    adopt_max_inflight: int = setting(64, "adopt only if each member holds at most this many DP requests")
+    kv_bytes_per_token: int = setting(
+        163_840, "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)"
+    )
+    kv_link_gbps: float = setting(360.0, "GB/s per member and direction, for the transformation estimate")
+    kv_transform_fixed_ms: float = setting(
+        4.0, "milliseconds: fixed cost per KV transformation, for the estimate"
+    )
+    dispatch: DispatchRule = setting(
+        "cache-aware",
+        "DP dispatch: cache-aware follows the prompt's prefix to the engine that probably caches it "
+        "(least loaded when none holds cache_threshold of it, or loads are out of balance); least-loaded ignores it",
+    )
+    cache_threshold: float = setting(
+        0.3, "cache-aware: share (0-1) of the prompt's prefix blocks the best engine must hold"
+    )
+    balance_abs_threshold: float = setting(
+        8.0, "cache-aware: requests; loads out of balance when max - min exceeds this ..."
+    )
+    balance_rel_threshold: float = setting(1.5, "... and max exceeds this times min (then least loaded)")
+
+    def __post_init__(self) -> None:
+        for name in ("light_width", "priority_width"):
+            w = getattr(self, name)
+            _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")
+        for name in ("max_inflight_per_worker", "tp_inflight_per_engine"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("light_load", "calm_s"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("busy_wait_s", "rate_tau_s"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _require(
+            0 <= self.light_rate <= self.busy_rate,
+            f"need 0 <= light_rate <= busy_rate, got {self.light_rate} and {self.busy_rate}",
+        )
+        _require(
+            0 < self.ack_timeout_s <= self.bind_timeout_s,
+            f"need 0 < ack_timeout_s <= bind_timeout_s, got {self.ack_timeout_s} and {self.bind_timeout_s}",
+        )
+        _require(0 <= self.cache_threshold <= 1, f"cache_threshold {self.cache_threshold} not in [0, 1]")
+        _require(
+            self.balance_abs_threshold >= 0,
+            f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}",
+        )
+        _require(
+            self.balance_rel_threshold >= 1,
+            f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}",
+        )
 
 
 @dataclass(frozen=True)
@@ -13,14 +152,16 @@ class RouterConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "flying"
     peek: int = 256  # queue head examined per dispatch round
-    poll_s: float = 0.05  # longest sleep between rounds when nothing wakes the router
-    lease_ms: int = 2000  # router leadership lease; a standby takes over this long after a crash
+    poll_s: float = setting(0.05, "seconds: longest sleep between rounds when nothing wakes it")
+    lease_ms: int = setting(
+        2000, "milliseconds: leadership lease; a standby router takes over this long after a crash"
+    )
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    metrics_port: int = 0  # Prometheus metrics (router.metrics); 0: off
-    metrics_host: str = "127.0.0.1"
+    metrics_port: int = setting(0, "port of the Prometheus metrics (0: off)")  # router.metrics
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus metrics")
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 
     def __post_init__(self) -> None:
-        assert self.peek >= 1, "peek must be >= 1"
-        assert 0 < self.poll_s <= 1, "poll_s must be in (0, 1]"
-        assert self.lease_ms >= 500, "lease_ms must be >= 500"
+        _require(self.peek >= 1, f"peek must be >= 1, got {self.peek}")
+        _require(0 < self.poll_s <= 1, f"poll_s must be in (0, 1], got {self.poll_s}")
+        _require(self.lease_ms >= 500, f"lease_ms must be >= 500, got {self.lease_ms}")

@@ -13,7 +13,6 @@ import time
 import uuid
 
 import httpx
-import msgspec
 import redis.asyncio as aioredis
 
 from flying import control
@@ -23,8 +22,10 @@ from flying.messages import Group, QueuedRequest, RouterState, decode, encode, e
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
 from flying.workers import live_heartbeat, registered_engines
 from router.config import RouterConfig
+from router.decision import Decision, Dispatch, plan
+from router.engine_view import EngineView
 from router.metrics import RouterMetrics
-from router.policy import Decision, Dispatch, EngineView, GroupLoad, Snapshot, decide
+from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger("flying.router")
@@ -126,23 +127,7 @@ class Dispatcher:
             if raw_state
             else RouterState(busy=True, calm_since=0.0, changed_at=time.time())
         )
-        views = [
-            EngineView(
-                hb.engine,
-                hb.url,
-                counts[hb.engine],
-                hb.free_kv_tokens,
-                hb.max_total_tokens,
-                mode=hb.mode,
-                epoch=hb.epoch,
-                pending=hb.pending,
-                num_engines=hb.num_engines,
-                beat_ts=hb.ts,
-                kv_transform=hb.kv_transform,
-                launch_id=hb.launch_id,
-            )
-            for hb in beats
-        ]
+        views = [EngineView.from_heartbeat(hb, counts[hb.engine]) for hb in beats]
         if forgotten := self.prefixes.sync(views):
             log.info("engines %s: prefix cache index forgotten (restarted or gone)", forgotten)
         return Snapshot(
@@ -177,31 +162,30 @@ class Dispatcher:
         return out
 
     async def apply(self, d: Decision) -> int:
-        """Records, then commands, then assignments; returns how many requests were assigned."""
+        """Records, then commands, then assignments (:func:`router.decision.plan`); returns how many requests were
+        assigned."""
         k = self.keys
-        binds = [msgspec.structs.replace(g, epoch=int(await self.r.incr(k.epoch))) for g in d.binds]
-        state = encode(d.state)
-        if d.put or binds or d.drop or state != self._state_written:
+        p = plan(d, [int(await self.r.incr(k.epoch)) for _ in d.binds])
+        state = encode(p.state)
+        if p.records or p.drop or state != self._state_written:
             pipe = self.r.pipeline(transaction=True)
-            for g in [*d.put.values(), *binds]:
+            for g in p.records:
                 pipe.hset(k.groups, str(g.epoch), encode(g))
-            if d.drop:
-                pipe.hdel(k.groups, *map(str, d.drop))
+            if p.drop:
+                pipe.hdel(k.groups, *map(str, p.drop))
             pipe.set(k.router_state, state)
             await pipe.execute()
             self._state_written = state
-        for note in d.notes:
+        for note in p.events:
             log.info("%s", note)
-        for members, cmd in [*d.commands, *map(d.bind_command, binds)]:
+        for members, cmd in p.sends:
             await control.send_async(self.r, k, members, cmd)
-        moves = [(x.request, x.engine, x.url, x.epoch) for x in d.dispatches]
+        moves = [(x.request, x.engine, x.url, x.epoch) for x in p.dispatches]
         assigned = await self.queue.assign_many(moves)
-        for x in d.dispatches:
-            if not x.epoch:
-                self.prefixes.record(x.engine, x.request.chain)
+        p.record_prefixes(self.prefixes)
         self.dispatched += assigned
         if moves:
-            _log_dispatches(d.dispatches, assigned)
+            _log_dispatches(p.dispatches, assigned)
         await self.publish_fast(d.fast)
         return assigned
 

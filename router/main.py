@@ -14,50 +14,13 @@ import redis
 import redis.asyncio as aioredis
 
 from flying import cli, logs, taskdump
-from router.config import RouterConfig
+from router.config import PolicyConfig, RouterConfig, describe
 from router.dispatcher import Dispatcher
 from router.metrics import ClusterCollector
-from router.policy import PolicyConfig
 
-# One line per PolicyConfig field: what it does and its unit (``--help`` appends the default).
-POLICY_HELP: dict[str, str] = {
-    "load_adaptation": "bind engines into light_width groups under light load (TP latency); DP when busy",
-    "priority": "bind a priority_width group for a high-priority request",
-    "long_context": "bind a group whose pooled KV holds a request one engine's KV cannot",
-    "light_width": "engines per group formed under light load (a power of two)",
-    "priority_width": "engines per group bound for a high-priority request (a power of two)",
-    "priority_preempt": "how a priority bind takes busy engines: hard pauses their DP work, sequential drains it",
-    "long_preempt": "how a long-context bind takes busy engines (hard only where their free KV holds it)",
-    "max_inflight_per_worker": "requests one DP engine is handed before the rest wait in Redis",
-    "spread_s": "seconds: DP dispatch also counts requests an engine was sent within about this long",
-    "tp_inflight_per_engine": "a group of width w takes w times this many TP requests at once",
-    "regime": "what judges light and busy load: queued + inflight requests, or the admission rate",
-    "light_load": "light: queued + inflight at most this share of the groups' capacity (for calm_s)",
-    "calm_s": "seconds of light load before load groups form",
-    "busy_load": "busy: queued + inflight above this share of the groups' capacity",
-    "light_rate": "rate regime: light at most this many admissions per second per engine",
-    "busy_rate": "rate regime: busy above this many admissions per second per engine",
-    "rate_tau_s": "seconds: time constant of the admission rate's exponential average",
-    "busy_wait_s": "seconds: busy once a normal request has waited this long in the queue",
-    "keep_s": "seconds: a priority or long-context group without TP work for this long is released",
-    "long_max_share": "long-context groups hold at most this share of the engines (one always allowed)",
-    "long_wait_s": "seconds: under busy load a long request waits up to this long before binding",
-    "max_defer_s": "seconds: a bind pauses DP work at most this long (then released, retracting)",
-    "ack_timeout_s": "seconds: members must acknowledge a bind within this, else it is rolled back",
-    "bind_timeout_s": "seconds: members must complete a bind within this (a sequential bind drains first)",
-    "suspect_s": "seconds: a member that failed a bind is not picked for another one for this long",
-    "kv_transform": "move KV between DP and TP layouts (bind by adoption, release by scatter) where engines can",
-    "adopt_max_ms": "milliseconds: adopt only if the estimated KV transformation stalls the group at most this",
-    "adopt_max_inflight": "adopt only if each member holds at most this many DP requests",
-    "kv_bytes_per_token": "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)",
-    "kv_link_gbps": "GB/s per member and direction, for the transformation estimate",
-    "kv_transform_fixed_ms": "milliseconds: fixed cost per KV transformation, for the estimate",
-    "dispatch": "DP dispatch: cache-aware follows the prompt's prefix to the engine that probably caches it "
-    "(least loaded when none holds cache_threshold of it, or loads are out of balance); least-loaded ignores it",
-    "cache_threshold": "cache-aware: share (0-1) of the prompt's prefix blocks the best engine must hold",
-    "balance_abs_threshold": "cache-aware: requests; loads out of balance when max - min exceeds this ...",
-    "balance_rel_threshold": "... and max exceeds this times min (then least loaded)",
-}
+# One line per PolicyConfig field: what it does and its unit (``--help`` appends the default), from the field.
+POLICY_HELP: dict[str, str] = describe(PolicyConfig)
+ROUTER_HELP: dict[str, str] = describe(RouterConfig)
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
@@ -83,22 +46,10 @@ def parser() -> argparse.ArgumentParser:
     d = RouterConfig()
     p = cli.parser("flying-router", "Dispatch the global Redis queue to engines; bind and release TP groups.")
     cli.add_redis_arguments(p)
-    p.add_argument(
-        "--poll-s",
-        type=float,
-        default=d.poll_s,
-        help="seconds: longest sleep between rounds when nothing wakes it",
-    )
-    p.add_argument(
-        "--lease-ms",
-        type=int,
-        default=d.lease_ms,
-        help="milliseconds: leadership lease; a standby router takes over this long after a crash",
-    )
-    p.add_argument(
-        "--metrics-port", type=int, default=d.metrics_port, help="port of the Prometheus metrics (0: off)"
-    )
-    p.add_argument("--metrics-host", default=d.metrics_host, help="address of the Prometheus metrics")
+    p.add_argument("--poll-s", type=float, default=d.poll_s, help=ROUTER_HELP["poll_s"])
+    p.add_argument("--lease-ms", type=int, default=d.lease_ms, help=ROUTER_HELP["lease_ms"])
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help=ROUTER_HELP["metrics_port"])
+    p.add_argument("--metrics-host", default=d.metrics_host, help=ROUTER_HELP["metrics_host"])
     logs.add_argument(p)
     _policy_flags(p)
     return p
@@ -108,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     d = RouterConfig()
     p = parser()
     a = p.parse_args(argv)
+    try:
+        return _config(d, a)
+    except ValueError as exc:
+        p.error(str(exc))  # exits
+
+
+def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:
     policy = PolicyConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PolicyConfig)})
     if a.manual:
         policy = dataclasses.replace(policy, load_adaptation=False, priority=False, long_context=False)

@@ -24,19 +24,17 @@ from flying import control
 from flying.keys import Keys
 from flying.messages import Group, Release, RouterState, decode
 from flying.queue import text
-from router.policy import Decision
+from router.decision import BindMode, Decision, ReleaseMode
 
 SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 def bind_mode(g: Group) -> str:
-    return "adopt" if g.adopt else g.preempt
+    return BindMode.of(g).value
 
 
 def release_mode(cmd: Release | None) -> str:
-    if cmd is None:
-        return "wait"
-    return "scatter" if cmd.scatter else "retract" if cmd.retract else "wait"
+    return ReleaseMode.of(cmd).value
 
 
 class RouterMetrics:

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from flying.prefix import BLOCK
-
-if TYPE_CHECKING:
-    from router.policy import EngineView
+from router.engine_view import EngineView
 
 
 class PrefixIndex:

@@ -1,6 +1,6 @@
 """What a KV transformation costs, for the policy (whether adopting beats waiting) and the simulator.
 
-KV transformation (issue 12: ``Bind.adopt``, ``Release.scatter``): a request's KV moves between the members of one
+KV transformation (``Bind.adopt``, ``Release.scatter``): a request's KV moves between the members of one
 group by head slices. At width ``d`` a member keeps its own ``1/d`` of each of its requests' heads in place and sends
 the other ``(d-1)/d`` (adoption); at a scatter a request's owner receives the ``(d-1)/d`` the other members hold. One
 transformation costs :func:`kv_transform_ms`: a fixed part plus the bytes of the busiest member's moved head slices
@@ -21,6 +21,11 @@ of the members' first DP step (scatter), since the workers exchange at a step bo
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from router.config import PolicyConfig
+from router.engine_view import EngineView
 
 
 def kv_transform_ms(
@@ -45,3 +50,32 @@ def scatter_moves(owned: list[float]) -> list[tuple[float, float]]:
     """Scatter at width ``d``: member m owns requests of ``owned[m]`` KV tokens; it receives the (d-1)/d of them the
     others hold and sends its 1/d of every other member's."""
     return [(r, s) for s, r in adopt_moves(owned)]
+
+
+class TransformCost:
+    """One policy round's view of KV transformation: whether a group's members may adopt or scatter, and what an
+    adoption would stall the group. ``dp_kv``: KV of the DP requests the round has sent each engine so far (the
+    caller's dict, read live)."""
+
+    def __init__(self, cfg: PolicyConfig, live: Mapping[int, EngineView], dp_kv: Mapping[int, int]) -> None:
+        self.cfg, self.live, self.dp_kv = cfg, live, dp_kv
+
+    def possible(self, members: Sequence[int]) -> bool:
+        """Adopt/scatter only where it is on and every member's heartbeat says it applies them."""
+        return self.cfg.kv_transform and all(m in self.live and self.live[m].kv_transform for m in members)
+
+    def used_kv(self, m: int) -> int:
+        """KV tokens engine ``m``'s DP requests hold (heartbeat), those this round sends it included."""
+        e = self.live[m]
+        return max(0, e.max_total_tokens - e.free_kv_tokens) + self.dp_kv[m]
+
+    def adopt_ms(self, members: Sequence[int]) -> float:
+        """Estimated stall of an adoption: every member's DP KV moves (d-1)/d of its head slices."""
+        c = self.cfg
+        moves = adopt_moves([self.used_kv(m) for m in members])
+        return kv_transform_ms(moves, c.kv_bytes_per_token, c.kv_link_gbps, c.kv_transform_fixed_ms)
+
+    def may_adopt(self, members: Sequence[int]) -> bool:
+        """Adoption beats draining or pausing the members' DP work when its stall is at most ``adopt_max_ms``
+        (a few decode steps); a larger one (members full of KV) drains or pauses as without it."""
+        return self.possible(members) and self.adopt_ms(members) <= self.cfg.adopt_max_ms

@@ -25,11 +25,13 @@ from pathlib import Path
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.trace import PRESETS, read_trace
 from router.policy import PolicyConfig
+from sim.config import SimConfig
 from sim.cost_model import calibration
 from sim.plots import burst_spans, mode_counts, plot, shift_share
 from sim.prefix_report import prefix_table, ratios, summarize_prefix
 from sim.prefix_workload import shared_prefix_workload
-from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload, two_level_phase
+from sim.simulator import Simulator
+from sim.workload import SimRequest, paper_workload, two_level_phase
 
 FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
 
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("sim-out"))
     p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
     a = p.parse_args(argv)
+    if unknown := [m for m in a.modes.split(",") if m not in MODES]:
+        p.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
     lo_in, hi_in = (int(x) for x in a.input.split(":"))
     lo_out, hi_out = (int(x) for x in a.output.split(":"))
     if a.workload == "shared-prefix":

@@ -19,7 +19,7 @@ the model reproduces the published numbers it can be checked against (see :func:
 KV transformation costs are the router's own model (:mod:`router.transform_cost`); the simulator charges them
 the same way.
 
-Shift Parallelism (seed 001; issue 18: the ``shift`` system of the simulator) runs one scheduler over ``sp`` GPUs
+Shift Parallelism (seed 001; the ``shift`` system of the simulator) runs one scheduler over ``sp`` GPUs
 in two configurations that share one KV layout (every GPU holds ``1/sp`` of the KV heads of every token):
 
 - base, Ulysses sequence parallelism (:meth:`CostModel.sp_step_ms`): every GPU runs ``1/sp`` of the step's tokens

@@ -1,4 +1,4 @@
-"""``flying-sim``'s picture (issue 18): what each simulated system did over time, Figure-8 style.
+"""``flying-sim``'s picture: what each simulated system did over time, Figure-8 style.
 
 Panels, top to bottom: the dynamic run's *mode track* (engines by mode: DP, binding, TP at each width, releasing;
 the DP requests paused under a group; the router's bind and release decisions, coloured by reason), the shift run's
@@ -117,7 +117,7 @@ def _mode_panel(ax, track: dict[str, list[float]], decisions: Sequence[SimDecisi
     cmap = {"release": "v", "bind": "^"}
     for d in decisions:
         label = decision_label(d)
-        color = REASON_COLORS.get(d.reason, "#636363") if d.kind == "bind" else _cause_color(d.cause)
+        color = REASON_COLORS.get(d.reason, "#636363") if d.kind == "bind" else _cause_color(str(d.cause))
         ax.plot([d.at], [engines * (1.06 if d.kind == "bind" else 1.16)], cmap[d.kind], color=color, markersize=5,
                 label=None if label in seen else label, linestyle="none")  # fmt: skip
         seen.add(label)

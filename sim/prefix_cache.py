@@ -1,4 +1,4 @@
-"""A simulated engine's prefix cache (issue 16): an LRU of the blocks an engine has computed (prompts when they start, prompt
+"""A simulated engine's prefix cache: an LRU of the blocks an engine has computed (prompts when they start, prompt
 and answer when they finish, as SGLang's radix cache inserts them), bounded by its KV less what its running
 requests reserve for their outputs; a request that starts prefills only the blocks after its longest cached
 prefix (at least its last token). It is kept through a bind and a release, as the workers keep SGLang's radix tree

@@ -1,4 +1,4 @@
-"""What cache-aware dispatch changes in a simulated run (issue 16): prefix-cache hit rate, TTFT, throughput."""
+"""What cache-aware dispatch changes in a simulated run: prefix-cache hit rate, TTFT, throughput."""
 
 from __future__ import annotations
 

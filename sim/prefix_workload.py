@@ -1,4 +1,4 @@
-"""The shared-prefix workload (issue 16): system prompts and multi-turn sessions, for the simulator.
+"""The shared-prefix workload: system prompts and multi-turn sessions, for the simulator.
 
 Sessions arrive as a Poisson process; each uses one of ``system_prompts`` system prompts of ``system_tokens``
 tokens and has 1 to ``max_turns`` turns; turn k's prompt is turn k-1's prompt and answer plus a new user message,
@@ -14,7 +14,7 @@ import numpy as np
 
 from flying.prefix import block_hashes
 from sim.prefix_cache import UNCAPPED
-from sim.simulator import SimRequest
+from sim.workload import SimRequest
 
 
 def shared_prefix_workload(

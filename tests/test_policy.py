@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import msgspec
 import pytest
@@ -387,17 +388,19 @@ def test_bind_command_carries_the_records_epoch():
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("bad", "message"),
     [
-        dict(light_width=3),
-        dict(priority_width=1),
-        dict(ack_timeout_s=0),
-        dict(cache_threshold=1.5),
-        dict(balance_rel_threshold=0.5),
+        (dict(light_width=3), "light_width must be a power of two >= 2, got 3"),
+        (dict(priority_width=1), "priority_width must be a power of two >= 2, got 1"),
+        (dict(ack_timeout_s=0), "need 0 < ack_timeout_s <= bind_timeout_s"),
+        (dict(cache_threshold=1.5), "cache_threshold 1.5 not in"),
+        (dict(balance_rel_threshold=0.5), "balance_rel_threshold must be >= 1, got 0.5"),
+        (dict(max_inflight_per_worker=0), "max_inflight_per_worker must be >= 1"),
+        (dict(light_rate=2.0, busy_rate=1.0), "need 0 <= light_rate <= busy_rate"),
     ],
 )
-def test_config_is_validated(bad):
-    with pytest.raises(AssertionError):
+def test_config_is_validated(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         PolicyConfig(**bad)
 
 

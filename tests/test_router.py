@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from flying.messages import Heartbeat, QueuedRequest, encode
 from flying.queue import RequestQueue
 from router.config import RouterConfig
@@ -121,6 +123,18 @@ def test_router_flags_turn_kv_transformation_off_and_pick_the_regime():
     assert parse_args([]).policy.kv_transform is True
     c = parse_args(["--no-kv-transform", "--regime", "rate", "--spread-s", "3"])
     assert (c.policy.kv_transform, c.policy.regime, c.policy.spread_s) == (False, "rate", 3.0)
+
+
+def test_an_out_of_range_setting_is_a_usage_error_naming_it(capsys):
+    from router.main import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--light-width", "3"])
+    assert (
+        exit_.value.code == 2 and "light_width must be a power of two >= 2, got 3" in capsys.readouterr().err
+    )
+    with pytest.raises(ValueError, match="lease_ms must be >= 500, got 100"):
+        RouterConfig(lease_ms=100)
 
 
 async def test_a_lost_gateways_requests_are_ended_and_aborted(aredis, keys, monkeypatch):

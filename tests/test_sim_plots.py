@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from router.decision import ReleaseCause
 from sim import cli as sim_cli
-from sim.plots import burst_spans, mode_counts, shift_share
-from sim.simulator import SimDecision, release_cause
+from sim.plots import burst_spans, decision_label, mode_counts, shift_share
+from sim.simulator import SimDecision
 
 
 def test_mode_counts_are_time_weighted_per_bucket_and_add_up_to_the_engines():
@@ -42,11 +43,14 @@ def test_burst_spans_follow_the_two_level_cycle_and_stop_at_the_end():
     assert burst_spans(60, 30, 170) == [(60, 90), (150, 170)]
 
 
-def test_release_causes_drop_the_numbers():
-    note = "release epoch 7 (2, 3) (priority) retracting: DP work deferred for 5 s"
-    assert release_cause(note) == "DP work deferred"
-    assert release_cause("release epoch 3 (0, 1) (load): not bound within 60 s: rolled back") == "not bound"
-    assert SimDecision(1.0, "release", 7, (2, 3), "priority", "load rose").cause == "load rose"
+def test_decision_labels_name_the_reason_or_the_typed_cause_without_numbers():
+    rel = SimDecision(1.0, "release", 7, (2, 3), "priority", ReleaseCause.DP_DEFERRED)
+    assert rel.cause == "DP work deferred" and decision_label(rel) == "release: DP work deferred"
+    assert (
+        decision_label(SimDecision(1.0, "release", 3, (0, 1), "load", ReleaseCause.NOT_BOUND))
+        == "release: not bound"
+    )
+    assert decision_label(SimDecision(1.0, "bind", 7, (2, 3), "priority")) == "bind (priority)"
 
 
 def test_flying_sim_prints_and_plots_four_systems(tmp_path, capsys):

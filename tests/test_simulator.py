@@ -14,9 +14,11 @@ from flying.messages import Bind, Group, Release
 from router.policy import PolicyConfig
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cli import flat_period
+from sim.config import SimConfig
 from sim.cost_model import CostModel, calibration
 from sim.plots import mode_counts
-from sim.simulator import SimConfig, SimRequest, Simulator, paper_workload
+from sim.simulator import Simulator
+from sim.workload import SimRequest, paper_workload
 
 SMALL = CostModel(kv_tokens=4000, max_running=16, chunk_tokens=512)
 
@@ -433,3 +435,10 @@ def test_flying_sim_compares_dispatch_rules_on_the_shared_prefix_workload(tmp_pa
     assert all(s["served"] == 120 for s in summary.values())
     assert "| static DP | cache-aware |" in (tmp_path / "table.md").read_text()
     assert "cache-aware / least-loaded TTFT p50" in capsys.readouterr().out
+
+
+def test_a_sim_config_names_what_is_out_of_range():
+    with pytest.raises(ValueError, match="mode 'tp2' is not one of dynamic, dp, tp, shift"):
+        SimConfig(mode="tp2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="need engines >= 1"):
+        SimConfig(engines=0)

@@ -1,0 +1,233 @@
+"""What one policy round decides (:class:`Decision`), the typed reasons behind it, and how it is applied.
+
+The policy (:func:`router.policy.decide`) states every group change as a value: a :class:`BindNote` (the group's
+reason and :class:`BindMode`), a :class:`ReleaseNote` (its :class:`ReleaseCause` and :class:`ReleaseMode`), a
+:class:`RegimeNote`, a :class:`DistrustNote`. Log text is made from them (``str(note)``), never parsed back.
+
+Both appliers, the live router (:mod:`router.dispatcher`, against Redis) and the simulator (:mod:`sim.simulator`,
+as events), apply a decision through :func:`plan`: it numbers the new groups and lists, in the order that keeps
+the cluster consistent, the records to write, the commands to send (to whom) and the assignments to make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+import msgspec
+
+from flying.messages import Bind, Command, FastTarget, Group, GroupReason, QueuedRequest, Release, RouterState
+from router.prefix_index import PrefixIndex
+
+# why a DP dispatch went where it did: followed its prefix; least loaded because dispatch is least-loaded, the
+# request has no chain, no engine holds cache_threshold of it, or loads are out of balance (metrics label values)
+DpRule = Literal["prefix", "least-loaded", "no-chain", "no-match", "imbalanced"]
+
+
+class BindMode(StrEnum):
+    """How a bind takes its members' DP work (the ``mode`` label of ``flying_router_binds``)."""
+
+    HARD = "hard"  # paused, KV kept
+    SEQUENTIAL = "sequential"  # drained first
+    SOFT = "soft"
+    ADOPT = "adopt"  # becomes the group's (KV transformed)
+
+    @classmethod
+    def of(cls, g: Group) -> BindMode:
+        return cls.ADOPT if g.adopt else cls(g.preempt)
+
+
+class ReleaseMode(StrEnum):
+    """How a release treats the group's TP requests (the ``mode`` label of ``flying_router_releases``)."""
+
+    WAIT = "wait"  # they finish in the group first
+    RETRACT = "retract"  # recomputed in DP on the leader
+    SCATTER = "scatter"  # continue in DP on their owners, KV moved
+
+    @classmethod
+    def of(cls, cmd: Release | None) -> ReleaseMode:
+        if cmd is None:
+            return cls.WAIT
+        return cls.SCATTER if cmd.scatter else cls.RETRACT if cmd.retract else cls.WAIT
+
+    def command(self, epoch: int) -> Release:
+        return Release(epoch=epoch, retract=self is ReleaseMode.RETRACT, scatter=self is ReleaseMode.SCATTER)
+
+
+class ReleaseCause(StrEnum):
+    """Why the policy released a group."""
+
+    MEMBER_GONE = "a member is gone"
+    NOT_ACKNOWLEDGED = "did not acknowledge"  # a member did not acknowledge the bind within ack_timeout_s
+    NOT_BOUND = "not bound"  # the bind did not complete within bind_timeout_s
+    BROKE_UP = "the group broke up (a member aborted the epoch)"
+    LOAD_ROSE = "load rose"
+    DP_DEFERRED = "DP work deferred"  # the bind paused DP work for max_defer_s
+    NO_TP_WORK = "no TP work"  # for keep_s
+    MAKING_ROOM = "making room"  # for a wider (long-context) group
+
+
+@dataclass(frozen=True)
+class ReleaseNote:
+    """One release the round sends: the group, how and why. ``seconds``: the timeout or wait that triggered it;
+    ``engines``: the members that did not acknowledge; ``width``: the group it makes room for."""
+
+    epoch: int
+    members: tuple[int, ...]
+    reason: GroupReason
+    mode: ReleaseMode
+    cause: ReleaseCause
+    seconds: float = 0.0
+    engines: tuple[int, ...] = ()
+    width: int = 0
+
+    @property
+    def command(self) -> Release:
+        return self.mode.command(self.epoch)
+
+    @property
+    def why(self) -> str:
+        c, s = self.cause, self.seconds
+        if c is ReleaseCause.NOT_ACKNOWLEDGED:
+            return f"{list(self.engines)} {c} within {s:g} s: rolled back"
+        if c is ReleaseCause.NOT_BOUND:
+            return f"{c} within {s:g} s: rolled back"
+        if c in (ReleaseCause.DP_DEFERRED, ReleaseCause.NO_TP_WORK):
+            return f"{c} for {s:g} s"
+        if c is ReleaseCause.MAKING_ROOM:
+            return f"{c} for a width-{self.width} group"
+        return str(c)
+
+    def __str__(self) -> str:
+        how = {ReleaseMode.SCATTER: " by scatter", ReleaseMode.RETRACT: " retracting"}.get(self.mode, "")
+        return f"release epoch {self.epoch} {self.members} ({self.reason}){how}: {self.why}"
+
+
+@dataclass(frozen=True)
+class BindNote:
+    """One bind the round plans: its members, reason and mode (``adopt_ms``: an adoption's estimated stall)."""
+
+    members: tuple[int, ...]
+    reason: GroupReason
+    mode: BindMode
+    adopt_ms: float = 0.0
+
+    def __str__(self) -> str:
+        how = (
+            f"adoption, {self.adopt_ms:.0f} ms" if self.mode is BindMode.ADOPT else f"{self.mode} preemption"
+        )
+        return f"bind {self.members} ({self.reason}, {how})"
+
+
+@dataclass(frozen=True)
+class RegimeNote:
+    """The load regime changed: ``busy`` (back to DP) or light (TP groups allowed), and the figures that said so."""
+
+    busy: bool
+    demand: int  # queued + inflight requests
+    rate: float  # admissions per second
+    engines: int
+    oldest_s: float = 0.0  # the longest wait of a normal request in the queue
+
+    def __str__(self) -> str:
+        if self.busy:
+            return (f"load rising ({self.demand} requests, {self.rate:.1f}/s, oldest waits {self.oldest_s:.2f} s): "
+                    "back to DP")  # fmt: skip
+        return f"light load ({self.demand} requests, {self.rate:.1f}/s on {self.engines} engines): TP groups allowed"
+
+
+@dataclass(frozen=True)
+class DistrustNote:
+    """Engines that failed a bind and are left out of binds for ``seconds``."""
+
+    engines: tuple[int, ...]
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"engines {list(self.engines)} not picked for binds for {self.seconds:g} s"
+
+
+Note = BindNote | ReleaseNote | RegimeNote | DistrustNote
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    request: QueuedRequest
+    engine: int  # the DP engine, or the group's leader
+    url: str
+    epoch: int = 0  # the TP group's epoch (0: DP)
+    rule: DpRule | None = None  # how a DP dispatch chose its engine (None: a TP dispatch)
+
+
+@dataclass
+class Decision:
+    dispatches: list[Dispatch] = field(default_factory=list)
+    binds: list[Group] = field(default_factory=list)  # new records, epoch 0: the caller assigns epochs
+    put: dict[int, Group] = field(default_factory=dict)  # changed records by epoch
+    drop: list[int] = field(default_factory=list)  # records to delete (the group is gone)
+    commands: list[tuple[tuple[int, ...], Command]] = field(default_factory=list)  # releases
+    state: RouterState = field(default_factory=RouterState)
+    events: list[Note] = field(default_factory=list)  # why groups and the regime changed, in order
+    fast: list[FastTarget] = field(default_factory=list)  # where a short request may go before the next round
+
+    @property
+    def notes(self) -> list[str]:
+        """The events as log lines."""
+        return [str(e) for e in self.events]
+
+    @property
+    def releases(self) -> list[ReleaseNote]:
+        """One per release command, in the order of :attr:`commands`."""
+        return [e for e in self.events if isinstance(e, ReleaseNote)]
+
+    def release(self, note: ReleaseNote) -> None:
+        """Send ``note``'s release to the group's members."""
+        self.commands.append((note.members, note.command))
+        self.events.append(note)
+
+    def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
+        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decision ready to apply, in this order: write :attr:`records` and delete :attr:`drop` (with the
+    regime, :attr:`state`), then send :attr:`sends`, then make :attr:`dispatches`. A group's record exists before
+    any command about it is sent, so an applier that dies between steps leaves nothing unknown behind."""
+
+    binds: list[Group]  # the new groups, numbered
+    records: list[Group]  # changed and new group records
+    drop: list[int]
+    state: RouterState
+    sends: list[tuple[tuple[int, ...], Command]]  # (members, command): releases, then binds
+    dispatches: list[Dispatch]
+    events: list[Note]
+
+    @property
+    def dp_dispatches(self) -> list[Dispatch]:
+        """Dispatches to DP engines (their prompts go through the engine's prefix cache)."""
+        return [x for x in self.dispatches if not x.epoch]
+
+    def record_prefixes(self, prefixes: PrefixIndex) -> None:
+        """The DP dispatches' prompts enter the engines' prefix caches: record them in the caller's index."""
+        for x in self.dp_dispatches:
+            prefixes.record(x.engine, x.request.chain)
+
+
+def plan(d: Decision, epochs: Iterable[int]) -> Plan:
+    """Number ``d``'s new groups with ``epochs`` (fresh, one per bind: the applier's counter) and order the rest."""
+    numbers: Sequence[int] = list(epochs)
+    if len(numbers) != len(d.binds):
+        raise ValueError(f"{len(d.binds)} binds need as many epochs, got {len(numbers)}")
+    binds = [msgspec.structs.replace(g, epoch=ep) for g, ep in zip(d.binds, numbers)]
+    return Plan(
+        binds=binds,
+        records=[*d.put.values(), *binds],
+        drop=list(d.drop),
+        state=d.state,
+        sends=[*d.commands, *map(d.bind_command, binds)],
+        dispatches=list(d.dispatches),
+        events=list(d.events),
+    )

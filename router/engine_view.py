@@ -1,0 +1,44 @@
+"""What the policy knows about one live engine: :class:`EngineView`, built from the engine's heartbeat."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flying.messages import Heartbeat
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What the policy knows about one live engine (from its heartbeat and its inflight set)."""
+
+    engine: int
+    url: str
+    inflight: int  # assigned by the router and not finished (DP and, on a leader, TP requests)
+    free_kv_tokens: int
+    max_total_tokens: int
+    mode: str = "dp"
+    epoch: int = 0  # the epoch it is bound in (0: none)
+    pending: int = 0  # a bind it has read and not applied yet
+    num_engines: int = 1  # engines its communicator pool spans (1: cannot bind)
+    beat_ts: float = 0.0
+    kv_transform: bool = False  # it applies Bind.adopt / Release.scatter
+    launch_id: str = ""  # its server's launch (a restart forgets its prefix cache)
+
+    @classmethod
+    def from_heartbeat(cls, hb: Heartbeat, inflight: int) -> EngineView:
+        """The view of an engine whose heartbeat is ``hb`` and that holds ``inflight`` assigned requests (the
+        router: the size of its inflight set; the simulator: what its engine model holds)."""
+        return cls(
+            hb.engine,
+            hb.url,
+            inflight,
+            hb.free_kv_tokens,
+            hb.max_total_tokens,
+            mode=hb.mode,
+            epoch=hb.epoch,
+            pending=hb.pending,
+            num_engines=hb.num_engines,
+            beat_ts=hb.ts,
+            kv_transform=hb.kv_transform,
+            launch_id=hb.launch_id,
+        )

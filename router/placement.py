@@ -1,0 +1,228 @@
+"""Where the requests of a round go, and the groups bound for them (paper section 5's three use cases).
+
+- a request one engine's KV cannot hold goes to a long-context group (:func:`place_long`), bound at the width
+  whose pooled KV holds it (:func:`need_width`);
+- a high-priority one to a group with room, else a new ``priority_width`` group (:func:`place_priority`);
+- under light load normal work goes to the load groups (:func:`load_binds` binds them), else to DP
+  (:mod:`router.dp_dispatch`);
+- :func:`fast_targets`: where a short normal request arriving before the next round may go at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flying.groups import widths as group_widths
+from flying.messages import FastTarget, Group, GroupReason, GroupState, QueuedRequest
+from router.decision import Dispatch
+from router.dp_dispatch import to_dp
+from router.engine_view import EngineView
+from router.regime import forming
+from router.releases import release_idle_blocking
+from router.round import SHORT, USABLE, Round, replace_group
+
+
+def need_width(kv_tokens: int, engines: Sequence[EngineView]) -> int | None:
+    """1 if one engine holds ``kv_tokens``; else the smallest group width whose pooled KV does; None if none."""
+    if not engines:
+        return None
+    if any(e.max_total_tokens >= kv_tokens for e in engines):
+        return 1
+    bindable = [e for e in engines if e.num_engines > 1]
+    if not bindable:
+        return None
+    per_engine = min(e.max_total_tokens for e in bindable)
+    for w in group_widths(max(e.num_engines for e in bindable))[1:]:
+        if w * per_engine >= kv_tokens:
+            return w
+    return None
+
+
+def place(rnd: Round, r: QueuedRequest) -> None:
+    """Send ``r`` where it goes this round (or bind the group it waits for); it stays queued otherwise."""
+    width = need_width(r.kv_tokens, rnd.s.engines)
+    if width is None:
+        return  # no group can hold it now (the gateway rejects such requests while engines are up)
+    if width > 1:
+        place_long(rnd, r, width)
+    elif r.priority == "high" and rnd.cfg.priority and place_priority(rnd, r):
+        pass
+    elif not rnd.out.state.busy and (g := group_for(rnd, r, 1, USABLE, SHORT, imminent=True)) is not None:
+        to_group(rnd, g, r)
+    elif not to_dp(rnd, r) and (g := group_for(rnd, r, 1, ("bound",), reasons=("manual",))) is not None:
+        to_group(rnd, g, r)  # an operator bound the engines: traffic still flows through their groups
+
+
+def group_for(
+    rnd: Round,
+    r: QueuedRequest,
+    width: int,
+    states: tuple[GroupState, ...],
+    reasons: tuple[GroupReason, ...] | None = None,
+    imminent: bool = False,
+) -> Group | None:
+    """The narrowest, least-loaded group with room for ``r``; ``imminent``: binding groups only if hard
+    (they form at the members' next step boundary, a sequential one waits for their DP work)."""
+    fits = [
+        g
+        for g in rnd.groups.values()
+        if g.state in states
+        and not (imminent and g.state == "binding" and g.preempt != "hard")
+        and g.width >= width
+        and (reasons is None or g.reason in reasons)
+        and not rnd.avoid(r, g.members)
+        and rnd.group_room(g, r)
+    ]
+    # a bound group serves now; a binding one once its members reach a step boundary (one long DP step, maybe)
+    return min(fits, key=lambda g: (g.width, g.state != "bound", rnd.group_n(g), g.epoch), default=None)
+
+
+def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
+    """``r`` is the group's: dispatched to its leader if it is bound, else it waits for the group to form."""
+    n, kv = rnd.tp.get(g.epoch, (0, 0))
+    rnd.tp[g.epoch] = (n + 1, kv + r.kv_tokens)
+    if g.state == "bound":
+        leader = rnd.live[g.leader]
+        rnd.out.dispatches.append(Dispatch(r, leader.engine, leader.url, g.epoch))
+        rnd.put(replace_group(g, last_used=rnd.now))
+
+
+def adopt_fits(rnd: Round, ms: tuple[int, ...]) -> float:
+    """The most DP requests a block adopts (``adopt_max_inflight`` per member). A block holding more serves
+    them in DP while new work goes to the groups."""
+    return rnd.cfg.adopt_max_inflight * len(ms)
+
+
+def load_binds(rnd: Round) -> None:
+    """Light load: blocks bind one after another. A block whose engines are idle binds at once; a busy one binds
+    at once by adoption where its members transform KV and the transformation is cheap (``adopt_max_ms``),
+    otherwise it drains first (sequential: its engines get no new work while the rest of the cluster takes it),
+    so no request is paused or recomputed. At most half of the blocks still in DP drain at the same time."""
+    if rnd.out.state.busy or not rnd.cfg.load_adaptation:
+        return
+    if any(need_width(r.kv_tokens, rnd.s.engines) not in (1, None) for r in rnd.s.waiting):
+        return  # a long request waits for engines: leave them to it
+    sets = rnd.free_sets(rnd.cfg.light_width)
+    draining = sum(1 for g in rnd.groups.values() if g.reason == "load" and g.state == "binding")
+    in_dp = len(sets) + draining
+    for ms in sets:  # least loaded first
+        if not rnd.block_load(ms):
+            rnd.bind(ms, "load", "hard")
+        elif rnd.kv.possible(ms) and rnd.block_load(ms) > adopt_fits(rnd, ms):
+            continue  # it serves its backlog in DP (new work goes to the groups) and adopts once it fits
+        elif rnd.kv.may_adopt(ms):
+            rnd.bind(ms, "load", "hard", adopt=True)
+        elif 2 * (draining + 1) <= in_dp:  # no KV transformation, or one too costly: drain
+            rnd.bind(ms, "load", "sequential")
+            draining += 1
+
+
+def place_priority(rnd: Round, r: QueuedRequest) -> bool:
+    """A group with room that forms at the members' next step boundary, else a new ``priority_width`` group
+    that leaves DP engines for everyone else: under light load the least loaded block (hard: its few DP
+    requests pause, at most ``max_defer_s``), otherwise only an idle one (pausing a busy engine's DP work costs
+    more than the group saves). A busy block binds by adoption where it may (its DP requests continue in the
+    group instead of pausing). Else False: the request jumps the queue in DP (classes dispatch first)."""
+    if (g := group_for(rnd, r, 1, USABLE, SHORT, imminent=True)) is not None:
+        to_group(rnd, g, r)
+        return True
+    if reuse_idle(rnd, r, 1, ("long",), "priority"):
+        return True  # (an idle long group is kept while a high-priority request waits: it must take it)
+    taken = rnd.in_groups()
+    dp = {e.engine for e in rnd.s.engines if e.mode == "dp" and e.engine not in taken}
+    light = not rnd.out.state.busy
+    for ms in rnd.free_sets(rnd.cfg.priority_width):
+        if dp - set(ms) and (light or not rnd.block_load(ms)):
+            adopt = False
+            if rnd.block_load(ms) and rnd.kv.possible(ms):
+                if rnd.block_load(ms) > adopt_fits(rnd, ms) or not rnd.kv.may_adopt(ms):
+                    break  # a backlog: it would run in TP at lower throughput (the least loaded block first)
+                adopt = True
+            rnd.bind(ms, "priority", rnd.cfg.priority_preempt, adopt=adopt)
+            return True  # it waits for the group (the next round finds it binding)
+    return False
+
+
+def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
+    """The narrowest long (or manual) group that holds it, bound or binding, or an idle load/priority group
+    (never one with paused DP work: its release would wait for this request); else bind one (hard only where
+    the members' free KV holds it). Under pressure it waits up to ``long_wait_s`` first, so a burst drains in
+    DP."""
+    cfg = rnd.cfg
+    if (g := group_for(rnd, r, width, USABLE, ("long", "manual"))) is not None:
+        to_group(rnd, g, r)  # bound: dispatched; binding: it waits for this group
+        return
+    if reuse_idle(rnd, r, width, ("load", "priority"), "long"):
+        return
+    if not cfg.long_context or (rnd.pressure and rnd.now - r.enqueued_at < cfg.long_wait_s):
+        return
+    in_long = sum(g.width for g in rnd.groups.values() if g.reason == "long") + sum(
+        g.width for g in rnd.out.binds if g.reason == "long"
+    )
+    if in_long and in_long + width > cfg.long_max_share * len(rnd.live):
+        return  # long groups already hold their share (one is always allowed): the rest stays DP
+    if sets := rnd.free_sets(width):
+        preempt, adopt = cfg.long_preempt, False
+        if preempt == "hard" and r.kv_tokens > rnd.hard_cap(sets[0]):
+            preempt = "sequential"  # the members' paused DP work would hold KV the request needs
+        elif preempt == "hard" and rnd.block_load(sets[0]):
+            adopt = rnd.kv.may_adopt(sets[0])  # their DP work continues in the group instead of pausing
+        rnd.bind(sets[0], "long", preempt, adopt=adopt)
+    else:
+        release_idle_blocking(rnd, width)
+
+
+def reuse_idle(
+    rnd: Round, r: QueuedRequest, width: int, reasons: tuple[GroupReason, ...], reason: GroupReason
+) -> bool:
+    """Send ``r`` to a bound group of ``reasons`` that is idle (no TP work, no paused DP work) and holds it,
+    the narrowest; the group becomes a ``reason`` group (reused: no release and re-bind)."""
+    idle = [
+        g
+        for g in rnd.groups.values()
+        if g.state == "bound"
+        and g.reason in reasons
+        and not rnd.group_n(g)
+        and not rnd.paused_dp(g)
+        and g.width >= width
+        and not rnd.avoid(r, g.members)
+        and rnd.group_room(g, r)
+    ]
+    if not idle:
+        return False
+    g = min(idle, key=lambda g: (g.width, g.epoch))
+    rnd.put(replace_group(g, reason=reason))
+    to_group(rnd, rnd.groups[g.epoch], r)
+    return True
+
+
+def fast_targets(rnd: Round) -> list[FastTarget]:
+    """Where :func:`place` would send a short normal request arriving after this round: the light load's group,
+    or the DP engines with a free slot (the admission script picks the least loaded). None while a group
+    forms (requests wait for it) or when a round would bind or choose among groups for it."""
+    probe = QueuedRequest(id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=rnd.now)  # fmt: skip
+    if forming(rnd.groups.values(), rnd.now, rnd.cfg.ack_timeout_s) or not rnd.live:
+        return []
+    if not rnd.out.state.busy and (g := group_for(rnd, probe, 1, USABLE, SHORT, imminent=True)) is not None:
+        if g.state != "bound" or g.leader not in rnd.live:
+            return []
+        n, kv = rnd.tp.get(g.epoch, (0, 0))
+        full = g.width * min(rnd.live[m].max_total_tokens for m in g.members)
+        pooled = g.kv_cap if g.kv_cap and rnd.other_work(g) > 0 else full
+        room = g.width * rnd.cfg.tp_inflight_per_engine - n
+        leader = rnd.live[g.leader]
+        sent = sum(1 for x in rnd.out.dispatches if x.engine == leader.engine)
+        return [FastTarget(engine=leader.engine, url=leader.url, epoch=g.epoch, cap=leader.inflight + sent + room, max_kv=pooled - kv)]  # fmt: skip
+    taken = rnd.in_groups()
+    affinity = rnd.cfg.dispatch == "cache-aware"  # requests with a prefix chain wait for a round
+    return [
+        FastTarget(
+            engine=e.engine,
+            url=e.url,
+            cap=rnd.cfg.max_inflight_per_worker,
+            max_kv=e.max_total_tokens,
+            affinity=affinity,
+        )
+        for e in rnd.s.engines
+        if e.mode == "dp" and not e.pending and e.engine not in taken
+    ]

@@ -1,0 +1,128 @@
+"""Which groups a round releases, and how (paper section 5; the causes: :class:`router.decision.ReleaseCause`).
+
+:func:`reconcile` moves records along with the members' heartbeats (a group forms, a release completes, a bind
+times out or breaks up); :func:`release_groups` ends the groups the regime or their idleness no longer justifies;
+:func:`release_idle_blocking` clears a block for a long-context group. A release is sent at once (by scatter, else
+by retraction) where that loses nothing, else it waits for the group's TP requests (:func:`release_now`).
+"""
+
+from __future__ import annotations
+
+from flying.groups import merge_sets
+from flying.messages import Group
+from router.decision import DistrustNote, ReleaseCause, ReleaseMode
+from router.round import Round, replace_group
+
+
+def reconcile(rnd: Round) -> None:
+    """Move records along with what the engines' heartbeats say."""
+    cfg = rnd.cfg
+    for g in list(rnd.groups.values()):
+        beats = [rnd.live.get(m) for m in g.members]
+        age = rnd.now - g.since
+        if g.state == "releasing":
+            if all(
+                b is None or (b.epoch != g.epoch and b.pending != g.epoch and b.beat_ts >= g.since)
+                for b in beats
+            ):
+                rnd.drop(g)
+            continue
+        present = [b for b in beats if b is not None]
+        if len(present) < len(beats):
+            rnd.release(g, ReleaseCause.MEMBER_GONE)
+        elif g.state == "binding":
+            if all(b.epoch == g.epoch for b in present):
+                rnd.put(replace_group(g, state="bound", since=rnd.now, last_used=rnd.now))
+            elif age > cfg.ack_timeout_s and (
+                silent := [b.engine for b in present if g.epoch not in (b.epoch, b.pending)]
+            ):
+                rnd.release(
+                    g, ReleaseCause.NOT_ACKNOWLEDGED, seconds=cfg.ack_timeout_s, engines=tuple(silent)
+                )
+                distrust(rnd, silent)
+            elif age > cfg.bind_timeout_s:
+                rnd.release(g, ReleaseCause.NOT_BOUND, seconds=cfg.bind_timeout_s)
+                distrust(rnd, [b.engine for b in present if b.epoch != g.epoch])
+        elif any(b.epoch != g.epoch for b in present):
+            rnd.release(g, ReleaseCause.BROKE_UP)
+
+
+def distrust(rnd: Round, engines: list[int]) -> None:
+    """Members that failed a bind are left out of binds for ``suspect_s`` (retrying at once would stall the
+    requests waiting for a group again); they keep serving DP."""
+    for e in engines:
+        rnd.suspect[e] = rnd.now + rnd.cfg.suspect_s
+    rnd.out.events.append(DistrustNote(tuple(engines), rnd.cfg.suspect_s))
+
+
+def retractable(rnd: Round, g: Group) -> bool:
+    """The group's requests can continue in DP on its leader (none needs the group's pooled KV)."""
+    return rnd.tp_max.get(g.epoch, 0) <= min(rnd.live[m].max_total_tokens for m in g.members)
+
+
+def release_now(rnd: Round, g: Group, cause: ReleaseCause, seconds: float = 0.0) -> None:
+    """Release at once: by scatter where the members transform KV (each TP request continues in DP on its
+    owner, KV moved, no recompute), else by retraction (recomputed in DP on the leader); a group holding a
+    request that needs the pooled KV, or one bound by adoption whose members cannot scatter (its adopted
+    requests' streams are on their owners, not on the leader), waits for its TP requests instead."""
+    if not retractable(rnd, g):
+        rnd.release(g, cause, seconds=seconds)
+    elif rnd.kv.possible(g.members):
+        rnd.release(g, cause, ReleaseMode.SCATTER, seconds)
+    else:
+        rnd.release(g, cause, ReleaseMode.WAIT if g.adopt else ReleaseMode.RETRACT, seconds)
+
+
+def release_groups(rnd: Round) -> None:
+    """Load groups go when load turns busy; a group that pauses DP work goes after ``max_defer_s``; a priority
+    or long group without TP work for ``keep_s`` goes (under light load one of ``light_width`` is kept as a load
+    group instead). Operator (manual) groups stay."""
+    busy, cfg, s = rnd.out.state.busy, rnd.cfg, rnd.s
+    queued_dp = any(s.dp_fit(r) for r in s.waiting)
+    queued_tp = any(  # requests that would go to a group: an idle one is not released under them
+        (r.priority == "high" and cfg.priority) or not s.fits_one(r) for r in s.waiting
+    )
+    for g in list(rnd.groups.values()):
+        if g.state == "releasing" or g.reason == "manual":
+            continue
+        tp_busy = rnd.group_n(g) > 0
+        if tp_busy and g.state == "bound" and rnd.now - g.last_used > 0.5:
+            g = replace_group(
+                g, last_used=rnd.now
+            )  # in use, maybe by fast-path requests the round never placed
+            rnd.put(g)
+        if g.reason == "load" and busy:
+            # its requests continue in DP (scattered to their owners, or retracted to the leader), unless one
+            # of them needs the group's pooled KV
+            release_now(rnd, g, ReleaseCause.LOAD_ROSE)
+        elif (
+            g.state == "bound"
+            and rnd.now - g.since >= cfg.max_defer_s
+            and (rnd.paused_dp(g) > 0 or (busy and queued_dp))
+        ):
+            # paused DP work resumes now: the group's requests continue in DP (unless one of them needs the
+            # group's pooled KV); DP work that only queues waits for the group's requests instead, unless they
+            # can move to their owners by scatter (no recompute)
+            why, after = ReleaseCause.DP_DEFERRED, cfg.max_defer_s
+            if rnd.paused_dp(g) > 0 or rnd.kv.possible(g.members):
+                release_now(rnd, g, why, seconds=after)
+            else:
+                rnd.release(g, why, seconds=after)
+        elif g.state == "bound" and not tp_busy and not queued_tp and rnd.now - g.last_used >= cfg.keep_s:
+            if not busy and g.width == cfg.light_width and not rnd.paused_dp(g):
+                rnd.put(replace_group(g, reason="load"))  # light load: keep it, as a load group
+            elif busy or g.reason == "long" or rnd.paused_dp(g):
+                rnd.release(g, ReleaseCause.NO_TP_WORK, seconds=cfg.keep_s)
+
+
+def release_idle_blocking(rnd: Round, width: int) -> None:
+    """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one."""
+    n = max((e.num_engines for e in rnd.s.engines), default=1)
+    for ms in merge_sets(n, (width,)) if 1 < width <= n else []:
+        inside = [g for g in rnd.groups.values() if set(g.members) & set(ms)]
+        if all(g.state == "bound" and g.reason != "manual" and not rnd.group_n(g) for g in inside) and all(
+            m in rnd.live for m in ms
+        ):
+            for g in inside:
+                rnd.release(g, ReleaseCause.MAKING_ROOM, width=width)
+            return

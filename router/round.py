@@ -1,0 +1,172 @@
+"""One policy round's working state (:class:`Round`): the snapshot, the group records as the round changes them,
+what it has handed out so far, and the bookkeeping every job of the round shares (records, binds, releases, group
+load). The jobs themselves live in their own modules: :mod:`router.regime`, :mod:`router.releases`,
+:mod:`router.placement`, :mod:`router.dp_dispatch`; :func:`router.policy.decide` runs them in order."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import msgspec
+
+from flying.groups import merge_sets
+from flying.messages import Group, GroupReason, GroupState, Preempt, QueuedRequest, RouterState
+from router.config import PolicyConfig
+from router.decision import BindMode, BindNote, Decision, ReleaseCause, ReleaseMode, ReleaseNote
+from router.engine_view import EngineView
+from router.snapshot import GroupLoad, Snapshot
+from router.transform_cost import TransformCost
+
+USABLE: tuple[GroupState, ...] = ("bound", "binding")
+# groups a request one engine holds may go to (a long prefill would stall it)
+SHORT: tuple[GroupReason, ...] = ("load", "priority", "manual")
+
+
+def replace_group(g: Group, **kw: object) -> Group:
+    return msgspec.structs.replace(g, **kw)
+
+
+def decayed_recent(
+    state: RouterState, now: float, tau: float, live: Mapping[int, EngineView]
+) -> dict[int, float]:
+    """DP dispatches per live engine, decayed with time constant ``tau`` (``spread_s``) since the last round
+    (``state.rate_ts``); negligible ones dropped."""
+    if tau <= 0 or not state.recent:
+        return {}
+    f = math.exp(-max(0.0, now - state.rate_ts) / tau) if state.rate_ts else 1.0
+    return {e: v * f for e, v in state.recent.items() if v * f >= 0.01 and e in live}
+
+
+class Round:
+    """One call of :func:`router.policy.decide`: the snapshot plus what this round has already handed out."""
+
+    def __init__(self, s: Snapshot, cfg: PolicyConfig) -> None:
+        self.s, self.cfg, self.now = s, cfg, s.now
+        self.live = {e.engine: e for e in s.engines}
+        self.groups: dict[int, Group] = {g.epoch: g for g in s.groups}
+        self.out = Decision(state=msgspec.structs.replace(s.state, long_context=cfg.long_context))
+        self.dp_inflight = {e.engine: e.inflight for e in s.engines}
+        self.dp_kv = {e.engine: 0 for e in s.engines}  # KV of the DP requests this round sends each engine
+        self.tp = {ep: (ld.inflight, ld.kv_tokens) for ep, ld in s.tp_load.items()}
+        self.tp_max = {ep: ld.max_kv_tokens for ep, ld in s.tp_load.items()}
+        self.reserved: set[int] = set()  # members of binds planned this round
+        self.pressure = False  # set by router.regime
+        self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
+        self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
+        self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
+        self.kv = TransformCost(cfg, self.live, self.dp_kv)
+
+    # --- group records ------------------------------------------------------------------------------------
+
+    def put(self, g: Group) -> None:
+        self.groups[g.epoch] = g
+        self.out.put[g.epoch] = g
+
+    def drop(self, g: Group) -> None:
+        """The group is gone: delete its record."""
+        del self.groups[g.epoch]
+        self.out.put.pop(g.epoch, None)
+        self.out.drop.append(g.epoch)
+
+    def release(
+        self,
+        g: Group,
+        cause: ReleaseCause,
+        mode: ReleaseMode = ReleaseMode.WAIT,
+        seconds: float = 0.0,
+        engines: tuple[int, ...] = (),
+        width: int = 0,
+    ) -> None:
+        """Mark ``g`` releasing and send its members the release (the figures: :class:`ReleaseNote`'s)."""
+        self.put(replace_group(g, state="releasing", since=self.now))
+        self.out.release(ReleaseNote(g.epoch, g.members, g.reason, mode, cause, seconds, engines, width))
+
+    def bind(
+        self, members: tuple[int, ...], reason: GroupReason, preempt: Preempt, adopt: bool = False
+    ) -> Group:
+        """A new group record; ``adopt``: by adoption (the members' DP requests become its TP requests, their KV
+        transformed; it forms at the members' next step boundary, like a hard bind, and pauses nothing)."""
+        g = Group(
+            epoch=0,
+            members=members,
+            reason=reason,
+            preempt="hard" if adopt else preempt,
+            since=self.now,
+            last_used=self.now,
+            kv_cap=self.hard_cap(members) if preempt == "hard" or adopt else 0,
+            adopt=adopt,
+        )
+        self.out.binds.append(g)
+        self.reserved |= set(members)
+        if adopt:
+            self.out.events.append(BindNote(members, reason, BindMode.ADOPT, self.kv.adopt_ms(members)))
+        else:
+            self.out.events.append(BindNote(members, reason, BindMode(preempt)))
+        return g
+
+    # --- what the groups hold -----------------------------------------------------------------------------
+
+    def in_groups(self) -> set[int]:
+        return {m for g in self.groups.values() for m in g.members} | self.reserved
+
+    def other_work(self, g: Group) -> int:
+        """Requests on the members that were not dispatched to the group (their inflight, less its TP requests):
+        the DP work its bind set aside, or, bound by adoption, the DP requests it adopted."""
+        n = sum(self.live[m].inflight for m in g.members if m in self.live)
+        return n - self.s.tp_load.get(g.epoch, GroupLoad()).inflight  # (the snapshot's: inflight is too)
+
+    def paused_dp(self, g: Group) -> int:
+        """DP requests the bind set aside on its members (none when it adopted them: they run in the group)."""
+        return 0 if g.adopt else self.other_work(g)
+
+    def group_n(self, g: Group) -> int:
+        """The group's TP requests: those dispatched to it, and those it adopted."""
+        return self.tp.get(g.epoch, (0, 0))[0] + (self.other_work(g) if g.adopt else 0)
+
+    def group_room(self, g: Group, r: QueuedRequest) -> bool:
+        """Room for ``r``: fewer TP requests than the group takes, and KV for it. A hard-bound group's KV is capped
+        while its members hold paused DP work (kv_cap); once they hold none, the members' whole KV is the group's."""
+        kv = self.tp.get(g.epoch, (0, 0))[1]
+        full = g.width * min(self.live[m].max_total_tokens for m in g.members)
+        pooled = g.kv_cap if g.kv_cap and self.other_work(g) > 0 else full
+        n = self.tp.get(g.epoch, (0, 0))[
+            0
+        ]  # (adopted requests do not count: they were the members' own load)
+        return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
+
+    def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
+        """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired
+        yet): send it elsewhere, unless that engine is the only live one."""
+        return r.failed_on in engines and len(self.live) > 1
+
+    # --- blocks of engines --------------------------------------------------------------------------------
+
+    def block_load(self, ms: tuple[int, ...]) -> int:
+        return sum(self.dp_inflight[m] for m in ms)
+
+    def free_sets(self, width: int) -> list[tuple[int, ...]]:
+        """Merge sets of ``width`` whose members are live, bindable, in DP and in no group; least loaded first."""
+        taken = self.in_groups()
+        n = max((e.num_engines for e in self.s.engines), default=1)
+        if width > n:
+            return []
+        ok = []
+        for ms in merge_sets(n, (width,)) if n > 1 else []:
+            es = [self.live.get(m) for m in ms]
+            if all(
+                e is not None
+                and e.num_engines == n
+                and e.mode == "dp"
+                and not e.pending
+                and m not in taken
+                and m not in self.suspect
+                for m, e in zip(ms, es)
+            ):
+                ok.append(ms)
+        return sorted(ok, key=lambda ms: (self.block_load(ms), ms))
+
+    def hard_cap(self, members: tuple[int, ...]) -> int:
+        """KV a hard-preempted group can use: its members' paused DP requests keep theirs, those this round sends
+        them included (with a margin of a tenth, for the tokens they decode before they read the bind)."""
+        return int(0.9 * sum(self.live[m].free_kv_tokens - self.dp_kv[m] for m in members))

@@ -1,0 +1,40 @@
+"""The policy's input: one :class:`Snapshot` of the cluster (queue head, live engines, group records, regime)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flying.messages import Group, QueuedRequest, RouterState
+from router.engine_view import EngineView
+from router.prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """TP requests assigned to one group (epoch) and not finished."""
+
+    inflight: int = 0
+    kv_tokens: int = 0
+    max_kv_tokens: int = 0  # the largest one's (a request one engine cannot hold cannot be retracted to DP)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    waiting: Sequence[QueuedRequest]  # the head of the queue in dispatch order (priority class, then arrival)
+    queued: int  # the whole queue's depth
+    engines: Sequence[EngineView]  # live engines only
+    groups: Sequence[Group]  # the router's group records
+    tp_load: Mapping[int, GroupLoad] = field(default_factory=dict)
+    state: RouterState = field(default_factory=RouterState)
+    admitted: int = 0  # requests admitted so far (a monotonic counter; the rate regime's input)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
+
+    def fits_one(self, r: QueuedRequest) -> bool:
+        """One engine's KV holds ``r``."""
+        return any(e.max_total_tokens >= r.kv_tokens for e in self.engines)
+
+    def dp_fit(self, r: QueuedRequest) -> bool:
+        """``r`` is normal work DP serves (not high priority, and one engine holds it)."""
+        return r.priority != "high" and self.fits_one(r)

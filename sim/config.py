@@ -1,0 +1,69 @@
+"""The simulation's configuration (:class:`SimConfig`): the cluster, the system under test (:data:`Mode`), the
+simulated router's policy, the cost model, and the faults to inject."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.config import PolicyConfig
+from sim.cost_model import H200_LLAMA70B, CostModel
+
+Mode = Literal["dynamic", "dp", "tp", "shift"]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    engines: int = 8
+    mode: Mode = "dynamic"
+    tp_width: int = 2  # static TP's group width
+    shift_threshold: int = 256  # shift: a step batching at most this many tokens runs in full TP (seed 001)
+    policy: PolicyConfig = field(
+        default_factory=lambda: PolicyConfig(
+            max_inflight_per_worker=256,
+            tp_inflight_per_engine=8,
+            busy_load=0.5,
+            light_load=0.4,
+            # docs/benchmarks.md: the admission-rate regime (a burst's start and end show at once),
+            # adoption over busy blocks, DP dispatch that spreads a released group's new work
+            regime="rate",
+            light_rate=0.75,
+            busy_rate=1.0,
+            rate_tau_s=1.5,
+            calm_s=0.5,
+            busy_wait_s=0.1,
+            spread_s=3.0,
+            adopt_max_inflight=128,
+        )
+    )
+    cost: CostModel = H200_LLAMA70B
+    router_ms: float = 2.0  # a router round: snapshot, decision, assignments
+    command_ms: float = 2.0  # XADD -> the engine has read the command
+    tick_s: float = 0.05  # the router wakes at least this often
+    router_down: tuple[tuple[float, float], ...] = ()  # (from, to): the router is dead (kill -9 and restart)
+    ignore_binds: tuple[tuple[int, float, float], ...] = ()  # (engine, from, to): it reads no bind (hung)
+    horizon_s: float = 36_000.0  # give up (requests still unfinished count as lost)
+    kv_transform: bool = (
+        True  # the engines apply Bind.adopt / Release.scatter (and say so in their heartbeats) ...
+    )
+    no_kv_transform: tuple[int, ...] = ()  # ... except these (an older worker build)
+
+    def __post_init__(self) -> None:
+        if self.mode not in typing.get_args(Mode):
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(typing.get_args(Mode))}")
+        if self.engines < 1 or self.tp_width < 1:
+            raise ValueError(f"need engines >= 1 and tp_width >= 1, got {self.engines} and {self.tp_width}")
+
+    def effective_policy(self) -> PolicyConfig:
+        if self.mode == "dynamic":
+            return self.policy
+        p = self.policy  # static: no binds; a static TP engine is offered as much per GPU as a DP engine
+        return dataclasses.replace(
+            p,
+            load_adaptation=False,
+            priority=False,
+            long_context=False,
+            tp_inflight_per_engine=p.max_inflight_per_worker,
+        )

@@ -1,0 +1,386 @@
+"""The simulator's engine model: a continuous-batching scheduler (:class:`Unit`) per DP engine or TP group, an
+engine (:class:`Engine`) that reads bind and release commands as a worker does (:func:`worker_ext.intake.intake`),
+and a bound group (:class:`SimGroup`) with its adoption and scatter. Step times come from :mod:`sim.cost_model`.
+The event loop that drives them is :class:`sim.simulator.Simulator`, seen here through :class:`Host`."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+from flying.messages import Bind, Heartbeat, QueuedRequest, Release
+from flying.prefix import BLOCK
+from router.engine_view import EngineView
+from router.transform_cost import adopt_moves, scatter_moves
+from sim.config import SimConfig
+from sim.prefix_cache import PrefixCache
+from sim.workload import SimRequest
+from worker_ext.intake import Intake, intake
+
+
+class Host(Protocol):
+    """What the engine model needs from the event loop (:class:`sim.simulator.Simulator`)."""
+
+    cfg: SimConfig
+    now: float
+    engines: list[Engine]
+    stats: collections.Counter[str]
+    shift_steps: list[tuple[float, float, bool]]
+
+    @property
+    def kv_per_engine(self) -> int: ...
+
+    def at(self, t: float, fn: Callable, *args) -> None: ...
+
+    def finish(self, r: Req) -> None: ...
+
+    def arrive(self, b: Bind, idx: int) -> None: ...
+
+    def dissolve(self, g: SimGroup) -> None: ...
+
+    def note_states(self) -> None: ...
+
+    def note_transform(self, kind: str, ms: float, requests: int) -> None: ...
+
+
+class Req:
+    __slots__ = (
+        "i",
+        "spec",
+        "q",
+        "engine",
+        "epoch",
+        "prefilled",
+        "generated",
+        "started",
+        "times",
+        "done",
+        "cached",
+    )
+
+    def __init__(self, i: int, spec: SimRequest, q: QueuedRequest) -> None:
+        self.i, self.spec, self.q = i, spec, q
+        self.engine, self.epoch = -1, 0
+        self.prefilled = self.generated = 0
+        self.cached = 0  # prompt tokens its engine's prefix cache held when it started
+        self.started = float("nan")
+        self.times: list[float] = []
+        self.done = False
+
+    @property
+    def kv(self) -> int:
+        return self.spec.prompt + self.spec.output
+
+
+class Unit:
+    """One scheduler: a DP engine, or a group run by its leader (under ``shift``, every engine's one scheduler)."""
+
+    def __init__(
+        self,
+        sim: Host,
+        width: int,
+        kv_cap: int,
+        merged: bool,
+        on_idle: Callable[[], None],
+        shift: bool = False,
+        cache: PrefixCache | None = None,
+    ) -> None:
+        self.sim, self.width, self.kv_cap, self.merged, self.on_idle = sim, width, kv_cap, merged, on_idle
+        self.shift = shift
+        self.cache = cache  # a DP engine's prefix cache (a group's requests bypass it)
+        scale = width if shift else 1  # a shift scheduler runs as much per GPU as a DP engine
+        self.max_running = sim.cfg.cost.max_running * scale
+        self.chunk_tokens = sim.cfg.cost.chunk_tokens * scale
+        self.queue: list[Req] = []
+        self.running: list[Req] = []
+        self.kv_used = 0
+        self.stepping = False
+        self.admit = True
+
+    def has_work(self) -> bool:
+        return bool(self.running or (self.queue and self.admit))
+
+    def step(self) -> None:
+        now = self.sim.now
+        while (
+            self.admit
+            and self.queue
+            and len(self.running) < self.max_running
+            and self.kv_used + self.queue[0].kv <= self.kv_cap
+        ):
+            r = self.queue.pop(0)
+            self.running.append(r)
+            self.kv_used += r.kv
+            r.started = now
+            if self.cache is not None and r.prefilled == r.generated == 0:
+                r.cached = r.prefilled = min(self.cache.hit(r.spec.prompt_blocks) * BLOCK, r.spec.prompt - 1)
+        if not self.running:
+            return  # idle (or the head does not fit yet); the next dispatch or finish pokes it
+        budget, prefill, decode = self.chunk_tokens, [], []
+        for r in self.running:
+            if r.prefilled < r.spec.prompt:
+                take = min(budget, r.spec.prompt - r.prefilled)
+                if take:
+                    prefill.append((r, take))
+                    budget -= take
+            else:
+                decode.append(r)
+        ctx = sum(r.prefilled + r.generated for r in decode)
+        ms = self.step_ms(self.chunk_tokens - budget, len(decode), ctx)
+        self.stepping = True
+        self.sim.at(now + ms / 1000, self.end_step, prefill, decode)
+
+    def step_ms(self, prefill_tokens: int, decode_seqs: int, ctx: int) -> float:
+        cost = self.sim.cfg.cost
+        if not self.shift:
+            return cost.step_ms(self.width, prefill_tokens, decode_seqs, ctx, self.merged)
+        ms, shifted = cost.shift_step_ms(
+            self.width, self.sim.cfg.shift_threshold, prefill_tokens, decode_seqs, ctx
+        )
+        self.sim.shift_steps.append((self.sim.now, ms / 1000, shifted))
+        return ms
+
+    def end_step(self, prefill: list[tuple[Req, int]], decode: list[Req]) -> None:
+        now = self.sim.now
+        self.stepping = False
+        for r, take in prefill:
+            r.prefilled += take
+            if r.prefilled == r.spec.prompt:  # first token (or, after a retraction, the next one)
+                r.generated += 1
+                r.times.append(now)
+                if self.cache is not None:
+                    self.cache.insert(r.spec.prompt_blocks, self.cache_room())
+        for r in decode:
+            r.generated += 1
+            r.times.append(now)
+        for r in [r for r in self.running if r.generated >= r.spec.output]:
+            self.running.remove(r)
+            self.kv_used -= r.kv
+            if self.cache is not None:
+                self.cache.insert(
+                    r.spec.blocks, self.cache_room()
+                )  # prompt and answer, as SGLang caches them
+            self.sim.finish(r)
+        self.on_idle()
+
+    def cache_room(self) -> int:
+        """KV tokens the prefix cache may hold: all of it but the outputs the running requests reserve (their
+        prompts are in the cache)."""
+        return self.kv_cap - sum(r.spec.output for r in self.running)
+
+
+class Engine:
+    def __init__(self, sim: Host, idx: int) -> None:
+        self.sim, self.idx = sim, idx
+        self.cache = PrefixCache()
+        self.dp = Unit(sim, 1, sim.kv_per_engine, False, self.boundary, cache=self.cache)
+        self.pending: Bind | None = None
+        self.arrived = 0  # the epoch whose group this engine waits to form
+        self.last_epoch = 0
+        self.group: SimGroup | None = None
+        self.paused_queue: list[Req] = []
+        self.paused_running: list[Req] = []
+        self.assigned = (
+            0  # requests assigned to it (DP, paused, adopted, and TP when it leads a group): it owns them
+        )
+        self.beat_ts = 0.0
+        self.adopted: tuple[list[Req], list[Req]] = (
+            [],
+            [],
+        )  # running, waiting: for the group it waits to form
+
+    @property
+    def mode(self) -> Literal["dp", "tp"]:
+        return "tp" if self.group else "dp"
+
+    @property
+    def state(self) -> str:
+        """For the mode track: dp, binding (a bind read, the group not formed yet), tp<width>, releasing."""
+        g = self.group
+        if g is None:
+            return "binding" if self.pending else "dp"
+        if g.release_asked:
+            return "releasing"
+        return f"tp{len(g.members)}" if g.formed else "binding"
+
+    @property
+    def paused(self) -> int:
+        return len(self.paused_running) + len(self.paused_queue)
+
+    @property
+    def transforms(self) -> bool:
+        return self.sim.cfg.kv_transform and self.idx not in self.sim.cfg.no_kv_transform
+
+    def heartbeat(self) -> Heartbeat:
+        """What a worker would publish now (the fields the router reads)."""
+        g, kv = self.group, self.sim.kv_per_engine
+        return Heartbeat(
+            engine=self.idx,
+            url=f"sim://{self.idx}",
+            pid=0,
+            model="sim",
+            mode=self.mode,
+            epoch=g.epoch if g else 0,
+            pending=self.pending.epoch if self.pending else 0,
+            num_engines=self.sim.cfg.engines,
+            kv_transform=self.transforms,
+            free_kv_tokens=kv - self.dp.kv_used,
+            max_total_tokens=kv,
+            ts=self.beat_ts,
+        )
+
+    def view(self) -> EngineView:
+        return EngineView.from_heartbeat(self.heartbeat(), self.assigned)
+
+    def command(self, cmd: Bind | Release) -> None:
+        """The worker's own intake rule (:func:`worker_ext.intake.intake`); width changes are not modelled (the
+        policy issues none)."""
+        self.beat_ts = self.sim.now
+        g, pending = self.group, self.pending
+        what = intake(cmd, self.idx, self.last_epoch, g.epoch if g else 0, pending.epoch if pending else 0)
+        if what is Intake.BIND and g is None:
+            assert isinstance(cmd, Bind)  # intake answers BIND to binds only
+            if any(e == self.idx and a <= self.sim.now < b for e, a, b in self.sim.cfg.ignore_binds):
+                return
+            self.pending = cmd
+        elif what is Intake.CANCEL:
+            self.pending, self.arrived, self.last_epoch = None, 0, max(self.last_epoch, cmd.epoch)
+            self.dp.admit = True
+            self.resume()
+        elif what is Intake.RELEASE:
+            assert (
+                isinstance(cmd, Release) and g is not None
+            )  # RELEASE: a release of the epoch it is bound in
+            g.release_asked = True
+            g.retract, g.scatter = cmd.retract, cmd.scatter
+            self.sim.engines[g.leader].boundary()
+            self.sim.note_states()
+            return
+        elif isinstance(cmd, Bind):
+            return
+        self.boundary()
+        self.sim.note_states()
+
+    def boundary(self) -> None:
+        """A step boundary (or an idle engine poked): apply commands, then run the next step."""
+        if self.dp.stepping:
+            return
+        g = self.group
+        if g is not None:
+            if g.leader == self.idx and g.formed:
+                g.boundary()
+            return
+        b = self.pending
+        if b is not None and not self.arrived:
+            # hard: at once (its DP work pauses, KV kept); sequential/soft: once its DP work (running and queued;
+            # the router sends no more) has finished. (The worker holds queued, unstarted DP requests with the
+            # paused work instead of running them first: a slightly earlier bind there.)
+            adopt = b.adopt and self.transforms  # (an engine without it reads the bind as hard)
+            ready = b.preempt == "hard" or adopt or not (self.dp.running or self.dp.queue)
+            if ready:
+                if adopt:  # they become the group's when it forms; their KV stays here until then
+                    self.adopted = (self.dp.running, self.dp.queue)
+                else:
+                    self.paused_running, self.paused_queue = self.dp.running, self.dp.queue
+                self.dp.running, self.dp.queue = [], []
+                self.arrived = b.epoch
+                self.sim.arrive(b, self.idx)
+                return
+        if self.arrived:
+            return
+        if self.dp.has_work():
+            self.dp.step()
+
+    def resume(self) -> None:
+        self.dp.running = self.adopted[0] + self.paused_running + self.dp.running
+        self.dp.queue = self.adopted[1] + self.paused_queue + self.dp.queue
+        self.paused_running, self.paused_queue, self.adopted = [], [], ([], [])
+
+
+def kv_in_use(r: Req) -> int:
+    """KV tokens a request holds now (a retracted one recomputes from -generated)."""
+    return r.prefilled + r.generated
+
+
+class SimGroup:
+    def __init__(self, sim: Host, bind: Bind, merged: bool, shift: bool = False) -> None:
+        self.sim, self.epoch, self.members = sim, bind.epoch, bind.members
+        self.leader = bind.members[0]
+        engines = [sim.engines[m] for m in self.members]
+        self.adopt = bind.adopt and all(e.transforms for e in engines)
+        paused_kv = 0 if self.adopt else sum(e.dp.kv_used for e in engines)
+        cap = len(self.members) * sim.kv_per_engine - paused_kv
+        self.unit = Unit(sim, len(self.members), cap, merged, self.boundary, shift)
+        self.release_asked = self.retract = self.scatter = False
+        self.formed = False
+        self.transform_ms = 0.0
+        if self.adopt:  # the members' DP requests become this group's, KV by head slices
+            tokens: list[float] = []
+            for e in engines:
+                running, waiting = e.adopted
+                e.adopted = ([], [])
+                self.unit.running += running
+                self.unit.queue += waiting
+                self.unit.kv_used += e.dp.kv_used
+                e.dp.kv_used = 0
+                tokens.append(sum(kv_in_use(r) for r in running))
+            if any(tokens):
+                self.transform_ms = sim.cfg.cost.transform_ms(adopt_moves(tokens))
+                sim.note_transform("adopt", self.transform_ms, len(self.unit.running) + len(self.unit.queue))
+
+    def boundary(self) -> None:
+        if self.unit.stepping or not self.formed:
+            return
+        delay = 0.0
+        if self.release_asked and (self.retract or self.scatter) and (self.unit.running or self.unit.queue):
+            delay = self.move_out()
+            self.sim.note_states()
+        if self.release_asked and not self.unit.running and not self.unit.queue:
+            self.formed = False
+            self.sim.at(self.sim.now + self.sim.cfg.cost.switch_ms / 1000 + delay, self.sim.dissolve, self)
+        elif self.unit.has_work():
+            self.unit.step()
+            self.trim_caches()
+
+    def trim_caches(self) -> None:
+        """The members keep their prefix caches through the epoch (TP requests bypass them), but the group's KV
+        demand evicts their unlocked DP prefixes: each member holds a 1/width share of it, beside its own DP KV."""
+        share = -(-self.unit.kv_used // len(self.members))
+        for m in self.members:
+            e = self.sim.engines[m]
+            e.cache.insert((), self.sim.kv_per_engine - e.dp.kv_used - share)
+
+    def move_out(self) -> float:
+        """Release at once: every TP request goes back to DP on its owner, by scatter (its KV moves there if the
+        owner's free KV holds it whole) or else retracted (recomputed there). Returns the transformation's ms."""
+        sim = self.sim
+        scatter = self.scatter and all(sim.engines[m].transforms for m in self.members)
+        owned = dict.fromkeys(self.members, 0)
+        moved: dict[int, list[Req]] = {m: [] for m in self.members}
+        retracted: dict[int, list[Req]] = {m: [] for m in self.members}
+        for r in self.unit.running:
+            owner = sim.engines[r.engine]
+            if scatter and owner.dp.kv_used + r.kv <= owner.dp.kv_cap:
+                owner.dp.kv_used += r.kv
+                owned[r.engine] += kv_in_use(r)
+                moved[r.engine].append(r)
+            else:  # recomputed in DP: the prompt and the tokens generated so far
+                r.prefilled = -r.generated
+                retracted[r.engine].append(r)
+        waiting: dict[int, list[Req]] = {m: [] for m in self.members}
+        for r in self.unit.queue:
+            waiting[r.engine].append(r)
+        for m in self.members:
+            e = sim.engines[m]
+            e.paused_running = moved[m] + e.paused_running
+            e.paused_queue = retracted[m] + waiting[m] + e.paused_queue
+        sim.stats["scattered"] += sum(map(len, moved.values()))
+        sim.stats["retracted"] += sum(map(len, retracted.values()))
+        sim.stats["scatter_fallbacks"] += sum(map(len, retracted.values())) if scatter else 0
+        self.unit.running, self.unit.queue, self.unit.kv_used = [], [], 0
+        if not any(owned.values()):
+            return 0.0
+        ms = sim.cfg.cost.transform_ms(scatter_moves([owned[m] for m in self.members]))
+        sim.note_transform("scatter", ms, sum(map(len, moved.values())))
+        return ms / 1000

@@ -1,0 +1,85 @@
+"""A round's decision as values: the typed notes and the log lines made from them, and the plan both appliers
+(the router's dispatcher and the simulator) follow."""
+
+from __future__ import annotations
+
+import pytest
+
+from flying.messages import Bind, Group, QueuedRequest, Release, RouterState
+from router.decision import (
+    BindMode,
+    BindNote,
+    Decision,
+    Dispatch,
+    DistrustNote,
+    RegimeNote,
+    ReleaseCause,
+    ReleaseMode,
+    ReleaseNote,
+    plan,
+)
+
+REQ = QueuedRequest(id="a", priority="normal", model="m", prompt_tokens=1, max_tokens=1, gateway="g", enqueued_at=0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("note", "text"),
+    [
+        (ReleaseNote(7, (2, 3), "priority", ReleaseMode.RETRACT, ReleaseCause.DP_DEFERRED, seconds=5.0),
+         "release epoch 7 (2, 3) (priority) retracting: DP work deferred for 5 s"),
+        (ReleaseNote(3, (0, 1), "load", ReleaseMode.WAIT, ReleaseCause.NOT_BOUND, seconds=60.0),
+         "release epoch 3 (0, 1) (load): not bound within 60 s: rolled back"),
+        (ReleaseNote(3, (0, 1), "load", ReleaseMode.WAIT, ReleaseCause.NOT_ACKNOWLEDGED, 2.0, engines=(1,)),
+         "release epoch 3 (0, 1) (load): [1] did not acknowledge within 2 s: rolled back"),
+        (ReleaseNote(4, (0, 1), "load", ReleaseMode.SCATTER, ReleaseCause.LOAD_ROSE),
+         "release epoch 4 (0, 1) (load) by scatter: load rose"),
+        (ReleaseNote(4, (0, 1), "long", ReleaseMode.WAIT, ReleaseCause.NO_TP_WORK, seconds=1.0),
+         "release epoch 4 (0, 1) (long): no TP work for 1 s"),
+        (ReleaseNote(4, (0, 1), "load", ReleaseMode.WAIT, ReleaseCause.MAKING_ROOM, width=4),
+         "release epoch 4 (0, 1) (load): making room for a width-4 group"),
+        (ReleaseNote(4, (0, 1), "load", ReleaseMode.WAIT, ReleaseCause.MEMBER_GONE),
+         "release epoch 4 (0, 1) (load): a member is gone"),
+        (BindNote((0, 1), "load", BindMode.ADOPT, 12.4), "bind (0, 1) (load, adoption, 12 ms)"),
+        (BindNote((2, 3), "priority", BindMode.HARD), "bind (2, 3) (priority, hard preemption)"),
+        (RegimeNote(busy=False, demand=3, rate=1.25, engines=8), "light load (3 requests, 1.2/s on 8 engines): TP groups allowed"),
+        (RegimeNote(busy=True, demand=30, rate=9.0, engines=8, oldest_s=0.3), "load rising (30 requests, 9.0/s, oldest waits 0.30 s): back to DP"),
+        (DistrustNote((1, 2), 10.0), "engines [1, 2] not picked for binds for 10 s"),
+    ],
+)  # fmt: skip
+def test_log_lines_are_made_from_the_typed_notes(note, text):
+    assert str(note) == text
+
+
+def test_modes_are_the_metrics_label_values():
+    g = Group(epoch=1, members=(0, 1), reason="load", preempt="sequential")
+    assert BindMode.of(g) == "sequential" and BindMode.of(Group(epoch=1, members=(0, 1), reason="load", adopt=True)) == "adopt"  # fmt: skip
+    assert [ReleaseMode.of(c) for c in (None, Release(epoch=1), Release(epoch=1, retract=True), Release(epoch=1, scatter=True))] == ["wait", "wait", "retract", "scatter"]  # fmt: skip
+    assert ReleaseMode.SCATTER.command(5) == Release(epoch=5, scatter=True)
+
+
+def test_a_release_sends_its_command_and_keeps_its_note_in_order():
+    d = Decision()
+    first = ReleaseNote(4, (0, 1), "load", ReleaseMode.RETRACT, ReleaseCause.LOAD_ROSE)
+    d.events.append(BindNote((2, 3), "priority", BindMode.HARD))
+    d.release(first)
+    assert d.commands == [((0, 1), Release(epoch=4, retract=True))]
+    assert d.releases == [first] and d.notes[1] == str(first)
+
+
+def test_the_plan_numbers_binds_and_orders_records_then_commands_then_dispatches():
+    changed = Group(epoch=4, members=(0, 1), reason="load", state="releasing")
+    new = Group(epoch=0, members=(2, 3), reason="priority", adopt=True)
+    d = Decision(
+        binds=[new],
+        put={4: changed},
+        drop=[2],
+        commands=[((0, 1), Release(epoch=4))],
+        dispatches=[Dispatch(REQ, 0, "u"), Dispatch(REQ, 2, "u", epoch=9)],
+        state=RouterState(busy=False),
+    )
+    p = plan(d, [9])
+    assert [g.epoch for g in p.records] == [4, 9] and p.binds[0].epoch == 9 and p.drop == [2]
+    assert p.sends == [((0, 1), Release(epoch=4)), ((2, 3), Bind(epoch=9, members=(2, 3), adopt=True))]
+    assert [x.engine for x in p.dp_dispatches] == [0] and p.state == RouterState(busy=False)
+    with pytest.raises(ValueError, match="1 binds need as many epochs"):
+        plan(d, [])

@@ -1,0 +1,102 @@
+"""Placement alone (router.placement): long, priority and light-load binds, group choice and fast targets."""
+
+from __future__ import annotations
+
+from flying.messages import Group, QueuedRequest, RouterState
+from router.config import PolicyConfig
+from router.decision import BindMode, BindNote
+from router.engine_view import EngineView
+from router.placement import (
+    fast_targets,
+    group_for,
+    load_binds,
+    need_width,
+    place,
+    place_long,
+    place_priority,
+)
+from router.round import SHORT, USABLE, Round
+from router.snapshot import Snapshot
+
+CFG = PolicyConfig()
+LIGHT, BUSY = RouterState(busy=False), RouterState(busy=True)
+
+
+def eng(i, inflight=0, cap=1000, epoch=0, kvt=False):
+    return EngineView(i, f"e{i}", inflight, cap, cap, mode="tp" if epoch else "dp", epoch=epoch, num_engines=4,
+                      beat_ts=100.0, kv_transform=kvt)  # fmt: skip
+
+
+def req(i="r", prompt=10, priority="normal"):
+    return QueuedRequest(id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=10, gateway="g", enqueued_at=100.0)  # fmt: skip
+
+
+def rnd(engines=None, groups=(), state=BUSY, waiting=(), cfg=CFG):
+    engines = [eng(i) for i in range(4)] if engines is None else engines
+    s = Snapshot(now=100.0, waiting=list(waiting), queued=len(waiting), engines=engines, groups=list(groups), state=state)  # fmt: skip
+    r = Round(s, cfg)
+    r.out.state = state
+    return r
+
+
+def test_need_width_picks_dp_the_narrowest_pool_or_none():
+    es = [eng(i) for i in range(4)]
+    assert [need_width(k, es) for k in (1000, 1001, 2001, 4001)] == [1, 2, 4, None]
+
+
+def test_a_long_request_binds_the_least_loaded_block_it_needs_sequentially_by_default():
+    r = rnd([eng(0, inflight=3), eng(1, inflight=3), eng(2), eng(3)])
+    place_long(r, req(prompt=1500), 2)
+    assert [(g.members, g.reason, g.preempt) for g in r.out.binds] == [((2, 3), "long", "sequential")]
+    assert r.out.events == [BindNote((2, 3), "long", BindMode.SEQUENTIAL)] and r.reserved == {2, 3}
+
+
+def test_a_high_priority_request_binds_a_block_and_leaves_dp_engines_for_the_rest():
+    r = rnd([eng(0), eng(1)], state=LIGHT)
+    assert not place_priority(r, req(priority="high")), "it would take the last DP engines"
+    r = rnd(state=LIGHT)
+    assert place_priority(r, req(priority="high"))
+    assert [(g.members, g.reason, g.preempt) for g in r.out.binds] == [((0, 1), "priority", "hard")]
+
+
+def test_light_load_binds_idle_blocks_hard_and_nothing_when_busy():
+    r = rnd(state=LIGHT)
+    load_binds(r)
+    assert [(g.members, g.preempt) for g in r.out.binds] == [((0, 1), "hard"), ((2, 3), "hard")]
+    r = rnd(state=BUSY)
+    load_binds(r)
+    assert not r.out.binds
+
+
+def test_light_load_adopts_a_busy_block_whose_members_transform_kv():
+    r = rnd([eng(0, inflight=2, kvt=True), eng(1, inflight=2, kvt=True), eng(2, inflight=1), eng(3, inflight=1)], state=LIGHT)  # fmt: skip
+    load_binds(r)
+    assert [(g.members, g.preempt, g.adopt) for g in r.out.binds] == [
+        ((2, 3), "sequential", False),  # the least loaded first: it drains (one of two blocks)
+        ((0, 1), "hard", True),
+    ]
+    assert r.out.events[1] == BindNote((0, 1), "load", BindMode.ADOPT, r.kv.adopt_ms((0, 1)))
+
+
+def test_group_for_prefers_the_narrowest_bound_group_with_room():
+    bound = Group(epoch=4, members=(0, 1), reason="load", state="bound")
+    forming = Group(epoch=5, members=(2, 3), reason="load", state="binding", preempt="sequential")
+    r = rnd([eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [forming, bound])
+    assert group_for(r, req(), 1, USABLE, SHORT, imminent=True) == bound
+    r = rnd([eng(0), eng(1), eng(2), eng(3)], [forming])
+    assert group_for(r, req(), 1, USABLE, SHORT, imminent=True) is None, "a draining bind is not imminent"
+
+
+def test_light_load_sends_a_normal_request_to_the_load_group_and_fast_targets_follow():
+    g = Group(epoch=4, members=(0, 1), reason="load", state="bound")
+    r = rnd([eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [g], state=LIGHT)
+    place(r, req())
+    assert [(x.engine, x.epoch) for x in r.out.dispatches] == [(0, 4)]
+    [target] = fast_targets(r)
+    assert (target.engine, target.epoch, target.cap) == (0, 4, 1 + 2 * CFG.tp_inflight_per_engine - 1)
+
+
+def test_busy_fast_targets_are_the_dp_engines_in_no_group():
+    g = Group(epoch=4, members=(0, 1), reason="priority", state="bound")
+    r = rnd([eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [g])
+    assert [t.engine for t in fast_targets(r)] == [2, 3]

@@ -1,0 +1,127 @@
+"""Releases alone (router.releases): records follow the heartbeats, and each release carries its typed cause."""
+
+from __future__ import annotations
+
+from flying.messages import Group, QueuedRequest, Release, RouterState
+from router.config import PolicyConfig
+from router.decision import DistrustNote, ReleaseCause, ReleaseMode
+from router.engine_view import EngineView
+from router.releases import reconcile, release_groups, release_idle_blocking, release_now
+from router.round import Round
+from router.snapshot import GroupLoad, Snapshot
+
+CFG = PolicyConfig()
+
+
+def eng(i, epoch=0, pending=0, inflight=0, cap=1000, ts=100.0, kvt=False):
+    mode = "tp" if epoch else "dp"
+    return EngineView(i, f"e{i}", inflight, cap, cap, mode=mode, epoch=epoch, pending=pending, num_engines=4,
+                      beat_ts=ts, kv_transform=kvt)  # fmt: skip
+
+
+def group(epoch=5, members=(0, 1), reason="priority", state="bound", since=99.0, **kw):
+    return Group(epoch=epoch, members=members, reason=reason, state=state, since=since, last_used=since, **kw)
+
+
+BUSY = RouterState(busy=True)
+
+
+def rnd(groups, engines, state=BUSY, waiting=(), loads=None, cfg=CFG, now=100.0):
+    s = Snapshot(now=now, waiting=list(waiting), queued=len(waiting), engines=engines, groups=groups,
+                 tp_load=loads or {}, state=state)  # fmt: skip
+    return Round(s, cfg)
+
+
+def causes(r):
+    return [(n.epoch, n.cause, n.mode) for n in r.out.releases]
+
+
+def test_a_binding_group_is_bound_once_every_member_reports_its_epoch():
+    r = rnd([group(state="binding")], [eng(0, epoch=5), eng(1, epoch=5)])
+    reconcile(r)
+    assert r.out.put[5].state == "bound" and r.out.put[5].since == 100.0 and not r.out.commands
+
+
+def test_a_silent_member_rolls_the_bind_back_and_is_distrusted():
+    r = rnd([group(state="binding", since=97.0)], [eng(0, pending=5), eng(1)])
+    reconcile(r)
+    assert causes(r) == [(5, ReleaseCause.NOT_ACKNOWLEDGED, ReleaseMode.WAIT)]
+    assert r.out.releases[0].engines == (1,) and r.suspect == {1: 100.0 + CFG.suspect_s}
+    assert DistrustNote((1,), CFG.suspect_s) in r.out.events
+
+
+def test_a_lost_member_or_an_aborted_epoch_releases_the_group():
+    r = rnd([group()], [eng(0, epoch=5)])
+    reconcile(r)
+    assert causes(r) == [(5, ReleaseCause.MEMBER_GONE, ReleaseMode.WAIT)]
+    r = rnd([group()], [eng(0, epoch=5), eng(1)])
+    reconcile(r)
+    assert causes(r) == [(5, ReleaseCause.BROKE_UP, ReleaseMode.WAIT)]
+
+
+def test_a_releasing_record_is_dropped_once_fresh_beats_show_its_members_out_of_it():
+    g = group(state="releasing", since=99.5)
+    r = rnd([g], [eng(0, ts=99.6), eng(1, ts=99.6)])
+    reconcile(r)
+    assert r.out.drop == [5] and 5 not in r.groups
+    r = rnd([g], [eng(0, ts=99.6), eng(1, ts=99.0)])
+    reconcile(r)
+    assert r.out.drop == [], "engine 1's heartbeat is older than the release"
+
+
+def test_release_now_scatters_where_members_transform_else_retracts_unless_a_request_needs_the_pool():
+    members = [eng(0, epoch=5, kvt=True), eng(1, epoch=5, kvt=True)]
+    r = rnd([group()], members)
+    release_now(r, r.groups[5], ReleaseCause.LOAD_ROSE)
+    assert r.out.commands == [((0, 1), Release(epoch=5, scatter=True))]
+    r = rnd([group()], [eng(0, epoch=5), eng(1, epoch=5)])
+    release_now(r, r.groups[5], ReleaseCause.LOAD_ROSE)
+    assert r.out.commands == [((0, 1), Release(epoch=5, retract=True))]
+    r = rnd([group(adopt=True)], [eng(0, epoch=5), eng(1, epoch=5)])
+    release_now(r, r.groups[5], ReleaseCause.LOAD_ROSE)
+    assert r.out.commands == [((0, 1), Release(epoch=5))], "its adopted requests' streams are on their owners"
+    r = rnd([group()], members, loads={5: GroupLoad(1, 1500, 1500)})
+    release_now(r, r.groups[5], ReleaseCause.LOAD_ROSE)
+    assert r.out.commands == [((0, 1), Release(epoch=5))], "a request one engine cannot hold"
+
+
+def test_load_groups_go_when_load_is_busy_and_idle_ones_after_keep_s():
+    r = rnd([group(reason="load")], [eng(0, epoch=5), eng(1, epoch=5)])
+    release_groups(r)
+    assert causes(r) == [(5, ReleaseCause.LOAD_ROSE, ReleaseMode.RETRACT)]
+    r = rnd([group(since=98.0)], [eng(0, epoch=5), eng(1, epoch=5)])
+    release_groups(r)
+    assert (
+        causes(r) == [(5, ReleaseCause.NO_TP_WORK, ReleaseMode.WAIT)]
+        and r.out.releases[0].seconds == CFG.keep_s
+    )
+    high = QueuedRequest(id="h", priority="high", model="m", prompt_tokens=1, max_tokens=1, gateway="g", enqueued_at=99.0)  # fmt: skip
+    r = rnd([group(since=98.0)], [eng(0, epoch=5), eng(1, epoch=5)], waiting=[high])
+    release_groups(r)
+    assert not r.out.commands, "a high-priority request waits: the idle group is kept for it"
+
+
+def test_under_light_load_an_idle_group_of_light_width_becomes_a_load_group():
+    r = rnd([group(since=98.0)], [eng(0, epoch=5), eng(1, epoch=5)], state=RouterState(busy=False))
+    release_groups(r)
+    assert r.out.put[5].reason == "load" and not r.out.commands
+
+
+def test_deferred_dp_work_releases_the_group_after_max_defer_s():
+    members = [eng(0, epoch=5, inflight=2), eng(1, epoch=5)]  # two DP requests paused under the group
+    r = rnd([group(since=100.0 - CFG.max_defer_s)], members)
+    release_groups(r)
+    assert causes(r) == [(5, ReleaseCause.DP_DEFERRED, ReleaseMode.RETRACT)]
+
+
+def test_making_room_releases_the_idle_groups_of_one_block():
+    groups = [group(5, (0, 1)), group(6, (2, 3), reason="load")]
+    r = rnd(groups, [eng(0, epoch=5), eng(1, epoch=5), eng(2, epoch=6), eng(3, epoch=6)])
+    release_idle_blocking(r, 4)
+    assert [(n.epoch, n.cause, n.width) for n in r.out.releases] == [
+        (5, ReleaseCause.MAKING_ROOM, 4),
+        (6, ReleaseCause.MAKING_ROOM, 4),
+    ]
+    r = rnd(groups, [eng(0, epoch=5), eng(1, epoch=5), eng(2, epoch=6), eng(3, epoch=6)], loads={6: GroupLoad(1, 10, 10)})  # fmt: skip
+    release_idle_blocking(r, 4)
+    assert not r.out.commands, "one of them is busy"
