@@ -185,7 +185,14 @@ class ClusterCollector(Collector):
             "cached / prompt tokens of the requests the engine finished since it started (absent until one has)",
             labels=["engine"],
         )
+        steps = CounterMetricFamily(
+            "flying_group_steps",
+            "Forwards the engine ran as a bound group's member, by step mode: sp (sequence-parallel prefill) or tp",
+            labels=["engine", "mode"],
+        )
         for e, hb in beats.items():
+            steps.add_metric([str(e), "sp"], hb.steps_sp)
+            steps.add_metric([str(e), "tp"], hb.steps_tp)
             current = "tp" if hb.mode == "tp" else "binding" if hb.pending else "dp"
             for m in ("dp", "binding", "tp"):
                 mode.add_metric([str(e), m], 1.0 if m == current else 0.0)
@@ -197,7 +204,7 @@ class ClusterCollector(Collector):
                 ratio.add_metric([str(e)], hb.cache_hit_rate)
         yield mode
         yield from families.values()
-        yield from (prompt, cached, ratio)
+        yield from (prompt, cached, ratio, steps)
 
     def _groups(self) -> Iterator[GaugeMetricFamily]:
         fam = GaugeMetricFamily(

@@ -50,7 +50,9 @@ def test_the_cluster_collector_reads_queue_engines_groups_and_regime(sync_redis,
     from flying.queue import CLASS_WEIGHT
 
     announce_engine(sync_redis, keys, engine=0, running=3, prompt_tokens=400, cached_tokens=300)
-    announce_engine(sync_redis, keys, engine=1, mode="tp", epoch=3, group=(0, 1), width=2)
+    announce_engine(
+        sync_redis, keys, engine=1, mode="tp", epoch=3, group=(0, 1), width=2, steps_sp=4, steps_tp=9
+    )
     sync_redis.hset(keys.groups, "3", encode(msgspec.structs.replace(BINDING, state="bound")))
     sync_redis.set(keys.router_state, encode(RouterState(busy=False)))
     sync_redis.set(keys.router_lease, "me")
@@ -71,6 +73,8 @@ def test_the_cluster_collector_reads_queue_engines_groups_and_regime(sync_redis,
     assert value(m, "flying_engine_width", engine="1") == 2
     assert value(m, "flying_engine_prompt_tokens_total", engine="0") == 400
     assert value(m, "flying_engine_cached_tokens_total", engine="0") == 300
+    assert value(m, "flying_group_steps_total", engine="1", mode="sp") == 4
+    assert value(m, "flying_group_steps_total", engine="1", mode="tp") == 9
     assert value(m, "flying_engine_prefix_cache_hit_ratio", engine="0") == 0.75
     assert m.registry.get_sample_value("flying_engine_prefix_cache_hit_ratio", {"engine": "1"}) is None, (
         "none yet"
