@@ -7,33 +7,16 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
 import pytest
 
 from devstack.cluster import Cluster, ClusterConfig
 from flying import control
-from tests.e2e.test_switching import wait_mode, worker_url
+from tests.e2e.test_switching import generate, prompt_logprobs, wait_mode, worker_url
 
 pytestmark = pytest.mark.e2e
 SHORT = [(13 * i + 1) % 900 + 5 for i in range(24)]
 LONG = [(7 * i + 3) % 1000 + 5 for i in range(300)]  # five 64-token chunks
 CHUNK = 64
-
-
-def generate(url: str, ids: list[int], n: int) -> dict:
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    resp = httpx.post(url + "/generate", json=body, timeout=300)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def prompt_logprobs(out: dict) -> list[float]:
-    return [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]]  # the first token has none
 
 
 class Running:

@@ -21,9 +21,10 @@ def worker_url(cluster, i: int) -> str:
     return f"http://127.0.0.1:{cluster.config.worker_ports[i]}"
 
 
-def generate(url: str, text: str, max_new_tokens: int = 12) -> dict:
+def generate(url: str, text: str | list[int], max_new_tokens: int = 12) -> dict:
+    """Greedy ``max_new_tokens`` after ``text`` (or token ids), with every token's log-prob."""
     body = {
-        "text": text,
+        **({"input_ids": text} if isinstance(text, list) else {"text": text}),
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
         "return_logprob": True,
         "logprob_start_len": 0,
