@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from worker_ext.sglang_patches import RequestLimits
-from worker_ext.sglang_patches.requests import Emitted
+from worker_ext.sglang_patches.requests import Emitted, Received, ReqState
 
 
 @dataclass
@@ -38,7 +38,10 @@ class FakeEngine:
     waiting_reqs: list[FakeReq] = field(default_factory=list)
     clean: bool = True  # at a clean step boundary
     kv_free: int = 1 << 20  # slots alloc_slots can still give
-    aborts_in: list[list[str]] = field(default_factory=list)  # what receive_aborts returns, call by call
+    aborts_in: list[list[str]] = field(default_factory=list)  # the aborts receive() returns, call by call
+    new_in: list[list[FakeReq]] = field(
+        default_factory=list
+    )  # the new requests receive() returns, call by call
     limits: RequestLimits = RequestLimits(1000, 990, 4096)
     width: int = 1  # the width of the request limits set
     idle_checks: bool = True
@@ -178,10 +181,12 @@ class FakeEngine:
     def reset_for_recompute(self, req: FakeReq) -> None:
         req.kv_len = 0
 
-    def state_of(self, req: FakeReq) -> FakeReq:
-        return FakeReq(req.rid, list(req.output_ids))
+    def state_of(self, req: FakeReq) -> ReqState:
+        return ReqState(rid=req.rid, origin_input_text=None, origin_input_ids=[1, 2], output_ids=list(req.output_ids),
+                        sampling_params=None, return_logprob=False, top_logprobs_num=0, token_ids_logprob=None,
+                        logprob_start_len=-1, stream=True, eos_token_ids=None, vocab_size=None, priority=None)  # fmt: skip
 
-    def req_from_state(self, st: FakeReq) -> FakeReq:
+    def req_from_state(self, st: ReqState) -> FakeReq:
         return FakeReq(st.rid, list(st.output_ids))
 
     def progress(self, req: FakeReq) -> tuple[int, int]:
@@ -248,8 +253,9 @@ class FakeEngine:
     def abort_batch(self, message: str) -> None:
         self.calls.append(f"abort_batch {message}")
 
-    def receive_aborts(self) -> list[str]:
-        return self.aborts_in.pop(0) if self.aborts_in else []
+    def receive(self) -> Received:
+        aborted = self.aborts_in.pop(0) if self.aborts_in else []
+        return Received(aborted, self.new_in.pop(0) if self.new_in else [])
 
     def abort(self, rid: str) -> None:
         self.calls.append(f"abort {rid}")

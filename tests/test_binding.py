@@ -314,3 +314,20 @@ def test_a_group_lost_during_an_sp_step_finishes_it_alone_in_tp():
 
     b.around_forward(forward, None, {"tokens": [("a", 6, 6)]})
     assert calls == [StepMode.SP, StepMode.TP] and engine.tp_groups[-1] is LOCAL_GROUP
+
+
+def test_a_request_relayed_too_late_runs_on_the_follower_after_the_release():
+    late = FakeReq("late")
+    b, engine, _, _, _ = make(index=1, inbox=[Handshake(1), Noop(), ReleasePlan()])
+    b.pool.store = None  # nothing reaches the leader
+    engine.new_in = [[], [late]]
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert b.epoch is None and engine.waiting_reqs == [late]
+
+
+def test_a_leader_sends_members_output_to_them_from_the_bind_on():
+    b, engine, _, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert engine.divert is not None
+    b.on_step([Release(epoch=1)])
+    assert engine.divert is None

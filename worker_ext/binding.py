@@ -8,7 +8,8 @@ of the switching state, each changed only through its own methods:
 - ``Layout`` (worker_ext.layout): weights, heads, reductions, KV views and the sub-slot allocator at a width;
 - ``Ownership`` (worker_ext.ownership): who streams each TP request, the leader's outbox, a follower's own requests;
 - ``Shadows`` / ``StepPlans`` (worker_ext.step_plan): a follower's rows for TP requests, the plans themselves;
-- ``AbortRelay`` (worker_ext.aborts): members' client aborts relayed to the leader;
+- ``MemberRelay`` (worker_ext.member_relay): what reaches a follower's endpoint (aborts, new requests), relayed
+  to the leader;
 - ``Adoption`` (worker_ext.adoption): the KV transformation at bind (adopt) and release (scatter).
 
 Everything SGLang is reached through one ``SchedulerSurface`` (worker_ext.sglang_patches.surface).
@@ -36,11 +37,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flying.messages import Bind, Command, Release
-from worker_ext.aborts import AbortRelay
 from worker_ext.adoption import Adoption, Work
 from worker_ext.epoch import Epoch, Leave
 from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import Held
+from worker_ext.member_relay import MemberRelay
 from worker_ext.ownership import Ownership
 from worker_ext.preemption import PendingBind
 from worker_ext.rank_messages import Forward, Handshake, Noop, ReleasePlan
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from worker_ext.layout import Layout
 
 log = logging.getLogger("flying.binding")
+BEAT_S = 0.5  # how often a follower re-publishes its heartbeat (step counts, load) while it follows
 
 
 class HandshakeMismatch(RuntimeError):
@@ -81,7 +83,7 @@ class Binding:
         self.ownership = Ownership(engine)
         self.shadows = Shadows(engine)
         self.plans = StepPlans(engine, self.shadows)
-        self.aborts = AbortRelay(engine, index, pool)
+        self.relay = MemberRelay(engine, index, pool)
         self.adoption = Adoption(engine, index, layout, self.ownership, self.shadows)
         self.epoch: Epoch | None = None
         self.last_epoch = 0  # the newest epoch this engine has bound (or seen rolled back)
@@ -122,7 +124,7 @@ class Binding:
 
     def on_step(self, commands: list[Command]) -> None:
         """The scheduler's step boundary: take the router's commands, enter a ready bind, and as a bound leader
-        apply members' aborts and release (or keep the group alive)."""
+        take what members relayed (aborts, new requests) and release (or keep the group alive)."""
         for cmd in commands:
             self._take(cmd)
         if self.epoch is None:
@@ -137,7 +139,7 @@ class Binding:
             self.abort(e.failed)
             return
         try:
-            self.aborts.apply(e.epoch, self.ownership)
+            self.relay.apply(e, self.ownership)
             self._lead(e)
         except RuntimeError as exc:
             self.abort(exc)
@@ -183,17 +185,19 @@ class Binding:
     # --- a follower's loop --------------------------------------------------------------------------------
 
     def follow(self) -> None:
-        """A follower's loop while bound: apply the leader's messages in order until the epoch ends."""
-        e = self.epoch
+        """A follower's loop while bound: apply the leader's messages in order until the epoch ends (publishing
+        its heartbeat every ``BEAT_S``: its scheduler loop, which beats otherwise, is not running)."""
+        e, beat = self.epoch, time.monotonic()
         while e is not None and self.epoch is e:
+            if time.monotonic() - beat > BEAT_S:
+                self.on_change()
+                beat = time.monotonic()
             try:
                 msg = e.group.broadcast_object()
                 if not isinstance(msg, Forward | Noop | ReleasePlan):
                     raise RuntimeError(f"epoch {e.epoch}: unexpected message from the leader: {msg!r}")
                 self.ownership.deliver(msg.emit)
-                self.aborts.forward(
-                    e.epoch, self.ownership
-                )  # its own clients' aborts (its loop cannot read them)
+                self.relay.forward(e, self.ownership)  # its own clients' input (its loop cannot read it)
                 if isinstance(msg, ReleasePlan) and msg.scatter is not None:
                     self._scatter_and_leave(msg.scatter, msg.next)
                     return
@@ -279,10 +283,12 @@ class Binding:
         self.engine.bypass_prefix_cache(sub.base, width)  # the DP prefix tree: kept, not used by TP requests
         threshold = self.sp_threshold if cmd.sp_threshold is None else cmd.sp_threshold
         self.epoch = e = Epoch(cmd.epoch, tuple(cmd.members), rank, group, sp_threshold=threshold)
-        self.aborts.start_epoch()
+        self.relay.start_epoch()
         self.last_epoch = max(self.last_epoch, cmd.epoch)
         try:
             self._handshake(e)
+            if e.leader:  # output of members' requests goes to them (adopted or new while bound)
+                self.engine.apply_output_filter(self.ownership.divert)
             if cmd.adopt:
                 self._adopt(e, work)
         except RuntimeError as exc:
@@ -357,6 +363,7 @@ class Binding:
         self.shadows.free_all()
         self.engine.remove_output_filter()
         self.ownership.forget_copies()
+        self.engine.queue_back(self.ownership.take_unstarted())  # relayed too late for the leader: run here
         self.layout.unbind()
         self.engine.restore_prefix_cache()
         self.epoch = None

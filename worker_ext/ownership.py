@@ -71,6 +71,10 @@ class Ownership:
         """A follower's own requests, now run by the leader."""
         self._owned = {r.rid: r for r in reqs}
 
+    def add_owned(self, reqs: list[Req]) -> None:
+        """More of the follower's own requests for the leader to run (new ones, arrived while it follows)."""
+        self._owned.update((r.rid, r) for r in reqs)
+
     def owned(self) -> dict[str, Req]:
         return dict(self._owned)
 
@@ -98,6 +102,17 @@ class Ownership:
         if ended:
             self.engine.end_aborted(ended)
         return mine
+
+    def take_unstarted(self) -> list[Req]:
+        """Follower, leaving its group: its own requests the leader never took (no output yet, unfinished)."""
+        left = [
+            r
+            for r in self._owned.values()
+            if not self.engine.is_finished(r) and not self.engine.progress(r)[0]
+        ]
+        for r in left:
+            del self._owned[r.rid]
+        return left
 
     def take_owned(self) -> dict[str, Req]:
         owned, self._owned = self._owned, {}

@@ -133,3 +133,17 @@ def test_width_4_sp_prefill_matches_a_stock_tp1_server(cluster4, stock_server):
     finally:
         release(cluster4, members, epoch)
     assert_matches(ours, generate(stock_server, text, 8), "width-4 SP prefill vs stock tp=1")
+
+
+def test_a_request_sent_to_a_follower_runs_in_the_group_and_streams_from_the_follower(chunked):
+    follower = worker_url(chunked, 1)
+    ref = generate(follower, LONG, 16)  # DP on engine 1
+    epoch = bind_sp(chunked, (0, 1))
+    try:
+        before = sp_steps(chunked, 0)
+        ours = generate(follower, LONG, 16)  # its owner follows the group: the leader runs it
+        assert sp_steps(chunked, 0) > before  # prefilled by the group, in SP steps
+        assert control.status(chunked.client(), chunked.keys)[1].mode == "tp"
+    finally:
+        release(chunked, (0, 1), epoch)
+    assert_matches(ours, ref, "a follower's own request run by its group")

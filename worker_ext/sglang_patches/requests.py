@@ -310,15 +310,31 @@ def reset_for_recompute(req: Any) -> None:
 # --- client aborts while an engine follows a group ---------------------------------------------------------------
 
 
-def receive_while_following(scheduler: Any) -> list[str]:
-    """A follower's scheduler loop is not running: take what its tokenizer sent meanwhile (new requests, aborts)
-    and keep all of it for the loop's next iteration, as SGLang keeps inputs it cannot dispatch yet. Returns the
-    request ids the clients aborted (SGLang aborts every request whose id starts with one)."""
-    from sglang.srt.managers.io_struct import AbortReq
+class Received(msgspec.Struct):
+    """What a following engine's tokenizer sent: the request ids its clients aborted (SGLang aborts every request
+    whose id starts with one) and its new generate requests, as this scheduler's own ``Req`` objects."""
+
+    aborted: list[str]
+    new: list[Any]
+
+
+def receive_while_following(scheduler: Any) -> Received:
+    """A follower's scheduler loop is not running: take what its tokenizer sent meanwhile. New generate requests go
+    through SGLang's own intake (validation, limits) and come back as requests for the group to run; everything
+    else (aborts included) is kept for the loop's next iteration, as SGLang keeps inputs it cannot dispatch yet."""
+    from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 
     got = scheduler.request_receiver.recv_requests(local_reqs=[])
-    scheduler._deferred_input_requests.extend(got)
-    return [r.rid for r in got if isinstance(r, AbortReq) and r.rid and not r.abort_all]
+    generate = [r for r in got if isinstance(r, TokenizedGenerateReqInput)]
+    scheduler._deferred_input_requests.extend(r for r in got if not isinstance(r, TokenizedGenerateReqInput))
+    new: list[Any] = []
+    if generate:
+        before = len(scheduler.waiting_queue)
+        scheduler.process_input_requests(generate)  # validated and queued here, as SGLang queues any request
+        new = list(scheduler.waiting_queue[before:])
+        del scheduler.waiting_queue[before:]
+    aborted = [r.rid for r in got if isinstance(r, AbortReq) and r.rid and not r.abort_all]
+    return Received(aborted, new)
 
 
 def abort(scheduler: Any, rid: str) -> None:

@@ -44,7 +44,7 @@ from worker_ext.sglang_patches import (
     unhold_waiting,
 )
 from worker_ext.sglang_patches import requests as rq
-from worker_ext.sglang_patches.requests import Emitted, ReqState
+from worker_ext.sglang_patches.requests import Emitted, Received, ReqState
 
 Req = Any  # an SGLang ``Req``, passed through
 Stash = tuple[Any, list[Any], Any]  # paused DP work: running batch, waiting requests, last batch
@@ -116,7 +116,7 @@ class SchedulerSurface(Protocol):
     def end_group_lost(self, reqs: list[Req]) -> None: ...
     def drop_tp_requests(self) -> list[str]: ...
     def abort_batch(self, message: str) -> None: ...
-    def receive_aborts(self) -> list[str]: ...
+    def receive(self) -> Received: ...
     def abort(self, rid: str) -> None: ...
     def end_aborted(self, reqs: list[Req]) -> None: ...
 
@@ -324,7 +324,8 @@ class SGLangScheduler:
     def abort_batch(self, message: str) -> None:
         abort_batch(self.s, message)
 
-    def receive_aborts(self) -> list[str]:
+    def receive(self) -> Received:
+        """A follower, between the leader's messages: its clients' aborts and new requests."""
         return rq.receive_while_following(self.s)
 
     def abort(self, rid: str) -> None:
