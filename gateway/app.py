@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable
 
 import redis.asyncio as aioredis
@@ -22,7 +23,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from flying import taskdump
-from gateway import schemas
+from flying.messages import Priority
+from gateway import engine_fields, schemas
 from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
 from gateway.disconnect import CancelOnDisconnect, ClientGone, watch_disconnect
@@ -32,6 +34,7 @@ from gateway.errors import (
     Draining,
     InvalidRequest,
     MethodNotAllowed,
+    ModelNotFound,
     NotFound,
     PayloadTooLarge,
     QueueUnavailable,
@@ -39,7 +42,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
-from gateway.service import DONE, Gateway
+from gateway.service import DONE, Gateway, Reply
 
 log = logging.getLogger("flying.gateway")
 
@@ -80,18 +83,36 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
     if request.app.state.drain.draining:
         raise Draining("this gateway is shutting down; retry on another one")
     body = await read_body(request, gw.config.max_body_bytes)
-    req_type = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
-    req = schemas.decode(body, req_type)
-    if isinstance(req, schemas.ChatCompletionRequest):
-        schemas.check_chat(req)
-    else:
-        assert isinstance(req, schemas.CompletionRequest)
-        schemas.check_completion(req)
-    priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority)
+    req = parse(body, kind)
+    priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority, req.service_tier)
     seen["priority"] = priority
     logged = request_info(request.scope)
     logged.priority = priority
-    adm = await gw.admit(req, priority, logged.request_id)
+    if isinstance(req, schemas.CompletionRequest):
+        parts = schemas.split_prompts(req)
+        if len(parts) > 1:
+            return await answer_batch(request, gw, parts, priority, t0)
+        req = parts[0]
+    return await answer_one(request, gw, req, priority, t0)
+
+
+def parse(body: bytes, kind: str) -> schemas.ChatCompletionRequest | schemas.CompletionRequest:
+    """The request body decoded and checked (InvalidRequest naming what is wrong)."""
+    if kind == "chat":
+        chat = schemas.decode(body, schemas.ChatCompletionRequest)
+        assert isinstance(chat, schemas.ChatCompletionRequest)
+        schemas.check_chat(chat)
+        return chat
+    completion = schemas.decode(body, schemas.CompletionRequest)
+    assert isinstance(completion, schemas.CompletionRequest)
+    schemas.check_completion(completion)
+    return completion
+
+
+async def answer_one(request: Request, gw: Gateway, req, priority: Priority, t0: float) -> Response:
+    """One request (one prompt) through the queue: its JSON answer, or its stream."""
+    logged = request_info(request.scope)
+    adm = await gw.admit(schemas.for_engine(req), priority, logged.request_id)
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
     try:
         reply = await gw.serve(adm, disconnected)
@@ -113,9 +134,81 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
         assert reply.unstarted is not None
         return RelayResponse(reply.stream, headers, reply.unstarted, disconnected)
     disconnected.cancel()
+    return json_reply(gw, reply, headers)
+
+
+def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
+    """A non-streaming answer as the client gets it: SGLang's extra fields removed, an engine's error in OpenAI's
+    shape (both kept as they are with ``raw_engine_fields``)."""
+    raw = gw.config.raw_engine_fields
     if reply.raw is not None:
-        return Response(reply.raw, status_code=reply.status, media_type="application/json", headers=headers)
-    return JSONResponse(reply.body, status_code=reply.status, headers=headers)
+        content = reply.raw if raw else engine_fields.openai_error(reply.raw)
+        return Response(content, status_code=reply.status, media_type="application/json", headers=headers)
+    body = reply.body if raw else engine_fields.clean(reply.body)
+    return JSONResponse(body, status_code=reply.status, headers=headers)
+
+
+async def answer_batch(
+    request: Request, gw: Gateway, reqs: list[schemas.CompletionRequest], priority: Priority, t0: float
+) -> Response:
+    """A completion of several prompts: each admitted and queued as a request of its own (``<id>-<i>``), served
+    concurrently; one answer with the choices numbered as OpenAI does (prompt ``i``'s choice ``j`` is
+    ``i * n + j``) and the usage summed. Streaming is refused (one stream per prompt cannot be one SSE stream
+    that clients read)."""
+    if reqs[0].stream:
+        raise InvalidRequest(
+            "stream is not supported with several prompts; send one request per prompt", param="stream"
+        )
+    logged = request_info(request.scope)
+    base = logged.request_id or uuid.uuid4().hex
+    adms = [await gw.admit(schemas.for_engine(r), priority, f"{base}-{i}") for i, r in enumerate(reqs)]
+    disconnected = asyncio.create_task(watch_disconnect(request.receive))
+    tasks = [asyncio.ensure_future(gw.serve(adm, disconnected)) for adm in adms]
+    try:
+        replies = await asyncio.gather(*tasks)
+        gw.metrics.child(gw.metrics.ttft, priority).observe(time.monotonic() - t0)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        disconnected.cancel()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    logged.request_id = base
+    headers = {
+        "X-Request-Id": base,
+        "X-Queue-Time-Ms": f"{max(r.assignment.queue_ms for r in replies):.1f}",
+        "X-Flying-Engine": ",".join(str(r.assignment.engine) for r in replies),
+    }
+    failed = next((r for r in replies if r.status != 200 or r.body is None), None)
+    if failed is not None:
+        return json_reply(gw, failed, headers)
+    merged = merge_completions([r.body for r in replies if r.body is not None], reqs[0].n)
+    return json_reply(gw, Reply(200, replies[0].assignment, body=merged), headers)
+
+
+def merge_completions(bodies: list[dict], n: int) -> dict:
+    """The answers to a batch's prompts as one: the first's id, every choice (prompt ``i``'s choice ``j`` at index
+    ``i * n + j``), the usage summed (cached prompt tokens too)."""
+    out = dict(bodies[0])
+    choices = []
+    for i, body in enumerate(bodies):
+        for c in body.get("choices") or ():
+            choices.append(c | {"index": i * n + int(c.get("index", 0))})
+    out["choices"] = choices
+    usages = [b["usage"] for b in bodies if isinstance(b.get("usage"), dict)]
+    if usages:
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        usage: dict[str, object] = {k: sum(int(u.get(k) or 0) for u in usages) for k in counts}
+        details = [
+            u["prompt_tokens_details"] for u in usages if isinstance(u.get("prompt_tokens_details"), dict)
+        ]
+        if details:
+            usage["prompt_tokens_details"] = {
+                "cached_tokens": sum(int(d.get("cached_tokens") or 0) for d in details)
+            }
+        out["usage"] = dict(usages[0]) | usage
+    return out
 
 
 class RelayResponse(StreamingResponse):
@@ -182,8 +275,22 @@ class CompletionRoute:
 
 async def models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    return JSONResponse({"object": "list", "data": [await model_card(gw)]})
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: the served model's card, 404 (OpenAI's shape) for any other id."""
+    gw: Gateway = request.app.state.gateway
+    name = request.path_params["model_id"]
+    if name != gw.config.served_model_name:
+        raise ModelNotFound(f"The model '{name}' does not exist; this gateway serves '{gw.config.served_model_name}'", param="model")  # fmt: skip
+    return JSONResponse(await model_card(gw))
+
+
+async def model_card(gw: Gateway) -> dict:
+    """The served model, with its context length (``max_model_len``) once an engine reports it."""
     beats = await gw.cluster.workers()
-    card = {
+    card: dict[str, object] = {
         "id": gw.config.served_model_name,
         "object": "model",
         "created": int(gw.started),
@@ -191,7 +298,7 @@ async def models(request: Request) -> Response:
     }
     if beats:
         card["max_model_len"] = gw.cluster.context_limit(beats)
-    return JSONResponse({"object": "list", "data": [card]})
+    return card
 
 
 async def metrics(request: Request) -> Response:
@@ -311,6 +418,7 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
         Route("/v1/chat/completions", CompletionRoute("chat"), methods=["POST"]),
         Route("/v1/completions", CompletionRoute("completion"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -1,0 +1,78 @@
+"""SGLang's fields beyond OpenAI's in the engines' answers, removed on the OpenAI endpoints (unless the gateway runs
+with ``--raw-engine-fields``) so that every answer and stream chunk is exactly OpenAI's shape:
+
+- top level: ``metadata`` (SGLang's ``weight_version``; OpenAI's ``metadata`` is the request's string map),
+  ``sglext``;
+- per choice: ``matched_stop``, ``hidden_states``, ``token_ids``, ``prompt_token_ids``, ``response_token_ids``,
+  ``meta_info``;
+- a message's or delta's ``reasoning_content`` when it is null (a reasoning model's text is kept: clients that
+  know the field read it);
+- ``usage.reasoning_tokens`` moves to ``usage.completion_tokens_details.reasoning_tokens`` (dropped when 0);
+- an engine's error body (``{"object": "error", "message", "type", "param", "code": 400}``) becomes OpenAI's
+  ``{"error": {"message", "type", "param", "code"}}``.
+
+A stream chunk is decoded once anyway (the relay looks for an engine's abort in it); cleaning it is a few dict
+operations and an encode of the small chunk (about 1.5 us, ``tests/test_engine_fields.py`` measures it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+TOP = ("metadata", "sglext")
+CHOICE = ("matched_stop", "hidden_states", "token_ids", "prompt_token_ids", "response_token_ids", "meta_info")
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+def clean(doc: Any) -> Any:
+    """``doc`` (a decoded response or chunk) without SGLang's fields, changed in place; returned."""
+    if not isinstance(doc, dict):
+        return doc
+    for key in TOP:
+        doc.pop(key, None)
+    for choice in doc.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        for key in CHOICE:
+            choice.pop(key, None)
+        for part in ("message", "delta"):
+            msg = choice.get(part)
+            if isinstance(msg, dict) and "reasoning_content" in msg and msg["reasoning_content"] is None:
+                del msg["reasoning_content"]
+    usage = doc.get("usage")
+    if isinstance(usage, dict) and "reasoning_tokens" in usage:
+        reasoning = usage.pop("reasoning_tokens")
+        if reasoning and not isinstance(usage.get("completion_tokens_details"), dict):
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return doc
+
+
+def clean_sse(line: str) -> tuple[bytes, Any]:
+    """An engine's SSE ``data:`` line as the client gets it (with its blank line), cleaned, and its decoded event
+    (None if it is not JSON: then it goes as it came)."""
+    try:
+        event = _decode(line[5:])
+    except msgspec.DecodeError:
+        return (line + "\n\n").encode(), None
+    return b"data: " + _encode(clean(event)) + b"\n\n", event
+
+
+def openai_error(raw: bytes) -> bytes:
+    """An engine's error body in OpenAI's shape (the same bytes when it is not SGLang's error object)."""
+    try:
+        doc = _decode(raw)
+    except msgspec.DecodeError:
+        return raw
+    if not isinstance(doc, dict) or doc.get("object") != "error" or "message" not in doc:
+        return raw
+    code = doc.get("code")
+    error = {
+        "message": doc["message"],
+        "type": doc.get("type") or "invalid_request_error",
+        "param": doc.get("param"),
+        "code": code if isinstance(code, str) else None,
+    }
+    return _encode({"error": error})
