@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from flying import taskdump
 from flying.messages import Priority
-from gateway import engine_fields, schemas
+from gateway import engine_fields, responses, schemas
 from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
 from gateway.disconnect import CancelOnDisconnect, ClientGone, watch_disconnect
@@ -83,17 +83,26 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
     if request.app.state.drain.draining:
         raise Draining("this gateway is shutting down; retry on another one")
     body = await read_body(request, gw.config.max_body_bytes)
+    if kind == "responses":
+        asked = responses.decode(body)
+        chat = responses.to_chat(asked)
+        return await answer_response(request, gw, asked, chat, prioritise(request, chat, seen), t0)
     req = parse(body, kind)
-    priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority, req.service_tier)
-    seen["priority"] = priority
-    logged = request_info(request.scope)
-    logged.priority = priority
+    priority = prioritise(request, req, seen)
     if isinstance(req, schemas.CompletionRequest):
         parts = schemas.split_prompts(req)
         if len(parts) > 1:
             return await answer_batch(request, gw, parts, priority, t0)
         req = parts[0]
     return await answer_one(request, gw, req, priority, t0)
+
+
+def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
+    """The request's priority (X-Priority, else its ``priority``, else its ``service_tier``), noted for the
+    metrics and the request log."""
+    priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority, req.service_tier)
+    seen["priority"] = request_info(request.scope).priority = priority
+    return priority
 
 
 def parse(body: bytes, kind: str) -> schemas.ChatCompletionRequest | schemas.CompletionRequest:
@@ -111,6 +120,45 @@ def parse(body: bytes, kind: str) -> schemas.ChatCompletionRequest | schemas.Com
 
 async def answer_one(request: Request, gw: Gateway, req, priority: Priority, t0: float) -> Response:
     """One request (one prompt) through the queue: its JSON answer, or its stream."""
+    served = await serve_one(request, gw, req, priority, t0)
+    if isinstance(served, Response):
+        return served
+    reply, headers, disconnected = served
+    if reply.stream is not None:
+        assert reply.unstarted is not None
+        return RelayResponse(reply.stream, headers, reply.unstarted, disconnected)
+    disconnected.cancel()
+    return json_reply(gw, reply, headers)
+
+
+async def answer_response(
+    request: Request,
+    gw: Gateway,
+    asked: responses.ResponsesRequest,
+    req: schemas.ChatCompletionRequest,
+    priority: Priority,
+    t0: float,
+) -> Response:
+    """``/v1/responses``: the chat completion ``req`` through the queue, answered in the Responses API's terms."""
+    served = await serve_one(request, gw, req, priority, t0)
+    if isinstance(served, Response):
+        return served
+    reply, headers, disconnected = served
+    draft = responses.Draft(asked)
+    if reply.stream is not None:
+        assert reply.unstarted is not None
+        return RelayResponse(responses.events(draft, reply.stream), headers, reply.unstarted, disconnected)
+    disconnected.cancel()
+    if reply.status != 200 or reply.body is None:
+        return json_reply(gw, reply, headers)
+    return JSONResponse(responses.response(draft, engine_fields.clean(reply.body)), headers=headers)
+
+
+async def serve_one(
+    request: Request, gw: Gateway, req, priority: Priority, t0: float
+) -> tuple[Reply, dict[str, str], asyncio.Task[None]] | Response:
+    """Admit, queue and forward one request: its reply, the response headers and the disconnect watcher (still
+    on for a stream), or the 499 of a client that left."""
     logged = request_info(request.scope)
     adm = await gw.admit(schemas.for_engine(req), priority, logged.request_id)
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
@@ -130,11 +178,7 @@ async def answer_one(request: Request, gw: Gateway, req, priority: Priority, t0:
         "X-Queue-Time-Ms": f"{a.queue_ms:.1f}",
         "X-Flying-Engine": str(a.engine),
     }
-    if reply.stream is not None:
-        assert reply.unstarted is not None
-        return RelayResponse(reply.stream, headers, reply.unstarted, disconnected)
-    disconnected.cancel()
-    return json_reply(gw, reply, headers)
+    return reply, headers, disconnected
 
 
 def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
@@ -417,6 +461,7 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
     routes = [
         Route("/v1/chat/completions", CompletionRoute("chat"), methods=["POST"]),
         Route("/v1/completions", CompletionRoute("completion"), methods=["POST"]),
+        Route("/v1/responses", CompletionRoute("responses"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -162,6 +162,13 @@ _AT = re.compile(r"at `\$\.?([^`]*)`")
 
 def decode(body: bytes, type_: type[_Sampling]) -> _Sampling:
     """Parse and type-check a JSON body, mapping msgspec's errors to InvalidRequest with the parameter path."""
+    req = decode_struct(body, type_, REFUSED)
+    assert isinstance(req, _Sampling)
+    return req
+
+
+def decode_struct(body: bytes, type_: type[msgspec.Struct], refused: dict[str, str]) -> msgspec.Struct:
+    """:func:`decode` for any request struct; ``refused``: top-level fields known but refused, with why."""
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
@@ -171,7 +178,7 @@ def decode(body: bytes, type_: type[_Sampling]) -> _Sampling:
         if u := _UNKNOWN.search(msg):
             field, where = u.group(1), u.group(2)
             param = f"{where}.{field}" if where else field
-            why = REFUSED.get(field) if not where else None
+            why = refused.get(field) if not where else None
             detail = f"{field} is not supported here: {why}" if why else f"unknown parameter {param}"
             raise InvalidRequest(detail, param=param) from None
         m = _AT.search(msg)

@@ -1,7 +1,8 @@
 """A fake engine that answers as SGLang's OpenAI server does, extra fields included (``metadata`` with
 ``weight_version``, ``matched_stop``, ``reasoning_content: null``, ``usage.reasoning_tokens``, ``token_ids`` and
 ``prompt_token_ids`` with ``return_token_ids``): what the gateway's cleaning is tested against. Every request body
-it gets is in ``calls``. Each answer is ``words`` tokens " w<i>"; a prompt's tokens are its ids or its words."""
+it gets is in ``calls``. Each answer is ``max_tokens`` tokens " w<i>" (finish "length"), or 3 that end with
+"stop" when ``max_tokens`` is larger (or not set); a prompt's tokens are its ids or its words."""
 
 from __future__ import annotations
 
@@ -39,7 +40,11 @@ class SGLangLike:
 
     @staticmethod
     def tokens(body: dict) -> list[str]:
-        return [f" w{i}" for i in range(int(body.get("max_tokens") or 4))]
+        return [f" w{i}" for i in range(min(int(body.get("max_tokens") or 4), 3))]
+
+    @staticmethod
+    def finish(body: dict) -> str:
+        return "length" if int(body.get("max_tokens") or 4) <= 3 else "stop"
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
@@ -49,7 +54,7 @@ class SGLangLike:
             return StreamingResponse(self._chat_stream(body, toks, p), media_type="text/event-stream")
         choices = [
             {"index": i, "message": {"role": "assistant", "content": "".join(toks), "reasoning_content": None,
-             "tool_calls": None}, "logprobs": None, "finish_reason": "length", "matched_stop": None}
+             "tool_calls": None}, "logprobs": None, "finish_reason": self.finish(body), "matched_stop": None}
             for i in range(int(body.get("n") or 1))
         ]  # fmt: skip
         return JSONResponse({"id": "c1", "object": "chat.completion", "created": int(time.time()),
@@ -60,7 +65,7 @@ class SGLangLike:
         for i, t in enumerate(toks):
             delta = {"role": "assistant" if i == 0 else None, "content": t, "reasoning_content": None, "tool_calls": None}  # fmt: skip
             last = i == len(toks) - 1
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": "length" if last else None,
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish(body) if last else None,
                       "matched_stop": None}  # fmt: skip
             yield sse({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
                        "choices": [choice], "usage": None})  # fmt: skip
@@ -80,7 +85,7 @@ class SGLangLike:
                 "index": i,
                 "text": "".join(toks),
                 "logprobs": None,
-                "finish_reason": "length",
+                "finish_reason": self.finish(body),
                 "matched_stop": None,
             }
             for i in range(int(body.get("n") or 1))
@@ -94,7 +99,7 @@ class SGLangLike:
         prompt = body.get("prompt")
         for i, t in enumerate(toks):
             last = i == len(toks) - 1
-            choice: dict = {"index": 0, "text": t, "logprobs": None, "finish_reason": "length" if last else None,
+            choice: dict = {"index": 0, "text": t, "logprobs": None, "finish_reason": self.finish(body) if last else None,
                             "matched_stop": None}  # fmt: skip
             if ids:
                 choice["token_ids"] = [100 + i]
