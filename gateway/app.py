@@ -188,7 +188,9 @@ def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
     if reply.raw is not None:
         content = reply.raw if raw else engine_fields.openai_error(reply.raw)
         return Response(content, status_code=reply.status, media_type="application/json", headers=headers)
-    body = reply.body if raw else engine_fields.clean(reply.body)
+    body = (
+        reply.body if raw else engine_fields.openai_error_doc(reply.body) or engine_fields.clean(reply.body)
+    )
     return JSONResponse(body, status_code=reply.status, headers=headers)
 
 

@@ -66,8 +66,15 @@ def openai_error(raw: bytes) -> bytes:
         doc = _decode(raw)
     except msgspec.DecodeError:
         return raw
+    error = openai_error_doc(doc)
+    return raw if error is None else _encode(error)
+
+
+def openai_error_doc(doc: Any) -> dict | None:
+    """SGLang's error object (``{"object": "error", "message", "type", "param", "code": 400}``) as OpenAI's
+    ``{"error": {...}}``; None when ``doc`` is not one."""
     if not isinstance(doc, dict) or doc.get("object") != "error" or "message" not in doc:
-        return raw
+        return None
     code = doc.get("code")
     error = {
         "message": doc["message"],
@@ -75,4 +82,4 @@ def openai_error(raw: bytes) -> bytes:
         "param": doc.get("param"),
         "code": code if isinstance(code, str) else None,
     }
-    return _encode({"error": error})
+    return {"error": error}

@@ -236,3 +236,7 @@ def test_an_engines_error_body_becomes_openais_shape():
         "error": {"message": "bad", "type": "BadRequestError", "param": None, "code": None}
     }
     assert engine_fields.openai_error(b"not json") == b"not json"
+    assert engine_fields.openai_error_doc({"object": "error", "message": "m", "type": "t", "code": 400}) == {
+        "error": {"message": "m", "type": "t", "param": None, "code": None}
+    }
+    assert engine_fields.openai_error_doc({"choices": []}) is None

@@ -29,11 +29,18 @@ def test_chat_answers_and_chunks_are_openai_shaped(oai):
 
 
 def test_every_prompt_form_and_best_of(oai):
-    for prompt, prompts in [("The sun", 1), (["The sun", "The moon"], 2), ([1, 450, 6575], 1), ([[1, 450], [1, 278]], 2)]:  # fmt: skip
+    for prompt, prompts in [("The sun", 1), (["The sun", "The moon"], 2), ([1, 450, 657], 1), ([[1, 450], [1, 278]], 2)]:  # fmt: skip
         out = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, n=2, best_of=2, temperature=0)
         no_extras(out)
         assert [c.index for c in out.choices] == list(range(2 * prompts))
         assert out.usage.completion_tokens == 3 * 2 * prompts
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_400_not_an_engine_crash(oai):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model=MODEL, prompt=[[1, 2], [1, 10**6]], max_tokens=2)
+    assert exc.value.body["param"] == "prompt" and "vocabulary" in exc.value.body["message"]
+    assert oai.completions.create(model=MODEL, prompt=[1, 2], max_tokens=2).usage.completion_tokens == 2
 
 
 def test_models_retrieve(oai):
