@@ -65,6 +65,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     tool_choice: Any = None
     text: Any = None
     background: bool | None = None
+    # refused unless null (REFUSED says why)
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
 
 
 def decode(body: bytes) -> ResponsesRequest:
@@ -73,8 +77,9 @@ def decode(body: bytes) -> ResponsesRequest:
     assert isinstance(req, ResponsesRequest)
     if req.tools:
         raise InvalidRequest("tools are not served on /v1/responses", param="tools")
-    if req.background:
-        raise InvalidRequest(REFUSED["background"], param="background")
+    for name, why in REFUSED.items():
+        if getattr(req, name):
+            raise InvalidRequest(f"{name} is not supported here: {why}", param=name)
     fmt = req.text.get("format") if isinstance(req.text, dict) else None
     if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
         raise InvalidRequest('only text output is served: text.format must be {"type": "text"}', param="text.format")  # fmt: skip

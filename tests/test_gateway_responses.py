@@ -70,6 +70,11 @@ def test_a_streamed_response_has_the_responses_event_sequence(client):
     assert done.output_text == " w0 w1 w2" and done.usage.output_tokens == 3
 
 
+def test_refused_fields_sent_as_null_are_accepted(http):
+    body = {"model": "tiny-llama", "input": "hi", "previous_response_id": None, "conversation": None, "background": False}  # fmt: skip
+    assert http.post("/v1/responses", json=body).status_code == 200
+
+
 def test_the_priority_header_and_service_tier_apply(client, engine):
     client.responses.create(model="tiny-llama", input="hi", extra_headers={"X-Priority": "high"})
     assert engine.calls[-1][1]["priority"] == 2
