@@ -187,14 +187,18 @@ class Relay:
                             yield b"".join(out)
                         raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
                     if data is not None:
-                        if self.clean and isinstance(event, dict) and "error" not in event:
-                            data = _encode(engine_fields.clean(event))
-                        out += (b"data: ", data, b"\n\n")
+                        out += (b"data: ", self._cleaned(event, data), b"\n\n")
                 if out:
                     yield b"".join(out)
         except (httpx.HTTPError, StreamBroken) as exc:
             raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}") from exc
         raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
+
+    def _cleaned(self, event, data: bytes) -> bytes:
+        """A resumable stream's event as the client gets it: encoded again only if SGLang's fields were in it."""
+        if self.clean and isinstance(event, dict) and "error" not in event and engine_fields.strip(event):
+            return _encode(event)
+        return data
 
     async def _resume(self, adm: Admitted, a: Assignment, why: str):
         """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),
