@@ -7,7 +7,8 @@ answer is translated back: one ``Response`` object (:func:`response`), or the Re
 ``response.incomplete`` when ``max_output_tokens`` cut the answer short).
 
 Nothing is stored: ``store`` is accepted (and answered as not stored), ``previous_response_id`` and
-``conversation`` are refused, as are tools and non-text input or output formats.
+``conversation`` are refused, as are tools and non-text input. ``text.format`` maps to the chat's
+``response_format`` (JSON mode, a JSON schema).
 """
 
 from __future__ import annotations
@@ -80,10 +81,31 @@ def decode(body: bytes) -> ResponsesRequest:
     for name, why in REFUSED.items():
         if getattr(req, name):
             raise InvalidRequest(f"{name} is not supported here: {why}", param=name)
-    fmt = req.text.get("format") if isinstance(req.text, dict) else None
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        raise InvalidRequest('only text output is served: text.format must be {"type": "text"}', param="text.format")  # fmt: skip
+    response_format(req)  # (checks text.format)
     return req
+
+
+def text_format(req: ResponsesRequest) -> dict:
+    """``text.format`` as given (``{"type": "text"}`` when not)."""
+    fmt = req.text.get("format") if isinstance(req.text, dict) else None
+    return fmt if isinstance(fmt, dict) else {"type": "text"}
+
+
+def response_format(req: ResponsesRequest) -> dict | None:
+    """``text.format`` as the chat's ``response_format``: none for text, JSON mode, or a JSON schema (SGLang
+    constrains the output to it)."""
+    fmt = text_format(req)
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema" and isinstance(fmt.get("schema"), dict):
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise InvalidRequest(
+        "text.format must be text, json_object, or json_schema with a schema", param="text.format"
+    )
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -101,6 +123,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         user=req.user,
         priority=req.priority,
         service_tier=req.service_tier,
+        response_format=response_format(req),
     )
     try:
         check_chat(chat)
@@ -169,7 +192,7 @@ class Draft:
             "max_output_tokens": req.max_output_tokens, "model": req.model, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "temperature": req.temperature, "top_p": req.top_p, "tool_choice": "auto", "tools": [],
-            "metadata": req.metadata or {}, "text": {"format": {"type": "text"}},
+            "metadata": req.metadata or {}, "text": {"format": text_format(req)},
             "truncation": req.truncation or "disabled", "usage": usage,
         }  # fmt: skip
 

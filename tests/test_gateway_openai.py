@@ -51,7 +51,7 @@ def no_extras(model: BaseModel, validate: bool = True) -> None:
     """Valid as its ``openai`` model (the client builds its objects without validating them), and no field beyond
     the model's own at any depth."""
     if validate:
-        model = type(model).model_validate(model.model_dump(mode="json", exclude_unset=True))
+        model = type(model).model_validate(model.model_dump(mode="json", exclude_unset=True, by_alias=True))
     _no_extras(model, "$")
 
 

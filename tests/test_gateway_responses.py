@@ -70,6 +70,18 @@ def test_a_streamed_response_has_the_responses_event_sequence(client):
     assert done.output_text == " w0 w1 w2" and done.usage.output_tokens == 3
 
 
+def test_a_json_schema_text_format_becomes_the_chats_response_format(client, engine):
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+    out = client.responses.create(model="tiny-llama", input="hi", text={"format": fmt})
+    no_extras(out)
+    assert out.text.format.type == "json_schema" and out.text.format.name == "thing"
+    body = engine.calls[-1][1]
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}  # fmt: skip
+    client.responses.create(model="tiny-llama", input="hi", text={"format": {"type": "json_object"}})
+    assert engine.calls[-1][1]["response_format"] == {"type": "json_object"}
+
+
 def test_refused_fields_sent_as_null_are_accepted(http):
     body = {"model": "tiny-llama", "input": "hi", "previous_response_id": None, "conversation": None, "background": False}  # fmt: skip
     assert http.post("/v1/responses", json=body).status_code == 200
@@ -92,6 +104,7 @@ def test_the_priority_header_and_service_tier_apply(client, engine):
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]", "only message"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]", "text"),
         ({"input": ""}, "input", "empty"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format", "json_schema"),
     ],
 )  # fmt: skip
 def test_what_a_stateless_text_gateway_cannot_do_is_a_clear_400(client, extra, param, words):
