@@ -279,11 +279,16 @@ def _check_prompt(p: Any, param: str) -> None:
     if not isinstance(p, list) or not p:
         got = "an empty list" if isinstance(p, list) else _json_type(p)
         raise InvalidRequest(f"{param} must be a non-empty string or token-id list; got {got}", param=param)
-    for j, t in enumerate(p):
-        if not _is_int(t) or t < 0:
-            raise InvalidRequest(
-                f"{param}[{j}] must be a token id (a non-negative integer); got {t!r}", param=f"{param}[{j}]"
-            )
+    try:  # (in C: a prompt may hold many thousands of ids)
+        msgspec.convert(p, list[int])
+        ok = min(p) >= 0
+    except msgspec.ValidationError:
+        ok = False
+    if not ok:
+        j, t = next((j, t) for j, t in enumerate(p) if not _is_int(t) or t < 0)
+        raise InvalidRequest(
+            f"{param}[{j}] must be a token id (a non-negative integer); got {t!r}", param=f"{param}[{j}]"
+        )
 
 
 def _is_int(x: Any) -> bool:
