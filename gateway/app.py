@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -24,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from flying import taskdump
 from flying.messages import Priority
-from gateway import engine_fields, responses, schemas
+from gateway import batch, engine_fields, responses, schemas
 from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
 from gateway.disconnect import CancelOnDisconnect, ClientGone, watch_disconnect
@@ -198,63 +199,43 @@ async def answer_batch(
     request: Request, gw: Gateway, reqs: list[schemas.CompletionRequest], priority: Priority, t0: float
 ) -> Response:
     """A completion of several prompts: each admitted and queued as a request of its own (``<id>-<i>``), served
-    concurrently; one answer with the choices numbered as OpenAI does (prompt ``i``'s choice ``j`` is
-    ``i * n + j``) and the usage summed. Streaming is refused (one stream per prompt cannot be one SSE stream
-    that clients read)."""
-    if reqs[0].stream:
-        raise InvalidRequest(
-            "stream is not supported with several prompts; send one request per prompt", param="stream"
-        )
+    concurrently; one answer (or one stream) with the choices numbered as OpenAI does (:mod:`gateway.batch`)."""
     logged = request_info(request.scope)
     base = logged.request_id or uuid.uuid4().hex
     adms = [await gw.admit(schemas.for_engine(r), priority, f"{base}-{i}") for i, r in enumerate(reqs)]
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
     tasks = [asyncio.ensure_future(gw.serve(adm, disconnected)) for adm in adms]
+    streaming = False
     try:
         replies = await asyncio.gather(*tasks)
         gw.metrics.child(gw.metrics.ttft, priority).observe(time.monotonic() - t0)
+        logged.request_id = base
+        headers = {
+            "X-Request-Id": base,
+            "X-Queue-Time-Ms": f"{max(r.assignment.queue_ms for r in replies):.1f}",
+            "X-Flying-Engine": ",".join(str(r.assignment.engine) for r in replies),
+        }
+        failed = next((r for r in replies if r.status != 200), None)
+        if failed is not None:
+            return json_reply(gw, failed, headers)
+        n = reqs[0].n
+        if reqs[0].stream:
+            usage = bool(reqs[0].stream_options and reqs[0].stream_options.include_usage)
+            streams = [r.stream for r in replies if r.stream is not None]
+            relay = batch.merge_streams(streams, n, usage)
+            streaming = True
+            return RelayResponse(relay, headers, functools.partial(batch.unstarted, replies), disconnected)
+        merged = batch.merge_completions([r.body for r in replies if r.body is not None], n)
+        return json_reply(gw, Reply(200, replies[0].assignment, body=merged), headers)
     except ClientGone:
         return Response(status_code=499)
     finally:
-        disconnected.cancel()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    logged.request_id = base
-    headers = {
-        "X-Request-Id": base,
-        "X-Queue-Time-Ms": f"{max(r.assignment.queue_ms for r in replies):.1f}",
-        "X-Flying-Engine": ",".join(str(r.assignment.engine) for r in replies),
-    }
-    failed = next((r for r in replies if r.status != 200 or r.body is None), None)
-    if failed is not None:
-        return json_reply(gw, failed, headers)
-    merged = merge_completions([r.body for r in replies if r.body is not None], reqs[0].n)
-    return json_reply(gw, Reply(200, replies[0].assignment, body=merged), headers)
-
-
-def merge_completions(bodies: list[dict], n: int) -> dict:
-    """The answers to a batch's prompts as one: the first's id, every choice (prompt ``i``'s choice ``j`` at index
-    ``i * n + j``), the usage summed (cached prompt tokens too)."""
-    out = dict(bodies[0])
-    choices = []
-    for i, body in enumerate(bodies):
-        for c in body.get("choices") or ():
-            choices.append(c | {"index": i * n + int(c.get("index", 0))})
-    out["choices"] = choices
-    usages = [b["usage"] for b in bodies if isinstance(b.get("usage"), dict)]
-    if usages:
-        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
-        usage: dict[str, object] = {k: sum(int(u.get(k) or 0) for u in usages) for k in counts}
-        details = [
-            u["prompt_tokens_details"] for u in usages if isinstance(u.get("prompt_tokens_details"), dict)
-        ]
-        if details:
-            usage["prompt_tokens_details"] = {
-                "cached_tokens": sum(int(d.get("cached_tokens") or 0) for d in details)
-            }
-        out["usage"] = dict(usages[0]) | usage
-    return out
+        if not streaming:
+            disconnected.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            batch.unstarted([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
 
 
 class RelayResponse(StreamingResponse):

@@ -97,19 +97,21 @@ class SGLangLike:
     async def _completion_stream(self, body: dict, toks: list[str], p: int):
         ids = body.get("return_token_ids")
         prompt = body.get("prompt")
+        n = int(body.get("n") or 1)
         for i, t in enumerate(toks):
-            last = i == len(toks) - 1
-            choice: dict = {"index": 0, "text": t, "logprobs": None, "finish_reason": self.finish(body) if last else None,
-                            "matched_stop": None}  # fmt: skip
-            if ids:
-                choice["token_ids"] = [100 + i]
-                if i == 0:
-                    choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else list(range(p))
-            yield sse({"id": "t1", "object": "text_completion", "created": 1, "model": body["model"],
-                       "choices": [choice], "usage": None})  # fmt: skip
+            for j in range(n):  # (SGLang streams each choice's tokens as chunks of their own)
+                last = i == len(toks) - 1
+                choice: dict = {"index": j, "text": t, "logprobs": None,
+                                "finish_reason": self.finish(body) if last else None, "matched_stop": None}  # fmt: skip
+                if ids:
+                    choice["token_ids"] = [100 + i]
+                    if i == 0:
+                        choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else list(range(p))
+                yield sse({"id": "t1", "object": "text_completion", "created": 1, "model": body["model"],
+                           "choices": [choice], "usage": None})  # fmt: skip
         if (body.get("stream_options") or {}).get("include_usage"):
             yield sse({"id": "t1", "object": "text_completion", "created": 1, "model": body["model"],
-                       "choices": [], "usage": usage(p, len(toks))})  # fmt: skip
+                       "choices": [], "usage": usage(p, len(toks) * n)})  # fmt: skip
         yield "data: [DONE]\n\n"
 
 

@@ -12,7 +12,8 @@ from pydantic import BaseModel
 from starlette.testclient import TestClient
 
 from gateway import engine_fields
-from gateway.app import create_app, merge_completions
+from gateway.app import create_app
+from gateway.batch import merge_completions
 from gateway.config import GatewayConfig
 from tests.sglang_like import SGLangLike
 from tests.stack import CountWords, RouterThread, ServerThread, announce_engine
@@ -123,9 +124,20 @@ def test_type_errors_are_in_words(http):
     )
 
 
-def test_a_streamed_batch_is_refused_clearly(http):
-    resp = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": ["a", "b"], "stream": True})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+@pytest.mark.parametrize("n", [1, 2], ids=["resumable", "engine-endpoint"])
+def test_a_streamed_batch_interleaves_its_prompts_choices(client, engine, n):
+    stream = client.completions.create(model="tiny-llama", prompt=["one", "two words"], max_tokens=3, n=n,
+                                       stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        no_extras(chunk, validate=all(c.finish_reason is not None for c in chunk.choices))
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: " w0 w1 w2" for i in range(2 * n)}
+    assert len(engine.calls) == 2
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 3 * 2 * n and usage.prompt_tokens == 1 + 2
 
 
 # -- fields accepted, mapped, refused ----------------------------------------------------------------------------
@@ -207,7 +219,7 @@ def test_completion_answers_and_chunks_have_openai_shape(client, extra):
     chunks = list(
         client.completions.create(model="tiny-llama", prompt="hi", max_tokens=3, stream=True, **extra)
     )
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == " w0 w1 w2"
+    assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == 0) == " w0 w1 w2"
     for chunk in chunks:  # (the SDK reuses Completion for chunks, whose finish_reason it types as never null)
         no_extras(chunk, validate=all(c.finish_reason is not None for c in chunk.choices))
 
