@@ -36,6 +36,16 @@ def test_every_prompt_form_and_best_of(oai):
         assert out.usage.completion_tokens == 3 * 2 * prompts
 
 
+def test_a_streamed_batch(oai):
+    stream = oai.completions.create(model=MODEL, prompt=["The sun", "The moon"], max_tokens=3, n=2, stream=True,
+                                    stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    for chunk in chunks:
+        no_extras(chunk, validate=all(c.finish_reason is not None for c in chunk.choices))
+    assert {c.index for chunk in chunks for c in chunk.choices} == {0, 1, 2, 3}
+    assert chunks[-1].usage.completion_tokens == 3 * 2 * 2
+
+
 def test_a_token_id_outside_the_vocabulary_is_a_400_not_an_engine_crash(oai):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model=MODEL, prompt=[[1, 2], [1, 10**6]], max_tokens=2)
