@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable
 
 import redis.asyncio as aioredis
@@ -22,7 +24,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from flying import taskdump
-from gateway import schemas
+from flying.messages import Priority
+from gateway import batch, engine_fields, responses, schemas
 from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
 from gateway.disconnect import CancelOnDisconnect, ClientGone, watch_disconnect
@@ -32,6 +35,7 @@ from gateway.errors import (
     Draining,
     InvalidRequest,
     MethodNotAllowed,
+    ModelNotFound,
     NotFound,
     PayloadTooLarge,
     QueueUnavailable,
@@ -39,7 +43,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
-from gateway.service import DONE, Gateway
+from gateway.service import DONE, Gateway, Reply
 
 log = logging.getLogger("flying.gateway")
 
@@ -80,18 +84,84 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
     if request.app.state.drain.draining:
         raise Draining("this gateway is shutting down; retry on another one")
     body = await read_body(request, gw.config.max_body_bytes)
-    req_type = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
-    req = schemas.decode(body, req_type)
-    if isinstance(req, schemas.ChatCompletionRequest):
-        schemas.check_chat(req)
-    else:
-        assert isinstance(req, schemas.CompletionRequest)
-        schemas.check_completion(req)
-    priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority)
-    seen["priority"] = priority
+    if kind == "responses":
+        asked = responses.decode(body)
+        chat = responses.to_chat(asked)
+        return await answer_response(request, gw, asked, chat, prioritise(request, chat, seen), t0)
+    req = parse(body, kind)
+    priority = prioritise(request, req, seen)
+    if isinstance(req, schemas.CompletionRequest):
+        parts = schemas.split_prompts(req)
+        if len(parts) > 1:
+            return await answer_batch(request, gw, parts, priority, t0)
+        req = parts[0]
+    return await answer_one(request, gw, req, priority, t0)
+
+
+def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
+    """The request's priority (X-Priority, else its ``priority``, else its ``service_tier``), noted for the
+    metrics and the request log."""
+    priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority, req.service_tier)
+    seen["priority"] = request_info(request.scope).priority = priority
+    return priority
+
+
+def parse(body: bytes, kind: str) -> schemas.ChatCompletionRequest | schemas.CompletionRequest:
+    """The request body decoded and checked (InvalidRequest naming what is wrong)."""
+    if kind == "chat":
+        chat = schemas.decode(body, schemas.ChatCompletionRequest)
+        assert isinstance(chat, schemas.ChatCompletionRequest)
+        schemas.check_chat(chat)
+        return chat
+    completion = schemas.decode(body, schemas.CompletionRequest)
+    assert isinstance(completion, schemas.CompletionRequest)
+    schemas.check_completion(completion)
+    return completion
+
+
+async def answer_one(request: Request, gw: Gateway, req, priority: Priority, t0: float) -> Response:
+    """One request (one prompt) through the queue: its JSON answer, or its stream."""
+    served = await serve_one(request, gw, req, priority, t0)
+    if isinstance(served, Response):
+        return served
+    reply, headers, disconnected = served
+    if reply.stream is not None:
+        assert reply.unstarted is not None
+        return RelayResponse(reply.stream, headers, reply.unstarted, disconnected)
+    disconnected.cancel()
+    return json_reply(gw, reply, headers)
+
+
+async def answer_response(
+    request: Request,
+    gw: Gateway,
+    asked: responses.ResponsesRequest,
+    req: schemas.ChatCompletionRequest,
+    priority: Priority,
+    t0: float,
+) -> Response:
+    """``/v1/responses``: the chat completion ``req`` through the queue, answered in the Responses API's terms."""
+    served = await serve_one(request, gw, req, priority, t0)
+    if isinstance(served, Response):
+        return served
+    reply, headers, disconnected = served
+    draft = responses.Draft(asked)
+    if reply.stream is not None:
+        assert reply.unstarted is not None
+        return RelayResponse(responses.events(draft, reply.stream), headers, reply.unstarted, disconnected)
+    disconnected.cancel()
+    if reply.status != 200 or reply.body is None:
+        return json_reply(gw, reply, headers)
+    return JSONResponse(responses.response(draft, engine_fields.clean(reply.body)), headers=headers)
+
+
+async def serve_one(
+    request: Request, gw: Gateway, req, priority: Priority, t0: float
+) -> tuple[Reply, dict[str, str], asyncio.Task[None]] | Response:
+    """Admit, queue and forward one request: its reply, the response headers and the disconnect watcher (still
+    on for a stream), or the 499 of a client that left."""
     logged = request_info(request.scope)
-    logged.priority = priority
-    adm = await gw.admit(req, priority, logged.request_id)
+    adm = await gw.admit(schemas.for_engine(req), priority, logged.request_id)
     disconnected = asyncio.create_task(watch_disconnect(request.receive))
     try:
         reply = await gw.serve(adm, disconnected)
@@ -109,13 +179,63 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
         "X-Queue-Time-Ms": f"{a.queue_ms:.1f}",
         "X-Flying-Engine": str(a.engine),
     }
-    if reply.stream is not None:
-        assert reply.unstarted is not None
-        return RelayResponse(reply.stream, headers, reply.unstarted, disconnected)
-    disconnected.cancel()
+    return reply, headers, disconnected
+
+
+def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
+    """A non-streaming answer as the client gets it: SGLang's extra fields removed, an engine's error in OpenAI's
+    shape (both kept as they are with ``raw_engine_fields``)."""
+    raw = gw.config.raw_engine_fields
     if reply.raw is not None:
-        return Response(reply.raw, status_code=reply.status, media_type="application/json", headers=headers)
-    return JSONResponse(reply.body, status_code=reply.status, headers=headers)
+        content = reply.raw if raw else engine_fields.openai_error(reply.raw)
+        return Response(content, status_code=reply.status, media_type="application/json", headers=headers)
+    body = (
+        reply.body if raw else engine_fields.openai_error_doc(reply.body) or engine_fields.clean(reply.body)
+    )
+    return JSONResponse(body, status_code=reply.status, headers=headers)
+
+
+async def answer_batch(
+    request: Request, gw: Gateway, reqs: list[schemas.CompletionRequest], priority: Priority, t0: float
+) -> Response:
+    """A completion of several prompts: each admitted and queued as a request of its own (``<id>-<i>``), served
+    concurrently; one answer (or one stream) with the choices numbered as OpenAI does (:mod:`gateway.batch`)."""
+    logged = request_info(request.scope)
+    base = logged.request_id or uuid.uuid4().hex
+    adms = [await gw.admit(schemas.for_engine(r), priority, f"{base}-{i}") for i, r in enumerate(reqs)]
+    disconnected = asyncio.create_task(watch_disconnect(request.receive))
+    tasks = [asyncio.ensure_future(gw.serve(adm, disconnected)) for adm in adms]
+    streaming = False
+    try:
+        replies = await asyncio.gather(*tasks)
+        gw.metrics.child(gw.metrics.ttft, priority).observe(time.monotonic() - t0)
+        logged.request_id = base
+        headers = {
+            "X-Request-Id": base,
+            "X-Queue-Time-Ms": f"{max(r.assignment.queue_ms for r in replies):.1f}",
+            "X-Flying-Engine": ",".join(str(r.assignment.engine) for r in replies),
+        }
+        failed = next((r for r in replies if r.status != 200), None)
+        if failed is not None:
+            return json_reply(gw, failed, headers)
+        n = reqs[0].n
+        if reqs[0].stream:
+            usage = bool(reqs[0].stream_options and reqs[0].stream_options.include_usage)
+            streams = [r.stream for r in replies if r.stream is not None]
+            relay = batch.merge_streams(streams, n, usage)
+            streaming = True
+            return RelayResponse(relay, headers, functools.partial(batch.unstarted, replies), disconnected)
+        merged = batch.merge_completions([r.body for r in replies if r.body is not None], n)
+        return json_reply(gw, Reply(200, replies[0].assignment, body=merged), headers)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        if not streaming:
+            disconnected.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            batch.unstarted([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
 
 
 class RelayResponse(StreamingResponse):
@@ -182,8 +302,22 @@ class CompletionRoute:
 
 async def models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    return JSONResponse({"object": "list", "data": [await model_card(gw)]})
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: the served model's card, 404 (OpenAI's shape) for any other id."""
+    gw: Gateway = request.app.state.gateway
+    name = request.path_params["model_id"]
+    if name != gw.config.served_model_name:
+        raise ModelNotFound(f"The model '{name}' does not exist; this gateway serves '{gw.config.served_model_name}'", param="model")  # fmt: skip
+    return JSONResponse(await model_card(gw))
+
+
+async def model_card(gw: Gateway) -> dict:
+    """The served model, with its context length (``max_model_len``) once an engine reports it."""
     beats = await gw.cluster.workers()
-    card = {
+    card: dict[str, object] = {
         "id": gw.config.served_model_name,
         "object": "model",
         "created": int(gw.started),
@@ -191,7 +325,7 @@ async def models(request: Request) -> Response:
     }
     if beats:
         card["max_model_len"] = gw.cluster.context_limit(beats)
-    return JSONResponse({"object": "list", "data": [card]})
+    return card
 
 
 async def metrics(request: Request) -> Response:
@@ -310,7 +444,9 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
     routes = [
         Route("/v1/chat/completions", CompletionRoute("chat"), methods=["POST"]),
         Route("/v1/completions", CompletionRoute("completion"), methods=["POST"]),
+        Route("/v1/responses", CompletionRoute("responses"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

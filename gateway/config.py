@@ -35,6 +35,7 @@ class GatewayConfig:
     )  # /v1/* needs one as a bearer token (none: open)
     metrics_require_key: bool = False  # /metrics needs a key too
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
+    raw_engine_fields: bool = False  # keep SGLang's fields beyond OpenAI's in answers (gateway.engine_fields)
 
     def __post_init__(self) -> None:
         _at_least("max_queue", self.max_queue, 1)

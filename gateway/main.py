@@ -68,6 +68,11 @@ def parser() -> argparse.ArgumentParser:
         "/v1/* needs 'Authorization: Bearer <key>' (none: open)",
     )
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    p.add_argument(
+        "--raw-engine-fields",
+        action="store_true",
+        help="keep SGLang's fields beyond OpenAI's in answers (metadata, matched_stop, ...); default: removed",
+    )
     logs.add_argument(p)
     return p
 
@@ -94,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             api_keys=read_keys(settings.api_keys(), a.api_key_file),
             metrics_require_key=a.metrics_require_key,
             log_format=a.log_format,
+            raw_engine_fields=a.raw_engine_fields,
         )
     except ValueError as exc:  # a setting out of its range
         p.error(str(exc))

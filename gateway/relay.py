@@ -3,7 +3,8 @@
 (:meth:`Relay.first_event`: an engine that fails before it is replaced), then the events as they come
 (:meth:`Relay.relay`), continued on another engine if this one fails mid-stream (:mod:`gateway.resume`). A client
 that leaves has its request aborted on the engine and its slot freed (:meth:`Relay.drop` if it left before its
-stream started)."""
+stream started). Unless ``raw_engine_fields``, the events lose SGLang's fields beyond OpenAI's on the way
+(:mod:`gateway.engine_fields`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import msgspec
 
 from flying.messages import GROUP_LOST, Assignment, engine_gave_up
 from flying.queue import RequestQueue
+from gateway import engine_fields
 from gateway.admission import Admitted
 from gateway.background import Background
 from gateway.disconnect import CancelOnDisconnect, ClientGone
@@ -28,13 +30,22 @@ from gateway.waiting import WaitingRoom
 
 log = logging.getLogger("flying.gateway")
 DONE = b"data: [DONE]\n\n"  # a stream's last event
+_encode = msgspec.json.Encoder().encode
 
 
 class Relay:
     """Forwards admitted requests to the engines through ``upstream``; a failed engine's request goes back to
-    the ``waiting`` room."""
+    the ``waiting`` room. ``raw_engine_fields``: relay the engines' events as they are (SGLang's extra fields
+    included)."""
 
-    def __init__(self, upstream: Upstream, waiting: WaitingRoom, background: Background) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        waiting: WaitingRoom,
+        background: Background,
+        raw_engine_fields: bool = False,
+    ) -> None:
+        self.clean = not raw_engine_fields
         self.upstream = upstream
         self.waiting = waiting
         self.queue: RequestQueue = waiting.queue
@@ -160,8 +171,13 @@ class Relay:
                         yield b"".join(out)
                         return
                     if adm.resume is None:
-                        out.append((line + "\n\n").encode())
-                        if why := unavailable(line):
+                        if self.clean:
+                            chunk, event = engine_fields.clean_sse(line)
+                            why = engine_gave_up(event)
+                        else:
+                            chunk, why = (line + "\n\n").encode(), unavailable(line)
+                        out.append(chunk)
+                        if why:
                             yield b"".join(out)
                             raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
                         continue
@@ -171,12 +187,18 @@ class Relay:
                             yield b"".join(out)
                         raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
                     if data is not None:
-                        out += (b"data: ", data, b"\n\n")
+                        out += (b"data: ", self._cleaned(event, data), b"\n\n")
                 if out:
                     yield b"".join(out)
         except (httpx.HTTPError, StreamBroken) as exc:
             raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}") from exc
         raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
+
+    def _cleaned(self, event, data: bytes) -> bytes:
+        """A resumable stream's event as the client gets it: encoded again only if SGLang's fields were in it."""
+        if self.clean and isinstance(event, dict) and "error" not in event and engine_fields.strip(event):
+            return _encode(event)
+        return data
 
     async def _resume(self, adm: Admitted, a: Assignment, why: str):
         """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),

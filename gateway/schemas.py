@@ -3,7 +3,9 @@
 Decoding checks types; :func:`check_sampling` and friends check values. Anything wrong is an InvalidRequest
 naming the offending parameter, never a 500. The fields SGLang's own OpenAI server accepts are either typed here,
 passed through to it untouched (``Any``: SGLang validates them, and its 400 reaches the client), or refused with a
-400 that says why (:data:`REFUSED`); a field neither knows is a 400 naming it.
+400 that says why (:data:`REFUSED`); a field neither knows is a 400 naming it. OpenAI's fields that change nothing
+here are accepted and not forwarded (:data:`GATEWAY_ONLY`, :func:`for_engine`); ``service_tier`` maps to a priority
+(:func:`resolve_priority`). docs/openai.md has the table.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from flying.messages import Priority
 from gateway.errors import InvalidRequest
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
+SERVICE_TIER_PRIORITY: dict[str, Priority] = {
+    "priority": "high", "default": "normal", "auto": "normal", "scale": "normal", "flex": "low",
+}  # fmt: skip
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -57,6 +63,12 @@ class _Sampling(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    # OpenAI's, accepted and not forwarded (GATEWAY_ONLY): nothing is stored, no tier but the priority exists
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    service_tier: ServiceTier | None = None  # a priority unless X-Priority or priority is given
+    prompt_cache_key: str | None = None
     ignore_eos: bool | None = None  # SGLang extension, forwarded
     priority: str | None = None  # flying-serving extension; the X-Priority header wins
     # passed through to SGLang as they are (it validates them):
@@ -92,10 +104,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
     stream_reasoning: Any = None
     chat_template_kwargs: Any = None
     continue_final_message: Any = None
+    modalities: list[str] | None = None  # only ["text"]
 
 
 class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
-    prompt: str | list[int]
+    """``prompt``: a string or token ids (one prompt), or a list of either (a batch: see :func:`split_prompts`);
+    its shape is checked by :func:`check_completion` (msgspec unions hold one array type only)."""
+
+    prompt: Any
+    best_of: int | None = None  # accepted when equal to n: every sequence generated is returned
     echo: bool | None = None
     logprobs: int | None = None
     suffix: Any = None
@@ -119,8 +136,16 @@ REFUSED = {
     "max_dynamic_patch": "multimodal input is not served",
     "min_dynamic_patch": "multimodal input is not served",
     "use_audio_in_video": "multimodal input is not served",
-    "best_of": "not served (use n)",
+    "audio": "audio output is not served",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "web search is not served",
+    "functions": "the deprecated functions parameter is not served (use tools)",
+    "function_call": "the deprecated function_call parameter is not served (use tool_choice)",
 }
+# accepted from the client, never sent to the engine (they change nothing there, or the gateway applies them)
+GATEWAY_ONLY = (
+    "store", "metadata", "safety_identifier", "service_tier", "prompt_cache_key", "modalities", "best_of",
+)  # fmt: skip
 # A stream with any of these keeps the engine's own endpoint (it is not resumable on another engine: they change
 # how the prompt is rendered, or constrain the output with state a continuation elsewhere would not have).
 NOT_RESUMABLE = (
@@ -137,6 +162,13 @@ _AT = re.compile(r"at `\$\.?([^`]*)`")
 
 def decode(body: bytes, type_: type[_Sampling]) -> _Sampling:
     """Parse and type-check a JSON body, mapping msgspec's errors to InvalidRequest with the parameter path."""
+    req = decode_struct(body, type_, REFUSED)
+    assert isinstance(req, _Sampling)
+    return req
+
+
+def decode_struct(body: bytes, type_: type[msgspec.Struct], refused: dict[str, str]) -> msgspec.Struct:
+    """:func:`decode` for any request struct; ``refused``: top-level fields known but refused, with why."""
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
@@ -146,15 +178,36 @@ def decode(body: bytes, type_: type[_Sampling]) -> _Sampling:
         if u := _UNKNOWN.search(msg):
             field, where = u.group(1), u.group(2)
             param = f"{where}.{field}" if where else field
-            why = REFUSED.get(field) if not where else None
+            why = refused.get(field) if not where else None
             detail = f"{field} is not supported here: {why}" if why else f"unknown parameter {param}"
             raise InvalidRequest(detail, param=param) from None
         m = _AT.search(msg)
-        raise InvalidRequest(f"invalid request: {msg}", param=(m.group(1) or None) if m else None) from None
+        param = (m.group(1) or None) if m else None
+        raise InvalidRequest(readable(msg, param), param=param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     except ValueError as exc:  # UnicodeDecodeError (invalid UTF-8) and any other decoding failure
         raise InvalidRequest(f"request body is not valid UTF-8 JSON: {exc}") from None
+
+
+_EXPECTED = re.compile(r"Expected `([^`]*)`, got `([^`]*)`")
+_MISSING = re.compile(r"Object missing required field `([^`]*)`")
+_TYPE_NAMES = {
+    "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean", "array": "an array",
+    "object": "an object", "null": "null",
+}  # fmt: skip
+
+
+def readable(msg: str, param: str | None) -> str:
+    """msgspec's validation message in words: ``max_tokens must be an integer or null, got a string``."""
+    if m := _EXPECTED.search(msg):
+        want = " or ".join(_TYPE_NAMES.get(t, t) for t in m.group(1).split(" | "))
+        got = _TYPE_NAMES.get(m.group(2), m.group(2))
+        return f"{param or 'the request body'} must be {want}, got {got}"
+    if m := _MISSING.search(msg):
+        where = f" in {param}" if param else ""
+        return f"{m.group(1)} is required{where}"
+    return f"invalid request: {msg}"
 
 
 def check_sampling(req: _Sampling) -> None:
@@ -183,16 +236,80 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise InvalidRequest("messages are all empty", param="messages")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise InvalidRequest(
+            f'modalities must be ["text"] (only text is served); got {req.modalities}', param="modalities"
+        )
+
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
 def check_completion(req: CompletionRequest) -> None:
     check_sampling(req)
-    if isinstance(req.prompt, str) and not req.prompt:
-        raise InvalidRequest("prompt must not be empty", param="prompt")
-    if isinstance(req.prompt, list) and (not req.prompt or min(req.prompt) < 0):
+    prompts(req.prompt)
+    if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest(
-            "prompt token ids must be a non-empty list of non-negative integers", param="prompt"
+            f"best_of must equal n (every sequence generated is returned); got best_of={req.best_of}, n={req.n}",
+            param="best_of",
         )
+
+
+def prompts(prompt: Any) -> list[str | list[int]]:
+    """A completion's prompts, one or several, checked: each a non-empty string or a non-empty list of
+    non-negative token ids. Raises InvalidRequest naming the one that is wrong."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_int(prompt[0])):
+        batch, single = [prompt], True
+    elif isinstance(prompt, list) and prompt:
+        batch, single = prompt, False
+    elif isinstance(prompt, list):
+        raise InvalidRequest("prompt must not be an empty list", param="prompt")
+    else:
+        raise InvalidRequest(f"prompt must be {PROMPT_SHAPES}; got {_json_type(prompt)}", param="prompt")
+    for i, p in enumerate(batch):
+        _check_prompt(p, "prompt" if single else f"prompt[{i}]")
+    return batch
+
+
+def _check_prompt(p: Any, param: str) -> None:
+    if isinstance(p, str):
+        if not p:
+            raise InvalidRequest(f"{param} must not be empty", param=param)
+        return
+    if not isinstance(p, list) or not p:
+        got = "an empty list" if isinstance(p, list) else _json_type(p)
+        raise InvalidRequest(f"{param} must be a non-empty string or token-id list; got {got}", param=param)
+    try:  # (in C: a prompt may hold many thousands of ids)
+        msgspec.convert(p, list[int])
+        ok = min(p) >= 0
+    except msgspec.ValidationError:
+        ok = False
+    if not ok:
+        j, t = next((j, t) for j, t in enumerate(p) if not _is_int(t) or t < 0)
+        raise InvalidRequest(
+            f"{param}[{j}] must be a token id (a non-negative integer); got {t!r}", param=f"{param}[{j}]"
+        )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _json_type(x: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
+    return "null" if x is None else names.get(type(x), type(x).__name__)
+
+
+def split_prompts(req: CompletionRequest) -> list[CompletionRequest]:
+    """A checked completion request as one request per prompt (a batch of N prompts is N requests, each with
+    the same parameters and ``n`` choices); a single prompt in a list is a request of that prompt."""
+    return [msgspec.structs.replace(req, prompt=p) for p in prompts(req.prompt)]
+
+
+def for_engine(req: _Sampling) -> _Sampling:
+    """``req`` without the fields the gateway accepts but does not forward (:data:`GATEWAY_ONLY`)."""
+    drop = {f: None for f in GATEWAY_ONLY if getattr(req, f, None) is not None}
+    return msgspec.structs.replace(req, **drop) if drop else req
 
 
 def requested_max_tokens(req: _Sampling) -> tuple[int | None, str]:
@@ -202,8 +319,11 @@ def requested_max_tokens(req: _Sampling) -> tuple[int | None, str]:
     return req.max_tokens, "max_tokens"
 
 
-def resolve_priority(header: str | None, body: str | None) -> Priority:
-    """X-Priority header, else body field ``priority``, else normal."""
+def resolve_priority(header: str | None, body: str | None, service_tier: str | None = None) -> Priority:
+    """X-Priority header, else body field ``priority``, else OpenAI's ``service_tier`` (SERVICE_TIER_PRIORITY),
+    else normal."""
+    if header is None and body is None and service_tier is not None:
+        return SERVICE_TIER_PRIORITY[service_tier]
     for value, param in ((header, "X-Priority"), (body, "priority")):
         if value is None:
             continue

@@ -74,7 +74,7 @@ class Gateway:
         self.admission = Admission(config, self.cluster, count_tokens)
         self.waiting = WaitingRoom(config, client, self.keys, self.metrics, self.background)
         self.upstream = Upstream(config.request_timeout_s)
-        self.relay = Relay(self.upstream, self.waiting, self.background)
+        self.relay = Relay(self.upstream, self.waiting, self.background, config.raw_engine_fields)
         self.queue, self.waiter = self.waiting.queue, self.waiting.waiter
         self.admit = self.admission.admit
         self.enqueue = self.waiting.enqueue

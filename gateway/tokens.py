@@ -13,6 +13,7 @@ class PromptCounter:
         # A fast tokenizer's Rust backend, called directly: the same ids as ``self.tok(text)``, at a tenth of the
         # cost of the Python wrapper around it (~15 us against ~140 us for a short prompt).
         self.backend = self.tok.backend_tokenizer if self.tok.is_fast else None
+        self.vocab = len(self.tok)  # token ids a prompt may hold: 0 .. vocab - 1
 
     def ids(self, text: str, special: bool) -> list[int]:
         """``text``'s token ids; ``special``: with the tokenizer's special tokens (e.g. BOS) added."""
@@ -33,6 +34,12 @@ class PromptCounter:
         return len(self.chat_ids(req))
 
     def completion(self, req: CompletionRequest) -> int:
+        """The prompt's length in tokens; ValueError for a token id outside the vocabulary (an engine would fail
+        on it, not the request)."""
         if isinstance(req.prompt, list):
+            if req.prompt and (top := max(req.prompt)) >= self.vocab:
+                raise ValueError(
+                    f"token id {top} is outside the model's vocabulary (ids 0 to {self.vocab - 1})"
+                )
             return len(req.prompt)
         return len(self.ids(req.prompt, special=True))

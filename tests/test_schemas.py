@@ -1,3 +1,4 @@
+import msgspec
 import pytest
 
 from gateway import schemas
@@ -124,3 +125,24 @@ def test_error_body_is_openai_shaped():
     assert body == {
         "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}
     }
+
+
+def test_service_tier_is_a_priority_unless_one_is_given():
+    assert schemas.resolve_priority(None, None, "priority") == "high"
+    assert schemas.resolve_priority(None, None, "flex") == "low"
+    assert schemas.resolve_priority(None, None, "auto") == "normal"
+    assert schemas.resolve_priority("low", None, "priority") == "low"
+    assert schemas.resolve_priority(None, "high", "flex") == "high"
+
+
+def test_prompt_forms_and_the_fields_not_forwarded():
+    req = schemas.decode(b'{"model": "m", "prompt": [[1, 2], [3]], "store": true, "best_of": 1}', schemas.CompletionRequest)  # fmt: skip
+    schemas.check_completion(req)
+    parts = schemas.split_prompts(req)
+    assert [p.prompt for p in parts] == [[1, 2], [3]]
+    sent = msgspec.to_builtins(schemas.for_engine(parts[0]))
+    assert sent == {"model": "m", "prompt": [1, 2]}
+    assert schemas.prompts("x") == ["x"] and schemas.prompts([7]) == [[7]] and schemas.prompts(["a", "b"]) == ["a", "b"]  # fmt: skip
+    with pytest.raises(InvalidRequest) as exc:
+        schemas.prompts([1, True])
+    assert exc.value.param == "prompt[1]"

@@ -46,3 +46,9 @@ def test_chat_ids_are_the_templated_prompt_tokenized(tok, counter, text):
 
 def test_a_token_id_prompt_counts_its_ids(counter):
     assert counter.completion(CompletionRequest(model="m", prompt=[5, 6, 7])) == 3
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused(counter):
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        counter.completion(CompletionRequest(model="m", prompt=[5, counter.vocab]))
+    assert counter.completion(CompletionRequest(model="m", prompt=[counter.vocab - 1])) == 1

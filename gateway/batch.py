@@ -1,0 +1,117 @@
+"""A completion of several prompts (``prompt`` a list of strings or of token-id lists): each prompt is served as a
+request of its own (queued, prioritised and dispatched like any other), and their answers become one, with the
+choices numbered as OpenAI does: prompt ``i``'s choice ``j`` is index ``i * n + j``. Non-streaming, the answers
+merge with the usage summed (:func:`merge_completions`); streaming, the streams interleave as their chunks come,
+each chunk's choices renumbered, the per-prompt usage chunks summed into one at the end, and one ``[DONE]``
+(:func:`merge_streams`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import msgspec
+
+from gateway.relay import DONE
+
+COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+def merge_completions(bodies: list[dict], n: int) -> dict:
+    """The answers to a batch's prompts as one: the first's id, every choice renumbered, the usage summed."""
+    out = dict(bodies[0])
+    out["choices"] = [c | {"index": i * n + int(c.get("index", 0))} for i, b in enumerate(bodies) for c in b.get("choices") or ()]  # fmt: skip
+    usage = sum_usage([b.get("usage") for b in bodies])
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def sum_usage(usages: Sequence[Any]) -> dict | None:
+    """The usages summed (cached prompt tokens too); None if none is a dict."""
+    given = [u for u in usages if isinstance(u, dict)]
+    if not given:
+        return None
+    usage: dict[str, object] = {k: sum(int(u.get(k) or 0) for u in given) for k in COUNTS}
+    details = [u["prompt_tokens_details"] for u in given if isinstance(u.get("prompt_tokens_details"), dict)]
+    if details:
+        usage["prompt_tokens_details"] = {
+            "cached_tokens": sum(int(d.get("cached_tokens") or 0) for d in details)
+        }
+    return dict(given[0]) | usage
+
+
+async def merge_streams(
+    streams: list[AsyncGenerator[bytes, None]], n: int, include_usage: bool
+) -> AsyncGenerator[bytes, None]:
+    """The prompts' SSE streams as one: chunks as they come, choices renumbered, then the summed usage (when asked)
+    and ``[DONE]``. Each stream is read to its end by a task of its own; closing this one cancels them (each
+    relay's cleanup then runs: the engine's abort, the slot freed)."""
+    queue: asyncio.Queue[tuple[int, bytes | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[bytes, None]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((i, chunk))
+        finally:
+            queue.put_nowait((i, None))
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tails: list[dict] = []
+    try:
+        left = len(streams)
+        while left:
+            i, chunk = await queue.get()
+            if chunk is None:
+                left -= 1
+                continue
+            out = b"".join(_renumbered(chunk, i, n, tails))
+            if out:
+                yield out
+        if include_usage and tails:
+            tail = tails[0] | {"usage": sum_usage([t["usage"] for t in tails])}
+            yield b"data: " + _encode(tail) + b"\n\n" + DONE
+        else:
+            yield DONE
+    finally:
+        for p in pumps:
+            p.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _renumbered(chunk: bytes, i: int, n: int, tails: list[dict]) -> list[bytes]:
+    """One stream's events with prompt ``i``'s choices renumbered; its usage-only chunk kept aside in ``tails``
+    (summed at the end); its ``[DONE]`` dropped (the merged stream has one)."""
+    out = []
+    for event in chunk.split(b"\n\n"):
+        if not event.startswith(b"data:"):
+            continue
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            continue
+        try:
+            doc = _decode(payload)
+        except msgspec.DecodeError:
+            out.append(event + b"\n\n")
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("choices"), list):
+            if not doc["choices"] and doc.get("usage") is not None:
+                tails.append(doc)
+                continue
+            for c in doc["choices"]:
+                if isinstance(c, dict):
+                    c["index"] = i * n + int(c.get("index") or 0)
+        out.append(b"data: " + _encode(doc) + b"\n\n")
+    return out
+
+
+def unstarted(replies: Sequence[Any]) -> None:
+    """Clean up the streams of ``replies`` that will never be read (their client left, or another prompt failed)."""
+    for reply in replies:
+        if getattr(reply, "unstarted", None) is not None:
+            reply.unstarted()

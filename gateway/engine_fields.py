@@ -1,0 +1,96 @@
+"""SGLang's fields beyond OpenAI's in the engines' answers, removed on the OpenAI endpoints (unless the gateway runs
+with ``--raw-engine-fields``) so that every answer and stream chunk is exactly OpenAI's shape:
+
+- top level: ``metadata`` (SGLang's ``weight_version``; OpenAI's ``metadata`` is the request's string map),
+  ``sglext``;
+- per choice: ``matched_stop``, ``hidden_states``, ``token_ids``, ``prompt_token_ids``, ``response_token_ids``,
+  ``meta_info``;
+- a message's or delta's ``reasoning_content`` when it is null (a reasoning model's text is kept: clients that
+  know the field read it);
+- ``usage.reasoning_tokens`` moves to ``usage.completion_tokens_details.reasoning_tokens`` (dropped when 0);
+- an engine's error body (``{"object": "error", "message", "type", "param", "code": 400}``) becomes OpenAI's
+  ``{"error": {"message", "type", "param", "code"}}``.
+
+A stream chunk is decoded by the relay anyway (to look for an engine's abort, or to follow a resumable stream's
+token ids); cleaning it is a few dict operations, and an encode of the small chunk when it had SGLang's fields
+(docs/openai.md measures it: under a microsecond per chunk).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+TOP = ("metadata", "sglext")
+CHOICE = ("matched_stop", "hidden_states", "token_ids", "prompt_token_ids", "response_token_ids", "meta_info")
+_NONE = object()
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+def clean(doc: Any) -> Any:
+    """``doc`` (a decoded response or chunk) without SGLang's fields, changed in place; returned."""
+    strip(doc)
+    return doc
+
+
+def strip(doc: Any) -> bool:
+    """Remove SGLang's fields from ``doc`` in place; whether there were any."""
+    if not isinstance(doc, dict):
+        return False
+    changed = False
+    for key in TOP:
+        changed |= doc.pop(key, _NONE) is not _NONE
+    for choice in doc.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        for key in CHOICE:
+            changed |= choice.pop(key, _NONE) is not _NONE
+        for part in ("message", "delta"):
+            msg = choice.get(part)
+            if isinstance(msg, dict) and "reasoning_content" in msg and msg["reasoning_content"] is None:
+                del msg["reasoning_content"]
+                changed = True
+    usage = doc.get("usage")
+    if isinstance(usage, dict) and "reasoning_tokens" in usage:
+        reasoning = usage.pop("reasoning_tokens")
+        if reasoning and not isinstance(usage.get("completion_tokens_details"), dict):
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        changed = True
+    return changed
+
+
+def clean_sse(line: str) -> tuple[bytes, Any]:
+    """An engine's SSE ``data:`` line as the client gets it (with its blank line), cleaned, and its decoded event
+    (None if it is not JSON: then it goes as it came)."""
+    try:
+        event = _decode(line[5:])
+    except msgspec.DecodeError:
+        return (line + "\n\n").encode(), None
+    return b"data: " + _encode(clean(event)) + b"\n\n", event
+
+
+def openai_error(raw: bytes) -> bytes:
+    """An engine's error body in OpenAI's shape (the same bytes when it is not SGLang's error object)."""
+    try:
+        doc = _decode(raw)
+    except msgspec.DecodeError:
+        return raw
+    error = openai_error_doc(doc)
+    return raw if error is None else _encode(error)
+
+
+def openai_error_doc(doc: Any) -> dict | None:
+    """SGLang's error object (``{"object": "error", "message", "type", "param", "code": 400}``) as OpenAI's
+    ``{"error": {...}}``; None when ``doc`` is not one."""
+    if not isinstance(doc, dict) or doc.get("object") != "error" or "message" not in doc:
+        return None
+    code = doc.get("code")
+    error = {
+        "message": doc["message"],
+        "type": doc.get("type") or "invalid_request_error",
+        "param": doc.get("param"),
+        "code": code if isinstance(code, str) else None,
+    }
+    return {"error": error}

@@ -1,0 +1,254 @@
+"""The gateway as an OpenAI drop-in, driven by the official ``openai`` client: every prompt form of
+``/v1/completions``, OpenAI's fields accepted or mapped, ``/v1/models/{id}``, and answers and stream chunks that
+validate against the ``openai`` package's own models with no extra field. The real app, real Redis, the real
+router in a thread; the engine answers as SGLang does, extra fields included (tests.sglang_like)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+from starlette.testclient import TestClient
+
+from gateway import engine_fields
+from gateway.app import create_app
+from gateway.batch import merge_completions
+from gateway.config import GatewayConfig
+from tests.sglang_like import SGLangLike
+from tests.stack import CountWords, RouterThread, ServerThread, announce_engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    fake = SGLangLike()
+    with ServerThread(fake.app) as server:
+        fake.url = server.url
+        yield fake
+
+
+def gateway_client(redis_server, sync_redis, keys, engine, **config):
+    announce_engine(sync_redis, keys, url=engine.url)
+    cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, **config)
+    return TestClient(create_app(cfg, count_tokens=CountWords()), raise_server_exceptions=False)
+
+
+@pytest.fixture
+def http(redis_server, sync_redis, keys, engine):
+    engine.calls.clear()
+    with (
+        RouterThread(redis_server.url, keys.prefix),
+        gateway_client(redis_server, sync_redis, keys, engine) as c,
+    ):
+        yield c
+
+
+@pytest.fixture
+def client(http) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+def no_extras(model: BaseModel, validate: bool = True) -> None:
+    """Valid as its ``openai`` model (the client builds its objects without validating them), and no field beyond
+    the model's own at any depth."""
+    if validate:
+        model = type(model).model_validate(model.model_dump(mode="json", exclude_unset=True, by_alias=True))
+    _no_extras(model, "$")
+
+
+def _no_extras(model: BaseModel, where: str) -> None:
+    assert not model.model_extra, f"{where}: extra fields {sorted(model.model_extra or {})}"
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, BaseModel):
+                _no_extras(item, f"{where}.{name}[{i}]" if isinstance(value, list) else f"{where}.{name}")
+
+
+# -- prompt forms ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompt, sent",
+    [("hello there", ["hello there"]), (["hello there"], ["hello there"]), (["one", "two words"], ["one", "two words"]),
+     ([1, 2, 3], [[1, 2, 3]]), ([[1, 2], [3, 4, 5]], [[1, 2], [3, 4, 5]])],
+    ids=["string", "one-string-list", "strings", "token-ids", "token-id-lists"],
+)  # fmt: skip
+def test_every_prompt_form_is_served_with_n_choices_per_prompt(client, engine, prompt, sent):
+    out = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=3, n=2)
+    no_extras(out)
+    assert [c.index for c in out.choices] == list(range(2 * len(sent)))
+    assert out.usage.completion_tokens == 3 * 2 * len(sent)
+    got = [body["prompt"] for _, body in engine.calls]  # each prompt a request of its own
+    assert sorted(map(str, got)) == sorted(map(str, sent))
+
+
+def test_a_batch_numbers_choices_per_prompt_and_sums_usage():
+    bodies = [
+        {"id": "a", "choices": [{"index": 0, "text": "x"}, {"index": 1, "text": "y"}],
+         "usage": {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 1}}},
+        {"id": "b", "choices": [{"index": 1, "text": "w"}, {"index": 0, "text": "z"}],
+         "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}},
+    ]  # fmt: skip
+    out = merge_completions(bodies, n=2)
+    assert out["id"] == "a" and [(c["index"], c["text"]) for c in out["choices"]] == [(0, "x"), (1, "y"), (3, "w"), (2, "z")]  # fmt: skip
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "prompt, param, words",
+    [
+        (
+            5,
+            "prompt",
+            "must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+        ),
+        (["a", 3], "prompt[1]", "got an integer"),
+        ([[1, "x"]], "prompt[0][1]", "token id"),
+        ([], "prompt", "empty"),
+        ([[]], "prompt[0]", "empty list"),
+        ([1, -2], "prompt[1]", "non-negative"),
+    ],
+)
+def test_a_wrong_prompt_names_what_is_wrong(http, prompt, param, words):
+    resp = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": prompt})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_type_errors_are_in_words(http):
+    resp = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "a", "max_tokens": "9"})
+    err = resp.json()["error"]
+    assert (
+        err["param"] == "max_tokens"
+        and err["message"] == "max_tokens must be an integer or null, got a string"
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["resumable", "engine-endpoint"])
+def test_a_streamed_batch_interleaves_its_prompts_choices(client, engine, n):
+    stream = client.completions.create(model="tiny-llama", prompt=["one", "two words"], max_tokens=3, n=n,
+                                       stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        no_extras(chunk, validate=all(c.finish_reason is not None for c in chunk.choices))
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: " w0 w1 w2" for i in range(2 * n)}
+    assert len(engine.calls) == 2
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 3 * 2 * n and usage.prompt_tokens == 1 + 2
+
+
+# -- fields accepted, mapped, refused ----------------------------------------------------------------------------
+def test_fields_that_change_nothing_are_accepted_and_not_forwarded(client, engine):
+    extra = {
+        "store": True,
+        "metadata": {"k": "v"},
+        "user": "u",
+        "safety_identifier": "s",
+        "prompt_cache_key": "p",
+    }
+    client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                   modalities=["text"], **extra)  # fmt: skip
+    client.completions.create(model="tiny-llama", prompt="hi", max_tokens=2, best_of=1, extra_body=extra)
+    for _, body in engine.calls:
+        assert not {
+            "store",
+            "metadata",
+            "safety_identifier",
+            "prompt_cache_key",
+            "modalities",
+            "best_of",
+        } & set(body)
+        assert body["user"] == "u"
+
+
+@pytest.mark.parametrize("tier, priority", [("priority", 2), ("default", 1), ("auto", 1), ("flex", 0)])
+def test_service_tier_maps_to_a_priority(client, engine, tier, priority):
+    client.completions.create(
+        model="tiny-llama", prompt="hi", max_tokens=2, extra_body={"service_tier": tier}
+    )
+    assert engine.calls[-1][1]["priority"] == priority and "service_tier" not in engine.calls[-1][1]
+
+
+def test_the_priority_header_wins_over_service_tier(client, engine):
+    client.completions.create(model="tiny-llama", prompt="hi", max_tokens=2, extra_body={"service_tier": "flex"},
+                              extra_headers={"X-Priority": "high"})  # fmt: skip
+    assert engine.calls[-1][1]["priority"] == 2
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [({"best_of": 3}, "best_of"), ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {}}, "audio"),
+     ({"service_tier": "turbo"}, "service_tier")],
+)  # fmt: skip
+def test_what_cannot_be_honoured_is_refused_with_why(http, body, param):
+    path, base = ("/v1/completions", {"prompt": "hi"}) if "best_of" in body else ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    resp = http.post(path, json={"model": "tiny-llama", **base, **body})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+def test_models_retrieve_and_an_unknown_model(client):
+    card = client.models.retrieve("tiny-llama")
+    assert card.id == "tiny-llama" and card.model_extra["max_model_len"] == 2048
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("gpt-9")
+    assert exc.value.body["code"] == "model_not_found"
+
+
+# -- OpenAI-shaped answers -----------------------------------------------------------------------------------------
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, {"n": 2}, {"logprobs": True}], ids=["resumable", "n", "engine-endpoint"]
+)
+def test_chat_answers_and_chunks_have_openai_shape(client, extra):
+    no_extras(client.chat.completions.create(**CHAT, **extra))
+    chunks = list(client.chat.completions.create(**CHAT, **extra, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    for chunk in chunks:
+        no_extras(chunk)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("extra", [{}, {"n": 2}], ids=["resumable", "engine-endpoint"])
+def test_completion_answers_and_chunks_have_openai_shape(client, extra):
+    no_extras(client.completions.create(model="tiny-llama", prompt="hi", max_tokens=3, **extra))
+    chunks = list(
+        client.completions.create(model="tiny-llama", prompt="hi", max_tokens=3, stream=True, **extra)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == 0) == " w0 w1 w2"
+    for chunk in chunks:  # (the SDK reuses Completion for chunks, whose finish_reason it types as never null)
+        no_extras(chunk, validate=all(c.finish_reason is not None for c in chunk.choices))
+
+
+def test_raw_engine_fields_keeps_sglangs_fields(redis_server, sync_redis, keys, engine):
+    with RouterThread(redis_server.url, keys.prefix), gateway_client(redis_server, sync_redis, keys, engine, raw_engine_fields=True) as c:  # fmt: skip
+        body = c.post("/v1/chat/completions", json=CHAT).json()
+    assert body["metadata"] == {"weight_version": "default"} and "matched_stop" in body["choices"][0]
+
+
+def test_cleaning_moves_reasoning_tokens_and_keeps_reasoning_text():
+    doc = {"metadata": {"weight_version": "v"}, "sglext": {},
+           "choices": [{"index": 0, "message": {"role": "assistant", "content": "a", "reasoning_content": "think"},
+                        "matched_stop": 2, "finish_reason": "stop"}],
+           "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3, "reasoning_tokens": 1}}  # fmt: skip
+    out = engine_fields.clean(doc)
+    assert out == {"choices": [{"index": 0, "message": {"role": "assistant", "content": "a", "reasoning_content": "think"},
+                                "finish_reason": "stop"}],
+                   "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
+                             "completion_tokens_details": {"reasoning_tokens": 1}}}  # fmt: skip
+
+
+def test_an_engines_error_body_becomes_openais_shape():
+    raw = b'{"object":"error","message":"bad","type":"BadRequestError","param":null,"code":400}'
+    assert httpx.Response(200, content=engine_fields.openai_error(raw)).json() == {
+        "error": {"message": "bad", "type": "BadRequestError", "param": None, "code": None}
+    }
+    assert engine_fields.openai_error(b"not json") == b"not json"
+    assert engine_fields.openai_error_doc({"object": "error", "message": "m", "type": "t", "code": 400}) == {
+        "error": {"message": "m", "type": "t", "param": None, "code": None}
+    }
+    assert engine_fields.openai_error_doc({"choices": []}) is None
