@@ -54,7 +54,8 @@ class Keys:
 
     @property
     def stats(self) -> str:
-        """HASH of monotonic counters: admitted, assigned, requeued, completed, failed, cancelled."""
+        """HASH of monotonic counters: admitted (and ``admitted:<class>`` per priority class, 0 high .. 2 low),
+        assigned, requeued, completed, failed, cancelled."""
         return f"{self.prefix}:stats"
 
     def request(self, rid: str) -> str:

@@ -42,8 +42,16 @@ def parser() -> argparse.ArgumentParser:
         "--max-wait-s",
         type=float,
         default=d.max_wait_s,
-        help="seconds: 429 when the recent service rate predicts a longer queue wait (0: bound by count only)",
+        help="seconds: caps every priority's wait budget (0: no budgets; the queue is bounded by count only)",
     )
+    for prio in ("high", "normal", "low"):
+        p.add_argument(
+            f"--wait-budget-{prio}-s",
+            type=float,
+            default=getattr(d, f"wait_budget_{prio}_s"),
+            help=f"seconds a {prio}-priority request may wait in the queue: 429 at once when the measured service "
+            "rate predicts a longer wait, 504 when an admitted one has waited this long",
+        )
     p.add_argument(
         "--redis-max-connections",
         type=int,
@@ -88,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             max_queue=a.max_queue,
             queue_timeout_s=a.queue_timeout_s,
             max_wait_s=a.max_wait_s,
+            wait_budget_high_s=a.wait_budget_high_s,
+            wait_budget_normal_s=a.wait_budget_normal_s,
+            wait_budget_low_s=a.wait_budget_low_s,
             redis_max_connections=a.redis_max_connections,
             drain_grace_s=a.drain_grace_s,
             default_max_tokens=a.default_max_tokens,

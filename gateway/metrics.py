@@ -40,6 +40,15 @@ class GatewayMetrics:
             "flying_gateway_rejected", "Requests refused, by HTTP status and error code (429 backpressure, 400 "
             "invalid, 401 no or wrong API key, ...)", ["status", "reason"], registry=r,
         )  # fmt: skip
+        self.refused = Counter(
+            "flying_gateway_refused", "Requests refused at admission (429), by priority and why: depth (the "
+            "class's share of the queue is full) or wait (the predicted wait exceeds the class's budget)",
+            ["priority", "reason"], registry=r,
+        )  # fmt: skip
+        self.expired = Counter(
+            "flying_gateway_wait_budget_expired", "Admitted requests that waited their class's whole wait budget "
+            "without an engine and ended with 504", ["priority"], registry=r,
+        )  # fmt: skip
         self._children: dict[tuple, Any] = {}
 
     def child(self, metric: Counter | Histogram, *labels: str):

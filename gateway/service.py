@@ -118,7 +118,9 @@ class Gateway:
 
     async def observe(self) -> None:
         tick = await self.cluster.observe()
-        self.waiting.backpressure.rate.sample(tick.now, tick.assigned, backlogged=tick.depth > 0)
+        bp = self.waiting.backpressure
+        bp.rate.sample(tick.now, tick.assigned, backlogged=tick.depth > 0)
+        bp.arrivals.sample(tick.now, tick.admitted)
         grace = self.config.no_worker_grace_s
         if self.cluster.no_workers_for(tick.now) > grace and self.waiter.pending:
             n = self.waiter.fail_all(

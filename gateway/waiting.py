@@ -1,6 +1,6 @@
 """A gateway's requests in the global queue (Redis), from admission to their end: admitted within the
-backpressure limits for their priority (else 429), waited for until the router assigns them (no Redis call per
-waiting request: :mod:`gateway.assignments`), put back when their engine fails before answering (within
+backpressure limits for their priority (else 429), waited for until the router assigns them or their class's wait
+budget runs out (504; no Redis call per waiting request: :mod:`gateway.assignments`), put back when their engine fails before answering (within
 ``max_attempts``), their end recorded (retried through a Redis outage), and admitted again if Redis lost them
 while they waited."""
 
@@ -17,18 +17,19 @@ import redis.asyncio as aioredis
 from flying.autopipeline import AutoPipeline
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
-from flying.messages import Assignment, QueuedRequest
+from flying.messages import Assignment, Priority, QueuedRequest
 from flying.queue import DuplicateId, QueueFull, RequestQueue
 from gateway.admission import Admitted
 from gateway.assignments import AssignmentWaiter
 from gateway.background import Background
-from gateway.backpressure import Backpressure
+from gateway.backpressure import Backpressure, Limits
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
 from gateway.errors import QueueFullError, QueueTimeout, WorkerFailed
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("flying.gateway")
+PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
 FINISH_RETRY_S = 300.0  # how long a request's end is retried while Redis is away
 
 
@@ -51,7 +52,8 @@ class WaitingRoom:
         self.waiter = AssignmentWaiter(
             client, keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit
         )
-        self.backpressure = Backpressure(config.max_queue, config.max_wait_s)
+        budgets = {p: config.wait_budget_s(p) for p in PRIORITIES}
+        self.backpressure = Backpressure(config.max_queue, {p: b for p, b in budgets.items() if b})
         self.holding: dict[
             str, QueuedRequest
         ] = {}  # waiting requests' records, to re-admit if Redis lost them
@@ -66,14 +68,7 @@ class WaitingRoom:
             fast = await self.queue.admit(adm.record, limits.max_depth, limits.max_ahead)
         except QueueFull as exc:
             self.waiter.forget(rid)
-            bound = limits.max_depth if exc.reason == "depth" else limits.max_ahead
-            retry = self.backpressure.retry_after_s(exc.count - bound + 1)
-            why = (
-                f"the queue is full for {adm.record.priority} priority ({exc.count} waiting)"
-                if exc.reason == "depth"
-                else f"the estimated wait is too long ({exc.count} requests ahead)"
-            )
-            raise QueueFullError(f"{why}; retry after {retry} s", retry_after_s=retry) from None
+            raise self._refusal(adm.record.priority, exc, limits) from None
         except BaseException:
             self.waiter.forget(rid)
             raise
@@ -83,6 +78,23 @@ class WaitingRoom:
         self.waiter.mark_admitted(rid)
         self.holding[rid] = adm.record
         return fut
+
+    def _refusal(self, priority: Priority, exc: QueueFull, limits: Limits) -> QueueFullError:
+        """The 429 for a refused admission: the queue's share for the class is full, or the predicted wait is
+        beyond the class's budget."""
+        bp = self.backpressure
+        if exc.reason == "depth":
+            retry = bp.retry_after_s(exc.count - limits.max_depth + 1)
+            why = f"the queue is full for {priority} priority ({exc.count} waiting)"
+        else:
+            retry = bp.wait_retry_after_s(priority, exc.count)
+            wait = bp.predicted_wait_s(priority, exc.count) or 0.0
+            why = (
+                f"the predicted queue wait ({wait:.1f} s, {exc.count} requests ahead) exceeds {priority} "
+                f"priority's budget of {bp.budgets[priority]:g} s"
+            )
+        self.metrics.child(self.metrics.refused, priority, exc.reason).inc()
+        return QueueFullError(f"{why}; retry after {retry} s", retry_after_s=retry)
 
     async def readmit(self, rids: list[str]) -> None:
         """Redis lost these waiting requests (a restart without persistence, or with the last second of AOF
@@ -100,22 +112,23 @@ class WaitingRoom:
         self, adm: Admitted, fut: asyncio.Future[Assignment], disconnected: asyncio.Future[None]
     ) -> Assignment:
         """The assignment (from the subscription or the reconciliation); no Redis call of its own while it
-        waits. Raises ClientGone, QueueTimeout, or NoLiveWorkers (set on the future by the monitor)."""
+        waits, at most its class's wait budget (``GatewayConfig.queue_wait_s``). Raises ClientGone, QueueTimeout
+        (the budget ran out), or NoLiveWorkers (set on the future by the monitor)."""
         rid = adm.record.id
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.holding.pop(rid, None)  # the fast path: assigned at admission
             return fut.result()
+        limit = self.config.queue_wait_s(adm.record.priority)
         try:
             waits: set[asyncio.Future[Any]] = {fut, disconnected}
-            done, _ = await asyncio.wait(
-                waits, timeout=self.config.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait(waits, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
             if fut in done:
                 self.holding.pop(rid, None)
                 return fut.result()
             if disconnected in done:
                 raise ClientGone(rid)
-            raise QueueTimeout(f"request was not scheduled within {self.config.queue_timeout_s:.0f} s")
+            self.metrics.child(self.metrics.expired, adm.record.priority).inc()
+            raise QueueTimeout(f"request was not scheduled within {limit:g} s")
         except BaseException:
             self.holding.pop(rid, None)
             self.waiter.forget(rid)
