@@ -54,7 +54,7 @@ class Keys:
 
     @property
     def stats(self) -> str:
-        """HASH of monotonic counters: admitted (and ``admitted:<class>`` per priority class, 0 high .. 2 low),
+        """HASH of monotonic counters: admitted (and per priority: admitted_high, admitted_normal, admitted_low),
         assigned, requeued, completed, failed, cancelled."""
         return f"{self.prefix}:stats"
 

@@ -39,7 +39,7 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
 local seq = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[3], unpack(ARGV, 9))
 redis.call('HINCRBY', KEYS[5], 'admitted', 1)
-redis.call('HINCRBY', KEYS[5], 'admitted:' .. ARGV[2], 1)
+redis.call('HINCRBY', KEYS[5], ({'admitted_high', 'admitted_normal', 'admitted_low'})[tonumber(ARGV[2]) + 1], 1)
 local raw = depth == 0 and tonumber(ARGV[2]) > 0 and redis.call('GET', KEYS[6])
 if raw then
   local best, best_n = nil, 0

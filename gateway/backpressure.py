@@ -7,7 +7,7 @@ wait, a request is admitted only while its predicted queue wait fits its class's
 from the work ahead of it (the requests of its class or higher that wait) and the service left to its class: the
 capacity less the arrival rate of the classes above it (they overtake it). The capacity is the router's
 assignment rate while requests were waiting, read from the shared ``assigned`` counter over a sliding window, and
-the arrival rates from the shared per-class ``admitted`` counters, so every gateway sees the deployment's; until
+the arrival rates from the shared per-priority ``admitted_<priority>`` counters, so every gateway sees the deployment's; until
 the capacity is known (cold start, light load) only the count bounds the queue.
 """
 
@@ -65,7 +65,7 @@ class ServiceRate:
 
 class ClassArrivals:
     """Requests admitted per second by priority class over the last ``window_s``, from samples of the shared
-    per-class ``admitted`` counters (indexed by ``PRIORITY_CLASS``)."""
+    per-priority ``admitted_<priority>`` counters (indexed by ``PRIORITY_CLASS``)."""
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s

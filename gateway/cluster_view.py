@@ -19,7 +19,7 @@ from gateway.config import GatewayConfig
 
 # the liveness key's TTL; refreshed every monitor_s (the router reaps a dead gateway's work)
 GATEWAY_TTL_MS = 3000
-CLASSES = sorted(PRIORITY_CLASS.values())
+PRIORITIES = sorted(PRIORITY_CLASS, key=PRIORITY_CLASS.__getitem__)  # high first
 
 
 class Tick(NamedTuple):
@@ -28,7 +28,7 @@ class Tick(NamedTuple):
     now: float  # time.monotonic() when it was read
     assigned: int  # the deployment's ``assigned`` counter
     depth: int  # requests waiting in the global queue
-    admitted: tuple[int, ...] = (0, 0, 0)  # the ``admitted:<class>`` counters, by priority class
+    admitted: tuple[int, ...] = (0, 0, 0)  # the ``admitted_<priority>`` counters, high first
 
 
 class ClusterView:
@@ -73,7 +73,7 @@ class ClusterView:
         beats = await self.workers(max_age_s=0)
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
-        pipe.hmget(self.keys.stats, ["assigned", *(f"admitted:{c}" for c in CLASSES)])
+        pipe.hmget(self.keys.stats, ["assigned", *(f"admitted_{p}" for p in PRIORITIES)])
         pipe.exists(self.keys.router_lease)
         pipe.zcard(self.keys.queue)
         _, (assigned, *admitted), lease, depth = await pipe.execute()

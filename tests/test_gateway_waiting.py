@@ -81,18 +81,18 @@ async def test_admission_counts_each_class_in_the_shared_stats(room, aredis, key
     for rid, prio in (("h", "high"), ("n1", "normal"), ("n2", "normal")):
         await r.enqueue(admitted(rid, prio))
     stats = await aredis.hgetall(keys.stats)
-    assert (stats[b"admitted"], stats[b"admitted:0"], stats[b"admitted:1"]) == (b"3", b"1", b"2")
+    assert (stats[b"admitted"], stats[b"admitted_high"], stats[b"admitted_normal"]) == (b"3", b"1", b"2")
 
 
 async def test_a_predicted_wait_beyond_the_class_budget_is_a_429_at_once(room, aredis, keys):
-    """At 2 requests/s a normal request's budget of 2 s holds 4 ahead: the fifth is refused with the predicted
+    """At 2 requests/s a normal request's budget of 2 s holds 3 ahead and itself: the fifth is refused with the predicted
     wait and the budget in its message, and a Retry-After for the excess; high priority is not behind them."""
     r = room(wait_budget_normal_s=2.0, wait_budget_high_s=1.0)
     measured(r, 2.0)
     for i in range(4):
         await r.enqueue(admitted(f"n{i}"))
     t0 = time.monotonic()
-    with pytest.raises(QueueFullError, match=r"predicted queue wait \(2 s, 4 requests ahead\) exceeds normal "
+    with pytest.raises(QueueFullError, match=r"predicted queue wait \(2.5 s, 4 requests ahead\) exceeds normal "
                        r"priority's budget of 2 s; retry after 1 s") as refused:  # fmt: skip
         await r.enqueue(admitted("n4"))
     assert time.monotonic() - t0 < 0.5 and refused.value.retry_after_s == 1
