@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from flying.logs import LogFormat
+from gateway.connections import ConnectionLimits
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,14 @@ class GatewayConfig:
     reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
     drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
     monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
+    # at the door (gateway.connections): 431 beyond these header bytes or fields, 414 beyond this URL length, 408
+    # when a request head takes longer, 503 with Retry-After beyond this many open connections
+    max_header_bytes: int = 16384
+    max_header_count: int = 100
+    max_url_bytes: int = 8192
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 4096
     api_keys: tuple[str, ...] = field(
         default=(), repr=False
     )  # /v1/* needs one as a bearer token (none: open)
@@ -48,11 +57,20 @@ class GatewayConfig:
         _at_least("default_max_tokens", self.default_max_tokens, 1)
         _at_least("max_attempts", self.max_attempts, 1)
         _at_least("max_wait_s", self.max_wait_s, 0, " (0: no bound by wait)")
+        _above("keep_alive_timeout_s", self.keep_alive_timeout_s, 0)
+        self.connection_limits  # noqa: B018 - validated on construction
         for p in ("high", "normal", "low"):
             _above(f"wait_budget_{p}_s", getattr(self, f"wait_budget_{p}_s"), 0)
         _at_least("redis_max_connections", self.redis_max_connections, 4)
         _above("reconcile_s", self.reconcile_s, 0)
         _above("monitor_s", self.monitor_s, 0)
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            self.max_header_bytes, self.max_header_count, self.max_url_bytes, self.header_timeout_s,
+            self.max_connections,
+        )  # fmt: skip
 
     def wait_budget_s(self, priority: str) -> float | None:
         """How long a request of ``priority`` may wait in the queue: its class's budget capped by ``max_wait_s``

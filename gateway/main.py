@@ -11,6 +11,7 @@ from flying import cli, logs, settings
 from gateway.app import create_app
 from gateway.auth import read_keys
 from gateway.config import GatewayConfig
+from gateway.connections import guarded_protocol
 from gateway.drain import Drain, DrainingServer
 
 
@@ -52,6 +53,18 @@ def parser() -> argparse.ArgumentParser:
             help=f"seconds a {prio}-priority request may wait in the queue: 429 at once when the measured service "
             "rate predicts a longer wait, 504 when an admitted one has waited this long",
         )
+    door = p.add_argument_group("limits at the door (per connection)")
+    door.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                      help="431 beyond this many bytes of request header fields")  # fmt: skip
+    door.add_argument("--max-header-count", type=int, default=d.max_header_count,
+                      help="431 beyond this many request header fields")  # fmt: skip
+    door.add_argument("--max-url-bytes", type=int, default=d.max_url_bytes, help="414 beyond this URL length")
+    door.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s,
+                      help="seconds a request head may take to arrive (408); a silent connection is closed")  # fmt: skip
+    door.add_argument("--keep-alive-timeout-s", type=float, default=d.keep_alive_timeout_s,
+                      help="seconds an idle keep-alive connection stays open")  # fmt: skip
+    door.add_argument("--max-connections", type=int, default=d.max_connections,
+                      help="open connections beyond which new ones are answered 503 with Retry-After")  # fmt: skip
     p.add_argument(
         "--redis-max-connections",
         type=int,
@@ -100,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             wait_budget_normal_s=a.wait_budget_normal_s,
             wait_budget_low_s=a.wait_budget_low_s,
             redis_max_connections=a.redis_max_connections,
+            max_header_bytes=a.max_header_bytes,
+            max_header_count=a.max_header_count,
+            max_url_bytes=a.max_url_bytes,
+            header_timeout_s=a.header_timeout_s,
+            keep_alive_timeout_s=a.keep_alive_timeout_s,
+            max_connections=a.max_connections,
             drain_grace_s=a.drain_grace_s,
             default_max_tokens=a.default_max_tokens,
             api_keys=read_keys(settings.api_keys(), a.api_key_file),
@@ -122,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         log_config=None,  # uvicorn's own lines go through flying.logs' handler (and format)
         access_log=False,  # the gateway's request log says more (gateway.request_log); none is built per request
         timeout_graceful_shutdown=5,
+        http=guarded_protocol(config.connection_limits),
+        timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn accepts a float
     )
     DrainingServer(server_config, drain, config.drain_grace_s).run()
 
