@@ -58,6 +58,21 @@ class Keys:
         assigned, requeued, completed, failed, cancelled."""
         return f"{self.prefix}:stats"
 
+    @property
+    def tenants(self) -> str:
+        """SET of the tenant names (from the API-key file) that have been admitted a request."""
+        return f"{self.prefix}:tenants"
+
+    def tenant(self, name: str) -> str:
+        """HASH of one tenant's monotonic counters: requests and tokens admitted, refused_requests_per_s,
+        refused_tokens_per_min."""
+        return f"{self.prefix}:tenant:{name}"
+
+    def tenant_bucket(self, name: str, kind: str) -> str:
+        """HASH (t: tokens left, ts: when; PEXPIRE once full again): one tenant's ``requests`` or ``tokens``
+        bucket, shared by every gateway."""
+        return f"{self.prefix}:tenant:{name}:{kind}"
+
     def request(self, rid: str) -> str:
         """HASH with one request's metadata and state (expires some time after it finishes)."""
         return f"{self.prefix}:req:{rid}"

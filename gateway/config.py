@@ -47,6 +47,7 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = field(
         default=(), repr=False
     )  # /v1/* needs one as a bearer token (none: open)
+    api_key_file: str | None = None  # plain keys or TOML tenants (gateway.tenants); reloaded on SIGHUP
     metrics_require_key: bool = False  # /metrics needs a key too
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
 

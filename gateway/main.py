@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -13,6 +15,7 @@ from gateway.auth import read_keys
 from gateway.config import GatewayConfig
 from gateway.connections import guarded_protocol
 from gateway.drain import Drain, DrainingServer
+from gateway.tenants import Tenants
 
 
 def parser() -> argparse.ArgumentParser:
@@ -85,8 +88,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key-file",
-        help=f"API keys, one per line, added to those in ${settings.API_KEYS} (comma-separated); with any, "
-        "/v1/* needs 'Authorization: Bearer <key>' (none: open)",
+        help=f"API keys, one per line, or tenants with limits in a *.toml file (see docs/operations.md), added to "
+        f"those in ${settings.API_KEYS} (comma-separated); with any, /v1/* needs 'Authorization: Bearer <key>' "
+        "(none: open); SIGHUP reloads it",
     )
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     logs.add_argument(p)
@@ -121,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             max_connections=a.max_connections,
             drain_grace_s=a.drain_grace_s,
             default_max_tokens=a.default_max_tokens,
-            api_keys=read_keys(settings.api_keys(), a.api_key_file),
+            api_keys=read_keys(settings.api_keys(), None if toml(a.api_key_file) else a.api_key_file),
+            api_key_file=a.api_key_file,
             metrics_require_key=a.metrics_require_key,
             log_format=a.log_format,
         )
@@ -129,12 +134,26 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         p.error(str(exc))
 
 
+def toml(path: str | None) -> bool:
+    return path is not None and Path(path).suffix == ".toml"
+
+
+def load_tenants(config: GatewayConfig) -> Tenants:
+    """The API keys, reloaded on SIGHUP (requests in progress keep their tenant; a bad file keeps the old keys)."""
+    try:
+        tenants = Tenants(settings.api_keys(), config.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"flying-gateway: cannot read the API keys: {exc}") from None
+    signal.signal(signal.SIGHUP, lambda *_: tenants.reload())
+    return tenants
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logs.setup(config.log_format)
     drain = Drain()
     server_config = uvicorn.Config(
-        create_app(config, drain=drain),
+        create_app(config, drain=drain, tenants=load_tenants(config)),
         host=config.host,
         port=config.port,
         log_level="warning",

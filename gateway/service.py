@@ -71,7 +71,7 @@ class Gateway:
         self.r = client
         self.background = Background()
         self.cluster = ClusterView(client, self.keys, config)
-        self.admission = Admission(config, self.cluster, count_tokens)
+        self.admission = Admission(config, self.cluster, count_tokens, self.metrics)
         self.waiting = WaitingRoom(config, client, self.keys, self.metrics, self.background)
         self.upstream = Upstream(config.request_timeout_s)
         self.relay = Relay(self.upstream, self.waiting, self.background)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -18,7 +19,8 @@ from flying.autopipeline import AutoPipeline
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
 from flying.messages import Assignment, Priority, QueuedRequest
-from flying.queue import DuplicateId, QueueFull, RequestQueue
+from flying.queue import DuplicateId, QueueFull, RequestQueue, TenantLimit, TenantLimited
+from gateway import tenants
 from gateway.admission import Admitted
 from gateway.assignments import AssignmentWaiter
 from gateway.background import Background
@@ -27,6 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
 from gateway.errors import QueueFullError, QueueTimeout, WorkerFailed
 from gateway.metrics import GatewayMetrics
+from gateway.tenants import Tenant
 
 log = logging.getLogger("flying.gateway")
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
@@ -61,17 +64,27 @@ class WaitingRoom:
 
     async def enqueue(self, adm: Admitted) -> asyncio.Future[Assignment]:
         """Admit to the global queue, within the backpressure limits for its priority (else 429)."""
-        rid = adm.record.id
-        limits = self.backpressure.limits(adm.record.priority)
+        rid, rec = adm.record.id, adm.record
+        limits = self.backpressure.limits(rec.priority)
+        tenant = tenants.current.get()
+        charge = tenant.charge(rec.prompt_tokens + rec.max_tokens) if tenant is not None else None
         fut = self.waiter.expect(rid)
         try:
-            fast = await self.queue.admit(adm.record, limits.max_depth, limits.max_ahead)
+            fast = await self.queue.admit(rec, limits.max_depth, limits.max_ahead, charge)
         except QueueFull as exc:
             self.waiter.forget(rid)
-            raise self._refusal(adm.record.priority, exc, limits) from None
+            raise self._refusal(rec.priority, exc, limits) from None
+        except TenantLimited as exc:
+            self.waiter.forget(rid)
+            raise self._tenant_refusal(tenant, exc) from None
         except BaseException:
             self.waiter.forget(rid)
             raise
+        if tenant is not None:
+            self.metrics.child(self.metrics.tenant_requests, tenant.name).inc()
+            self.metrics.child(self.metrics.tenant_tokens, tenant.name).inc(
+                rec.prompt_tokens + rec.max_tokens
+            )
         if fast is not None:  # assigned at admission (the queue was empty): no wait for the router's round
             self.waiter.resolve(fast)
             return fut
@@ -95,6 +108,17 @@ class WaitingRoom:
             )
         self.metrics.child(self.metrics.refused, priority, exc.reason).inc()
         return QueueFullError(f"{why}; retry after {retry} s", retry_after_s=retry)
+
+    def _tenant_refusal(self, tenant: Tenant | None, exc: TenantLimited) -> QueueFullError:
+        """The 429 for a request over its tenant's requests/s or tokens/min."""
+        assert tenant is not None, "only a tenant's request is charged"
+        self.metrics.tenant_rejected.labels(tenant.name, exc.limit.value).inc()
+        retry = max(1, math.ceil(exc.retry_after_s))
+        value = tenant.requests_per_s if exc.limit is TenantLimit.REQUESTS_PER_S else tenant.tokens_per_min
+        return QueueFullError(
+            f"tenant {tenant.name} is over its {exc.limit.value} limit ({value:g}); retry after {retry} s",
+            retry_after_s=retry,
+        )
 
     async def readmit(self, rids: list[str]) -> None:
         """Redis lost these waiting requests (a restart without persistence, or with the last second of AOF
