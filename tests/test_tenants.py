@@ -22,8 +22,8 @@ from gateway.auth import RequireKey
 from gateway.errors import QueueFullError
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import OverPriority, PriorityNotAllowed, Tenant, Tenants, read_book
-from tests.test_gateway_waiting import admitted, room  # noqa: F401 - the fixture
 from tests.stack import gateway_process
+from tests.test_gateway_waiting import admitted, room  # noqa: F401 - the fixture
 from tests.test_queue import mk
 
 TOML = """
