@@ -59,13 +59,20 @@ class Keys:
         return f"{self.prefix}:stats"
 
     @property
+    def vclock(self) -> str:
+        """HASH priority class -> the queue position of the last request assigned in it: the virtual clock from
+        which a tenant's new request starts (fair sharing inside a class)."""
+        return f"{self.prefix}:vclock"
+
+    @property
     def tenants(self) -> str:
         """SET of the tenant names (from the API-key file) that have been admitted a request."""
         return f"{self.prefix}:tenants"
 
     def tenant(self, name: str) -> str:
         """HASH of one tenant's monotonic counters: requests and tokens admitted, refused_requests_per_s,
-        refused_tokens_per_min."""
+        refused_tokens_per_min; and ``finish:<class>``, where its next request in that class starts at the latest
+        (fair sharing)."""
         return f"{self.prefix}:tenant:{name}"
 
     def tenant_bucket(self, name: str, kind: str) -> str:

@@ -25,7 +25,7 @@ FINISHED_TTL_S = 3600
 
 _ADMIT = """
 -- KEYS: queue, seq, request hash, wake, stats, fast-path targets, tenant counters, tenant request bucket, tenant
--- token bucket, tenant names ; ARGV: id, class, max_queue, max_ahead, kv tokens, now, inflight key prefix, has a
+-- token bucket, tenant names, virtual clocks ; ARGV: id, class, max_queue, max_ahead, kv tokens, now, inflight key prefix, has a
 -- prefix chain (1/0), tenant name ('' none), its requests/s (0 none), its tokens/min (0 none), the request's
 -- tokens, then field/value pairs.
 -- A tenant's limits are token buckets (HASH t = tokens left, ts = when; Redis's clock): requests/s holds a
@@ -38,8 +38,23 @@ _ADMIT = """
 -- returns {seq, engine, url, epoch} (the reply is the gateway's assignment: nothing is published).
 local depth = redis.call('ZCARD', KEYS[1])
 if tonumber(ARGV[3]) > 0 and depth >= tonumber(ARGV[3]) then return {-1, depth} end
-if tonumber(ARGV[4]) > 0 then
-  local ahead = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. string.format('%%.0f', (tonumber(ARGV[2]) + 1) * %d))
+-- Fair sharing inside a class (start-time fair queuing): a tenant's request starts at the later of the class's
+-- virtual clock (the position of the last request assigned in it, kept by the assign script) and its tenant's
+-- previous request's finish (start + 1), so a tenant that floods the class queues behind its own requests, not
+-- others'. Without a tenant the position is the arrival sequence.
+local pos = tonumber(redis.call('GET', KEYS[2]) or 0) + 1
+if ARGV[9] ~= '' then
+  local base = tonumber(ARGV[2]) * %d
+  local v = redis.call('HGET', KEYS[11], ARGV[2])
+  if not v then  -- nothing assigned in the class yet: its head's position, else the next arrival's
+    local head = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%%.0f', base),
+      '(' .. string.format('%%.0f', base + %d), 'WITHSCORES', 'LIMIT', 0, 1)
+    v = head[2] and tonumber(head[2]) - base or pos
+  end
+  pos = math.max(tonumber(v), tonumber(redis.call('HGET', KEYS[7], 'finish:' .. ARGV[2]) or 0))
+end
+if tonumber(ARGV[4]) > 0 then  -- the requests ahead of this one: higher classes, and its class before its position
+  local ahead = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. string.format('%%.0f', tonumber(ARGV[2]) * %d + pos))
   if ahead >= tonumber(ARGV[4]) then return {-3, ahead} end
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
@@ -72,6 +87,7 @@ if ARGV[9] ~= '' then
   redis.call('SADD', KEYS[10], ARGV[9])
 end
 local seq = redis.call('INCR', KEYS[2])
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[7], 'finish:' .. ARGV[2], pos + 1) end
 redis.call('HSET', KEYS[3], unpack(ARGV, 13))
 redis.call('HINCRBY', KEYS[5], 'admitted', 1)
 redis.call('HINCRBY', KEYS[5], ({'admitted_high', 'admitted_normal', 'admitted_low'})[tonumber(ARGV[2]) + 1], 1)
@@ -94,26 +110,32 @@ if raw then
     return {seq, best.engine, best.url, epoch}
   end
 end
-redis.call('HSET', KEYS[3], 'seq', seq, 'state', 'queued')
-redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + seq, ARGV[1])
+redis.call('HSET', KEYS[3], 'seq', seq, 'state', 'queued', 'pos', pos)
+redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + pos, ARGV[1])
 redis.call('LPUSH', KEYS[4], 1)
 redis.call('LTRIM', KEYS[4], 0, 0)
 return seq
-""" % (int(CLASS_WEIGHT), int(CLASS_WEIGHT))
+""" % (int(CLASS_WEIGHT), int(CLASS_WEIGHT), int(CLASS_WEIGHT), int(CLASS_WEIGHT))
 
 _ASSIGN = """
--- KEYS: queue, request hash, inflight set, stats ; ARGV: id, engine, now, queue_ms, channel, message, url, epoch
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+-- KEYS: queue, request hash, inflight set, stats, virtual clocks ; ARGV: id, engine, now, queue_ms, channel,
+-- message, url, epoch. The class's virtual clock moves up to the assigned request's position (fair sharing).
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+local class = math.floor(tonumber(score) / %d)
+local pos = tonumber(score) - class * %d
+if pos > tonumber(redis.call('HGET', KEYS[5], class) or -1) then redis.call('HSET', KEYS[5], class, pos) end
 redis.call('HSET', KEYS[2], 'state', 'assigned', 'engine', ARGV[2], 'url', ARGV[7], 'assigned_at', ARGV[3], 'queue_ms', ARGV[4], 'epoch', ARGV[8])
 redis.call('SADD', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'assigned', 1)
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
-"""
+""" % (int(CLASS_WEIGHT), int(CLASS_WEIGHT))
 
 _REQUEUE = """
 -- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason, engine
-local seq = redis.call('HGET', KEYS[2], 'seq')
+local seq = redis.call('HGET', KEYS[2], 'pos') or redis.call('HGET', KEYS[2], 'seq')
 if not seq or redis.call('HGET', KEYS[2], 'state') ~= 'assigned' then return 0 end
 redis.call('SREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3], 'failed_on', ARGV[4])
@@ -228,7 +250,8 @@ class RequestQueue:
         out = await self._run(
             _ADMIT,
             keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats, k.fast_path, k.tenant(c.tenant),
-                  k.tenant_bucket(c.tenant, "requests"), k.tenant_bucket(c.tenant, "tokens"), k.tenants],
+                  k.tenant_bucket(c.tenant, "requests"), k.tenant_bucket(c.tenant, "tokens"), k.tenants,
+                  k.vclock],
             args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
                   k.inflight_prefix, 1 if req.prefix else 0, c.tenant, c.requests_per_s, c.tokens_per_min,
                   c.tokens, *fields],
@@ -272,7 +295,7 @@ class RequestQueue:
             queue_ms = max(0.0, (now - req.enqueued_at) * 1000)
             msg = encode(Assignment(id=req.id, engine=engine, url=url, queue_ms=queue_ms))
             await self._assign(
-                keys=[k.queue, k.request(req.id), k.inflight(engine), k.stats],
+                keys=[k.queue, k.request(req.id), k.inflight(engine), k.stats, k.vclock],
                 args=[
                     req.id,
                     engine,

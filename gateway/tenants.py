@@ -78,10 +78,9 @@ class Tenant:
             )
         return top
 
-    def charge(self, tokens: int) -> Charge | None:
-        """What admitting a request of ``tokens`` takes from this tenant's buckets (None: no rate limits)."""
-        if self.requests_per_s is None and self.tokens_per_min is None:
-            return None
+    def charge(self, tokens: int) -> Charge:
+        """What admitting a request of ``tokens`` takes from this tenant's buckets (limits 0: none), and the name
+        its place in the queue is shared fairly under."""
         return Charge(self.name, self.requests_per_s or 0.0, self.tokens_per_min or 0.0, tokens)
 
 

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from flying.keys import Keys
 from flying.queue import Charge, RequestQueue, TenantLimit, TenantLimited
 from gateway import tenants as tenancy
 from gateway.auth import RequireKey
@@ -130,6 +131,7 @@ async def test_the_buckets_are_shared_by_gateways_and_a_refusal_takes_nothing(ar
         b"requests": b"2",
         b"tokens": b"20",
         b"refused_requests_per_s": b"1",
+        b"finish:1": b"3",  # where team a's next normal request starts at the latest
     }
     assert await aredis.smembers(keys.tenants) == {b"a", b"b"}
     time.sleep(0.5)  # half a second refills one request
@@ -204,3 +206,31 @@ def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_
     assert 'flying_gateway_tenant_requests_total{tenant="team-b"} 1.0' in metrics
     log = (tmp_path / "gateway.log").read_text()
     assert "API keys reloaded: 1 keys" in log and "Bearer" not in log, "keys stay out of the log"
+
+
+async def steady_waits(q: RequestQueue, flood: int) -> list[int]:
+    """Dispatch rounds that each of tenant B's requests waits (one every 4th round; tenant C one in each of the
+    other rounds) while the router assigns one request per round, after tenant A put ``flood`` requests in the
+    queue at the start."""
+    waits, sent = [], {}
+    for i in range(flood):
+        await q.admit(mk(f"a{i}"), charge=Charge("a"))
+    for t in range(120):
+        tenant = "b" if t % 4 == 0 else "c"
+        rid = f"{tenant}{t}"
+        await q.admit(mk(rid), charge=Charge(tenant))
+        sent[rid] = t
+        (head,) = await q.peek(1)
+        assert await q.assign(head, 0, "http://e0")
+        if head.id.startswith("b"):
+            waits.append(t - sent[head.id] + 1)
+    return waits
+
+
+async def test_a_tenant_that_floods_its_class_does_not_delay_another_tenant(aredis, keys):
+    """Fair sharing inside a class: with tenant A's 200 requests queued ahead, tenant B's steady requests wait
+    as many dispatch rounds as without them (arrival order would make each wait some 200 rounds)."""
+    alone = await steady_waits(RequestQueue(aredis, keys), flood=0)
+    flooded = await steady_waits(RequestQueue(aredis, Keys(keys.prefix + "-f")), flood=200)
+    assert len(flooded) >= len(alone) - 1 and len(alone) == 30
+    assert sum(flooded) / len(flooded) <= 1.2 * sum(alone) / len(alone), (alone, flooded)
