@@ -99,7 +99,7 @@ def render_tenants(r: redis.Redis, keys: Keys) -> str:
             f"{row.get('refused_requests_per_s', 0):>11} {row.get('refused_tokens_per_min', 0):>11}"
         )
     if not names:
-        lines.append("no tenant has been admitted a request (keys without limits are not counted here)")
+        lines.append("no tenant has been admitted a request (no API keys, or none used yet)")
     return "\n".join(lines)
 
 

@@ -66,7 +66,7 @@ class Keys:
 
     @property
     def tenants(self) -> str:
-        """SET of the tenant names (from the API-key file) that have been admitted a request."""
+        """SET of the tenant names (one per API key, or as the key file names them) that have been admitted a request."""
         return f"{self.prefix}:tenants"
 
     def tenant(self, name: str) -> str:
