@@ -4,6 +4,8 @@ flyctl status                      engines (mode, epoch, group, load, prefix-cac
                                    groups, regime, queue
 flyctl queue [-n 20]               the waiting requests in dispatch order
 flyctl watch [--interval 1]        status, refreshed until Ctrl-C
+flyctl tenants                     each tenant's requests and tokens admitted and requests refused by its
+                                   limits (all gateways)
 flyctl bind 0 1 [--preempt hard] [--adopt] [--sp-threshold N]
                                    bind engines 0 and 1 into one TP group by hand (prints the epoch);
                                    --adopt: their DP requests become the group's, KV moved by head slices;
@@ -86,6 +88,23 @@ def render_queue(r: redis.Redis, keys: Keys, limit: int) -> str:
     return "\n".join(lines)
 
 
+def render_tenants(r: redis.Redis, keys: Keys) -> str:
+    names = sorted(text(n) for n in r.smembers(keys.tenants))
+    lines = [f"{'tenant':<24} {'requests':>9} {'tokens':>11} {'refused rps':>11} {'refused tpm':>11}"]
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.tenant(name))
+    for name, raw in zip(names, pipe.execute()):
+        row = {text(k): int(v) for k, v in raw.items()}
+        lines.append(
+            f"{name:<24} {row.get('requests', 0):>9} {row.get('tokens', 0):>11} "
+            f"{row.get('refused_requests_per_s', 0):>11} {row.get('refused_tokens_per_min', 0):>11}"
+        )
+    if not names:
+        lines.append("no tenant has been admitted a request (no API keys, or none used yet)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flyctl", description=__doc__.splitlines()[0])
     p.add_argument("--redis-url", default=settings.redis_url())
@@ -94,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status")
     q = sub.add_parser("queue")
     q.add_argument("-n", type=int, default=20, help="how many waiting requests to list")
+    sub.add_parser("tenants")
     w = sub.add_parser("watch")
     w.add_argument("--interval", type=float, default=1.0)
     w.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
@@ -137,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         elif a.cmd == "release":
             control.release(r, keys, tuple(a.members), a.epoch, a.retract, scatter=a.scatter)
+        elif a.cmd == "tenants":
+            print(render_tenants(r, keys))
         elif a.cmd == "queue":
             print(render_queue(r, keys, a.n))
         elif a.cmd == "watch":

@@ -54,8 +54,31 @@ class Keys:
 
     @property
     def stats(self) -> str:
-        """HASH of monotonic counters: admitted, assigned, requeued, completed, failed, cancelled."""
+        """HASH of monotonic counters: admitted (and per priority: admitted_high, admitted_normal, admitted_low),
+        assigned, requeued, completed, failed, cancelled."""
         return f"{self.prefix}:stats"
+
+    @property
+    def vclock(self) -> str:
+        """HASH priority class -> the queue position of the last request assigned in it: the virtual clock from
+        which a tenant's new request starts (fair sharing inside a class)."""
+        return f"{self.prefix}:vclock"
+
+    @property
+    def tenants(self) -> str:
+        """SET of the tenant names (one per API key, or as the key file names them) that have been admitted a request."""
+        return f"{self.prefix}:tenants"
+
+    def tenant(self, name: str) -> str:
+        """HASH of one tenant's monotonic counters: requests and tokens admitted, refused_requests_per_s,
+        refused_tokens_per_min; and ``finish:<class>``, where its next request in that class starts at the latest
+        (fair sharing)."""
+        return f"{self.prefix}:tenant:{name}"
+
+    def tenant_bucket(self, name: str, kind: str) -> str:
+        """HASH (t: tokens left, ts: when; PEXPIRE once full again): one tenant's ``requests`` or ``tokens``
+        bucket, shared by every gateway."""
+        return f"{self.prefix}:tenant:{name}:{kind}"
 
     def request(self, rid: str) -> str:
         """HASH with one request's metadata and state (expires some time after it finishes)."""

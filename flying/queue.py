@@ -8,8 +8,10 @@ killed at any point neither loses nor duplicates a request: a request is either 
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,8 +24,13 @@ CLASS_WEIGHT = 1e12  # score = class * CLASS_WEIGHT + seq: exact in a double for
 FINISHED_TTL_S = 3600
 
 _ADMIT = """
--- KEYS: queue, seq, request hash, wake, stats, fast-path targets ; ARGV: id, class, max_queue, max_ahead,
--- kv tokens, now, inflight key prefix, has a prefix chain (1/0), then field/value pairs.
+-- KEYS: queue, seq, request hash, wake, stats, fast-path targets, tenant counters, tenant request bucket, tenant
+-- token bucket, tenant names, virtual clocks ; ARGV: id, class, max_queue, max_ahead, kv tokens, now, inflight key prefix, has a
+-- prefix chain (1/0), tenant name ('' none), its requests/s (0 none), its tokens/min (0 none), the request's
+-- tokens, then field/value pairs.
+-- A tenant's limits are token buckets (HASH t = tokens left, ts = when; Redis's clock): requests/s holds a
+-- second's worth (at least 1), tokens/min a minute's; a request takes 1 and its tokens (at most a full bucket).
+-- Over one: {-4, limit (1 requests/s, 2 tokens/min), ms until it would fit}, nothing taken.
 -- Refusals return {code, n}: {-1, depth} the queue is full; {-3, ahead} max_ahead requests of this class or
 -- higher already wait (the estimated wait is too long). Queued: the arrival sequence. Fast path (the queue is
 -- empty, normal or low priority, a target the router published has a free slot and KV for it, and is not an
@@ -31,14 +38,59 @@ _ADMIT = """
 -- returns {seq, engine, url, epoch} (the reply is the gateway's assignment: nothing is published).
 local depth = redis.call('ZCARD', KEYS[1])
 if tonumber(ARGV[3]) > 0 and depth >= tonumber(ARGV[3]) then return {-1, depth} end
-if tonumber(ARGV[4]) > 0 then
-  local ahead = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. string.format('%%.0f', (tonumber(ARGV[2]) + 1) * %d))
+-- Fair sharing inside a class (start-time fair queuing): a tenant's request starts at the later of the class's
+-- virtual clock (the position of the last request assigned in it, kept by the assign script) and its tenant's
+-- previous request's finish (start + 1), so a tenant that floods the class queues behind its own requests, not
+-- others'. Without a tenant the position is the arrival sequence.
+local pos = tonumber(redis.call('GET', KEYS[2]) or 0) + 1
+if ARGV[9] ~= '' then
+  local base = tonumber(ARGV[2]) * %d
+  local v = redis.call('HGET', KEYS[11], ARGV[2])
+  if not v then  -- nothing assigned in the class yet: its head's position, else the next arrival's
+    local head = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%%.0f', base),
+      '(' .. string.format('%%.0f', base + %d), 'WITHSCORES', 'LIMIT', 0, 1)
+    v = head[2] and tonumber(head[2]) - base or pos
+  end
+  pos = math.max(tonumber(v), tonumber(redis.call('HGET', KEYS[7], 'finish:' .. ARGV[2]) or 0))
+end
+if tonumber(ARGV[4]) > 0 then  -- the requests ahead of this one: higher classes, and its class before its position
+  local ahead = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. string.format('%%.0f', tonumber(ARGV[2]) * %d + pos))
   if ahead >= tonumber(ARGV[4]) then return {-3, ahead} end
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
+if ARGV[9] ~= '' then
+  local clock = redis.call('TIME')
+  local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+  local rps, tpm = tonumber(ARGV[10]), tonumber(ARGV[11])
+  local specs = {{KEYS[8], rps, math.max(1, rps), 1}, {KEYS[9], tpm / 60, tpm, tonumber(ARGV[12])}}
+  local left = {}
+  for i, b in ipairs(specs) do
+    if b[2] > 0 then
+      local row = redis.call('HMGET', b[1], 't', 'ts')
+      local t = math.min(b[3], (tonumber(row[1]) or b[3]) + math.max(0, now - (tonumber(row[2]) or now)) * b[2])
+      local cost = math.min(b[4], b[3])
+      if t < cost then
+        redis.call('HINCRBY', KEYS[7], i == 1 and 'refused_requests_per_s' or 'refused_tokens_per_min', 1)
+        return {-4, i, math.ceil((cost - t) / b[2] * 1000)}
+      end
+      left[i] = t - cost
+    end
+  end
+  for i, b in ipairs(specs) do
+    if left[i] then
+      redis.call('HSET', b[1], 't', left[i], 'ts', now)
+      redis.call('PEXPIRE', b[1], math.ceil(b[3] / b[2] * 1000) + 1000)
+    end
+  end
+  redis.call('HINCRBY', KEYS[7], 'requests', 1)
+  redis.call('HINCRBY', KEYS[7], 'tokens', tonumber(ARGV[12]))
+  redis.call('SADD', KEYS[10], ARGV[9])
+end
 local seq = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[3], unpack(ARGV, 9))
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[7], 'finish:' .. ARGV[2], pos + 1) end
+redis.call('HSET', KEYS[3], unpack(ARGV, 13))
 redis.call('HINCRBY', KEYS[5], 'admitted', 1)
+redis.call('HINCRBY', KEYS[5], ({'admitted_high', 'admitted_normal', 'admitted_low'})[tonumber(ARGV[2]) + 1], 1)
 local raw = depth == 0 and tonumber(ARGV[2]) > 0 and redis.call('GET', KEYS[6])
 if raw then
   local best, best_n = nil, 0
@@ -58,26 +110,32 @@ if raw then
     return {seq, best.engine, best.url, epoch}
   end
 end
-redis.call('HSET', KEYS[3], 'seq', seq, 'state', 'queued')
-redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + seq, ARGV[1])
+redis.call('HSET', KEYS[3], 'seq', seq, 'state', 'queued', 'pos', pos)
+redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + pos, ARGV[1])
 redis.call('LPUSH', KEYS[4], 1)
 redis.call('LTRIM', KEYS[4], 0, 0)
 return seq
-""" % (int(CLASS_WEIGHT), int(CLASS_WEIGHT))
+""" % (int(CLASS_WEIGHT), int(CLASS_WEIGHT), int(CLASS_WEIGHT), int(CLASS_WEIGHT))
 
 _ASSIGN = """
--- KEYS: queue, request hash, inflight set, stats ; ARGV: id, engine, now, queue_ms, channel, message, url, epoch
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+-- KEYS: queue, request hash, inflight set, stats, virtual clocks ; ARGV: id, engine, now, queue_ms, channel,
+-- message, url, epoch. The class's virtual clock moves up to the assigned request's position (fair sharing).
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+local class = math.floor(tonumber(score) / %d)
+local pos = tonumber(score) - class * %d
+if pos > tonumber(redis.call('HGET', KEYS[5], class) or -1) then redis.call('HSET', KEYS[5], class, pos) end
 redis.call('HSET', KEYS[2], 'state', 'assigned', 'engine', ARGV[2], 'url', ARGV[7], 'assigned_at', ARGV[3], 'queue_ms', ARGV[4], 'epoch', ARGV[8])
 redis.call('SADD', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'assigned', 1)
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
-"""
+""" % (int(CLASS_WEIGHT), int(CLASS_WEIGHT))
 
 _REQUEUE = """
 -- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason, engine
-local seq = redis.call('HGET', KEYS[2], 'seq')
+local seq = redis.call('HGET', KEYS[2], 'pos') or redis.call('HGET', KEYS[2], 'seq')
 if not seq or redis.call('HGET', KEYS[2], 'state') ~= 'assigned' then return 0 end
 redis.call('SREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3], 'failed_on', ARGV[4])
@@ -142,6 +200,30 @@ class QueueFull(Exception):
         self.count = count
 
 
+class TenantLimited(Exception):
+    """A tenant's token bucket is short: ``limit`` names it, ``retry_after_s`` says when the request would fit."""
+
+    def __init__(self, limit: TenantLimit, retry_after_s: float) -> None:
+        super().__init__(f"over its {limit.value} limit; fits in {retry_after_s:.1f} s")
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+
+class TenantLimit(enum.Enum):
+    REQUESTS_PER_S = "requests_per_s"
+    TOKENS_PER_MIN = "tokens_per_min"
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What admitting a request takes from its tenant's buckets (limits 0: none)."""
+
+    tenant: str
+    requests_per_s: float = 0.0
+    tokens_per_min: float = 0.0
+    tokens: int = 0
+
+
 class RequestQueue:
     """Async facade over the queue scripts; used by the gateway (admit/finish/requeue) and router (assign). With
     ``pipe`` (the gateway's), the per-request scripts (admit, finish, requeue) go through that auto-pipelined
@@ -155,18 +237,28 @@ class RequestQueue:
         self._assign = client.register_script(_ASSIGN)
         self._states = client.register_script(_STATES)
 
-    async def admit(self, req: QueuedRequest, max_queue: int = 0, max_ahead: int = 0) -> Assignment | None:
+    async def admit(
+        self, req: QueuedRequest, max_queue: int = 0, max_ahead: int = 0, charge: Charge | None = None
+    ) -> Assignment | None:
         """Insert ``req``. Raises QueueFull when the queue is at ``max_queue``, or when ``max_ahead`` requests of
-        its priority class or higher wait already (0: no such bound). Returns None (queued: the router assigns it)
-        or, on the fast path (the queue empty and a target the router published free), its assignment."""
+        its priority class or higher wait already (0: no such bound), and TenantLimited when ``charge`` does not fit
+        its tenant's buckets (then nothing is taken). Returns None (queued: the router assigns it) or, on the fast
+        path (the queue empty and a target the router published free), its assignment."""
         k = self.keys
         fields = [x for kv in to_hash(req).items() for x in kv if kv[0] != "seq"]
+        c = charge or Charge("")
         out = await self._run(
             _ADMIT,
-            keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats, k.fast_path],
+            keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats, k.fast_path, k.tenant(c.tenant),
+                  k.tenant_bucket(c.tenant, "requests"), k.tenant_bucket(c.tenant, "tokens"), k.tenants,
+                  k.vclock],
             args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
-                  k.inflight_prefix, 1 if req.prefix else 0, *fields],
+                  k.inflight_prefix, 1 if req.prefix else 0, c.tenant, c.requests_per_s, c.tokens_per_min,
+                  c.tokens, *fields],
         )  # fmt: skip
+        if isinstance(out, list) and len(out) == 3:
+            limit = TenantLimit.REQUESTS_PER_S if int(out[1]) == 1 else TenantLimit.TOKENS_PER_MIN
+            raise TenantLimited(limit, int(out[2]) / 1000)
         if isinstance(out, list) and len(out) == 2:
             code, n = int(out[0]), int(out[1])
             if code == -1:
@@ -203,7 +295,7 @@ class RequestQueue:
             queue_ms = max(0.0, (now - req.enqueued_at) * 1000)
             msg = encode(Assignment(id=req.id, engine=engine, url=url, queue_ms=queue_ms))
             await self._assign(
-                keys=[k.queue, k.request(req.id), k.inflight(engine), k.stats],
+                keys=[k.queue, k.request(req.id), k.inflight(engine), k.stats, k.vclock],
                 args=[
                     req.id,
                     engine,

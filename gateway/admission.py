@@ -15,9 +15,11 @@ import msgspec
 
 from flying.messages import Priority, QueuedRequest
 from flying.prefix import block_hashes, encode_chain
+from gateway import tenants
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
 from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
+from gateway.metrics import GatewayMetrics
 from gateway.resume import Resumable, upstream_body
 from gateway.schemas import NOT_RESUMABLE, ChatCompletionRequest, requested_max_tokens
 
@@ -46,13 +48,23 @@ class Admission:
     prompt's ids; ``completion(req)``: a completion prompt's ids or length); the cluster view says what the
     deployment can serve."""
 
-    def __init__(self, config: GatewayConfig, cluster: ClusterView, count_tokens) -> None:
+    def __init__(
+        self, config: GatewayConfig, cluster: ClusterView, count_tokens, metrics: GatewayMetrics | None = None
+    ) -> None:
         self.config = config
         self.cluster = cluster
         self.count_tokens = count_tokens
+        self.metrics = metrics or GatewayMetrics()
 
     async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:
-        """Validate ``req`` and build its record and engine body, under ``request_id`` (else a fresh id)."""
+        """Validate ``req`` and build its record and engine body, under ``request_id`` (else a fresh id). The
+        request's tenant (:data:`gateway.tenants.current`) may lower its priority, or refuse it (403)."""
+        if (tenant := tenants.current.get()) is not None:
+            try:
+                priority = tenant.priority(priority)
+            except tenants.PriorityNotAllowed:
+                self.metrics.tenant_rejected.labels(tenant.name, "max_priority").inc()
+                raise
         if req.model != self.config.served_model_name:
             raise ModelNotFound(
                 f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",

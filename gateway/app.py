@@ -44,6 +44,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
 from gateway.service import DONE, Gateway, Reply
+from gateway.tenants import Tenants
 
 log = logging.getLogger("flying.gateway")
 
@@ -405,9 +406,13 @@ def redis_client(config: GatewayConfig) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
-def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = None) -> Starlette:
-    """The app; ``drain`` (made here when not given) counts requests in progress and holds the drain state."""
+def create_app(
+    config: GatewayConfig, count_tokens=None, drain: Drain | None = None, tenants: Tenants | None = None
+) -> Starlette:
+    """The app; ``drain`` (made here when not given) counts requests in progress and holds the drain state;
+    ``tenants`` are the API keys (default: ``config.api_keys``, plain)."""
     drain = drain or Drain()
+    tenants = tenants if tenants is not None else Tenants.of(config.api_keys)
     meters = GatewayMetrics()
     meters.in_flight.set_function(lambda: drain.active)
 
@@ -433,7 +438,7 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
             config.served_model_name,
             config.host,
             config.port,
-            f"{len(config.api_keys)} API keys" if config.api_keys else "no API keys: open",
+            f"{len(tenants.book.entries)} API keys" if not tenants.open else "no API keys: open",
         )
         try:
             yield
@@ -465,9 +470,10 @@ def create_app(config: GatewayConfig, count_tokens=None, drain: Drain | None = N
             Middleware(RequestLog),
             Middleware(
                 RequireKey,
-                keys=config.api_keys,
+                tenants=tenants,
                 protect_metrics=config.metrics_require_key,
                 on_reject=lambda: meters.rejected.labels("401", InvalidAPIKey.code).inc(),
+                metrics=meters,
             ),
         ],
     )

@@ -1,18 +1,19 @@
-"""API keys. With keys configured (``FLYING_API_KEYS``, comma-separated, or ``--api-key-file``, one per line), every
-``/v1/*`` request needs ``Authorization: Bearer <key>``; a missing or wrong key gets 401 ``invalid_api_key`` in
-OpenAI's shape. ``/health`` stays open; ``/metrics`` needs a key only when asked to. Keys are compared as SHA-256
-digests in constant time and never logged (the config holds them with ``repr=False``)."""
+"""API keys. With keys configured (``FLYING_API_KEYS``, comma-separated, or ``--api-key-file``: one per line, or
+tenants with limits in TOML, see :mod:`gateway.tenants`), every ``/v1/*`` request needs
+``Authorization: Bearer <key>``; a missing or wrong key gets 401 ``invalid_api_key`` in OpenAI's shape.
+``/health`` stays open; ``/metrics`` needs a key only when asked to. Keys are compared as SHA-256 digests in
+constant time and never logged (the config holds them with ``repr=False``)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import Callable
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.tenants import Tenant, Tenants, current
 
 
 class InvalidAPIKey(APIError):
@@ -28,43 +29,71 @@ def read_keys(env_value: str | None, path: str | None = None) -> tuple[str, ...]
     return tuple(dict.fromkeys(k for k in keys if k))
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+class TenantLimitReached(APIError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
 
 
 class RequireKey:
-    """ASGI middleware: refuses protected paths without a valid bearer key (no keys: everything is open)."""
+    """ASGI middleware: refuses protected paths without a valid bearer key (no keys: everything is open), and
+    serves each ``/v1/*`` request as its key's tenant (:data:`gateway.tenants.current`), within the tenant's
+    ``max_concurrent`` on this gateway (else 429). ``tenants`` (reloadable) wins over ``keys`` (plain keys)."""
 
     def __init__(
         self,
         app: ASGIApp,
-        keys: tuple[str, ...],
+        keys: tuple[str, ...] = (),
         protect_metrics: bool = False,
         on_reject: Callable[[], None] = lambda: None,
+        tenants: Tenants | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.app, self.on_reject = app, on_reject
-        self.digests = [_digest(k) for k in keys]
+        self.tenants = tenants if tenants is not None else Tenants.of(keys)
         self.protect_metrics = protect_metrics
+        self.metrics = metrics
 
     def protected(self, path: str) -> bool:
-        return bool(self.digests) and (
+        return not self.tenants.open and (
             path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
         )
 
-    def allows(self, authorization: str) -> bool:
+    def tenant(self, authorization: str) -> Tenant | None:
+        """The tenant of a valid bearer key, else None."""
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return False
-        d = _digest(token.strip())
-        return any(hmac.compare_digest(d, k) for k in self.digests)  # every key compared: no early exit
+            return None
+        return self.tenants.book.find(token.strip())
+
+    def allows(self, authorization: str) -> bool:
+        return self.tenant(authorization) is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.protected(scope["path"]):
-            auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-            if not self.allows(auth):
-                self.on_reject()
-                why = "a wrong API key" if auth else "no API key (send Authorization: Bearer <key>)"
-                err = InvalidAPIKey(f"Incorrect API key provided: the request has {why}.")
-                await err.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or not self.protected(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+        tenant = self.tenant(auth)
+        if tenant is None:
+            self.on_reject()
+            why = "a wrong API key" if auth else "no API key (send Authorization: Bearer <key>)"
+            err = InvalidAPIKey(f"Incorrect API key provided: the request has {why}.")
+            await err.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        if not self.tenants.enter(tenant):
+            if self.metrics is not None:
+                self.metrics.tenant_rejected.labels(tenant.name, "max_concurrent").inc()
+            busy = TenantLimitReached(
+                f"tenant {tenant.name} has {tenant.max_concurrent} requests in progress, its max_concurrent "
+                "limit; retry after 1 s",
+                retry_after_s=1,
+            )
+            await busy.response()(scope, receive, send)
+            return
+        token = current.set(tenant)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            current.reset(token)
+            self.tenants.leave(tenant)

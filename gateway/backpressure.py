@@ -1,19 +1,24 @@
 """Backpressure: how many requests the queue may hold for a new request of each priority, by count and by the
-wait the measured service capacity predicts, and how long a refused client should wait before retrying.
+wait the measured service capacity predicts against the class's wait budget, and how long a refused client
+should wait before retrying.
 
-Low priority is shed first, high last: each class may fill only its share of the queue (``SHARE``), and waits only
-its share of ``max_wait_s`` behind the requests ahead of it. The capacity is the router's assignment rate while
-requests were waiting, read from the shared ``assigned`` counter over a sliding window, so every gateway sees the
-deployment's; until it is known (cold start, light load) only the count bounds the queue.
+By count, low priority is shed first, high last: each class may fill only its share of the queue (``SHARE``). By
+wait, a request is admitted only while its predicted queue wait fits its class's budget. The wait is predicted
+from the work ahead of it (the requests of its class or higher that wait) and the service left to its class: the
+capacity less the arrival rate of the classes above it (they overtake it). The capacity is the router's
+assignment rate while requests were waiting, read from the shared ``assigned`` counter over a sliding window, and
+the arrival rates from the shared per-priority ``admitted_<priority>`` counters, so every gateway sees the deployment's; until
+the capacity is known (cold start, light load) only the count bounds the queue.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from flying.messages import Priority
+from flying.messages import PRIORITY_CLASS, Priority
 
 SHARE: dict[str, float] = {"high": 1.0, "normal": 0.85, "low": 0.6}
 
@@ -58,23 +63,84 @@ class ServiceRate:
         return served / span
 
 
+class ClassArrivals:
+    """Requests admitted per second by priority class over the last ``window_s``, from samples of the shared
+    per-priority ``admitted_<priority>`` counters (indexed by ``PRIORITY_CLASS``)."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, tuple[int, ...]]] = deque()
+
+    def sample(self, now: float, counts: Sequence[int]) -> None:
+        if self.samples and any(c < c0 for c, c0 in zip(counts, self.samples[-1][1])):  # counters reset
+            self.samples.clear()
+        self.samples.append((now, tuple(counts)))
+        while self.samples and now - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+
+    def above(self, priority: Priority) -> float:
+        """Requests per second admitted in the classes above ``priority`` (0 while unknown)."""
+        if len(self.samples) < 2:
+            return 0.0
+        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        if t1 <= t0:
+            return 0.0
+        higher = range(PRIORITY_CLASS[priority])
+        return sum(c1[i] - c0[i] for i in higher) / (t1 - t0)
+
+
 class Backpressure:
-    def __init__(self, max_queue: int, max_wait_s: float, rate: ServiceRate | None = None) -> None:
+    """The admission limits for each priority: ``budgets`` are the classes' queue-wait budgets in seconds (none:
+    bound by count only)."""
+
+    def __init__(
+        self,
+        max_queue: int,
+        budgets: Mapping[str, float] | None,
+        rate: ServiceRate | None = None,
+        arrivals: ClassArrivals | None = None,
+    ) -> None:
         self.max_queue = max_queue
-        self.max_wait_s = max_wait_s
+        self.budgets = dict(budgets or {})
         self.rate = rate or ServiceRate()
+        self.arrivals = arrivals or ClassArrivals()
+
+    def free_rate(self, priority: Priority) -> float | None:
+        """Requests per second the deployment serves to ``priority`` and the classes above it once those above
+        have been served (None while the capacity is unknown; at least a twentieth of the capacity, so a
+        prediction stays finite)."""
+        rate = self.rate.per_s()
+        if not rate:
+            return None
+        return max(rate - self.arrivals.above(priority), rate / 20)
 
     def limits(self, priority: Priority) -> Limits:
-        share = SHARE[priority]
-        depth = max(1, int(self.max_queue * share))
-        rate = self.rate.per_s()
-        if not rate or self.max_wait_s <= 0:  # no measured service yet (cold start or stalled): count only
+        depth = max(1, int(self.max_queue * SHARE[priority]))
+        budget, free = self.budgets.get(priority), self.free_rate(priority)
+        if not budget or not free:  # no budget, or no measured service yet (cold start, stalled): count only
             return Limits(depth, 0)
-        return Limits(depth, max(1, int(rate * self.max_wait_s * share)))
+        return Limits(depth, max(1, int(free * budget)))
+
+    def predicted_wait_s(self, priority: Priority, ahead: int) -> float | None:
+        """The queue wait predicted for a request of ``priority`` with ``ahead`` requests of its class or higher
+        waiting (None while the capacity is unknown)."""
+        free = self.free_rate(priority)
+        return None if free is None else (ahead + 1) / free
 
     def retry_after_s(self, excess: int) -> int:
         """Seconds until ``excess`` requests have been served at the recent rate (1..60; 1 when unknown)."""
         rate = self.rate.per_s()
         if not rate:
             return 1
-        return min(60, max(1, math.ceil(excess / rate)))
+        return _clip(excess / rate)
+
+    def wait_retry_after_s(self, priority: Priority, ahead: int) -> int:
+        """Seconds until the predicted wait of a request of ``priority`` fits its budget again (1..60)."""
+        wait, budget = self.predicted_wait_s(priority, ahead), self.budgets.get(priority)
+        if wait is None or not budget:
+            return 1
+        return _clip(wait - budget)
+
+
+def _clip(seconds: float) -> int:
+    return min(60, max(1, math.ceil(seconds)))

@@ -13,12 +13,13 @@ import redis.asyncio as aioredis
 
 from flying.groups import merge_sets
 from flying.keys import Keys
-from flying.messages import Heartbeat, RouterState, decode
+from flying.messages import PRIORITY_CLASS, Heartbeat, RouterState, decode
 from flying.workers import live_workers
 from gateway.config import GatewayConfig
 
 # the liveness key's TTL; refreshed every monitor_s (the router reaps a dead gateway's work)
 GATEWAY_TTL_MS = 3000
+PRIORITIES = sorted(PRIORITY_CLASS, key=PRIORITY_CLASS.__getitem__)  # high first
 
 
 class Tick(NamedTuple):
@@ -27,6 +28,7 @@ class Tick(NamedTuple):
     now: float  # time.monotonic() when it was read
     assigned: int  # the deployment's ``assigned`` counter
     depth: int  # requests waiting in the global queue
+    admitted: tuple[int, ...] = (0, 0, 0)  # the ``admitted_<priority>`` counters, high first
 
 
 class ClusterView:
@@ -66,18 +68,18 @@ class ClusterView:
         await self.r.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
 
     async def observe(self) -> Tick:
-        """Re-read the engines, renew the liveness key, and read the router's lease, the ``assigned`` counter and
-        the queue's depth (one pipeline)."""
+        """Re-read the engines, renew the liveness key, and read the router's lease, the ``assigned`` and per-class
+        ``admitted`` counters and the queue's depth (one pipeline)."""
         beats = await self.workers(max_age_s=0)
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
-        pipe.hget(self.keys.stats, "assigned")
+        pipe.hmget(self.keys.stats, ["assigned", *(f"admitted_{p}" for p in PRIORITIES)])
         pipe.exists(self.keys.router_lease)
         pipe.zcard(self.keys.queue)
-        _, assigned, lease, depth = await pipe.execute()
+        _, (assigned, *admitted), lease, depth = await pipe.execute()
         now = time.monotonic()
         self.update(now, live=bool(beats), lease=bool(lease))
-        return Tick(now, int(assigned or 0), depth)
+        return Tick(now, int(assigned or 0), depth, tuple(int(a or 0) for a in admitted))
 
     def update(self, now: float, live: bool, lease: bool) -> None:
         """Note what one observation at ``now`` saw: some engine ``live``, a router holding the ``lease``."""

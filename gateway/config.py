@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from flying.logs import LogFormat
+from gateway.connections import ConnectionLimits
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,12 @@ class GatewayConfig:
     key_prefix: str = "flying"
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     max_queue: int = 4096  # 429 beyond this many waiting requests (low priority at 60%, normal at 85%)
-    max_wait_s: float = 60.0  # 429 when the recent service rate predicts a longer wait (low 60%, normal 85%)
+    max_wait_s: float = 60.0  # caps every class's wait budget; 0: no budgets (bound by count only)
+    # each priority class's queue-wait budget: 429 at once when the measured service rate predicts a longer wait,
+    # 504 when an admitted request has waited this long
+    wait_budget_high_s: float = 5.0
+    wait_budget_normal_s: float = 20.0
+    wait_budget_low_s: float = 60.0
     queue_timeout_s: float = 120.0  # 504 if not assigned within this
     no_worker_grace_s: float = 5.0  # 503 if no engine is live for this long while a request waits
     no_router_grace_s: float = 5.0  # degraded (new requests 503) once no router has held the lease this long
@@ -30,9 +36,18 @@ class GatewayConfig:
     reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
     drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
     monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
+    # at the door (gateway.connections): 431 beyond these header bytes or fields, 414 beyond this URL length, 408
+    # when a request head takes longer, 503 with Retry-After beyond this many open connections
+    max_header_bytes: int = 16384
+    max_header_count: int = 100
+    max_url_bytes: int = 8192
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 4096
     api_keys: tuple[str, ...] = field(
         default=(), repr=False
     )  # /v1/* needs one as a bearer token (none: open)
+    api_key_file: str | None = None  # plain keys or TOML tenants (gateway.tenants); reloaded on SIGHUP
     metrics_require_key: bool = False  # /metrics needs a key too
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
     raw_engine_fields: bool = False  # keep SGLang's fields beyond OpenAI's in answers (gateway.engine_fields)
@@ -44,9 +59,32 @@ class GatewayConfig:
         _at_least("default_max_tokens", self.default_max_tokens, 1)
         _at_least("max_attempts", self.max_attempts, 1)
         _at_least("max_wait_s", self.max_wait_s, 0, " (0: no bound by wait)")
+        _above("keep_alive_timeout_s", self.keep_alive_timeout_s, 0)
+        self.connection_limits  # noqa: B018 - validated on construction
+        for p in ("high", "normal", "low"):
+            _above(f"wait_budget_{p}_s", getattr(self, f"wait_budget_{p}_s"), 0)
         _at_least("redis_max_connections", self.redis_max_connections, 4)
         _above("reconcile_s", self.reconcile_s, 0)
         _above("monitor_s", self.monitor_s, 0)
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            self.max_header_bytes, self.max_header_count, self.max_url_bytes, self.header_timeout_s,
+            self.max_connections,
+        )  # fmt: skip
+
+    def wait_budget_s(self, priority: str) -> float | None:
+        """How long a request of ``priority`` may wait in the queue: its class's budget capped by ``max_wait_s``
+        (None with ``max_wait_s`` 0: no budgets)."""
+        if self.max_wait_s <= 0:
+            return None
+        return min(self.max_wait_s, getattr(self, f"wait_budget_{priority}_s"))
+
+    def queue_wait_s(self, priority: str) -> float:
+        """How long an admitted request of ``priority`` waits for an engine before it ends with 504."""
+        budget = self.wait_budget_s(priority)
+        return self.queue_timeout_s if budget is None else min(budget, self.queue_timeout_s)
 
 
 def _at_least(name: str, value: float, low: float, note: str = "") -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -11,7 +13,9 @@ from flying import cli, logs, settings
 from gateway.app import create_app
 from gateway.auth import read_keys
 from gateway.config import GatewayConfig
+from gateway.connections import guarded_protocol
 from gateway.drain import Drain, DrainingServer
+from gateway.tenants import Tenants
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,8 +46,28 @@ def parser() -> argparse.ArgumentParser:
         "--max-wait-s",
         type=float,
         default=d.max_wait_s,
-        help="seconds: 429 when the recent service rate predicts a longer queue wait (0: bound by count only)",
+        help="seconds: caps every priority's wait budget (0: no budgets; the queue is bounded by count only)",
     )
+    for prio in ("high", "normal", "low"):
+        p.add_argument(
+            f"--wait-budget-{prio}-s",
+            type=float,
+            default=getattr(d, f"wait_budget_{prio}_s"),
+            help=f"seconds a {prio}-priority request may wait in the queue: 429 at once when the measured service "
+            "rate predicts a longer wait, 504 when an admitted one has waited this long",
+        )
+    door = p.add_argument_group("limits at the door (per connection)")
+    door.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                      help="431 beyond this many bytes of request header fields")  # fmt: skip
+    door.add_argument("--max-header-count", type=int, default=d.max_header_count,
+                      help="431 beyond this many request header fields")  # fmt: skip
+    door.add_argument("--max-url-bytes", type=int, default=d.max_url_bytes, help="414 beyond this URL length")
+    door.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s,
+                      help="seconds a request head may take to arrive (408); a silent connection is closed")  # fmt: skip
+    door.add_argument("--keep-alive-timeout-s", type=float, default=d.keep_alive_timeout_s,
+                      help="seconds an idle keep-alive connection stays open")  # fmt: skip
+    door.add_argument("--max-connections", type=int, default=d.max_connections,
+                      help="open connections beyond which new ones are answered 503 with Retry-After")  # fmt: skip
     p.add_argument(
         "--redis-max-connections",
         type=int,
@@ -64,8 +88,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key-file",
-        help=f"API keys, one per line, added to those in ${settings.API_KEYS} (comma-separated); with any, "
-        "/v1/* needs 'Authorization: Bearer <key>' (none: open)",
+        help=f"API keys, one per line, or tenants with limits in a *.toml file (see docs/operations.md), added to "
+        f"those in ${settings.API_KEYS} (comma-separated); with any, /v1/* needs 'Authorization: Bearer <key>' "
+        "(none: open); SIGHUP reloads it",
     )
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     p.add_argument(
@@ -93,10 +118,20 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             max_queue=a.max_queue,
             queue_timeout_s=a.queue_timeout_s,
             max_wait_s=a.max_wait_s,
+            wait_budget_high_s=a.wait_budget_high_s,
+            wait_budget_normal_s=a.wait_budget_normal_s,
+            wait_budget_low_s=a.wait_budget_low_s,
             redis_max_connections=a.redis_max_connections,
+            max_header_bytes=a.max_header_bytes,
+            max_header_count=a.max_header_count,
+            max_url_bytes=a.max_url_bytes,
+            header_timeout_s=a.header_timeout_s,
+            keep_alive_timeout_s=a.keep_alive_timeout_s,
+            max_connections=a.max_connections,
             drain_grace_s=a.drain_grace_s,
             default_max_tokens=a.default_max_tokens,
-            api_keys=read_keys(settings.api_keys(), a.api_key_file),
+            api_keys=read_keys(settings.api_keys(), None if toml(a.api_key_file) else a.api_key_file),
+            api_key_file=a.api_key_file,
             metrics_require_key=a.metrics_require_key,
             log_format=a.log_format,
             raw_engine_fields=a.raw_engine_fields,
@@ -105,18 +140,34 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         p.error(str(exc))
 
 
+def toml(path: str | None) -> bool:
+    return path is not None and Path(path).suffix == ".toml"
+
+
+def load_tenants(config: GatewayConfig) -> Tenants:
+    """The API keys, reloaded on SIGHUP (requests in progress keep their tenant; a bad file keeps the old keys)."""
+    try:
+        tenants = Tenants(settings.api_keys(), config.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"flying-gateway: cannot read the API keys: {exc}") from None
+    signal.signal(signal.SIGHUP, lambda *_: tenants.reload())
+    return tenants
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logs.setup(config.log_format)
     drain = Drain()
     server_config = uvicorn.Config(
-        create_app(config, drain=drain),
+        create_app(config, drain=drain, tenants=load_tenants(config)),
         host=config.host,
         port=config.port,
         log_level="warning",
         log_config=None,  # uvicorn's own lines go through flying.logs' handler (and format)
         access_log=False,  # the gateway's request log says more (gateway.request_log); none is built per request
         timeout_graceful_shutdown=5,
+        http=guarded_protocol(config.connection_limits),
+        timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn accepts a float
     )
     DrainingServer(server_config, drain, config.drain_grace_s).run()
 

@@ -40,6 +40,27 @@ class GatewayMetrics:
             "flying_gateway_rejected", "Requests refused, by HTTP status and error code (429 backpressure, 400 "
             "invalid, 401 no or wrong API key, ...)", ["status", "reason"], registry=r,
         )  # fmt: skip
+        self.refused = Counter(
+            "flying_gateway_refused", "Requests refused at admission (429), by priority and why: depth (the "
+            "class's share of the queue is full) or wait (the predicted wait exceeds the class's budget)",
+            ["priority", "reason"], registry=r,
+        )  # fmt: skip
+        self.expired = Counter(
+            "flying_gateway_wait_budget_expired", "Admitted requests that waited their class's whole wait budget "
+            "without an engine and ended with 504", ["priority"], registry=r,
+        )  # fmt: skip
+        self.tenant_requests = Counter(
+            "flying_gateway_tenant_requests", "Requests admitted to the queue, by tenant (API key)", ["tenant"],
+            registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "flying_gateway_tenant_tokens", "Tokens admitted (prompt + max_tokens), by tenant", ["tenant"],
+            registry=r,
+        )  # fmt: skip
+        self.tenant_rejected = Counter(
+            "flying_gateway_tenant_rejected", "A tenant's requests refused by its own limits: requests_per_s, "
+            "tokens_per_min, max_concurrent (429) or max_priority (403)", ["tenant", "reason"], registry=r,
+        )  # fmt: skip
         self._children: dict[tuple, Any] = {}
 
     def child(self, metric: Counter | Histogram, *labels: str):

@@ -71,7 +71,7 @@ class Gateway:
         self.r = client
         self.background = Background()
         self.cluster = ClusterView(client, self.keys, config)
-        self.admission = Admission(config, self.cluster, count_tokens)
+        self.admission = Admission(config, self.cluster, count_tokens, self.metrics)
         self.waiting = WaitingRoom(config, client, self.keys, self.metrics, self.background)
         self.upstream = Upstream(config.request_timeout_s)
         self.relay = Relay(self.upstream, self.waiting, self.background, config.raw_engine_fields)
@@ -118,7 +118,9 @@ class Gateway:
 
     async def observe(self) -> None:
         tick = await self.cluster.observe()
-        self.waiting.backpressure.rate.sample(tick.now, tick.assigned, backlogged=tick.depth > 0)
+        bp = self.waiting.backpressure
+        bp.rate.sample(tick.now, tick.assigned, backlogged=tick.depth > 0)
+        bp.arrivals.sample(tick.now, tick.admitted)
         grace = self.config.no_worker_grace_s
         if self.cluster.no_workers_for(tick.now) > grace and self.waiter.pending:
             n = self.waiter.fail_all(

@@ -1,6 +1,6 @@
 """A gateway's requests in the global queue (Redis), from admission to their end: admitted within the
-backpressure limits for their priority (else 429), waited for until the router assigns them (no Redis call per
-waiting request: :mod:`gateway.assignments`), put back when their engine fails before answering (within
+backpressure limits for their priority (else 429), waited for until the router assigns them or their class's wait
+budget runs out (504; no Redis call per waiting request: :mod:`gateway.assignments`), put back when their engine fails before answering (within
 ``max_attempts``), their end recorded (retried through a Redis outage), and admitted again if Redis lost them
 while they waited."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -17,18 +18,21 @@ import redis.asyncio as aioredis
 from flying.autopipeline import AutoPipeline
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
-from flying.messages import Assignment, QueuedRequest
-from flying.queue import DuplicateId, QueueFull, RequestQueue
+from flying.messages import Assignment, Priority, QueuedRequest
+from flying.queue import DuplicateId, QueueFull, RequestQueue, TenantLimit, TenantLimited
+from gateway import tenants
 from gateway.admission import Admitted
 from gateway.assignments import AssignmentWaiter
 from gateway.background import Background
-from gateway.backpressure import Backpressure
+from gateway.backpressure import Backpressure, Limits
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
 from gateway.errors import QueueFullError, QueueTimeout, WorkerFailed
 from gateway.metrics import GatewayMetrics
+from gateway.tenants import Tenant
 
 log = logging.getLogger("flying.gateway")
+PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
 FINISH_RETRY_S = 300.0  # how long a request's end is retried while Redis is away
 
 
@@ -51,7 +55,8 @@ class WaitingRoom:
         self.waiter = AssignmentWaiter(
             client, keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit
         )
-        self.backpressure = Backpressure(config.max_queue, config.max_wait_s)
+        budgets = {p: config.wait_budget_s(p) for p in PRIORITIES}
+        self.backpressure = Backpressure(config.max_queue, {p: b for p, b in budgets.items() if b})
         self.holding: dict[
             str, QueuedRequest
         ] = {}  # waiting requests' records, to re-admit if Redis lost them
@@ -59,30 +64,61 @@ class WaitingRoom:
 
     async def enqueue(self, adm: Admitted) -> asyncio.Future[Assignment]:
         """Admit to the global queue, within the backpressure limits for its priority (else 429)."""
-        rid = adm.record.id
-        limits = self.backpressure.limits(adm.record.priority)
+        rid, rec = adm.record.id, adm.record
+        limits = self.backpressure.limits(rec.priority)
+        tenant = tenants.current.get()
+        charge = tenant.charge(rec.prompt_tokens + rec.max_tokens) if tenant is not None else None
         fut = self.waiter.expect(rid)
         try:
-            fast = await self.queue.admit(adm.record, limits.max_depth, limits.max_ahead)
+            fast = await self.queue.admit(rec, limits.max_depth, limits.max_ahead, charge)
         except QueueFull as exc:
             self.waiter.forget(rid)
-            bound = limits.max_depth if exc.reason == "depth" else limits.max_ahead
-            retry = self.backpressure.retry_after_s(exc.count - bound + 1)
-            why = (
-                f"the queue is full for {adm.record.priority} priority ({exc.count} waiting)"
-                if exc.reason == "depth"
-                else f"the estimated wait is too long ({exc.count} requests ahead)"
-            )
-            raise QueueFullError(f"{why}; retry after {retry} s", retry_after_s=retry) from None
+            raise self._refusal(rec.priority, exc, limits) from None
+        except TenantLimited as exc:
+            self.waiter.forget(rid)
+            raise self._tenant_refusal(tenant, exc) from None
         except BaseException:
             self.waiter.forget(rid)
             raise
+        if tenant is not None:
+            self.metrics.child(self.metrics.tenant_requests, tenant.name).inc()
+            self.metrics.child(self.metrics.tenant_tokens, tenant.name).inc(
+                rec.prompt_tokens + rec.max_tokens
+            )
         if fast is not None:  # assigned at admission (the queue was empty): no wait for the router's round
             self.waiter.resolve(fast)
             return fut
         self.waiter.mark_admitted(rid)
         self.holding[rid] = adm.record
         return fut
+
+    def _refusal(self, priority: Priority, exc: QueueFull, limits: Limits) -> QueueFullError:
+        """The 429 for a refused admission: the queue's share for the class is full, or the predicted wait is
+        beyond the class's budget."""
+        bp = self.backpressure
+        if exc.reason == "depth":
+            retry = bp.retry_after_s(exc.count - limits.max_depth + 1)
+            why = f"the queue is full for {priority} priority ({exc.count} waiting)"
+        else:
+            retry = bp.wait_retry_after_s(priority, exc.count)
+            wait = bp.predicted_wait_s(priority, exc.count) or 0.0
+            why = (
+                f"the predicted queue wait ({wait:.1f} s, {exc.count} requests ahead) exceeds {priority} "
+                f"priority's budget of {bp.budgets[priority]:g} s"
+            )
+        self.metrics.child(self.metrics.refused, priority, exc.reason).inc()
+        return QueueFullError(f"{why}; retry after {retry} s", retry_after_s=retry)
+
+    def _tenant_refusal(self, tenant: Tenant | None, exc: TenantLimited) -> QueueFullError:
+        """The 429 for a request over its tenant's requests/s or tokens/min."""
+        assert tenant is not None, "only a tenant's request is charged"
+        self.metrics.tenant_rejected.labels(tenant.name, exc.limit.value).inc()
+        retry = max(1, math.ceil(exc.retry_after_s))
+        value = tenant.requests_per_s if exc.limit is TenantLimit.REQUESTS_PER_S else tenant.tokens_per_min
+        return QueueFullError(
+            f"tenant {tenant.name} is over its {exc.limit.value} limit ({value:g}); retry after {retry} s",
+            retry_after_s=retry,
+        )
 
     async def readmit(self, rids: list[str]) -> None:
         """Redis lost these waiting requests (a restart without persistence, or with the last second of AOF
@@ -100,22 +136,23 @@ class WaitingRoom:
         self, adm: Admitted, fut: asyncio.Future[Assignment], disconnected: asyncio.Future[None]
     ) -> Assignment:
         """The assignment (from the subscription or the reconciliation); no Redis call of its own while it
-        waits. Raises ClientGone, QueueTimeout, or NoLiveWorkers (set on the future by the monitor)."""
+        waits, at most its class's wait budget (``GatewayConfig.queue_wait_s``). Raises ClientGone, QueueTimeout
+        (the budget ran out), or NoLiveWorkers (set on the future by the monitor)."""
         rid = adm.record.id
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.holding.pop(rid, None)  # the fast path: assigned at admission
             return fut.result()
+        limit = self.config.queue_wait_s(adm.record.priority)
         try:
             waits: set[asyncio.Future[Any]] = {fut, disconnected}
-            done, _ = await asyncio.wait(
-                waits, timeout=self.config.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait(waits, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
             if fut in done:
                 self.holding.pop(rid, None)
                 return fut.result()
             if disconnected in done:
                 raise ClientGone(rid)
-            raise QueueTimeout(f"request was not scheduled within {self.config.queue_timeout_s:.0f} s")
+            self.metrics.child(self.metrics.expired, adm.record.priority).inc()
+            raise QueueTimeout(f"request was not scheduled within {limit:g} s")
         except BaseException:
             self.holding.pop(rid, None)
             self.waiter.forget(rid)

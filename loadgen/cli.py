@@ -40,6 +40,13 @@ def _slo(spec: str) -> dict[str, float]:
     return out
 
 
+def _priority_slo(spec: str) -> tuple[str, dict[str, float]]:
+    priority, sep, rest = spec.partition(":")
+    if not sep or priority not in ("high", "normal", "low"):
+        raise argparse.ArgumentTypeError(f"bad priority SLO {spec!r}; e.g. high:ttft=5000 (ms)")
+    return priority, _slo(rest)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -113,6 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--respect-eos", action="store_true", help="do not send ignore_eos")
     c.add_argument("--slo", type=_slo, default=None, help="goodput SLOs in ms, e.g. ttft=200,tpot=50")
+    c.add_argument(
+        "--priority-slo",
+        type=_priority_slo,
+        action="append",
+        default=[],
+        help="one priority's goodput SLOs in ms, instead of --slo's (repeat), e.g. high:ttft=5000",
+    )
     o = r.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None, help="write OUT.json, OUT.csv and OUT.png")
     o.add_argument("--label", default=None, help="name of this run in comparisons")
@@ -178,7 +192,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     )
     progress = report.Progress(len(requests), enabled=not a.quiet)
     records, duration = _run_loop(runner.run(cfg, requests, on_done=progress))
-    summary = metrics.summarize(records, duration, a.slo)
+    summary = metrics.summarize(records, duration, a.slo, dict(a.priority_slo))
     print(report.table(summary))
     for line in report.failures(records):
         print("  " + line)

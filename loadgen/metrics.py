@@ -8,7 +8,7 @@ non-empty ``choices`` entry minus the send time; E2EL the last such event; N com
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,14 +136,27 @@ def meets(r: RequestRecord, slo: dict[str, float]) -> bool:
     return all(got[k] is None or got[k] * 1000 <= v for k, v in slo.items())  # type: ignore[operator]
 
 
-def goodput(records: Sequence[RequestRecord], duration: float, slo: dict[str, float]) -> float:
-    """Requests per second meeting every SLO in ``slo`` (ms by key ttft / tpot / e2el)."""
-    good = sum(1 for r in records if not r.warmup and meets(r, slo))
+def goodput(
+    records: Sequence[RequestRecord],
+    duration: float,
+    slo: dict[str, float],
+    by_priority: Mapping[str, dict[str, float]] | None = None,
+) -> float:
+    """Requests per second meeting every SLO of their priority (ms by key ttft / tpot / e2el): ``by_priority``'s
+    for a priority it names, else ``slo``."""
+    by_priority = by_priority or {}
+    good = sum(1 for r in records if not r.warmup and meets(r, by_priority.get(r.priority, slo)))
     return good / duration if duration > 0 else 0.0
 
 
-def summarize(records: Sequence[RequestRecord], duration: float, slo: dict[str, float] | None = None) -> dict:
-    """Overall and per-priority metrics (times in ms). Warm-up records are excluded."""
+def summarize(
+    records: Sequence[RequestRecord],
+    duration: float,
+    slo: dict[str, float] | None = None,
+    slo_by_priority: Mapping[str, dict[str, float]] | None = None,
+) -> dict:
+    """Overall and per-priority metrics (times in ms). Warm-up records are excluded. With SLOs (``slo`` for all,
+    ``slo_by_priority`` for the priorities it names), goodput overall and per priority."""
     recs = [r for r in records if not r.warmup]
     ok = [r for r in recs if r.ok]
     out = {
@@ -166,9 +179,16 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: dict[str, 
         "tokens_counted_client_side": sum(1 for r in ok if not r.tokens_from_usage),
         **prefix_cache(ok),
     }
-    if slo:
-        out["slo_ms"] = dict(slo)
-        out["goodput"] = goodput(recs, duration, slo)
+    if slo or slo_by_priority:
+        slo, by_prio = dict(slo or {}), dict(slo_by_priority or {})
+        out["slo_ms"] = slo
+        out["goodput"] = goodput(recs, duration, slo, by_prio)
+        if by_prio:
+            out["slo_ms_by_priority"] = by_prio
+        out["goodput_by_priority"] = {
+            p: goodput([r for r in recs if r.priority == p], duration, slo, by_prio)
+            for p in out["by_priority"]
+        }
     return out
 
 

@@ -55,8 +55,14 @@ def table(summary: dict) -> str:
             f"({summary['cache_hit_rate']:.1%})"
         )
     if "goodput" in summary:
-        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in summary["slo_ms"].items())
-        lines.append(f"goodput {summary['goodput']:.2f} req/s  ({slo})")
+        slos = {"": summary["slo_ms"], **summary.get("slo_ms_by_priority", {})}
+        slo = "; ".join(
+            f"{p + ': ' if p else ''}" + ", ".join(f"{k} <= {v:g} ms" for k, v in s.items())
+            for p, s in slos.items()
+            if s
+        )
+        per = ", ".join(f"{p} {g:.2f}" for p, g in summary.get("goodput_by_priority", {}).items())
+        lines.append(f"goodput {summary['goodput']:.2f} req/s ({per})  ({slo})")
     if summary.get("tokens_counted_client_side"):
         lines.append(
             f"note: {summary['tokens_counted_client_side']} requests had no usage; tokens counted from events"

@@ -10,11 +10,13 @@ import pytest
 
 from flying.queue import QueueFull, RequestQueue
 from gateway.app import create_app
-from gateway.backpressure import Backpressure, Limits, ServiceRate
+from gateway.backpressure import Backpressure, ClassArrivals, Limits, ServiceRate
 from gateway.config import GatewayConfig
 from loadgen import fake_server
 from tests.stack import CountWords, RouterThread, ServerThread, announce_engine
 from tests.test_queue import mk
+
+BUDGETS = {"high": 5.0, "normal": 20.0, "low": 60.0}
 
 
 def test_service_rate_needs_history_then_follows_the_window():
@@ -40,7 +42,7 @@ def test_service_rate_counts_only_backlogged_time():
     for t in range(20):
         rate.sample(float(t), t // 10, backlogged=False)
     assert rate.per_s() is None
-    bp = Backpressure(max_queue=100, max_wait_s=60, rate=rate)
+    bp = Backpressure(max_queue=100, budgets={"normal": 60}, rate=rate)
     assert bp.limits("normal").max_ahead == 0, "no bound by wait while the capacity is unknown"
     for t in range(20, 25):  # then a backlog: 10/s served while requests wait
         rate.sample(float(t), 1 + 10 * (t - 20), backlogged=True)
@@ -49,18 +51,45 @@ def test_service_rate_counts_only_backlogged_time():
     assert rate.per_s() == pytest.approx(10)
 
 
-def test_limits_shed_low_first_and_bound_the_wait_once_the_rate_is_known():
-    bp = Backpressure(max_queue=100, max_wait_s=10)
+def test_limits_shed_low_first_and_bound_the_wait_by_each_class_budget_once_the_rate_is_known():
+    bp = Backpressure(max_queue=100, budgets=BUDGETS)
     assert (
         bp.limits("high") == Limits(100, 0)
         and bp.limits("low").max_depth < bp.limits("normal").max_depth < 100
     )
     assert bp.retry_after_s(50) == 1, "unknown rate: retry soon"
     for t in range(5):
-        bp.rate.sample(float(t), 20 * t)  # 20 requests/s
-    assert bp.limits("high") == Limits(100, 200)
-    assert bp.limits("low").max_ahead < bp.limits("normal").max_ahead < 200
+        bp.rate.sample(float(t), 20 * t)  # 20 requests/s; no arrivals measured: nothing overtakes anyone
+    assert bp.limits("high") == Limits(100, 100), "5 s at 20/s"
+    assert bp.limits("normal").max_ahead == 400 and bp.limits("low").max_ahead == 1200
     assert bp.retry_after_s(50) == 3 and bp.retry_after_s(10**6) == 60
+
+
+def test_the_classes_above_take_their_share_of_the_service_first():
+    """At 20 requests/s served and 12/s of high priority admitted, a normal request is served at the 8/s left: 20
+    s of budget hold 160 ahead; at 12 + 8 = 20/s admitted above it, low priority gets a twentieth (1/s) and its
+    predicted wait is past its budget with 60 ahead."""
+    bp = Backpressure(max_queue=10_000, budgets=BUDGETS)
+    for t in range(5):
+        bp.rate.sample(float(t), 20 * t)
+        bp.arrivals.sample(float(t), (12 * t, 8 * t, 30 * t))
+    assert bp.arrivals.above("high") == 0 and bp.arrivals.above("low") == pytest.approx(20)
+    assert bp.limits("high").max_ahead == 100
+    assert bp.limits("normal").max_ahead == 160
+    assert bp.limits("low").max_ahead == 60
+    assert bp.predicted_wait_s("normal", 159) == pytest.approx(20)
+    assert bp.wait_retry_after_s("normal", 239) == 10, "30 s predicted, 20 s of budget"
+    assert bp.wait_retry_after_s("low", 10**4) == 60
+
+
+def test_class_arrivals_follow_the_window_and_start_over_after_a_reset():
+    arrivals = ClassArrivals(window_s=5)
+    assert arrivals.above("low") == 0
+    for t in range(20):
+        arrivals.sample(float(t), (t, 2 * t, 0) if t < 10 else (10 + 5 * (t - 10), 20, 0))
+    assert arrivals.above("normal") == pytest.approx(5) and arrivals.above("low") == pytest.approx(5)
+    arrivals.sample(20.0, (0, 0, 0))
+    assert arrivals.above("low") == 0
 
 
 async def test_admit_refuses_by_depth_and_by_requests_ahead(aredis, keys):

@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 from flyctl.cli import main
 from flying import control
 from flying.messages import Bind, Heartbeat, Release, RouterState, decode_command, encode
@@ -81,3 +83,17 @@ def test_status_shows_no_hit_rate_before_an_engine_finished_a_request(sync_redis
     sync_redis.sadd(keys.workers, 0)
     assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "status"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split()[9] == "-"
+
+
+async def test_tenants_lists_each_tenants_counters(aredis, sync_redis, keys, redis_server, capsys):
+    from flying.queue import Charge, RequestQueue, TenantLimited
+    from tests.test_queue import mk
+
+    q = RequestQueue(aredis, keys)
+    await q.admit(mk("a1"), charge=Charge("team-a", requests_per_s=1, tokens=100))
+    with pytest.raises(TenantLimited):
+        await q.admit(mk("a2"), charge=Charge("team-a", requests_per_s=1, tokens=100))
+    assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "tenants"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["tenant", "requests", "tokens", "refused", "rps", "refused", "tpm"]
+    assert lines[1].split() == ["team-a", "1", "100", "1", "0"]

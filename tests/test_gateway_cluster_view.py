@@ -97,10 +97,10 @@ async def test_workers_are_read_at_most_every_max_age_and_concurrent_callers_sha
 
 async def test_observe_renews_the_liveness_key_and_reads_the_lease_the_counter_and_the_depth(aredis, keys):
     v = ClusterView(aredis, keys, GatewayConfig(model_path="unused", key_prefix=keys.prefix, gateway_id="g1"))
-    await aredis.hset(keys.stats, "assigned", 7)
+    await aredis.hset(keys.stats, mapping={"assigned": 7, "admitted_high": 3, "admitted_low": 1})
     await aredis.zadd(keys.queue, {"a": 1, "b": 2})
     tick = await v.observe()
-    assert isinstance(tick, Tick) and (tick.assigned, tick.depth) == (7, 2)
+    assert isinstance(tick, Tick) and (tick.assigned, tick.depth, tick.admitted) == (7, 2, (3, 0, 1))
     assert 0 < await aredis.pttl(keys.gateway("g1")) <= GATEWAY_TTL_MS
     assert v.no_workers_since == tick.now, "no engine registered"
     seen = v.router_seen

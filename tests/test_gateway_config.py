@@ -21,6 +21,8 @@ from gateway.main import parse_args
         ("redis_max_connections", 3, "redis_max_connections must be >= 4, got 3"),
         ("reconcile_s", 0.0, "reconcile_s must be > 0, got 0.0"),
         ("monitor_s", 0.0, "monitor_s must be > 0, got 0.0"),
+        ("wait_budget_high_s", 0.0, "wait_budget_high_s must be > 0, got 0.0"),
+        ("wait_budget_low_s", -1.0, "wait_budget_low_s must be > 0, got -1.0"),
     ],
 )
 def test_a_setting_out_of_range_is_a_value_error_naming_it(setting, value, message):
@@ -37,3 +39,14 @@ def test_the_cli_reports_a_setting_out_of_range_as_a_usage_error(capsys):
         parse_args(["--model-path", "m", "--max-queue", "0"])
     assert exited.value.code == 2
     assert "max_queue must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_each_class_waits_its_budget_capped_by_max_wait_and_queue_timeout():
+    c = GatewayConfig(model_path="m", max_wait_s=30, queue_timeout_s=40)
+    assert [c.wait_budget_s(p) for p in ("high", "normal", "low")] == [5.0, 20.0, 30.0]
+    assert c.queue_wait_s("low") == 30.0
+    off = GatewayConfig(model_path="m", max_wait_s=0, queue_timeout_s=40)
+    assert off.wait_budget_s("high") is None and off.queue_wait_s("high") == 40.0
+    parsed = parse_args(["--model-path", "m", "--wait-budget-high-s", "2", "--wait-budget-low-s", "90"])
+    budgets = (parsed.wait_budget_high_s, parsed.wait_budget_normal_s, parsed.wait_budget_low_s)
+    assert budgets == (2.0, 20.0, 90.0)

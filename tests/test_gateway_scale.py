@@ -40,7 +40,7 @@ async def test_ten_thousand_waiting_requests(redis_server, sync_redis, aredis, k
     sync_redis.set(keys.router_lease, "absent-router", px=600_000)  # not degraded: admission stays open
     cfg = GatewayConfig(
         model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, max_queue=2 * N,
-        queue_timeout_s=300, reconcile_s=0.5,
+        queue_timeout_s=300, wait_budget_normal_s=300, max_wait_s=300, reconcile_s=0.5,
     )  # fmt: skip
     gw = Gateway(cfg, redis_client(cfg), CountWords())
     await gw.start()

@@ -69,6 +69,58 @@ async def test_a_wait_that_times_out_is_a_504_and_its_record_is_cancelled(room, 
     assert not r.holding and "a" not in r.waiter.pending and await aredis.zcard(keys.queue) == 0
 
 
+def measured(r: WaitingRoom, per_s: float, seconds: int = 5) -> None:
+    """Give the room's backpressure ``per_s`` of measured service (nothing admitted above any class)."""
+    for t in range(seconds):
+        r.backpressure.rate.sample(float(t), int(per_s * t))
+        r.backpressure.arrivals.sample(float(t), (0, 0, 0))
+
+
+async def test_admission_counts_each_class_in_the_shared_stats(room, aredis, keys):
+    r = room()
+    for rid, prio in (("h", "high"), ("n1", "normal"), ("n2", "normal")):
+        await r.enqueue(admitted(rid, prio))
+    stats = await aredis.hgetall(keys.stats)
+    assert (stats[b"admitted"], stats[b"admitted_high"], stats[b"admitted_normal"]) == (b"3", b"1", b"2")
+
+
+async def test_a_predicted_wait_beyond_the_class_budget_is_a_429_at_once(room, aredis, keys):
+    """At 2 requests/s a normal request's budget of 2 s holds 3 ahead and itself: the fifth is refused with the predicted
+    wait and the budget in its message, and a Retry-After for the excess; high priority is not behind them."""
+    r = room(wait_budget_normal_s=2.0, wait_budget_high_s=1.0)
+    measured(r, 2.0)
+    for i in range(4):
+        await r.enqueue(admitted(f"n{i}"))
+    t0 = time.monotonic()
+    with pytest.raises(QueueFullError, match=r"predicted queue wait \(2.5 s, 4 requests ahead\) exceeds normal "
+                       r"priority's budget of 2 s; retry after 1 s") as refused:  # fmt: skip
+        await r.enqueue(admitted("n4"))
+    assert time.monotonic() - t0 < 0.5 and refused.value.retry_after_s == 1
+    assert "n4" not in r.waiter.pending and await state(aredis, keys, "n4") is None
+    await r.enqueue(admitted("h0", "high"))  # nothing of high priority waits ahead of it
+    assert r.metrics.refused.labels("normal", "wait")._value.get() == 1
+
+
+async def test_an_admitted_request_whose_budget_runs_out_is_a_504_not_scheduled_in_time(room, aredis, keys):
+    r = room(wait_budget_low_s=0.2, queue_timeout_s=60)
+    adm = admitted("a", "low")
+    fut = await r.enqueue(adm)
+    t0 = time.monotonic()
+    with pytest.raises(QueueTimeout, match=r"not scheduled within 0.2 s"):
+        await r.wait_assignment(adm, fut, never())
+    assert 0.15 < time.monotonic() - t0 < 1.0, "the budget, not queue_timeout_s, ends the wait"
+    assert await state(aredis, keys, "a") == b"cancelled" and await aredis.zcard(keys.queue) == 0
+    assert r.metrics.expired.labels("low")._value.get() == 1
+
+
+async def test_without_budgets_only_the_count_and_the_queue_timeout_bound_the_wait(room):
+    r = room(max_wait_s=0, queue_timeout_s=0.1)
+    measured(r, 0.1)
+    assert r.backpressure.limits("low").max_ahead == 0 and r.config.queue_wait_s("low") == 0.1
+    for i in range(5):
+        await r.enqueue(admitted(f"l{i}", "low"))
+
+
 async def test_a_client_that_leaves_while_waiting_is_gone_and_its_record_cancelled(room, aredis, keys):
     r = room()
     adm = admitted("a")

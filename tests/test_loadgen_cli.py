@@ -36,6 +36,8 @@ def test_run_writes_json_csv_png_and_counts_every_token(fake, tmp_path, capsys):
             "2",
             "--slo",
             "ttft=1000,tpot=100",
+            "--priority-slo",
+            "high:ttft=2000",
             "--out",
             str(out),
             "--quiet",
@@ -49,7 +51,8 @@ def test_run_writes_json_csv_png_and_counts_every_token(fake, tmp_path, capsys):
     assert s["itl_per_token_ms"]["n"] == 40 * 4  # per-chunk usage: every token gap is known
     assert s["queue_ms"]["p50"] == 0.5  # the X-Queue-Time-Ms header is read
     assert set(s["by_priority"]) == {"high", "normal"}
-    assert s["goodput"] > 0
+    assert s["goodput"] > 0 and set(s["goodput_by_priority"]) == {"high", "normal"}
+    assert s["slo_ms_by_priority"] == {"high": {"ttft": 2000.0}}
     assert len(doc["records"]) == 42 and sum(r["warmup"] for r in doc["records"]) == 2
     rows = list(csv.DictReader((tmp_path / "run.csv").read_text().splitlines()))
     assert len(rows) == 42 and all(r["ok"] == "True" for r in rows)
@@ -206,7 +209,13 @@ def test_timeouts_are_counted(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "args",
-    [["--input-tokens", "9:3"], ["--priority-mix", "high"], ["--slo", "latency=3"], ["--arrival", "weekly"]],
+    [
+        ["--input-tokens", "9:3"],
+        ["--priority-mix", "high"],
+        ["--slo", "latency=3"],
+        ["--priority-slo", "urgent:ttft=1"],
+        ["--arrival", "weekly"],
+    ],
 )
 def test_bad_arguments_exit_2(args, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from loadgen import report
 from loadgen.metrics import (
     RequestRecord,
     concurrency_series,
@@ -103,6 +104,17 @@ def test_goodput_counts_failed_requests_as_missing_the_slo():
     s = summarize([fast, slow_first, one_token, failed], duration=2.0, slo={"ttft": 200, "tpot": 50})
     assert s["goodput"] == pytest.approx(1.0)  # fast and one_token, over 2 s
     assert s["slo_ms"] == {"ttft": 200, "tpot": 50}
+
+
+def test_goodput_holds_each_priority_to_its_own_slo():
+    """High priority within 100 ms, the others within 1 s: a 0.5 s first token is good for normal, not for high."""
+    recs = [rec(0, 0.0, [0.05], n=1, priority="high"), rec(1, 0.0, [0.5], n=1, priority="high"),
+            rec(2, 0.0, [0.5], n=1), rec(3, 0.0, [1.5], n=1, priority="low")]  # fmt: skip
+    s = summarize(recs, duration=1.0, slo={"ttft": 1000}, slo_by_priority={"high": {"ttft": 100}})
+    assert s["goodput"] == pytest.approx(2.0)
+    assert s["goodput_by_priority"] == {"high": 1.0, "low": 0.0, "normal": 1.0}
+    assert s["slo_ms_by_priority"] == {"high": {"ttft": 100}}
+    assert "goodput 2.00 req/s (high 1.00, low 0.00, normal 1.00)" in report.table(s)
 
 
 def test_timeseries_buckets_by_send_time():

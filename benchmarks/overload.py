@@ -1,0 +1,100 @@
+"""Overload through the full stack: a private Redis, CPU workers with the tiny model, the router and the gateway
+(``devstack.cluster``), then ``loadgen run`` with an open-loop Poisson load well beyond what the engines serve.
+Reports when the first 429 came, each class's queue wait of the admitted requests (P50/P99, against its wait
+budget), the answers by status, and goodput: requests finished with a TTFT within their class's SLO.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/overload.py --out results/overload
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks._loadgen import run_loadgen
+from devstack.cluster import Cluster, ClusterConfig
+from worker_ext.tinymodel import ensure
+
+BUDGETS_S = {
+    "high": 5.0,
+    "normal": 20.0,
+    "low": 60.0,
+}  # the gateway's default wait budgets: the TTFT SLOs here
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rate", type=float, default=40.0)
+    p.add_argument("-n", "--num-requests", type=int, default=1500)
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--priority-mix", default="high=0.2,normal=0.6,low=0.2")
+    p.add_argument("--out", type=Path, default=Path("results/overload"))
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra flying-gateway flag (repeat)")
+    a = p.parse_args()
+    model = ensure(Path(".flying/tiny-llama"), seed=0)
+    cfg = ClusterConfig(
+        model_path=model,
+        num_engines=a.engines,
+        log_dir=a.out.parent / f"{a.out.name}-logs",
+        gateway_args=tuple(a.gateway_arg),
+    )
+    load = ["--arrival", "poisson", "--rate", str(a.rate), "-n", str(a.num_requests),
+            "--input-tokens", "32:256", "--output-tokens", "16:128", "--priority-mix", a.priority_mix,
+            "--tokenizer", str(model)]  # fmt: skip
+    with Cluster(cfg, progress=print) as cluster:
+        run_loadgen(cluster.config.gateway_url, a.out, *load)
+    records = json.loads(a.out.with_suffix(".json").read_text())["records"]
+    report = summarize(records)
+    a.out.with_name(a.out.name + "-report.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+def summarize(records: list[dict]) -> dict:
+    """The figures this benchmark reports, from loadgen's request records (run clock in s)."""
+    recs = [r for r in records if not r["warmup"]]
+    ok = [r for r in recs if r["status"] == 200 and not r["error"] and r["event_times"]]
+    refused = sorted(r["sent_at"] for r in recs if r["status"] == 429)
+    duration = max(_end(r) for r in recs) - min(r["sent_at"] for r in recs)
+    good = [r for r in ok if r["event_times"][0] - r["sent_at"] <= BUDGETS_S[r["priority"]]]
+    by_class = {}
+    for prio, budget in BUDGETS_S.items():
+        waits = [r["queue_ms"] / 1000 for r in ok if r["priority"] == prio and r["queue_ms"] is not None]
+        ttfts = [r["event_times"][0] - r["sent_at"] for r in ok if r["priority"] == prio]
+        by_class[prio] = {
+            "budget_s": budget,
+            "sent": sum(1 for r in recs if r["priority"] == prio),
+            "served": len(ttfts),
+            "queue_p50_s": _pct(waits, 50),
+            "queue_p99_s": _pct(waits, 99),
+            "queue_p99_over_budget": _pct(waits, 99) / budget if waits else None,
+            "ttft_p50_s": _pct(ttfts, 50),
+            "within_slo": sum(1 for r in good if r["priority"] == prio),
+        }
+    return {
+        "requests": len(recs),
+        "statuses": dict(Counter(str(r["status"] or r["error"][:40]) for r in recs)),
+        "first_429_sent_at_s": refused[0] if refused else None,
+        "duration_s": duration,
+        "goodput_rps": len(good) / duration if duration else 0.0,
+        "within_slo": len(good),
+        "by_class": by_class,
+    }
+
+
+def _end(r: dict) -> float:
+    if r.get("ended_at") is not None:
+        return r["ended_at"]
+    return r["event_times"][-1] if r["event_times"] else r["sent_at"]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else math.nan
+
+
+if __name__ == "__main__":
+    main()
