@@ -175,7 +175,9 @@ def policy_overrides(items: list[str]) -> dict:
         if name not in hints:
             raise SystemExit(f"flying-sim: --policy {item}: PolicyConfig has no field {name!r}")
         kind = hints[name]
-        if kind is bool:
+        if kind == int | None:
+            out[name] = None if value.lower() in ("", "none") else int(value)
+        elif kind is bool:
             out[name] = value.lower() in ("1", "true", "yes", "on")
         elif kind in (int, float):
             out[name] = kind(value)
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--engines", type=int, default=d.engines)
     p.add_argument(
-        "--tp-width", type=int, default=d.tp_width, help="static TP width (dynamic's light width too)"
+        "--tp-width", type=int, default=d.tp_width, help="static TP width (dynamic's: --policy light_width=W)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--low-s", type=float, default=60.0)
@@ -254,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_transform=a.kv_transform,
         shift_threshold=a.shift_threshold,
     )
-    base = dataclasses.replace(
-        base, policy=dataclasses.replace(base.policy, light_width=a.tp_width, **policy_overrides(a.policy))
-    )
+    base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, **policy_overrides(a.policy)))
     a.out.mkdir(parents=True, exist_ok=True)
     summary, series, sims = {}, {}, {}
     for mode in a.modes.split(","):
@@ -321,7 +321,7 @@ def prefix_main(a: argparse.Namespace, d: SimConfig) -> int:
     rows: dict[tuple[str, str], dict] = {}
     for mode in a.modes.split(","):
         for dispatch in a.dispatch.split(","):
-            policy = dataclasses.replace(d.policy, light_width=a.tp_width, dispatch=dispatch,
+            policy = dataclasses.replace(d.policy, dispatch=dispatch,
                                          **policy_overrides(a.policy))  # fmt: skip
             cfg = dataclasses.replace(d, engines=a.engines, tp_width=a.tp_width, mode=mode, policy=policy,
                                       kv_transform=a.kv_transform, shift_threshold=a.shift_threshold)  # fmt: skip
