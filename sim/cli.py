@@ -8,7 +8,8 @@ flying-sim --no-kv-transform --out sim-before          the same, engines without
 flying-sim --policy regime=inflight --policy calm_s=3   override the simulator's PolicyConfig fields
 flying-sim --trace my.csv --preset burstgpt --out o    your own trace (loadgen's trace format)
 flying-sim --modes shift,dynamic --shift-threshold 512  Shift Parallelism with the code's threshold
-flying-sim --workload shared-prefix --modes dp --engines 4   cache-aware vs least-loaded DP dispatch (issue 16)
+flying-sim --workload shared-prefix --modes dp --engines 4   cache-aware vs least-loaded DP dispatch
+flying-sim --modes dp,shift,dynamic --long-share 0 --seeds 0-19   the targets over 20 seeds
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing
 import time
 import typing
 from pathlib import Path
@@ -30,6 +32,7 @@ from sim.cost_model import calibration
 from sim.plots import burst_spans, mode_counts, plot, shift_share
 from sim.prefix_report import prefix_table, ratios, summarize_prefix
 from sim.prefix_workload import shared_prefix_workload
+from sim.seeds import over_seeds, parse_seeds, seeds_table
 from sim.simulator import Simulator
 from sim.workload import SimRequest, paper_workload, two_level_phase
 
@@ -227,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         default=d.kv_transform,
         help="the engines apply Bind.adopt / Release.scatter (off: the 'before' table)",
     )
+    p.add_argument(
+        "--seeds",
+        help="FROM-TO or a list (0-19, 1,4,7): run --modes on each seed's paper workload and print, per target, "
+        "how many seeds meet it, the mean and the worst ratio (needs dp, shift and dynamic)",
+    )
+    p.add_argument("--jobs", type=int, default=1, help="--seeds: seeds simulated at once (processes)")
     prefix_arguments(p)
     p.add_argument("--out", type=Path, default=Path("sim-out"))
     p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
@@ -258,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, **policy_overrides(a.policy)))
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.seeds:
+        if a.trace or not {"dp", "shift", "dynamic"} <= set(a.modes.split(",")):
+            p.error("--seeds runs the paper workload with at least --modes dp,shift,dynamic")
+        return seeds_main(a, base)
     summary, series, sims = {}, {}, {}
     for mode in a.modes.split(","):
         t0 = time.perf_counter()
@@ -290,6 +303,54 @@ def main(argv: list[str] | None = None) -> int:
     t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=0.0)
     bursts = [] if a.trace else burst_spans(a.low_s, a.burst_s, t_end)
     picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {a.engines} engines", a.dpi)
+    return 0
+
+
+def workload_args(a: argparse.Namespace) -> dict:
+    """paper_workload's keyword arguments from the command line (all but the count and the seed)."""
+    lo_in, hi_in = (int(x) for x in a.input.split(":"))
+    lo_out, hi_out = (int(x) for x in a.output.split(":"))
+    return dict(low_s=a.low_s, burst_s=a.burst_s, input_tokens=(lo_in, hi_in), output_tokens=(lo_out, hi_out),
+                high_share=a.high_share, long_share=a.long_share)  # fmt: skip
+
+
+def seed_summary(job: tuple[int, int, dict, SimConfig, tuple[str, ...]]) -> dict[str, dict]:
+    """One seed: every system's summary (a top-level function, for worker processes)."""
+    seed, n, kw, base, modes = job
+    reqs = paper_workload(n, seed, **kw)
+    phase = lambda t: two_level_phase(t, kw["low_s"], kw["burst_s"])  # noqa: E731
+    flat = lambda t: flat_period(t, kw["low_s"], kw["burst_s"])  # noqa: E731
+    out = {}
+    for mode in modes:
+        out[mode] = summarize(Simulator(dataclasses.replace(base, mode=mode), reqs).run(), phase, flat)
+    return out
+
+
+def seeds_main(a: argparse.Namespace, base: SimConfig) -> int:
+    """``--seeds``: the targets over many seeds (seeds.md, seeds.json under ``--out``)."""
+    try:
+        seeds = parse_seeds(a.seeds)
+    except ValueError as e:
+        raise SystemExit(f"flying-sim: {e}") from None
+    kw, modes = workload_args(a), tuple(a.modes.split(","))
+    jobs = {s: (s, a.requests, kw, base, modes) for s in seeds}
+    t0 = time.perf_counter()
+    if a.jobs > 1:
+        with multiprocessing.Pool(a.jobs) as pool:
+            done = dict(zip(seeds, pool.map(seed_summary, [jobs[s] for s in seeds])))
+        run = done.__getitem__
+    else:
+        run = lambda s: seed_summary(jobs[s])  # noqa: E731
+    results, summaries = over_seeds(seeds, run)
+    took = time.perf_counter() - t0
+    text = "\n".join(
+        [seeds_table(results, seeds), "", f"{len(seeds)} seeds, {', '.join(modes)}: {took:.0f} s"]
+    )
+    print(text)
+    (a.out / "seeds.md").write_text(text + "\n")
+    (a.out / "seeds.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
+                                                 "summaries": {str(s): v for s, v in summaries.items()}},
+                                                indent=1, default=float))  # fmt: skip
     return 0
 
 
