@@ -14,7 +14,7 @@ from flying.messages import Bind, Group, Release
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cli import flat_period
 from sim.config import SimConfig
-from sim.cost_model import CostModel, calibration
+from sim.cost_model import CostModel, calibration, with_overrides
 from sim.plots import mode_counts
 from sim.simulator import Simulator
 from sim.workload import SimRequest, paper_workload
@@ -135,8 +135,12 @@ def test_static_tp_serves_everything_in_groups_and_dynamic_matches_dp_without_lo
 
 
 def test_cost_model_is_within_10_percent_of_the_published_numbers():
-    for what, mine, published in calibration():
-        assert abs(mine / published - 1) <= 0.1, what
+    points = calibration()
+    for what, mine, published, followed in points:
+        assert not followed or abs(mine / published - 1) <= 0.1, what
+    # seed 001's points are reported beside them: SP8 prefills a lone prompt faster than TP8 and DP, as measured
+    ttft = {p.what.rsplit(", ", 1)[1]: p.model for p in points if "TTFT of one" in p.what}
+    assert 1 < ttft["TP8 / SP8"] < ttft["DP / SP8"] and sum(not p.followed for p in points) == 3
 
 
 def test_dp_work_paused_by_a_priority_bind_resumes_within_max_defer_s():
@@ -455,3 +459,17 @@ def test_a_bound_groups_large_prefill_steps_run_sequence_parallel_unless_the_thr
         steps[threshold] = (sim.stats["sp_steps"], sim.stats["tp_steps"])
     assert steps[None][0] > 0 and steps[None][1] > 0 and steps[0] == (0, steps[0][1])
     assert steps[0][1] > steps[None][1]
+
+
+def test_cost_overrides_scale_a_collective_or_set_a_field():
+    m = with_overrides(CostModel(), "allreduce=2,alltoall=0.5,switch_ms=30")
+    base = CostModel()
+    assert (m.allreduce_ms, m.allreduce_ms_per_token) == (
+        2 * base.allreduce_ms,
+        2 * base.allreduce_ms_per_token,
+    )
+    assert (
+        m.sp_alltoall_ms == base.sp_alltoall_ms / 2 and m.switch_ms == 30 and with_overrides(base, "") == base
+    )
+    with pytest.raises(ValueError, match="unknown 'nvlink'"):
+        with_overrides(base, "nvlink=2")
