@@ -27,7 +27,7 @@ from pathlib import Path
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.trace import PRESETS, read_trace
 from router.policy import PolicyConfig
-from sim.config import SimConfig
+from sim.config import Mode, SimConfig
 from sim.cost_model import calibration, with_overrides
 from sim.plots import burst_spans, mode_counts, plot, shift_share
 from sim.prefix_report import prefix_table, ratios, summarize_prefix
@@ -326,13 +326,13 @@ def workload_args(a: argparse.Namespace) -> dict:
                 high_share=a.high_share, long_share=a.long_share)  # fmt: skip
 
 
-def seed_summary(job: tuple[int, int, dict, SimConfig, tuple[str, ...]]) -> dict[str, dict]:
+def seed_summary(job: tuple[int, int, dict, SimConfig, tuple[Mode, ...]]) -> dict[str, dict]:
     """One seed: every system's summary (a top-level function, for worker processes)."""
     seed, n, kw, base, modes = job
     reqs = paper_workload(n, seed, **kw)
     phase = lambda t: two_level_phase(t, kw["low_s"], kw["burst_s"])  # noqa: E731
     flat = lambda t: flat_period(t, kw["low_s"], kw["burst_s"])  # noqa: E731
-    out = {}
+    out: dict[str, dict] = {}
     for mode in modes:
         out[mode] = summarize(Simulator(dataclasses.replace(base, mode=mode), reqs).run(), phase, flat)
     return out
@@ -344,7 +344,7 @@ def seeds_main(a: argparse.Namespace, base: SimConfig) -> int:
         seeds = parse_seeds(a.seeds)
     except ValueError as e:
         raise SystemExit(f"flying-sim: {e}") from None
-    kw, modes = workload_args(a), tuple(a.modes.split(","))
+    kw, modes = workload_args(a), tuple(typing.cast(Mode, m) for m in a.modes.split(","))
     jobs = {s: (s, a.requests, kw, base, modes) for s in seeds}
     t0 = time.perf_counter()
     if a.jobs > 1:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from router.transform_cost import kv_transform_ms
 
@@ -135,7 +135,7 @@ def with_overrides(m: CostModel, text: str) -> CostModel:
     """``allreduce=2,alltoall=0.5`` (factors: :data:`COST_FACTORS`) or ``FIELD=VALUE`` (a field's new value,
     e.g. ``switch_ms=30``), comma-separated -> ``m`` changed so."""
     fields = {f.name: f.type for f in dataclasses.fields(CostModel)}
-    changes: dict[str, float] = {}
+    changes: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         try:
@@ -181,16 +181,15 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[Point]:
         "tp8": m.step_ms(8, prompt, 0, 0, merged=False),
         "sp8": m.sp_step_ms(8, prompt, 0, 0),
     }
-    points = [
-        ("saturated throughput per GPU, static TP2 / DP", sat(2) / 2 / sat(1), 2530 / 3164),
-        ("seed 001: saturated throughput per GPU, TP8 / DP", sat(8) / 8 / sat(1), 0.54, False),
-        ("saturated throughput per GPU, SP8 (shift's base) / DP", sp8 / 8 / sat(1), 0.82),
-        ("seed 001: TTFT of one 4,096-token prompt, TP8 / SP8", ttft["tp8"] / ttft["sp8"], 1.56, False),
-        ("seed 001: TTFT of one 4,096-token prompt, DP / SP8", ttft["dp"] / ttft["sp8"], 6.0, False),
-        ("TPOT static DP, 4 running (ms)", dp, 32.0),
-        ("TPOT static TP2, 4 running (ms)", tp, 22.0),
-        ("merged TP2 / static TP2 TPOT", merged / tp, 1.01),
-        ("switch (ms)", m.switch_ms, 15.0),
-        ("KV transformation, fixed part (ms; Gyges' basic 3.15-4)", m.transform_fixed_ms, 4.0),
+    return [
+        Point("saturated throughput per GPU, static TP2 / DP", sat(2) / 2 / sat(1), 2530 / 3164),
+        Point("seed 001: saturated throughput per GPU, TP8 / DP", sat(8) / 8 / sat(1), 0.54, False),
+        Point("saturated throughput per GPU, SP8 (shift's base) / DP", sp8 / 8 / sat(1), 0.82),
+        Point("seed 001: TTFT of one 4,096-token prompt, TP8 / SP8", ttft["tp8"] / ttft["sp8"], 1.56, False),
+        Point("seed 001: TTFT of one 4,096-token prompt, DP / SP8", ttft["dp"] / ttft["sp8"], 6.0, False),
+        Point("TPOT static DP, 4 running (ms)", dp, 32.0),
+        Point("TPOT static TP2, 4 running (ms)", tp, 22.0),
+        Point("merged TP2 / static TP2 TPOT", merged / tp, 1.01),
+        Point("switch (ms)", m.switch_ms, 15.0),
+        Point("KV transformation, fixed part (ms; Gyges' basic 3.15-4)", m.transform_fixed_ms, 4.0),
     ]
-    return [Point(*p) for p in points]
