@@ -231,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the engines apply Bind.adopt / Release.scatter (off: the 'before' table)",
     )
     p.add_argument(
+        "--spread-ownership",
+        action=argparse.BooleanOptionalAction,
+        default=d.spread_ownership,
+        help="a bound group's TP requests are owned by its members in turn (a release scatters them evenly)",
+    )
+    p.add_argument(
         "--cost",
         default="",
         metavar="NAME=X,...",
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         tp_width=a.tp_width,
         kv_transform=a.kv_transform,
         shift_threshold=a.shift_threshold,
+        spread_ownership=a.spread_ownership,
     )
     base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, **policy_overrides(a.policy)))
     try:

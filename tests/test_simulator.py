@@ -64,6 +64,7 @@ def scenarios(draw):
         engines=engines,
         policy=policy,
         cost=SMALL,
+        spread_ownership=draw(st.booleans()),
         router_down=tuple((a, a + b) for a, b in down),
         ignore_binds=tuple(
             (e, a, a + b)
@@ -473,3 +474,15 @@ def test_cost_overrides_scale_a_collective_or_set_a_field():
     )
     with pytest.raises(ValueError, match="unknown 'nvlink'"):
         with_overrides(base, "nvlink=2")
+
+
+def test_spread_ownership_gives_a_groups_tp_requests_to_its_members_in_turn():
+    reqs = [SimRequest(1.0 + 0.01 * i, "normal", 100, 50) for i in range(4)]
+    owners = {}
+    for spread in (False, True):
+        cfg = SimConfig(engines=2, cost=SMALL, policy=unit_policy(calm_s=0.3), spread_ownership=spread)
+        sim = Simulator(cfg, reqs, check=True)
+        assert all(r.ok for r in sim.run())
+        assert all(r.epoch for r in sim.reqs), sim.log
+        owners[spread] = [r.engine for r in sim.reqs]
+    assert len(set(owners[False])) == 1 and sorted(owners[True]) == [0, 0, 1, 1]
