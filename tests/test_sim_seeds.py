@@ -48,3 +48,16 @@ def test_flying_sim_seeds_writes_the_targets_table(tmp_path, capsys):
     table = (tmp_path / "seeds.md").read_text()
     assert "| target (2 seeds) |" in table and "| peak throughput, dynamic / static DP |" in table
     assert (tmp_path / "seeds.json").exists() and "2 seeds" in capsys.readouterr().out
+
+
+def test_the_summary_reports_long_requests_apart_from_the_rest():
+    from sim.cli import summarize
+    from sim.config import SimConfig
+    from sim.simulator import Simulator
+    from sim.workload import SimRequest
+
+    reqs = [SimRequest(0.0, "normal", 200_000, 8), SimRequest(0.1, "normal", 100, 8)]
+    records = Simulator(SimConfig(engines=2), reqs).run()
+    s = summarize(records, lambda t: "burst")
+    assert s["long_served"] == 1 and s["long_ttft_p50_ms"] == records[0].ttft * 1000
+    assert s["rest_ttft_p90_burst_ms"] == records[1].ttft * 1000  # the long request left out
