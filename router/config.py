@@ -41,7 +41,11 @@ class PolicyConfig:
     )
     priority: bool = setting(True, "bind a priority_width group for a high-priority request")
     long_context: bool = setting(True, "bind a group whose pooled KV holds a request one engine's KV cannot")
-    light_width: int = setting(2, "engines per group formed under light load (a power of two)")
+    light_width: int = setting(
+        2,
+        "engines per group formed under light load (a power of two; at most all engines): SP prefill scales "
+        "with the width",
+    )
     priority_width: int = setting(2, "engines per group bound for a high-priority request (a power of two)")
     priority_preempt: Preempt = setting(
         "hard", "how a priority bind takes busy engines: hard pauses their DP work, sequential drains it"
@@ -50,26 +54,24 @@ class PolicyConfig:
         "sequential", "how a long-context bind takes busy engines (hard only where their free KV holds it)"
     )
     max_inflight_per_worker: int = setting(
-        32, "requests one DP engine is handed before the rest wait in Redis"
+        256, "requests one DP engine is handed before the rest wait in Redis"
     )
     spread_s: float = setting(
-        0.0, "seconds: DP dispatch also counts requests an engine was sent within about this long"
+        3.0, "seconds: DP dispatch also counts requests an engine was sent within about this long"
     )
-    tp_inflight_per_engine: int = setting(4, "a group of width w takes w times this many TP requests at once")
+    tp_inflight_per_engine: int = setting(8, "a group of width w takes w times this many TP requests at once")
     regime: Literal["inflight", "rate"] = setting(
-        "inflight", "what judges light and busy load: queued + inflight requests, or the admission rate"
+        "rate", "what judges light and busy load: queued + inflight requests, or the admission rate"
     )
     light_load: float = setting(
-        0.5, "light: queued + inflight at most this share of the groups' capacity (for calm_s)"
+        0.4, "light: queued + inflight at most this share of the groups' capacity (for calm_s)"
     )
-    calm_s: float = setting(2.0, "seconds of light load before load groups form")
-    busy_load: float = setting(1.0, "busy: queued + inflight above this share of the groups' capacity")
+    calm_s: float = setting(0.5, "seconds of light load before load groups form")
+    busy_load: float = setting(0.5, "busy: queued + inflight above this share of the groups' capacity")
     light_rate: float = setting(0.75, "rate regime: light at most this many admissions per second per engine")
     busy_rate: float = setting(1.0, "rate regime: busy above this many admissions per second per engine")
-    rate_tau_s: float = setting(2.0, "seconds: time constant of the admission rate's exponential average")
-    busy_wait_s: float = setting(
-        0.25, "seconds: busy once a normal request has waited this long in the queue"
-    )
+    rate_tau_s: float = setting(1.5, "seconds: time constant of the admission rate's exponential average")
+    busy_wait_s: float = setting(0.1, "seconds: busy once a normal request has waited this long in the queue")
     keep_s: float = setting(
         1.0, "seconds: a priority or long-context group without TP work for this long is released"
     )
@@ -97,13 +99,18 @@ class PolicyConfig:
     adopt_max_ms: float = setting(
         100.0, "milliseconds: adopt only if the estimated KV transformation stalls the group at most this"
     )
-    adopt_max_inflight: int = setting(64, "adopt only if each member holds at most this many DP requests")
+    adopt_max_inflight: int = setting(128, "adopt only if each member holds at most this many DP requests")
     kv_bytes_per_token: int = setting(
         163_840, "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)"
     )
     kv_link_gbps: float = setting(360.0, "GB/s per member and direction, for the transformation estimate")
     kv_transform_fixed_ms: float = setting(
         4.0, "milliseconds: fixed cost per KV transformation, for the estimate"
+    )
+    sp_threshold: int | None = setting(
+        None,
+        "batched tokens: a bound group's prefill steps of at least this many run sequence-parallel, smaller and "
+        "decode steps in TP (0: never SP; unset: each worker's own --sp-threshold); sent in every bind",
     )
     dispatch: DispatchRule = setting(
         "cache-aware",
@@ -135,6 +142,10 @@ class PolicyConfig:
         _require(
             0 < self.ack_timeout_s <= self.bind_timeout_s,
             f"need 0 < ack_timeout_s <= bind_timeout_s, got {self.ack_timeout_s} and {self.bind_timeout_s}",
+        )
+        _require(
+            self.sp_threshold is None or self.sp_threshold >= 0,
+            f"sp_threshold must be >= 0 (0: never SP), got {self.sp_threshold}",
         )
         _require(0 <= self.cache_threshold <= 1, f"cache_threshold {self.cache_threshold} not in [0, 1]")
         _require(

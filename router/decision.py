@@ -107,18 +107,32 @@ class ReleaseNote:
 
 @dataclass(frozen=True)
 class BindNote:
-    """One bind the round plans: its members, reason and mode (``adopt_ms``: an adoption's estimated stall)."""
+    """One bind the round plans: its members, reason and mode (``adopt_ms``: an adoption's estimated stall), the
+    step mode its bind sets (``sp_threshold``: prefill steps of at least this many batched tokens run
+    sequence-parallel, smaller and decode steps TP; 0: TP only; None: the workers' own threshold) and the cluster's
+    ``engines`` (a group as wide as the cluster runs every prefill over all of them)."""
 
     members: tuple[int, ...]
     reason: GroupReason
     mode: BindMode
     adopt_ms: float = 0.0
+    sp_threshold: int | None = None
+    engines: int = 0
+
+    @property
+    def steps(self) -> str:
+        """How the group's steps run, in words."""
+        if self.sp_threshold == 0:
+            return "TP steps"
+        at = "the workers' threshold" if self.sp_threshold is None else f"{self.sp_threshold} tokens"
+        return f"SP prefill from {at}, TP below"
 
     def __str__(self) -> str:
         how = (
             f"adoption, {self.adopt_ms:.0f} ms" if self.mode is BindMode.ADOPT else f"{self.mode} preemption"
         )
-        return f"bind {self.members} ({self.reason}, {how})"
+        of = f" of {self.engines} engines" if self.engines else ""
+        return f"bind {self.members} ({self.reason}, {how}; width {len(self.members)}{of}: {self.steps})"
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,7 @@ class Decision:
     state: RouterState = field(default_factory=RouterState)
     events: list[Note] = field(default_factory=list)  # why groups and the regime changed, in order
     fast: list[FastTarget] = field(default_factory=list)  # where a short request may go before the next round
+    sp_threshold: int | None = None  # every bind's Bind.sp_threshold (PolicyConfig.sp_threshold)
 
     @property
     def notes(self) -> list[str]:
@@ -188,7 +203,10 @@ class Decision:
         self.events.append(note)
 
     def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
-        return g.members, Bind(epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt)
+        bind = Bind(
+            epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt, sp_threshold=self.sp_threshold
+        )
+        return g.members, bind
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
         flag, kind, text = "--" + f.name.replace("_", "-"), hints[f.name], POLICY_HELP[f.name]
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+        elif kind == int | None:  # unset: None (each worker's own setting)
+            g.add_argument(flag, type=int, default=f.default, help=text)
         elif typing.get_origin(kind) is typing.Literal:
             g.add_argument(flag, choices=typing.get_args(kind), default=f.default, help=text)
         else:

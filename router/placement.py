@@ -94,15 +94,28 @@ def adopt_fits(rnd: Round, ms: tuple[int, ...]) -> float:
 
 
 def load_binds(rnd: Round) -> None:
-    """Light load: blocks bind one after another. A block whose engines are idle binds at once; a busy one binds
-    at once by adoption where its members transform KV and the transformation is cheap (``adopt_max_ms``),
-    otherwise it drains first (sequential: its engines get no new work while the rest of the cluster takes it),
-    so no request is paused or recomputed. At most half of the blocks still in DP drain at the same time."""
+    """Light load: blocks bind one after another, as wide as ``light_width`` (up to all engines: a group's
+    prefill runs sequence-parallel over its members, so it scales with the width), narrower where no wide block
+    can bind (its engines are held by other groups, or its backlog must drain in DP first). A block whose engines
+    are idle binds at once; a busy one binds at once by adoption where its members transform KV and the
+    transformation is cheap (``adopt_max_ms``), otherwise it drains first (sequential: its engines get no new work
+    while the rest of the cluster takes it), so no request is paused or recomputed. At most half of the blocks
+    still in DP drain at the same time."""
     if rnd.out.state.busy or not rnd.cfg.load_adaptation:
         return
     if any(need_width(r.kv_tokens, rnd.s.engines) not in (1, None) for r in rnd.s.waiting):
         return  # a long request waits for engines: leave them to it
-    sets = rnd.free_sets(rnd.cfg.light_width)
+    for width in sorted(
+        (w for w in group_widths(rnd.engines_n()) if 2 <= w <= rnd.load_width()), reverse=True
+    ):
+        if any(g.reason == "load" for g in [*rnd.groups.values(), *rnd.out.binds]):
+            return  # the load groups of this light period are chosen: no narrower ones beside them
+        bind_blocks(rnd, width)
+
+
+def bind_blocks(rnd: Round, width: int) -> None:
+    """Bind the free blocks of ``width`` that may bind now (see :func:`load_binds`)."""
+    sets = rnd.free_sets(width)
     draining = sum(1 for g in rnd.groups.values() if g.reason == "load" and g.state == "binding")
     in_dp = len(sets) + draining
     for ms in sets:  # least loaded first

@@ -109,7 +109,7 @@ def release_groups(rnd: Round) -> None:
             else:
                 rnd.release(g, why, seconds=after)
         elif g.state == "bound" and not tp_busy and not queued_tp and rnd.now - g.last_used >= cfg.keep_s:
-            if not busy and g.width == cfg.light_width and not rnd.paused_dp(g):
+            if not busy and g.width == rnd.load_width() and not rnd.paused_dp(g):
                 rnd.put(replace_group(g, reason="load"))  # light load: keep it, as a load group
             elif busy or g.reason == "long" or rnd.paused_dp(g):
                 rnd.release(g, ReleaseCause.NO_TP_WORK, seconds=cfg.keep_s)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import msgspec
 
 from flying.groups import merge_sets
+from flying.groups import widths as group_widths
 from flying.messages import Group, GroupReason, GroupState, Preempt, QueuedRequest, RouterState
 from router.config import PolicyConfig
 from router.decision import BindMode, BindNote, Decision, ReleaseCause, ReleaseMode, ReleaseNote
@@ -45,7 +46,10 @@ class Round:
         self.s, self.cfg, self.now = s, cfg, s.now
         self.live = {e.engine: e for e in s.engines}
         self.groups: dict[int, Group] = {g.epoch: g for g in s.groups}
-        self.out = Decision(state=msgspec.structs.replace(s.state, long_context=cfg.long_context))
+        self.out = Decision(
+            state=msgspec.structs.replace(s.state, long_context=cfg.long_context),
+            sp_threshold=cfg.sp_threshold,
+        )
         self.dp_inflight = {e.engine: e.inflight for e in s.engines}
         self.dp_kv = {e.engine: 0 for e in s.engines}  # KV of the DP requests this round sends each engine
         self.tp = {ep: (ld.inflight, ld.kv_tokens) for ep, ld in s.tp_load.items()}
@@ -99,10 +103,11 @@ class Round:
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
-        if adopt:
-            self.out.events.append(BindNote(members, reason, BindMode.ADOPT, self.kv.adopt_ms(members)))
-        else:
-            self.out.events.append(BindNote(members, reason, BindMode(preempt)))
+        mode = BindMode.ADOPT if adopt else BindMode(preempt)
+        adopt_ms = self.kv.adopt_ms(members) if adopt else 0.0
+        self.out.events.append(
+            BindNote(members, reason, mode, adopt_ms, self.cfg.sp_threshold, self.engines_n())
+        )
         return g
 
     # --- what the groups hold -----------------------------------------------------------------------------
@@ -139,6 +144,15 @@ class Round:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired
         yet): send it elsewhere, unless that engine is the only live one."""
         return r.failed_on in engines and len(self.live) > 1
+
+    def engines_n(self) -> int:
+        """The cluster's engine count (as the heartbeats report it)."""
+        return max((e.num_engines for e in self.s.engines), default=1)
+
+    def load_width(self) -> int:
+        """The load groups' width: ``light_width``, or the widest group the cluster has when it has fewer
+        engines (1: none)."""
+        return max(w for w in group_widths(self.engines_n()) if w <= self.cfg.light_width)
 
     # --- blocks of engines --------------------------------------------------------------------------------
 

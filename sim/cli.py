@@ -8,7 +8,8 @@ flying-sim --no-kv-transform --out sim-before          the same, engines without
 flying-sim --policy regime=inflight --policy calm_s=3   override the simulator's PolicyConfig fields
 flying-sim --trace my.csv --preset burstgpt --out o    your own trace (loadgen's trace format)
 flying-sim --modes shift,dynamic --shift-threshold 512  Shift Parallelism with the code's threshold
-flying-sim --workload shared-prefix --modes dp --engines 4   cache-aware vs least-loaded DP dispatch (issue 16)
+flying-sim --workload shared-prefix --modes dp --engines 4   cache-aware vs least-loaded DP dispatch
+flying-sim --modes dp,shift,dynamic --long-share 0 --seeds 0-19   the targets over 20 seeds
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing
 import time
 import typing
 from pathlib import Path
@@ -25,11 +27,12 @@ from pathlib import Path
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.trace import PRESETS, read_trace
 from router.policy import PolicyConfig
-from sim.config import SimConfig
-from sim.cost_model import calibration
+from sim.config import Mode, SimConfig
+from sim.cost_model import calibration, with_overrides
 from sim.plots import burst_spans, mode_counts, plot, shift_share
 from sim.prefix_report import prefix_table, ratios, summarize_prefix
 from sim.prefix_workload import shared_prefix_workload
+from sim.seeds import over_seeds, parse_seeds, seeds_table
 from sim.simulator import Simulator
 from sim.workload import SimRequest, paper_workload, two_level_phase
 
@@ -42,6 +45,7 @@ def flat_period(t: float, low_s: float, burst_s: float, skip_s: float = FLAT_SKI
 
 
 MODES = ("dp", "tp", "shift", "dynamic")
+LONG_TOKENS = 100_000  # a prompt longer than this is a long-context request (reported apart)
 BUCKET_S = 5.0  # the timeline's bucket
 
 
@@ -56,6 +60,7 @@ def summarize(records: list[RequestRecord], phase, flat=lambda t: False) -> dict
     flats = [r for r in ok if flat(r.sent_at)]
     tpots = [r.tpot * 1000 for r in ok if r.tpot is not None]
     cls = {p: [r for r in ok if r.priority == p] for p in ("high", "normal")}
+    longs = [r for r in ok if r.prompt_tokens > LONG_TOKENS]
     return {
         "served": len(ok),
         "rejected": sum(1 for r in records if r.status == 400),
@@ -70,7 +75,13 @@ def summarize(records: list[RequestRecord], phase, flat=lambda t: False) -> dict
         "high_ttft_mean_ms": stats(ms(cls["high"]))["mean"],
         "high_tpot_mean_ms": stats([r.tpot * 1000 for r in cls["high"] if r.tpot is not None])["mean"],
         "normal_ttft_mean_ms": stats(ms(cls["normal"]))["mean"],
-        "long_served": sum(1 for r in ok if r.prompt_tokens > 100_000),
+        "long_served": sum(1 for r in ok if r.prompt_tokens > LONG_TOKENS),
+        # long requests apart from the rest: their TTFT, and the rest's burst P90
+        "long_ttft_p50_ms": stats(ms(longs))["p50"],
+        "long_ttft_p90_ms": stats(ms(longs))["p90"],
+        "rest_ttft_p90_burst_ms": stats(ms([r for r in by_phase["burst"] if r.prompt_tokens <= LONG_TOKENS]))[
+            "p90"
+        ],
     }
 
 
@@ -87,6 +98,9 @@ ROWS = (
     ("normal: mean TTFT (ms)", "normal_ttft_mean_ms"),
     ("served / rejected (400)", None),
     ("long-context requests served", "long_served"),
+    ("long-context requests: TTFT p50 (ms)", "long_ttft_p50_ms"),
+    ("long-context requests: TTFT p90 (ms)", "long_ttft_p90_ms"),
+    ("the rest: P90 TTFT at burst (ms)", "rest_ttft_p90_burst_ms"),
 )
 
 
@@ -175,7 +189,9 @@ def policy_overrides(items: list[str]) -> dict:
         if name not in hints:
             raise SystemExit(f"flying-sim: --policy {item}: PolicyConfig has no field {name!r}")
         kind = hints[name]
-        if kind is bool:
+        if kind == int | None:
+            out[name] = None if value.lower() in ("", "none") else int(value)
+        elif kind is bool:
             out[name] = value.lower() in ("1", "true", "yes", "on")
         elif kind in (int, float):
             out[name] = kind(value)
@@ -190,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--engines", type=int, default=d.engines)
     p.add_argument(
-        "--tp-width", type=int, default=d.tp_width, help="static TP width (dynamic's light width too)"
+        "--tp-width", type=int, default=d.tp_width, help="static TP width (dynamic's: --policy light_width=W)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--low-s", type=float, default=60.0)
@@ -225,6 +241,25 @@ def main(argv: list[str] | None = None) -> int:
         default=d.kv_transform,
         help="the engines apply Bind.adopt / Release.scatter (off: the 'before' table)",
     )
+    p.add_argument(
+        "--spread-ownership",
+        action=argparse.BooleanOptionalAction,
+        default=d.spread_ownership,
+        help="a bound group's TP requests are owned by its members in turn (a release scatters them evenly)",
+    )
+    p.add_argument(
+        "--cost",
+        default="",
+        metavar="NAME=X,...",
+        help="change the cost model: allreduce=2,alltoall=0.5 scale a collective's cost; FIELD=VALUE sets a "
+        "CostModel field (e.g. switch_ms=30)",
+    )
+    p.add_argument(
+        "--seeds",
+        help="FROM-TO or a list (0-19, 1,4,7): run --modes on each seed's paper workload and print, per target, "
+        "how many seeds meet it, the mean and the worst ratio (needs dp, shift and dynamic)",
+    )
+    p.add_argument("--jobs", type=int, default=1, help="--seeds: seeds simulated at once (processes)")
     prefix_arguments(p)
     p.add_argument("--out", type=Path, default=Path("sim-out"))
     p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
@@ -253,11 +288,18 @@ def main(argv: list[str] | None = None) -> int:
         tp_width=a.tp_width,
         kv_transform=a.kv_transform,
         shift_threshold=a.shift_threshold,
+        spread_ownership=a.spread_ownership,
     )
-    base = dataclasses.replace(
-        base, policy=dataclasses.replace(base.policy, light_width=a.tp_width, **policy_overrides(a.policy))
-    )
+    base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, **policy_overrides(a.policy)))
+    try:
+        base = dataclasses.replace(base, cost=with_overrides(base.cost, a.cost))
+    except ValueError as e:
+        p.error(str(e))
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.seeds:
+        if a.trace or not {"dp", "shift", "dynamic"} <= set(a.modes.split(",")):
+            p.error("--seeds runs the paper workload with at least --modes dp,shift,dynamic")
+        return seeds_main(a, base)
     summary, series, sims = {}, {}, {}
     for mode in a.modes.split(","):
         t0 = time.perf_counter()
@@ -281,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         report += ["", "Shift Parallelism (SP over every engine, full-TP steps below the threshold):"]
         report += shift_report(sims["shift"])
     report += ["", "cost model calibration (model / published):"]
-    report += [f"- {what}: {mine:.3f} / {pub:.3f}" for what, mine, pub in calibration(base.cost)]
+    report += [f"- {c.what}: {c.model:.3f} / {c.published:.3f}{'' if c.followed else ' (reported, not followed)'}"
+               for c in calibration(base.cost)]  # fmt: skip
     text = "\n".join(report)
     print(text)
     (a.out / "table.md").write_text(text + "\n")
@@ -290,6 +333,54 @@ def main(argv: list[str] | None = None) -> int:
     t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=0.0)
     bursts = [] if a.trace else burst_spans(a.low_s, a.burst_s, t_end)
     picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {a.engines} engines", a.dpi)
+    return 0
+
+
+def workload_args(a: argparse.Namespace) -> dict:
+    """paper_workload's keyword arguments from the command line (all but the count and the seed)."""
+    lo_in, hi_in = (int(x) for x in a.input.split(":"))
+    lo_out, hi_out = (int(x) for x in a.output.split(":"))
+    return dict(low_s=a.low_s, burst_s=a.burst_s, input_tokens=(lo_in, hi_in), output_tokens=(lo_out, hi_out),
+                high_share=a.high_share, long_share=a.long_share)  # fmt: skip
+
+
+def seed_summary(job: tuple[int, int, dict, SimConfig, tuple[Mode, ...]]) -> dict[str, dict]:
+    """One seed: every system's summary (a top-level function, for worker processes)."""
+    seed, n, kw, base, modes = job
+    reqs = paper_workload(n, seed, **kw)
+    phase = lambda t: two_level_phase(t, kw["low_s"], kw["burst_s"])  # noqa: E731
+    flat = lambda t: flat_period(t, kw["low_s"], kw["burst_s"])  # noqa: E731
+    out: dict[str, dict] = {}
+    for mode in modes:
+        out[mode] = summarize(Simulator(dataclasses.replace(base, mode=mode), reqs).run(), phase, flat)
+    return out
+
+
+def seeds_main(a: argparse.Namespace, base: SimConfig) -> int:
+    """``--seeds``: the targets over many seeds (seeds.md, seeds.json under ``--out``)."""
+    try:
+        seeds = parse_seeds(a.seeds)
+    except ValueError as e:
+        raise SystemExit(f"flying-sim: {e}") from None
+    kw, modes = workload_args(a), tuple(typing.cast(Mode, m) for m in a.modes.split(","))
+    jobs = {s: (s, a.requests, kw, base, modes) for s in seeds}
+    t0 = time.perf_counter()
+    if a.jobs > 1:
+        with multiprocessing.Pool(a.jobs) as pool:
+            done = dict(zip(seeds, pool.map(seed_summary, [jobs[s] for s in seeds])))
+        run = done.__getitem__
+    else:
+        run = lambda s: seed_summary(jobs[s])  # noqa: E731
+    results, summaries = over_seeds(seeds, run)
+    took = time.perf_counter() - t0
+    text = "\n".join(
+        [seeds_table(results, seeds), "", f"{len(seeds)} seeds, {', '.join(modes)}: {took:.0f} s"]
+    )
+    print(text)
+    (a.out / "seeds.md").write_text(text + "\n")
+    (a.out / "seeds.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
+                                                 "summaries": {str(s): v for s, v in summaries.items()}},
+                                                indent=1, default=float))  # fmt: skip
     return 0
 
 
@@ -321,7 +412,7 @@ def prefix_main(a: argparse.Namespace, d: SimConfig) -> int:
     rows: dict[tuple[str, str], dict] = {}
     for mode in a.modes.split(","):
         for dispatch in a.dispatch.split(","):
-            policy = dataclasses.replace(d.policy, light_width=a.tp_width, dispatch=dispatch,
+            policy = dataclasses.replace(d.policy, dispatch=dispatch,
                                          **policy_overrides(a.policy))  # fmt: skip
             cfg = dataclasses.replace(d, engines=a.engines, tp_width=a.tp_width, mode=mode, policy=policy,
                                       kv_transform=a.kv_transform, shift_threshold=a.shift_threshold)  # fmt: skip

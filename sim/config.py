@@ -1,5 +1,6 @@
 """The simulation's configuration (:class:`SimConfig`): the cluster, the system under test (:data:`Mode`), the
-simulated router's policy, the cost model, and the faults to inject."""
+simulated router's policy (the live router's defaults, :class:`router.config.PolicyConfig`), the cost model, and
+the faults to inject."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flying.settings import DEFAULT_SP_THRESHOLD
 from router.config import PolicyConfig
 from sim.cost_model import H200_LLAMA70B, CostModel
 
@@ -20,24 +22,9 @@ class SimConfig:
     mode: Mode = "dynamic"
     tp_width: int = 2  # static TP's group width
     shift_threshold: int = 256  # shift: a step batching at most this many tokens runs in full TP (seed 001)
-    policy: PolicyConfig = field(
-        default_factory=lambda: PolicyConfig(
-            max_inflight_per_worker=256,
-            tp_inflight_per_engine=8,
-            busy_load=0.5,
-            light_load=0.4,
-            # docs/benchmarks.md: the admission-rate regime (a burst's start and end show at once),
-            # adoption over busy blocks, DP dispatch that spreads a released group's new work
-            regime="rate",
-            light_rate=0.75,
-            busy_rate=1.0,
-            rate_tau_s=1.5,
-            calm_s=0.5,
-            busy_wait_s=0.1,
-            spread_s=3.0,
-            adopt_max_inflight=128,
-        )
-    )
+    # the live router's defaults: the simulator runs the policy flying-router runs
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    sp_threshold: int = DEFAULT_SP_THRESHOLD  # the simulated workers' --sp-threshold (a Bind may override it)
     cost: CostModel = H200_LLAMA70B
     router_ms: float = 2.0  # a router round: snapshot, decision, assignments
     command_ms: float = 2.0  # XADD -> the engine has read the command
@@ -49,6 +36,9 @@ class SimConfig:
         True  # the engines apply Bind.adopt / Release.scatter (and say so in their heartbeats) ...
     )
     no_kv_transform: tuple[int, ...] = ()  # ... except these (an older worker build)
+    # a bound group's TP requests are owned by its members in turn (else by the engine they were sent to, the
+    # leader), so a release scatters them evenly
+    spread_ownership: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):

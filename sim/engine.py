@@ -85,13 +85,18 @@ class Unit:
         on_idle: Callable[[], None],
         shift: bool = False,
         cache: PrefixCache | None = None,
+        sp_threshold: int = 0,
     ) -> None:
         self.sim, self.width, self.kv_cap, self.merged, self.on_idle = sim, width, kv_cap, merged, on_idle
         self.shift = shift
+        self.sp_threshold = sp_threshold  # a bound group: prefill steps of at least this many tokens run SP
         self.cache = cache  # a DP engine's prefix cache (a group's requests bypass it)
-        scale = width if shift else 1  # a shift scheduler runs as much per GPU as a DP engine
+        # a shift scheduler runs as much per GPU as a DP engine; a bound group's SP steps batch a DP engine's chunk
+        # per member (each member runs 1/width of the step's tokens)
+        scale = width if shift else 1
+        chunk_scale = width if shift or sp_threshold else 1
         self.max_running = sim.cfg.cost.max_running * scale
-        self.chunk_tokens = sim.cfg.cost.chunk_tokens * scale
+        self.chunk_tokens = sim.cfg.cost.chunk_tokens * chunk_scale
         self.queue: list[Req] = []
         self.running: list[Req] = []
         self.kv_used = 0
@@ -134,6 +139,12 @@ class Unit:
     def step_ms(self, prefill_tokens: int, decode_seqs: int, ctx: int) -> float:
         cost = self.sim.cfg.cost
         if not self.shift:
+            tokens = prefill_tokens + decode_seqs
+            if self.sp_threshold and prefill_tokens and tokens >= max(self.sp_threshold, self.width):
+                self.sim.stats["sp_steps"] += 1  # the worker's choose_mode: SP prefill, as shift's base
+                return cost.sp_step_ms(self.width, prefill_tokens, decode_seqs, ctx)
+            if self.width > 1 and self.merged:
+                self.sim.stats["tp_steps"] += 1
             return cost.step_ms(self.width, prefill_tokens, decode_seqs, ctx, self.merged)
         ms, shifted = cost.shift_step_ms(
             self.width, self.sim.cfg.shift_threshold, prefill_tokens, decode_seqs, ctx
@@ -311,7 +322,10 @@ class SimGroup:
         self.adopt = bind.adopt and all(e.transforms for e in engines)
         paused_kv = 0 if self.adopt else sum(e.dp.kv_used for e in engines)
         cap = len(self.members) * sim.kv_per_engine - paused_kv
-        self.unit = Unit(sim, len(self.members), cap, merged, self.boundary, shift)
+        threshold = sim.cfg.sp_threshold if bind.sp_threshold is None else bind.sp_threshold
+        self.unit = Unit(
+            sim, len(self.members), cap, merged, self.boundary, shift, sp_threshold=threshold * merged
+        )
         self.release_asked = self.retract = self.scatter = False
         self.formed = False
         self.transform_ms = 0.0

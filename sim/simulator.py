@@ -48,7 +48,7 @@ from flying.groups import pooled_limit
 from flying.messages import PRIORITY_CLASS, Bind, Group, GroupReason, QueuedRequest, RouterState
 from flying.prefix import MAX_BLOCKS, encode_chain
 from loadgen.metrics import RequestRecord
-from router.decision import Decision, ReleaseCause, plan
+from router.decision import Decision, Dispatch, ReleaseCause, plan
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
 from sim.config import Mode, SimConfig
@@ -105,6 +105,9 @@ class Simulator:
         self.groups: dict[int, SimGroup] = {}
         self.tp_load: dict[int, list[int]] = {}
         self.tp_max: dict[int, int] = {}
+        self.turns: dict[
+            int, int
+        ] = {}  # epoch -> the member the group's last TP request went to (spread_ownership)
         self.dispatched: set[int] = set()
         self.finished = 0
         self.admitted = 0
@@ -261,8 +264,8 @@ class Simulator:
             r = self.queue[PRIORITY_CLASS[x.request.priority]].pop(x.request.id)
             assert r.i not in self.dispatched, f"request {r.i} dispatched twice"
             self.dispatched.add(r.i)
-            r.engine, r.epoch = x.engine, x.epoch
-            self.engines[x.engine].assigned += 1
+            r.engine, r.epoch = self.owner(x), x.epoch
+            self.engines[r.engine].assigned += 1
             if not x.epoch:
                 self.dp_rules[x.rule or ""] += 1
             if x.epoch:
@@ -278,6 +281,15 @@ class Simulator:
             else:
                 e.dp.queue.append(r)
                 e.boundary()
+
+    def owner(self, x: Dispatch) -> int:
+        """The engine that owns a dispatched request (streams it, takes it back in DP on a release): the engine
+        it was sent to; with ``spread_ownership`` a bound group's TP requests go to its members in turn."""
+        g = self.groups.get(x.epoch) if x.epoch else None
+        if not self.cfg.spread_ownership or g is None:
+            return x.engine
+        turn = self.turns[x.epoch] = self.turns.get(x.epoch, -1) + 1
+        return g.members[turn % len(g.members)]
 
     def note_decisions(self, d: Decision, binds: list[Group]) -> None:
         self.decisions += [SimDecision(self.now, "bind", g.epoch, g.members, g.reason) for g in binds]

@@ -36,3 +36,10 @@ def test_only_a_redis_the_cluster_started_can_be_restarted():
     cluster = Cluster(ClusterConfig(Path("m"), redis_url="redis://127.0.0.1:1/0"))
     with pytest.raises(RuntimeError, match="only a Redis this cluster started can be restarted"):
         cluster.restart_redis()
+
+
+def test_the_routers_sp_threshold_is_unset_by_default_and_set_by_its_flag():
+    assert parse_args([]).policy.sp_threshold is None
+    assert parse_args(["--sp-threshold", "0"]).policy.sp_threshold == 0
+    with pytest.raises(ValueError, match="sp_threshold must be >= 0"):
+        PolicyConfig(sp_threshold=-1)

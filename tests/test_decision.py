@@ -39,8 +39,10 @@ REQ = QueuedRequest(id="a", priority="normal", model="m", prompt_tokens=1, max_t
          "release epoch 4 (0, 1) (load): making room for a width-4 group"),
         (ReleaseNote(4, (0, 1), "load", ReleaseMode.WAIT, ReleaseCause.MEMBER_GONE),
          "release epoch 4 (0, 1) (load): a member is gone"),
-        (BindNote((0, 1), "load", BindMode.ADOPT, 12.4), "bind (0, 1) (load, adoption, 12 ms)"),
-        (BindNote((2, 3), "priority", BindMode.HARD), "bind (2, 3) (priority, hard preemption)"),
+        (BindNote((0, 1), "load", BindMode.ADOPT, 12.4), "bind (0, 1) (load, adoption, 12 ms; width 2: SP prefill from the workers' threshold, TP below)"),
+        (BindNote((2, 3), "priority", BindMode.HARD, engines=8), "bind (2, 3) (priority, hard preemption; width 2 of 8 engines: SP prefill from the workers' threshold, TP below)"),
+        (BindNote((0, 1, 2, 3), "load", BindMode.HARD, sp_threshold=1024, engines=4), "bind (0, 1, 2, 3) (load, hard preemption; width 4 of 4 engines: SP prefill from 1024 tokens, TP below)"),
+        (BindNote((0, 1), "long", BindMode.SEQUENTIAL, sp_threshold=0), "bind (0, 1) (long, sequential preemption; width 2: TP steps)"),
         (RegimeNote(busy=False, demand=3, rate=1.25, engines=8), "light load (3 requests, 1.2/s on 8 engines): TP groups allowed"),
         (RegimeNote(busy=True, demand=30, rate=9.0, engines=8, oldest_s=0.3), "load rising (30 requests, 9.0/s, oldest waits 0.30 s): back to DP"),
         (DistrustNote((1, 2), 10.0), "engines [1, 2] not picked for binds for 10 s"),
@@ -83,3 +85,11 @@ def test_the_plan_numbers_binds_and_orders_records_then_commands_then_dispatches
     assert [x.engine for x in p.dp_dispatches] == [0] and p.state == RouterState(busy=False)
     with pytest.raises(ValueError, match="1 binds need as many epochs"):
         plan(d, [])
+
+
+def test_every_bind_carries_the_routers_sp_threshold():
+    new = Group(epoch=0, members=(0, 1, 2, 3), reason="load")
+    p = plan(Decision(binds=[new], sp_threshold=1024), [5])
+    assert p.sends == [((0, 1, 2, 3), Bind(epoch=5, members=(0, 1, 2, 3), sp_threshold=1024))]
+    unset = plan(Decision(binds=[new]), [6]).sends[0][1]
+    assert isinstance(unset, Bind) and unset.sp_threshold is None  # each worker's own --sp-threshold

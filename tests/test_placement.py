@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from flying.messages import Group, QueuedRequest, RouterState
-from router.config import PolicyConfig
 from router.decision import BindMode, BindNote
 from router.engine_view import EngineView
 from router.placement import (
@@ -17,8 +16,9 @@ from router.placement import (
 )
 from router.round import SHORT, USABLE, Round
 from router.snapshot import Snapshot
+from tests.policy_settings import UNIT_POLICY
 
-CFG = PolicyConfig()
+CFG = UNIT_POLICY
 LIGHT, BUSY = RouterState(busy=False), RouterState(busy=True)
 
 
@@ -48,7 +48,7 @@ def test_a_long_request_binds_the_least_loaded_block_it_needs_sequentially_by_de
     r = rnd([eng(0, inflight=3), eng(1, inflight=3), eng(2), eng(3)])
     place_long(r, req(prompt=1500), 2)
     assert [(g.members, g.reason, g.preempt) for g in r.out.binds] == [((2, 3), "long", "sequential")]
-    assert r.out.events == [BindNote((2, 3), "long", BindMode.SEQUENTIAL)] and r.reserved == {2, 3}
+    assert r.out.events == [BindNote((2, 3), "long", BindMode.SEQUENTIAL, engines=4)] and r.reserved == {2, 3}
 
 
 def test_a_high_priority_request_binds_a_block_and_leaves_dp_engines_for_the_rest():
@@ -75,7 +75,7 @@ def test_light_load_adopts_a_busy_block_whose_members_transform_kv():
         ((2, 3), "sequential", False),  # the least loaded first: it drains (one of two blocks)
         ((0, 1), "hard", True),
     ]
-    assert r.out.events[1] == BindNote((0, 1), "load", BindMode.ADOPT, r.kv.adopt_ms((0, 1)))
+    assert r.out.events[1] == BindNote((0, 1), "load", BindMode.ADOPT, r.kv.adopt_ms((0, 1)), engines=4)
 
 
 def test_group_for_prefers_the_narrowest_bound_group_with_room():

@@ -12,8 +12,9 @@ from flying.messages import Bind, Group, QueuedRequest, Release, RouterState
 from flying.prefix import BLOCK, block_hashes, encode_chain
 from router.policy import EngineView, GroupLoad, PolicyConfig, Snapshot, decide, need_width
 from router.prefix_index import PrefixIndex
+from tests.policy_settings import UNIT_POLICY
 
-CFG = PolicyConfig()
+CFG = UNIT_POLICY
 DP_ONLY = PolicyConfig(load_adaptation=False, priority=False, long_context=False, max_inflight_per_worker=8)
 BUSY = RouterState(busy=True)
 LIGHT = RouterState(busy=False)

@@ -10,7 +10,9 @@ from router.engine_view import EngineView
 from router.regime import admission_rate, forming, judge
 from router.snapshot import Snapshot
 
-CFG = PolicyConfig(calm_s=2.0, busy_wait_s=0.25, light_load=0.5, busy_load=1.0, tp_inflight_per_engine=4)
+CFG = PolicyConfig(
+    regime="inflight", calm_s=2.0, busy_wait_s=0.25, light_load=0.5, busy_load=1.0, tp_inflight_per_engine=4
+)
 
 
 def engines(n=4, inflight=0):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from flying.messages import Group, QueuedRequest, Release, RouterState
-from router.config import PolicyConfig
 from router.decision import DistrustNote, ReleaseCause, ReleaseMode
 from router.engine_view import EngineView
 from router.releases import reconcile, release_groups, release_idle_blocking, release_now
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
+from tests.policy_settings import UNIT_POLICY
 
-CFG = PolicyConfig()
+CFG = UNIT_POLICY
 
 
 def eng(i, epoch=0, pending=0, inflight=0, cap=1000, ts=100.0, kvt=False):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from flying.messages import Group, QueuedRequest, RouterState
-from router.config import PolicyConfig
 from router.decision import BindMode, BindNote
 from router.engine_view import EngineView
 from router.round import Round, decayed_recent
 from router.snapshot import GroupLoad, Snapshot
+from tests.policy_settings import UNIT_POLICY
 
 
 def eng(i, inflight=0, free=1000, cap=1000, **kw):
@@ -17,7 +17,7 @@ def eng(i, inflight=0, free=1000, cap=1000, **kw):
 def rnd(engines, groups=(), loads=None, suspect=None):
     state = RouterState(suspect=suspect or {})
     s = Snapshot(now=100.0, waiting=[], queued=0, engines=engines, groups=list(groups), tp_load=loads or {}, state=state)  # fmt: skip
-    return Round(s, PolicyConfig())
+    return Round(s, UNIT_POLICY)
 
 
 def test_free_blocks_are_live_idle_dp_engines_in_no_group_least_loaded_first():
@@ -36,7 +36,9 @@ def test_a_bind_reserves_its_members_and_caps_a_hard_groups_kv_at_nine_tenths_of
     r = rnd([eng(0, free=600), eng(1, free=400), eng(2), eng(3)])
     g = r.bind((0, 1), "priority", "hard")
     assert (g.epoch, g.kv_cap, g.since) == (0, 900, 100.0) and r.reserved == {0, 1}
-    assert r.free_sets(2) == [(2, 3)] and r.out.events == [BindNote((0, 1), "priority", BindMode.HARD)]
+    assert r.free_sets(2) == [(2, 3)] and r.out.events == [
+        BindNote((0, 1), "priority", BindMode.HARD, engines=4)
+    ]
     assert r.bind((2, 3), "long", "sequential").kv_cap == 0, "a sequential bind waits for the members' KV"
 
 

@@ -11,14 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flying.messages import Bind, Group, Release
-from router.policy import PolicyConfig
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cli import flat_period
 from sim.config import SimConfig
-from sim.cost_model import CostModel, calibration
+from sim.cost_model import CostModel, calibration, with_overrides
 from sim.plots import mode_counts
 from sim.simulator import Simulator
 from sim.workload import SimRequest, paper_workload
+from tests.policy_settings import unit_policy
 
 SMALL = CostModel(kv_tokens=4000, max_running=16, chunk_tokens=512)
 
@@ -40,7 +40,7 @@ def scenarios(draw):
         blocks = tuple(system * 100 + j if j < shared else next(own) for j in range((prompt + out) // 64))
         reqs.append(SimRequest(t, prio, prompt, out, blocks=blocks))
     down = draw(st.lists(st.tuples(st.floats(0, 5), st.floats(0.1, 3)), max_size=2))
-    policy = PolicyConfig(
+    policy = unit_policy(
         tp_inflight_per_engine=draw(st.integers(1, 4)),
         max_inflight_per_worker=draw(st.integers(1, 8)),
         calm_s=draw(st.sampled_from([0.0, 0.5, 2.0])),
@@ -64,6 +64,7 @@ def scenarios(draw):
         engines=engines,
         policy=policy,
         cost=SMALL,
+        spread_ownership=draw(st.booleans()),
         router_down=tuple((a, a + b) for a, b in down),
         ignore_binds=tuple(
             (e, a, a + b)
@@ -113,7 +114,7 @@ def test_long_request_is_served_by_a_group_and_rejected_by_static_dp():
 def test_high_priority_binds_then_releases_when_idle():
     reqs = [SimRequest(0.0, "high", 200, 20)]
     sim = Simulator(
-        SimConfig(engines=4, cost=SMALL, policy=PolicyConfig(keep_s=0.2, calm_s=60)), reqs, check=True
+        SimConfig(engines=4, cost=SMALL, policy=unit_policy(keep_s=0.2, calm_s=60)), reqs, check=True
     )
     assert sim.run()[0].ok
     sim.at(sim.now + 1.0, lambda: None)  # let the idle group's release play out
@@ -135,23 +136,25 @@ def test_static_tp_serves_everything_in_groups_and_dynamic_matches_dp_without_lo
 
 
 def test_cost_model_is_within_10_percent_of_the_published_numbers():
-    for what, mine, published in calibration():
-        assert abs(mine / published - 1) <= 0.1, what
+    points = calibration()
+    for what, mine, published, followed in points:
+        assert not followed or abs(mine / published - 1) <= 0.1, what
+    # seed 001's points are reported beside them: SP8 prefills a lone prompt faster than TP8 and DP, as measured
+    ttft = {p.what.rsplit(", ", 1)[1]: p.model for p in points if "TTFT of one" in p.what}
+    assert 1 < ttft["TP8 / SP8"] < ttft["DP / SP8"] and sum(not p.followed for p in points) == 3
 
 
 def test_dp_work_paused_by_a_priority_bind_resumes_within_max_defer_s():
     """A long high-priority request binds a block whose engines run long DP requests (hard: they pause). After
     max_defer_s the group is released with retraction (the TP request continues in DP on the leader), so no DP
     request stalls much longer than max_defer_s, however long the TP request runs."""
-    policy = PolicyConfig(
-        calm_s=0.3, max_defer_s=1.0
-    )  # light load from 0.3 s: (0, 1) drains for a load group
+    policy = unit_policy(calm_s=0.3, max_defer_s=1.0)  # light load from 0.3 s: (0, 1) drains for a load group
     reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(6)] + [SimRequest(0.5, "high", 200, 300)]
     cfg = SimConfig(engines=6, cost=SMALL, policy=policy, kv_transform=False)  # (adoption pauses nothing)
     sim = Simulator(cfg, reqs, check=True)
     records = sim.run()
     assert all(r.ok and r.output_tokens == s.output for r, s in zip(records, reqs))
-    assert any(note == "bind (2, 3) (priority, hard preemption)" for _, note in sim.log), sim.log
+    assert any(note.startswith("bind (2, 3) (priority, hard preemption;") for _, note in sim.log), sim.log
     stalls = [max(b - a for a, b in zip(r.event_times, r.event_times[1:])) for r in records[:6]]
     assert max(stalls) > 0.9, "the bind paused a DP request"
     assert max(stalls) < policy.max_defer_s + 0.5, f"DP requests stalled {max(stalls):.2f} s"
@@ -159,7 +162,7 @@ def test_dp_work_paused_by_a_priority_bind_resumes_within_max_defer_s():
 
 # --- KV transformation (issue 12) -------------------------------------------------------------------------------
 
-MANUAL = PolicyConfig(load_adaptation=False, priority=False, long_context=False)
+MANUAL = unit_policy(load_adaptation=False, priority=False, long_context=False)
 
 
 def operator(sim: Simulator, at: float, members: tuple[int, ...], adopt: bool) -> int:
@@ -251,7 +254,7 @@ def test_light_load_adopts_busy_engines_where_it_used_to_wait_for_them_to_drain(
     """The policy in the simulator: two busy engines, light load. Without KV transformation the block does not
     bind while they decode (it would drain); with it, it binds by adoption at once and the next request gets a
     TP group."""
-    policy = PolicyConfig(calm_s=0.3, tp_inflight_per_engine=4)
+    policy = unit_policy(calm_s=0.3, tp_inflight_per_engine=4)
     reqs = [
         SimRequest(0.0, "normal", 200, 400),
         SimRequest(0.0, "normal", 200, 400),
@@ -272,7 +275,7 @@ def test_engines_without_kv_transform_never_get_adopt_or_scatter():
     """Gating: one engine of four runs an older worker; the policy never sends adopt/scatter to a group with it
     (the simulator asserts it on every command), while the others' groups do use them."""
     reqs = paper_workload(300, seed=3, low_rate=(2, 4), burst_rate=(20, 30), low_s=6, burst_s=3, long_share=0)
-    policy = PolicyConfig(calm_s=0.3, tp_inflight_per_engine=4, max_inflight_per_worker=16)
+    policy = unit_policy(calm_s=0.3, tp_inflight_per_engine=4, max_inflight_per_worker=16)
     sim = Simulator(SimConfig(engines=4, cost=SMALL, policy=policy, no_kv_transform=(1,)), reqs, check=True)
     assert all(r.ok for r in sim.run())
     notes = [n for _, n in sim.log]
@@ -306,7 +309,7 @@ def test_mode_track_and_decisions_follow_the_simulated_bind_and_release():
     """The priority bind of the test above, as the timeline shows it: its members turn "binding" when they read
     the bind, "tp2" when the group forms, "releasing" when they read the release, and the paused DP work shows
     until they are back in DP; the per-bucket counts add up to the engine count."""
-    policy = PolicyConfig(calm_s=0.3, max_defer_s=1.0)
+    policy = unit_policy(calm_s=0.3, max_defer_s=1.0)
     reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(6)] + [SimRequest(0.5, "high", 200, 300)]
     cfg = SimConfig(engines=6, cost=SMALL, policy=policy, kv_transform=False)
     sim = Simulator(cfg, reqs, check=True)
@@ -442,3 +445,44 @@ def test_a_sim_config_names_what_is_out_of_range():
         SimConfig(mode="tp2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="need engines >= 1"):
         SimConfig(engines=0)
+
+
+def test_a_bound_groups_large_prefill_steps_run_sequence_parallel_unless_the_threshold_is_off():
+    """A load group's prompt of 2,000 tokens runs in SP steps (at least the threshold), its decode steps in TP;
+    with sp_threshold=0 in the router's binds every step is TP. Both finish every request."""
+    reqs = [SimRequest(1.0 + i, "normal", 2000, 20) for i in range(4)]
+    steps = {}
+    for threshold in (None, 0):
+        policy = unit_policy(calm_s=0.3, sp_threshold=threshold)
+        sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=policy), reqs, check=True)
+        assert all(r.ok for r in sim.run())
+        assert all(r.epoch for r in sim.reqs), sim.log  # every request ran in the group
+        steps[threshold] = (sim.stats["sp_steps"], sim.stats["tp_steps"])
+    assert steps[None][0] > 0 and steps[None][1] > 0 and steps[0] == (0, steps[0][1])
+    assert steps[0][1] > steps[None][1]
+
+
+def test_cost_overrides_scale_a_collective_or_set_a_field():
+    m = with_overrides(CostModel(), "allreduce=2,alltoall=0.5,switch_ms=30")
+    base = CostModel()
+    assert (m.allreduce_ms, m.allreduce_ms_per_token) == (
+        2 * base.allreduce_ms,
+        2 * base.allreduce_ms_per_token,
+    )
+    assert (
+        m.sp_alltoall_ms == base.sp_alltoall_ms / 2 and m.switch_ms == 30 and with_overrides(base, "") == base
+    )
+    with pytest.raises(ValueError, match="unknown 'nvlink'"):
+        with_overrides(base, "nvlink=2")
+
+
+def test_spread_ownership_gives_a_groups_tp_requests_to_its_members_in_turn():
+    reqs = [SimRequest(1.0 + 0.01 * i, "normal", 100, 50) for i in range(4)]
+    owners = {}
+    for spread in (False, True):
+        cfg = SimConfig(engines=2, cost=SMALL, policy=unit_policy(calm_s=0.3), spread_ownership=spread)
+        sim = Simulator(cfg, reqs, check=True)
+        assert all(r.ok for r in sim.run())
+        assert all(r.epoch for r in sim.reqs), sim.log
+        owners[spread] = [r.engine for r in sim.reqs]
+    assert len(set(owners[False])) == 1 and sorted(owners[True]) == [0, 0, 1, 1]
