@@ -358,13 +358,14 @@ def drop_tp_requests(scheduler: Any) -> list[str]:
     """After an aborted epoch: take the leader's TP requests out of its queues (their KV lives in the TP view,
     freed with it) and report them aborted to their clients."""
     reqs = [r for r in list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue) if not r.finished()]
-    from worker_ext.sglang_patches.requests import release_kv
+    from worker_ext.sglang_patches.requests import release_kv, stream
 
     for req in reqs:
         req.finished_reason = group_lost()
         release_kv(scheduler, req)  # its KV back while the TP sub-slot allocator is still in place
-    if reqs:
-        scheduler.stream_output(reqs, any(r.return_logprob for r in reqs))
+    stream(
+        scheduler, reqs
+    )  # (the output filter still keeps other members' copies away from this detokenizer)
     scheduler.waiting_queue[:] = []
     scheduler.running_batch.reqs = []
     return [r.rid for r in reqs]
