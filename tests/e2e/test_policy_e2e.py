@@ -99,7 +99,7 @@ def test_high_priority_request_binds_a_group_released_after_it(policy, oai):
     assert raw.parse().usage.completion_tokens == 12
     h = request_hash(policy, raw.headers["x-request-id"])
     assert int(h["epoch"]) > 0, f"served in DP: {h}"  # dispatched to a TP group's leader
-    assert "(priority, hard preemption)" in router_log(policy)
+    assert "(priority, hard preemption;" in router_log(policy)
     wait_groups_gone(policy, timeout_s=15)  # keep_s without TP work: released, every engine back in DP
     assert "no TP work" in router_log(policy)
 
