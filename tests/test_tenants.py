@@ -192,8 +192,11 @@ def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_
             f"{url}/v1/chat/completions", json=body, headers={**b, "X-Priority": "high"}
         ).is_success
         f.write_text('[[tenant]]\nname = "c"\nkey = "kc"\n')
+        port = url.rsplit(":", 1)[1]  # this test's gateway (a full run has other gateways alive)
         gw = next(
-            p for p in psutil.Process().children(recursive=True) if "gateway.main" in " ".join(p.cmdline())
+            p
+            for p in psutil.Process().children(recursive=True)
+            if "gateway.main" in (cmd := " ".join(p.cmdline())) and f"--port {port} " in f"{cmd} "
         )
         gw.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
