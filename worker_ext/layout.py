@@ -45,8 +45,7 @@ class Layout:
         self._row_parallel_dp = {id(layer): model.row_parallel_state(layer) for layer in layers}
         self._kv = memory_pool.KVViews(kv_pool)
         self._sub: kv_layout.SubSlotAllocator | None = None
-        self._bound: tuple[int, int, Any] = (1, 0, None)  # width, rank, group
-        self._sp: SPStep | None = None
+        self._sp: SPStep | None = None  # while bound: the group, this member's rank and the width
         self.mode = StepMode.TP
 
     def bind(self, width: int, rank: int, group: Any) -> kv_layout.SubSlotAllocator:
@@ -54,15 +53,15 @@ class Layout:
         self.weights.activate(width, rank)
         self._set(width, group)
         self._sub = memory_pool.install_sub_allocator(self._allocator, width)
-        self._bound, self._sp, self.mode = (width, rank, group), SPStep(group, rank, width), StepMode.TP
+        self._sp, self.mode = SPStep(group, rank, width), StepMode.TP
         return self._sub
 
     def step_mode(self, mode: StepMode) -> None:
         """Bound: run the next forward in ``mode`` (views re-pointed, nothing copied)."""
         if mode is self.mode:
             return
-        width, rank, group = self._bound
-        if self._sp is None or width == 1:
+        sp = self._sp
+        if sp is None:
             raise RuntimeError("step modes apply to a bound engine only")
         if mode is StepMode.SP and self._stack is None:
             raise RuntimeError("this engine's layout has no decoder stack to run SP steps on")
@@ -73,15 +72,15 @@ class Layout:
             for layer in self.layers:
                 model.set_order(layer, order)
                 model.set_row_parallel(layer, None, dp_state[id(layer)])
-                model.apply_sp_attention(layer, self._sp, self.dims.q_rows, self.dims.kv_rows)
-            model.apply_sp_stack(self._stack, self._sp)
+                model.apply_sp_attention(layer, sp, self.dims.q_rows, self.dims.kv_rows)
+            model.apply_sp_stack(self._stack, sp)
         else:
-            self.weights.activate(width, rank)
-            order = self.weights.activation_order(width)
+            self.weights.activate(sp.width, sp.rank)
+            order = self.weights.activation_order(sp.width)
             for layer in self.layers:
                 model.remove_sp_attention(layer)
                 model.set_order(layer, order)
-                model.set_row_parallel(layer, group, dp_state[id(layer)])
+                model.set_row_parallel(layer, sp.group, dp_state[id(layer)])
             model.remove_sp_stack(self._stack)
         self.mode = mode
 
@@ -89,7 +88,7 @@ class Layout:
         """Heads, reductions, KV views and allocator back to DP; the weights stay on the shard until
         :meth:`release_weights` (a width change goes straight from one shard to the next)."""
         self.step_mode(StepMode.TP)
-        self._bound, self._sp = (1, 0, None), None
+        self._sp = None
         memory_pool.remove_sub_allocator(self._allocator)
         self._sub = None
         self._set(1, None)
