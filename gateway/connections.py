@@ -23,7 +23,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.errors import APIError
+from gateway.errors import APIError, HeadersTooLarge, HeadTimeout, TooManyConnections, URITooLong
 
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped before closing
 
@@ -47,27 +47,6 @@ class ConnectionLimits:
     def max_head_bytes(self) -> int:
         """Raw bytes an unfinished request head may reach: the URL, the fields, their separators, the line."""
         return self.max_url_bytes + self.max_header_bytes + 4 * self.max_header_count + 1024
-
-
-class HeadersTooLarge(APIError):
-    status = 431
-    code = "request_header_fields_too_large"
-
-
-class URITooLong(APIError):
-    status = 414
-    code = "uri_too_long"
-
-
-class HeadTimeout(APIError):
-    status = 408
-    code = "request_timeout"
-
-
-class TooManyConnections(APIError):
-    status = 503
-    type = "server_error"
-    code = "too_many_connections"
 
 
 class _Refused(Exception):

@@ -97,6 +97,28 @@ class Draining(APIError):
     retry_after_s = 1
 
 
+# refused at the door, before a request is read whole (gateway.connections)
+class HeadersTooLarge(APIError):
+    status = 431
+    code = "request_header_fields_too_large"
+
+
+class URITooLong(APIError):
+    status = 414
+    code = "uri_too_long"
+
+
+class HeadTimeout(APIError):
+    status = 408
+    code = "request_timeout"
+
+
+class TooManyConnections(APIError):
+    status = 503
+    type = "server_error"
+    code = "too_many_connections"
+
+
 class QueueUnavailable(APIError):
     status = 503
     type = "service_unavailable"

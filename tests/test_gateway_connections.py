@@ -15,7 +15,8 @@ import pytest
 
 from flying.keys import Keys
 from gateway.config import GatewayConfig
-from gateway.connections import ConnectionLimits, HeadersTooLarge, raw_response
+from gateway.connections import ConnectionLimits, raw_response
+from gateway.errors import HeadersTooLarge
 from tests.stack import gateway_process
 
 MAX_CONNECTIONS = 8
