@@ -109,8 +109,9 @@ class PolicyConfig:
     )
     sp_threshold: int | None = setting(
         None,
-        "batched tokens: a bound group's prefill steps of at least this many run sequence-parallel, smaller and "
-        "decode steps in TP (0: never SP; unset: each worker's own --sp-threshold); sent in every bind",
+        "batched tokens: a bound group's steps of at least this many (a prefill's tokens, a decode's sequences) "
+        "run sequence-parallel, smaller ones in TP (0: never SP; unset: each worker's own --sp-threshold); sent "
+        "in every bind",
     )
     dispatch: DispatchRule = setting(
         "cache-aware",

@@ -125,7 +125,7 @@ class BindNote:
         if self.sp_threshold == 0:
             return "TP steps"
         at = "the workers' threshold" if self.sp_threshold is None else f"{self.sp_threshold} tokens"
-        return f"SP prefill from {at}, TP below"
+        return f"SP steps from {at}, TP below"
 
     def __str__(self) -> str:
         how = (

@@ -43,9 +43,14 @@ def admission_rate(state: RouterState, admitted: int, now: float, tau: float) ->
 
 def forming(groups: Iterable[Group], now: float, ack_timeout_s: float) -> bool:
     """A load group binds at its members' next step boundary (hard or adoption; not one that drains), for at
-    most ``ack_timeout_s`` so far."""
+    most ``ack_timeout_s`` so far, or formed this very round (the requests that waited for it go to it now)."""
     return any(
-        g.reason == "load" and g.state == "binding" and g.preempt == "hard" and now - g.since <= ack_timeout_s
+        g.reason == "load"
+        and g.preempt == "hard"
+        and (
+            (g.state == "binding" and now - g.since <= ack_timeout_s)
+            or (g.state == "bound" and g.since >= now)
+        )
         for g in groups
     )
 

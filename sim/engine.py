@@ -93,7 +93,7 @@ class Unit:
         self.cache = cache  # a DP engine's prefix cache (a group's requests bypass it)
         # a shift scheduler runs as much per GPU as a DP engine; a bound group's SP steps batch a DP engine's chunk
         # per member (each member runs 1/width of the step's tokens)
-        scale = width if shift else 1
+        scale = width if shift or sp_threshold else 1
         chunk_scale = width if shift or sp_threshold else 1
         self.max_running = sim.cfg.cost.max_running * scale
         self.chunk_tokens = sim.cfg.cost.chunk_tokens * chunk_scale
@@ -140,8 +140,10 @@ class Unit:
         cost = self.sim.cfg.cost
         if not self.shift:
             tokens = prefill_tokens + decode_seqs
-            if self.sp_threshold and prefill_tokens and tokens >= max(self.sp_threshold, self.width):
-                self.sim.stats["sp_steps"] += 1  # the worker's choose_mode: SP prefill, as shift's base
+            if self.sp_threshold and tokens >= max(self.sp_threshold, self.width):
+                self.sim.stats["sp_steps"] += (
+                    1  # the worker's choose_mode: SP above the threshold, as shift's base
+                )
                 return cost.sp_step_ms(self.width, prefill_tokens, decode_seqs, ctx)
             if self.width > 1 and self.merged:
                 self.sim.stats["tp_steps"] += 1

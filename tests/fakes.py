@@ -280,9 +280,8 @@ class FakeEngine:
     def batch_rids(self, forward_batch: Any) -> list[str]:
         return [rid for rid, _, _ in forward_batch["tokens"]]
 
-    def step_tokens(self, forward_batch: Any) -> tuple[bool, int]:
-        new = [n for _, _, n in forward_batch["tokens"]]
-        return any(n > 1 for n in new), sum(new)
+    def step_tokens(self, forward_batch: Any) -> int:
+        return sum(n for _, _, n in forward_batch["tokens"])
 
     def forward(self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor) -> None:
         self.forwards.append((rows, slots.tolist()))

@@ -104,8 +104,7 @@ def test_each_member_gets_every_token_of_its_heads_and_back(total, width):
 
 
 def test_the_leader_chooses_sp_for_large_prefill_steps_only():
-    assert choose_mode(True, 512, 2, 256) is StepMode.SP
-    assert choose_mode(True, 255, 2, 256) is StepMode.TP
-    assert choose_mode(False, 4096, 2, 256) is StepMode.TP  # decode
-    assert choose_mode(True, 4096, 2, 0) is StepMode.TP  # SP off
-    assert choose_mode(True, 3, 4, 1) is StepMode.TP  # fewer tokens than members
+    assert choose_mode(512, 2, 256) is StepMode.SP  # a prefill, or a decode step of 512 sequences
+    assert choose_mode(255, 2, 256) is StepMode.TP
+    assert choose_mode(4096, 2, 0) is StepMode.TP  # SP off
+    assert choose_mode(3, 4, 1) is StepMode.TP  # fewer tokens than members

@@ -222,7 +222,7 @@ class Binding:
             return original(runner, forward_batch, *args, **kwargs)
         try:
             if e.leader and not e.failed:
-                mode = choose_mode(*self.engine.step_tokens(forward_batch), e.width, e.sp_threshold)
+                mode = choose_mode(self.engine.step_tokens(forward_batch), e.width, e.sp_threshold)
                 e.group.broadcast_object(self.plans.plan(forward_batch, self.ownership.take_outbox(), mode))
                 self.plans.sent()
                 self.layout.step_mode(mode)

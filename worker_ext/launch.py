@@ -350,10 +350,10 @@ def parser() -> argparse.ArgumentParser:
         "--sp-threshold",
         type=int,
         default=d.sp_threshold,
-        help="tokens: while bound, a prefill step of at least this many batched tokens runs sequence-parallel "
-        "(each member its slice of the tokens through its full weights, all-to-alls around attention); smaller "
-        "and decode steps run tensor-parallel; 0: never SP (a bind's own setting, flyctl bind --sp-threshold, "
-        "wins)",
+        help="tokens: while bound, a step of at least this many batched tokens (a prefill's tokens, a decode's "
+        "sequences) runs sequence-parallel (each member its slice of the tokens through its full weights, "
+        "all-to-alls around attention); smaller steps run tensor-parallel; 0: never SP (a bind's own setting, "
+        "flyctl bind --sp-threshold, wins)",
     )
     logs.add_argument(p)
     p.add_argument(

@@ -33,10 +33,10 @@ class StepMode(Enum):
     SP = "sp"  # every member: its slice of the tokens, the full weights, two all-to-alls per layer
 
 
-def choose_mode(is_extend: bool, tokens: int, width: int, threshold: int) -> StepMode:
-    """The leader's choice for a step: SP for a prefill (or mixed) step of at least ``threshold`` batched tokens
-    (0: never), TP for decode and small steps."""
-    if threshold > 0 and is_extend and tokens >= max(threshold, width):
+def choose_mode(tokens: int, width: int, threshold: int) -> StepMode:
+    """The leader's choice for a step, as Shift Parallelism's: SP for a step of at least ``threshold`` batched
+    tokens (a prefill or mixed step's tokens, a decode step's sequences; 0: never), TP for small steps."""
+    if threshold > 0 and tokens >= max(threshold, width):
         return StepMode.SP
     return StepMode.TP
 

@@ -106,6 +106,24 @@ def test_sp_steps_mixed_with_decodes_give_each_request_its_own_text(chunked):
     assert_matches(long, refs[1], "SP prefill mixed with a decode")
 
 
+def test_decode_steps_above_the_threshold_run_sp_and_give_dp_s_text(chunked):
+    """With a threshold of 2 batched tokens, the decode steps of three requests run in SP too (as Shift
+    Parallelism's base configuration): each member its slice of the sequences through its full weights."""
+    url, n = worker_url(chunked, 0), 24
+    prompts = [SHORT, SHORT[::-1], [(5 * i + 2) % 900 + 5 for i in range(20)]]
+    refs = [generate(url, p, n) for p in prompts]
+    epoch = bind_sp(chunked, (0, 1), threshold=2)
+    try:
+        before = sp_steps(chunked, 0)
+        runs = [Running(url, p, n) for p in prompts]
+        got = [r.join() for r in runs]
+        assert sp_steps(chunked, 0) - before >= n  # the decode steps too, not only the prefills
+    finally:
+        release(chunked, (0, 1), epoch)
+    for ours, ref in zip(got, refs):
+        assert ours["output_ids"] == ref["output_ids"], "SP decode: greedy text differs from DP's"
+
+
 def test_adopted_requests_decode_beside_an_sp_prefill_and_scatter_back_to_dp(chunked):
     urls, n = [worker_url(chunked, i) for i in (0, 1)], 200
     refs = [generate(urls[1], SHORT, n), generate(urls[0], LONG, 8)]

@@ -125,7 +125,7 @@ class SchedulerSurface(Protocol):
     def batch_fields(self, forward_batch: Any) -> dict[str, Any]: ...
     def batch_tokens(self, fields: dict[str, Any]) -> list[tuple[str, int, int]]: ...
     def batch_rids(self, forward_batch: Any) -> list[str]: ...
-    def step_tokens(self, forward_batch: Any) -> tuple[bool, int]: ...
+    def step_tokens(self, forward_batch: Any) -> int: ...
     def forward(
         self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor
     ) -> None: ...
@@ -347,11 +347,11 @@ class SGLangScheduler:
     def batch_rids(self, forward_batch: Any) -> list[str]:
         return list(forward_batch.rids)
 
-    def step_tokens(self, forward_batch: Any) -> tuple[bool, int]:
-        """Whether the forward is a prefill (extend, mixed included) and its batched tokens."""
+    def step_tokens(self, forward_batch: Any) -> int:
+        """The forward's batched tokens: a prefill's (extend, mixed included), a decode's sequences."""
         if forward_batch.forward_mode.is_extend() and forward_batch.extend_num_tokens is not None:
-            return True, int(forward_batch.extend_num_tokens)
-        return False, int(forward_batch.batch_size)
+            return int(forward_batch.extend_num_tokens)
+        return int(forward_batch.batch_size)
 
     def forward(self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor) -> None:
         """A follower's forward of the leader's batch over its own rows and slots (through the forward hook)."""
