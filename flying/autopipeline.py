@@ -12,7 +12,12 @@ Failures are redis-py's exceptions, so callers handle them as before: ``Connecti
 connection is lost or cannot be opened (a call that was sent may or may not have run), ``ResponseError`` for an
 error reply. A lost connection is opened again by the next call, so a Redis restart costs the calls in flight at
 that moment and nothing after. A script's SHA is loaded again once when Redis answers ``NOSCRIPT`` (a restarted
-Redis has forgotten it).
+Redis, or a promoted replica, has forgotten it).
+
+With ``locate`` (Redis Sentinel: ask the sentinels for the primary) the address is looked up at each connection, a
+connection that cannot be opened is tried again with backoff for up to ``reconnect_s`` (nothing was sent, so
+nothing runs twice), and a ``READONLY`` answer (a primary demoted while this connection stayed open) closes the
+connection and raises ``ConnectionError``: the command did not run, and the next call goes to the new primary.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -42,19 +48,24 @@ class AutoPipeline:
         path: str | None = None,
         client_name: str | None = None,
         connect_timeout_s: float = 2.0,
+        locate: Callable[[], Awaitable[tuple[str, int]]] | None = None,
+        reconnect_s: float = 0.0,
     ) -> None:
         self.host, self.port, self.path, self.db = host, port, path, db
         self.auth = [x for x in (username, password) if x]
         self.client_name, self.connect_timeout_s = client_name, connect_timeout_s
+        self.locate, self.reconnect_s = locate, reconnect_s
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
         self._shas: dict[str, str] = {}
 
     @classmethod
-    def like(cls, connection_kwargs: dict[str, Any]) -> AutoPipeline:
-        """The same server, database and credentials as a redis-py pool's ``connection_kwargs``."""
+    def like(cls, connection_kwargs: dict[str, Any], **options: Any) -> AutoPipeline:
+        """The same server, database and credentials as a redis-py pool's ``connection_kwargs`` (``options``:
+        ``locate``, ``reconnect_s``)."""
         kw = connection_kwargs
         return cls(
+            **options,
             host=kw.get("host", "127.0.0.1"),
             port=int(kw.get("port", 6379)),
             db=int(kw.get("db", 0) or 0),
@@ -66,35 +77,72 @@ class AutoPipeline:
 
     async def execute(self, *args: Arg) -> Any:
         """One command's reply (bytes, int, list, None); raises ConnectionError or ResponseError."""
+        reply = (await self.execute_many([args]))[0]
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
+    async def execute_many(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
+        """Several commands sent together on one connection (so a ``WAIT`` counts the writes before it): their
+        replies, an error reply as its ResponseError; raises ConnectionError."""
         protocol = self._protocol
         if protocol is None or protocol.lost:
             protocol = await self._connect()
-        return await protocol.send(args)
+        replies = await asyncio.gather(*[protocol.send(c) for c in commands], return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, ResponseError) and str(reply).startswith("READONLY"):
+                protocol.close()  # a demoted primary: the next call asks for the new one
+                raise ConnectionError(f"Redis at {self._where()} is a replica now: {reply}")
+            if isinstance(reply, BaseException) and not isinstance(reply, ResponseError):
+                raise reply
+        return replies
 
-    async def script(self, source: str, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
-        """``EVALSHA`` of ``source`` (``SCRIPT LOAD`` first when Redis does not know it)."""
+    async def script(
+        self, source: str, keys: Sequence[Arg], args: Sequence[Arg], then: Sequence[Arg] = ()
+    ) -> Any:
+        """``EVALSHA`` of ``source`` (``SCRIPT LOAD`` first when Redis does not know it); with ``then`` (e.g. a
+        ``WAIT``), that command is sent right after it on the same connection and the reply is the pair."""
         sha = self._shas.get(source)
         if sha is None:
             sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
-        try:
-            return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
-        except ResponseError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-        self._shas[source] = (await self.execute("SCRIPT", "LOAD", source)).decode()
-        return await self.execute("EVALSHA", self._shas[source], len(keys), *keys, *args)
+        after = [then] if then else []
+        replies = await self.execute_many([("EVALSHA", sha, len(keys), *keys, *args), *after])
+        if isinstance(replies[0], ResponseError) and str(replies[0]).startswith("NOSCRIPT"):
+            self._shas[source] = (await self.execute("SCRIPT", "LOAD", source)).decode()
+            replies = await self.execute_many([("EVALSHA", self._shas[source], len(keys), *keys, *args), *after])
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        return (replies[0], replies[1]) if then else replies[0]
 
     async def _connect(self) -> _Protocol:
         """The open connection; concurrent callers share one attempt."""
         if self._connecting is None or self._connecting.done():
-            self._connecting = asyncio.ensure_future(self._open())
+            self._connecting = asyncio.ensure_future(self._open_retrying())
         return await asyncio.shield(self._connecting)
+
+    async def _open_retrying(self) -> _Protocol:
+        """``_open``, tried again with backoff for up to ``reconnect_s`` (a failover in progress)."""
+        deadline, delay = time.monotonic() + self.reconnect_s, 0.025
+        while True:
+            try:
+                return await self._open()
+            except ConnectionError:
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    def _where(self) -> str:
+        return self.path or f"{self.host}:{self.port}"
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         protocol: _Protocol | None = None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
+                if self.locate is not None:
+                    self.host, self.port = await self.locate()  # raises ConnectionError when none is known
                 if self.path:
                     _, protocol = await loop.create_unix_connection(_Protocol, self.path)
                 else:
@@ -114,8 +162,7 @@ class AutoPipeline:
                 protocol.close()  # half set up (refused AUTH, a timeout): not kept, not leaked
             if not isinstance(exc, (OSError, TimeoutError)):
                 raise
-            where = self.path or f"{self.host}:{self.port}"
-            raise ConnectionError(f"cannot connect to Redis at {where}: {exc!r}") from exc
+            raise ConnectionError(f"cannot connect to Redis at {self._where()}: {exc!r}") from exc
         assert protocol is not None
         self._protocol = protocol
         return protocol
