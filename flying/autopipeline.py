@@ -77,43 +77,43 @@ class AutoPipeline:
 
     async def execute(self, *args: Arg) -> Any:
         """One command's reply (bytes, int, list, None); raises ConnectionError or ResponseError."""
-        reply = (await self.execute_many([args]))[0]
-        if isinstance(reply, ResponseError):
-            raise reply
-        return reply
-
-    async def execute_many(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
-        """Several commands sent together on one connection (so a ``WAIT`` counts the writes before it): their
-        replies, an error reply as its ResponseError; raises ConnectionError."""
-        protocol = self._protocol
-        if protocol is None or protocol.lost:
-            protocol = await self._connect()
-        replies = await asyncio.gather(*[protocol.send(c) for c in commands], return_exceptions=True)
-        for reply in replies:
-            if isinstance(reply, ResponseError) and str(reply).startswith("READONLY"):
-                protocol.close()  # a demoted primary: the next call asks for the new one
-                raise ConnectionError(f"Redis at {self._where()} is a replica now: {reply}")
-            if isinstance(reply, BaseException) and not isinstance(reply, ResponseError):
-                raise reply
-        return replies
+        protocol = await self._ready()
+        return _checked(protocol, await _gather(protocol.send(args)))[0]
 
     async def script(
-        self, source: str, keys: Sequence[Arg], args: Sequence[Arg], then: Sequence[Arg] = ()
+        self, source: str, keys: Sequence[Arg], args: Sequence[Arg], wait: tuple[int, int] | None = None
     ) -> Any:
-        """``EVALSHA`` of ``source`` (``SCRIPT LOAD`` first when Redis does not know it); with ``then`` (e.g. a
-        ``WAIT``), that command is sent right after it on the same connection and the reply is the pair."""
+        """``EVALSHA`` of ``source`` (``SCRIPT LOAD`` first when Redis does not know it). With ``wait``
+        (replicas, timeout in ms) a ``WAIT`` follows it on the same connection, one for all the calls written
+        together (so concurrent writers share one wait), and the reply is the pair (reply, replicas that
+        acknowledged)."""
         sha = self._shas.get(source)
         if sha is None:
             sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
-        after = [then] if then else []
-        replies = await self.execute_many([("EVALSHA", sha, len(keys), *keys, *args), *after])
-        if isinstance(replies[0], ResponseError) and str(replies[0]).startswith("NOSCRIPT"):
-            self._shas[source] = (await self.execute("SCRIPT", "LOAD", source)).decode()
-            replies = await self.execute_many([("EVALSHA", self._shas[source], len(keys), *keys, *args), *after])
+        for loaded in (False, True):
+            protocol = await self._ready()
+            futures = [protocol.send(("EVALSHA", sha, len(keys), *keys, *args), batched=wait is not None)]
+            if wait is not None:
+                futures.append(protocol.wait_after(("WAIT", *wait)))
+            replies = _checked(protocol, await _gather(*futures))
+            if (
+                not loaded
+                and isinstance(replies[0], ResponseError)
+                and str(replies[0]).startswith("NOSCRIPT")
+            ):
+                sha = self._shas[source] = (await self.execute("SCRIPT", "LOAD", source)).decode()
+                continue
+            break
         for reply in replies:
             if isinstance(reply, ResponseError):
                 raise reply
-        return (replies[0], replies[1]) if then else replies[0]
+        return (replies[0], replies[1]) if wait is not None else replies[0]
+
+    async def _ready(self) -> _Protocol:
+        protocol = self._protocol
+        if protocol is None or protocol.lost:
+            protocol = await self._connect()
+        return protocol
 
     async def _connect(self) -> _Protocol:
         """The open connection; concurrent callers share one attempt."""
@@ -173,6 +173,24 @@ class AutoPipeline:
             self._protocol = None
 
 
+async def _gather(*futures: asyncio.Future[Any]) -> list[Any]:
+    """The replies (an error reply as its exception); a shared future (a batch's WAIT) is not cancelled with
+    the caller."""
+    return await asyncio.gather(*(asyncio.shield(f) for f in futures), return_exceptions=True)
+
+
+def _checked(protocol: _Protocol, replies: list[Any]) -> list[Any]:
+    """``replies``, or the connection's error raised; ``READONLY`` (a primary demoted while this connection stayed
+    open: the command did not run) closes the connection and raises ConnectionError."""
+    for reply in replies:
+        if isinstance(reply, ResponseError) and str(reply).startswith("READONLY"):
+            protocol.close()
+            raise ConnectionError(f"Redis is a replica now: {reply}")
+        if isinstance(reply, BaseException) and not isinstance(reply, ResponseError):
+            raise reply
+    return replies
+
+
 class _Protocol(asyncio.Protocol):
     """The connection: commands out (one write per event-loop turn), replies in, matched in order."""
 
@@ -182,17 +200,22 @@ class _Protocol(asyncio.Protocol):
         self.out: list[bytes] = []
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
+        self.wait_args: Sequence[Arg] = ()
+        self.wait_next: asyncio.Future[Any] | None = None  # the WAIT the calls written since the last one share
+        self.wait_sent: asyncio.Future[Any] | None = None  # the WAIT in flight
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's is no asyncio.Transport subclass)
 
-    def send(self, args: Sequence[Arg]) -> asyncio.Future[Any]:
+    def send(self, args: Sequence[Arg], batched: bool = False) -> asyncio.Future[Any]:
+        """The reply's future; ``batched``: written with the loop turn's other calls even when nothing is in
+        flight (a call that a ``wait_after`` follows)."""
         fut = asyncio.get_running_loop().create_future()
         if self.lost is not None:
             fut.set_exception(ConnectionError(f"Redis connection lost: {self.lost!r}"))
             return fut
         if (
-            not self.waiting and self.transport is not None
+            not batched and not self.waiting and self.transport is not None
         ):  # nothing in flight (light load): no batch to wait for
             self.transport.write(pack(args))
         else:  # with replies pending, the calls of this loop turn go out together
@@ -202,10 +225,42 @@ class _Protocol(asyncio.Protocol):
         self.waiting.append(fut)
         return fut
 
+    def wait_after(self, args: Sequence[Arg]) -> asyncio.Future[Any]:
+        """The reply of ``args`` (``WAIT replicas timeout``) written after the calls made so far: group commit, one
+        ``WAIT`` in flight at a time. The calls written while one is in flight share the next, sent when it
+        answers; when it answers that too few replicas acknowledged, they get that answer without another wait
+        (the replica is away: each would block the connection for the whole timeout)."""
+        if self.lost is not None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(ConnectionError(f"Redis connection lost: {self.lost!r}"))
+            return fut
+        if self.wait_next is None:
+            self.wait_args, self.wait_next = args, asyncio.get_running_loop().create_future()
+        return self.wait_next
+
+    def _send_wait(self) -> None:
+        """Write the pending ``WAIT`` if none is in flight and the calls it follows are written."""
+        if self.wait_next is None or self.wait_sent is not None or self.out or self.lost is not None:
+            return
+        assert self.transport is not None
+        fut, self.wait_next, self.wait_sent = self.wait_next, None, self.wait_next
+        fut.add_done_callback(self._wait_answered)
+        self.transport.write(pack(self.wait_args))
+        self.waiting.append(fut)
+
+    def _wait_answered(self, fut: asyncio.Future[Any]) -> None:
+        self.wait_sent = None
+        acked = fut.result() if not fut.cancelled() and fut.exception() is None else None
+        if self.wait_next is not None and isinstance(acked, int) and acked < int(self.wait_args[1]):
+            self.wait_next.set_result(acked)  # too few replicas now: no second wait
+            self.wait_next = None
+        self._send_wait()
+
     def _flush(self) -> None:
         if self.out and self.transport is not None and self.lost is None:
             self.transport.write(b"".join(self.out))
         self.out.clear()
+        self._send_wait()
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -221,6 +276,9 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = exc or ConnectionError("closed by the server")
         err = ConnectionError(f"Redis connection lost: {self.lost!r}")
+        if self.wait_next is not None and not self.wait_next.done():
+            self.wait_next.set_exception(err)
+        self.wait_next = None
         while self.waiting:
             fut = self.waiting.popleft()
             if not fut.done():

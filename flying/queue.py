@@ -297,15 +297,15 @@ class RequestQueue:
                 await asyncio.sleep(0.05)
 
     async def _run_once(self, source: str, keys: list[str], args: list[Any]) -> Any:
-        wait = ("WAIT", self.wait.replicas, self.wait.timeout_ms) if self.gate.wanted() else ()
+        wait = (self.wait.replicas, self.wait.timeout_ms) if self.gate.wanted() else None
         if self.pipe is not None and wait:
-            out, acked = await self.pipe.script(source, keys, args, then=wait)
+            out, acked = await self.pipe.script(source, keys, args, wait=wait)
         elif self.pipe is not None:
             return await self.pipe.script(source, keys, args)
         elif wait:  # one pipeline: the WAIT goes on the connection that wrote
             pipe = self.r.pipeline(transaction=False)
             await self._scripts[source](keys=keys, args=args, client=pipe)
-            pipe.execute_command(*wait)
+            pipe.execute_command("WAIT", *wait)
             out, acked = await pipe.execute()
         else:
             return await self._scripts[source](keys=keys, args=args)
