@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
     p.add_argument("--workdir", type=Path, default=Path(".flying"))
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--redis-url", default=None, help="use this Redis (redis://, or redis+sentinel://host:port,.../master/db) instead of starting one")
     a = p.parse_args(argv)
 
     t0 = time.monotonic()
