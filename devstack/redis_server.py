@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -136,8 +137,8 @@ class SentinelSet:
             client.close()
 
     def _knows_all(self, client: redis.Redis) -> bool:
-        master = client.sentinel_master(self.MASTER)
-        replicas = client.sentinel_slaves(self.MASTER)
+        master: Any = client.sentinel_master(self.MASTER)
+        replicas: Any = client.sentinel_slaves(self.MASTER)
         in_sync = any(r.get("master-link-status") == "ok" for r in replicas)
         return bool(master.get("num-other-sentinels") == 2 and in_sync)
 
@@ -145,7 +146,10 @@ class SentinelSet:
         """The port of the server the Sentinels name primary now."""
         for port in self.sentinel_ports:
             try:
-                _, p = redis.Redis(port=port, socket_timeout=1).sentinel_get_master_addr_by_name(self.MASTER)
+                addr: Any = redis.Redis(port=port, socket_timeout=1).sentinel_get_master_addr_by_name(
+                    self.MASTER
+                )
+                _, p = addr
                 return int(p)
             except (redis.ConnectionError, redis.TimeoutError, TypeError):
                 continue

@@ -20,7 +20,7 @@ import time
 import urllib.parse
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -34,6 +34,7 @@ from redis.retry import Retry
 from flying.autopipeline import AutoPipeline
 
 log = logging.getLogger("flying.redis")
+C = TypeVar("C", aioredis.Redis, redis.Redis)
 
 SCHEME = "redis+sentinel"
 DEFAULT_MASTER = "mymaster"
@@ -57,7 +58,9 @@ class ReplicaWait:
 
     def __post_init__(self) -> None:
         if self.replicas < 0 or self.timeout_ms < 1:
-            raise RedisUrlError(f"wait={self.replicas} wait_ms={self.timeout_ms}: need wait >= 0, wait_ms >= 1")
+            raise RedisUrlError(
+                f"wait={self.replicas} wait_ms={self.timeout_ms}: need wait >= 0, wait_ms >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def parse(url: str) -> RedisTarget:
     if parts.scheme != SCHEME:
         if not parts.scheme:
             raise RedisUrlError(f"{url!r} is no Redis URL (redis://host:port/db or {SCHEME}://...)")
-        ours = {k: query.pop(k) for k in ("wait", "wait_ms") if k in query}
+        ours: dict[str, str] = {k: query.pop(k) for k in ("wait", "wait_ms") if k in query}
         plain = parts._replace(query=urllib.parse.urlencode(query)).geturl()
         return RedisTarget(url=plain, wait=_wait(ours, default=0))
     auth, _, hosts = parts.netloc.rpartition("@")
@@ -131,7 +134,9 @@ def with_sentinel(url: str, sentinels: str, master: str = DEFAULT_MASTER) -> str
     hosts = ",".join(f"{h}:{p}" for h, p in sentinel_hosts(sentinels))
     auth = parts.netloc.rpartition("@")[0]
     db = parts.path.strip("/") or "0"
-    return urllib.parse.urlunsplit((SCHEME, f"{auth}@{hosts}" if auth else hosts, f"/{master}/{db}", parts.query, ""))
+    return urllib.parse.urlunsplit(
+        (SCHEME, f"{auth}@{hosts}" if auth else hosts, f"/{master}/{db}", parts.query, "")
+    )
 
 
 def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
@@ -140,7 +145,7 @@ def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
     if not target.sentinel:
         return _noting(target, aioredis.Redis.from_url(target.url, **kwargs))
     kw = _master_kwargs(target, kwargs, AsyncRetry, FollowingConnection)
-    return _noting(target, _async_sentinel(target).master_for(target.master, **kw))
+    return _noting(target, cast(aioredis.Redis, _async_sentinel(target).master_for(target.master, **kw)))
 
 
 def async_pool_client(url: str, max_connections: int, **kwargs: Any) -> aioredis.Redis:
@@ -153,7 +158,7 @@ def async_pool_client(url: str, max_connections: int, **kwargs: Any) -> aioredis
     client = _async_sentinel(target).master_for(
         target.master, connection_pool_class=BlockingSentinelPool, max_connections=max_connections, **kw
     )
-    return _noting(target, client)
+    return _noting(target, cast(aioredis.Redis, client))
 
 
 def sync_client(url: str, **kwargs: Any) -> redis.Redis:
@@ -161,8 +166,9 @@ def sync_client(url: str, **kwargs: Any) -> redis.Redis:
     target = parse(url)
     if not target.sentinel:
         return _noting(target, redis.Redis.from_url(target.url, **kwargs))
-    sentinel = ssentinel.Sentinel(list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S)
-    return _noting(target, sentinel.master_for(target.master, **_master_kwargs(target, kwargs, Retry, SyncFollowingConnection)))
+    sentinel: Any = _untyped(ssentinel.Sentinel)(list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S)
+    kw = _master_kwargs(target, kwargs, Retry, SyncFollowingConnection)
+    return _noting(target, cast(redis.Redis, sentinel.master_for(target.master, **kw)))
 
 
 def autopipeline(client: aioredis.Redis) -> AutoPipeline | None:
@@ -173,7 +179,9 @@ def autopipeline(client: aioredis.Redis) -> AutoPipeline | None:
     if issubclass(pool.connection_class, aioredis.SSLConnection):
         return None
     if isinstance(pool, asentinel.SentinelConnectionPool):
-        return AutoPipeline.like(pool.connection_kwargs, locate=pool.get_master_address, reconnect_s=FAILOVER_WINDOW_S)
+        return AutoPipeline.like(
+            pool.connection_kwargs, locate=pool.get_master_address, reconnect_s=FAILOVER_WINDOW_S
+        )
     return AutoPipeline.like(pool.connection_kwargs)
 
 
@@ -186,7 +194,7 @@ def target_of(client: aioredis.Redis | redis.Redis) -> RedisTarget:
     return _TARGETS.get(client, RedisTarget())
 
 
-def _noting(target: RedisTarget, client: Any) -> Any:
+def _noting(target: RedisTarget, client: C) -> C:
     _TARGETS[client] = target
     return client
 
@@ -201,7 +209,7 @@ class FollowingConnection(asentinel.SentinelManagedConnection):
 
     async def _connect(self) -> None:
         self.host, self.port = await self.connection_pool.get_master_address()
-        await super()._connect()
+        await _untyped(super()._connect)()
 
 
 class SyncFollowingConnection(ssentinel.SentinelManagedConnection):
@@ -209,7 +217,7 @@ class SyncFollowingConnection(ssentinel.SentinelManagedConnection):
 
     def _connect(self) -> Any:
         self.host, self.port = self.connection_pool.get_master_address()
-        return super()._connect()
+        return _untyped(super()._connect)()
 
 
 class WaitGate:
@@ -237,7 +245,15 @@ class WaitGate:
 
 
 def _async_sentinel(target: RedisTarget) -> asentinel.Sentinel:
-    return asentinel.Sentinel(list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S)
+    return cast(
+        asentinel.Sentinel,
+        _untyped(asentinel.Sentinel)(list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S),
+    )
+
+
+def _untyped(f: Any) -> Any:
+    """``f`` as Any: redis-py's Sentinel classes have no annotations."""
+    return f
 
 
 def _master_kwargs(
