@@ -131,7 +131,7 @@ class AutoPipeline:
                 if time.monotonic() + delay > deadline:
                     raise
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
+            delay = min(delay * 2, 0.1)
 
     def _where(self) -> str:
         return self.path or f"{self.host}:{self.port}"

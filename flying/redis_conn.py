@@ -38,8 +38,8 @@ C = TypeVar("C", aioredis.Redis, redis.Redis)
 
 SCHEME = "redis+sentinel"
 DEFAULT_MASTER = "mymaster"
-BACKOFF = dict(cap=0.25, base=0.025)  # seconds: 50, 100, 200 ms, then every 250 ms
-FAILOVER_RETRIES = 24  # about 5.5 s of retries with BACKOFF
+BACKOFF = dict(cap=0.1, base=0.025)  # seconds: 50 ms, then every 100 ms (each retry asks the sentinels)
+FAILOVER_RETRIES = 55  # about 5.5 s of retries with BACKOFF
 FAILOVER_WINDOW_S = 5.5
 SENTINEL_TIMEOUT_S = 0.5  # a sentinel that does not answer in this long is skipped
 RETRIED = [ConnectionError, TimeoutError, ReadOnlyError]
