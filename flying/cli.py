@@ -32,7 +32,7 @@ def add_redis_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--redis-sentinel",
-        default=settings.redis_sentinel(),
+        default=settings.redis_sentinel() or None,
         metavar="HOST:PORT,...",
         help="Redis Sentinels to ask for the primary (the database and password from --redis-url; default: none, "
         f"--redis-url is the server) (env {settings.REDIS_SENTINEL})",
