@@ -59,15 +59,19 @@ class Deployment:
         self.engines.append(Engine(proc, url, hb, stop_ready))
         return self.engines[-1]
 
-    def start_gateway(self, *args: str) -> str:
-        port = free_port()
-        cmd = [sys.executable, "-m", "gateway.main", "--model-path", str(self.model), "--port", str(port),
-               "--redis-url", self.redis_url, "--key-prefix", self.keys.prefix, *args]  # fmt: skip
-        proc = spawn(cmd, self.logs / f"gateway{len(self.gateways)}.log", env=dict(os.environ))
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, 60)
-        self.gateways.append((proc, url))
-        return url
+    def start_gateways(self, n: int, *args: str) -> list[str]:
+        """``n`` gateway processes started together (each loads its tokenizer for some seconds); their URLs."""
+        started = []
+        for _ in range(n):
+            port = free_port()
+            cmd = [sys.executable, "-m", "gateway.main", "--model-path", str(self.model), "--port", str(port),
+                   "--redis-url", self.redis_url, "--key-prefix", self.keys.prefix, *args]  # fmt: skip
+            proc = spawn(cmd, self.logs / f"gateway{len(self.gateways)}.log", env=dict(os.environ))
+            self.gateways.append((proc, f"http://127.0.0.1:{port}"))
+            started.append(self.gateways[-1])
+        for proc, url in started:
+            wait_healthy(proc, url, 90)
+        return [url for _, url in started]
 
     def start_router(self, *args: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "router.main", "--redis-url", self.redis_url, "--key-prefix", self.keys.prefix,

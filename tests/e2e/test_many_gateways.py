@@ -54,7 +54,7 @@ def test_a_gateway_and_the_active_router_killed_under_load_lose_no_request_of_th
         d.start_engine()
         d.start_engine()
         routers = [d.start_router(), d.start_router()]
-        survivor, victim = d.start_gateway(), d.start_gateway()
+        survivor, victim = d.start_gateways(2)
         watch = Watch(r, keys)
         watch.thread.start()
         killed: dict[str, float] = {}

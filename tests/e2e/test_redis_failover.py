@@ -38,7 +38,7 @@ def test_killing_the_primary_fails_no_request_and_serving_resumes_within_3_s(
         d.start_engine()
         d.start_engine()
         d.start_router()
-        url = d.start_gateway()
+        (url,) = d.start_gateways(1)
         outcomes = asyncio.run(
             steady([url], seconds=KILL_AT_S + 5, rate=25, events={KILL_AT_S: kill_primary})
         )
