@@ -274,7 +274,7 @@ class _Protocol(asyncio.Protocol):
                 fut.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = exc or ConnectionError("closed by the server")
+        self.lost = exc or self.lost or ConnectionError("closed by the server")
         err = ConnectionError(f"Redis connection lost: {self.lost!r}")
         if self.wait_next is not None and not self.wait_next.done():
             self.wait_next.set_exception(err)
@@ -285,6 +285,9 @@ class _Protocol(asyncio.Protocol):
                 fut.set_exception(err)
 
     def close(self) -> None:
+        """Close; calls made from now on fail at once (those in flight fail when the transport reports it)."""
+        if self.lost is None:
+            self.lost = ConnectionError("closed by this client")
         if self.transport is not None:
             self.transport.close()
 
