@@ -129,3 +129,18 @@ async def test_a_script_waits_for_the_replica_and_concurrent_writes_share_the_wa
         "writes sent while a WAIT times out share its answer, not wait in turn"
     )
     p.close()
+
+
+def test_the_gateway_router_and_worker_take_a_sentinel_set():
+    from gateway import main as gateway_main
+    from router import main as router_main
+    from worker_ext import launch
+
+    flags = ["--redis-sentinel", "127.0.0.1:26379,127.0.0.1:26380", "--redis-master-name", "prod"]
+    url = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/prod/0"
+    assert gateway_main.parse_args(["--model-path", "m", *flags]).redis_url == url
+    assert router_main.parse_args(flags).redis_url == url
+    worker = launch.parser().parse_args(
+        ["--engine", "0", "--num-engines", "1", "--model-path", "m", "--port", "1", *flags]
+    )
+    assert cli.redis_url(worker) == url
