@@ -16,7 +16,7 @@ import redis
 from flying.keys import Keys
 from tests.deployment import Deployment, steady
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
 LEASE_MS = 1000  # the router's default
 

@@ -13,7 +13,7 @@ from devstack.redis_server import SentinelSet
 from flying import redis_conn
 from tests.deployment import Deployment, steady
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
 KILL_AT_S = 2.0
 
