@@ -201,8 +201,9 @@ class _Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
         self.wait_args: Sequence[Arg] = ()
-        self.wait_next: asyncio.Future[Any] | None = None  # the WAIT the calls written since the last one share
-        self.wait_sent: asyncio.Future[Any] | None = None  # the WAIT in flight
+        # the WAIT that the calls written since the last one share, and the WAIT in flight
+        self.wait_next: asyncio.Future[Any] | None = None
+        self.wait_sent: asyncio.Future[Any] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's is no asyncio.Transport subclass)
