@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from devstack.redis_server import RedisServer
+from flying import redis_conn
 from flying.keys import Keys
 from flying.messages import Heartbeat
 from flying.procs import NotReady, free_port, spawn, stop, stop_all, tail, wait_healthy
@@ -195,7 +196,7 @@ class Cluster:
 
     # -- readiness ---------------------------------------------------------------------------------------------
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url)
+        return redis_conn.sync_client(self.redis_url)
 
     def heartbeats(self) -> dict[int, Heartbeat]:
         r = self.client()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from devstack.cluster import Cluster, ClusterConfig
+from devstack.redis_server import SentinelSet
 from loadgen import metrics, report, runner
 from loadgen.arrivals import Arrivals
 from loadgen.workload import PromptMaker, Workload, plan
@@ -24,7 +25,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
     p.add_argument("--workdir", type=Path, default=Path(".flying"))
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="use this Redis (redis://, or redis+sentinel://host:port,.../master/db) instead of starting one",
+    )
+    p.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="start a Redis primary, a replica and three Sentinels (instead of one redis-server) and use them",
+    )
     a = p.parse_args(argv)
 
     t0 = time.monotonic()
@@ -35,6 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     model = ensure(a.workdir / "tiny-llama", seed=0)
     say(f"tiny model at {model}")
+    sentinels = None
+    if a.sentinel and not a.redis_url:
+        sentinels = SentinelSet(data_dir=a.workdir / "logs" / "redis-sentinel").start()
+        a.redis_url = sentinels.url
+        say(
+            f"redis primary :{sentinels.primary.port}, replica :{sentinels.replica.port}, sentinels {a.redis_url}"
+        )
     cluster = Cluster(
         ClusterConfig(
             model_path=model,
@@ -76,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         say("stopping everything")
         cluster.stop()
+        if sentinels is not None:
+            sentinels.stop()
         say("stopped")
 
 

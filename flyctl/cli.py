@@ -24,7 +24,7 @@ import time
 
 import redis
 
-from flying import control, settings
+from flying import cli, control, redis_conn
 from flying.keys import Keys
 from flying.messages import RouterState, decode
 from flying.queue import text
@@ -107,8 +107,7 @@ def render_tenants(r: redis.Redis, keys: Keys) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flyctl", description=__doc__.splitlines()[0])
-    p.add_argument("--redis-url", default=settings.redis_url())
-    p.add_argument("--key-prefix", default=settings.key_prefix())
+    cli.add_redis_arguments(p)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status")
     q = sub.add_parser("queue")
@@ -143,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "--scatter", action="store_true", help="at once: TP requests continue in DP on their owners, KV moved"
     )
     a = p.parse_args(argv)
-    r, keys = redis.Redis.from_url(a.redis_url), Keys(a.key_prefix)
+    url = cli.redis_url(a)
+    r, keys = redis_conn.sync_client(url), Keys(a.key_prefix)
     try:
         if a.cmd == "bind":
             if len(set(a.members)) < 2:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(render_status(r, keys))
     except redis.RedisError as exc:
-        print(f"flyctl: cannot reach Redis at {a.redis_url}: {exc}", file=sys.stderr)
+        print(f"flyctl: cannot reach Redis at {redis_conn.parse(url).describe()}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flying import settings
+from flying import redis_conn, settings
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -23,13 +23,41 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def add_redis_arguments(p: argparse.ArgumentParser) -> None:
-    """``--redis-url`` and ``--key-prefix``, as every process takes them (defaults from the environment)."""
-    p.add_argument("--redis-url", default=settings.redis_url(), help=f"Redis (env {settings.REDIS_URL})")
+    """``--redis-url``, ``--redis-sentinel``, ``--redis-master-name`` and ``--key-prefix``, as every process takes
+    them (defaults from the environment); :func:`redis_url` makes the one URL they name."""
+    p.add_argument(
+        "--redis-url",
+        default=settings.redis_url(),
+        help=f"Redis: redis://host:port/db, or redis+sentinel://host:port,host:port/master/db (env {settings.REDIS_URL})",
+    )
+    p.add_argument(
+        "--redis-sentinel",
+        default=settings.redis_sentinel() or None,
+        metavar="HOST:PORT,...",
+        help="Redis Sentinels to ask for the primary (the database and password from --redis-url; default: none, "
+        f"--redis-url is the server) (env {settings.REDIS_SENTINEL})",
+    )
+    p.add_argument(
+        "--redis-master-name",
+        default=settings.redis_master_name(),
+        help=f"the primary's name in the Sentinels' configuration (env {settings.REDIS_MASTER_NAME})",
+    )
     p.add_argument(
         "--key-prefix",
         default=settings.key_prefix(),
         help=f"prefix of every Redis key (env {settings.KEY_PREFIX})",
     )
+
+
+def redis_url(a: argparse.Namespace) -> str:
+    """The Redis URL the parsed options name (a ``redis+sentinel://`` one with ``--redis-sentinel``); exits with
+    a usage error when they cannot be used."""
+    try:
+        url = redis_conn.with_sentinel(a.redis_url, a.redis_sentinel, a.redis_master_name)
+        redis_conn.parse(url)
+    except redis_conn.RedisUrlError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return url
 
 
 def help_line(p: argparse.ArgumentParser, action: argparse.Action) -> str:

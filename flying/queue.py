@@ -4,10 +4,17 @@ Request life in Redis: ``admit`` (queued, in the ZSET) -> ``assign`` (removed fr
 inflight SET, the owning gateway told on its channel) -> ``finish`` (done/failed) or ``requeue`` (back in the ZSET
 at its original position, e.g. after its worker died before answering). Because each transition is atomic, a router
 killed at any point neither loses nor duplicates a request: a request is either still queued or assigned.
+
+Behind Redis Sentinel (``flying.redis_conn``) the gateway's scripts are sent again when their connection is lost
+(up to the failover window): finish and requeue are no-ops the second time, and an admission that finds its own
+record (``DuplicateId`` on a retry) had landed the first time. When the client's URL sets a replica wait, every
+state change (admit, assign, requeue, finish) waits for that many replicas (``WAIT``, bounded; skipped for a
+while once it times out), so a failover right after it does not lose it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections.abc import Mapping, Sequence
@@ -15,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError
 
+from flying import redis_conn
 from flying.autopipeline import AutoPipeline
 from flying.keys import Keys
 from flying.messages import PRIORITY_CLASS, Assignment, QueuedRequest, encode, from_hash, to_hash
@@ -236,6 +245,9 @@ class RequestQueue:
         self._scripts = {src: client.register_script(src) for src in (_ADMIT, _REQUEUE, _FINISH)}
         self._assign = client.register_script(_ASSIGN)
         self._states = client.register_script(_STATES)
+        target = redis_conn.target_of(client)
+        self.wait, self.gate = target.wait, redis_conn.WaitGate(target.wait)
+        self.retry_s = redis_conn.FAILOVER_WINDOW_S if target.sentinel else 0.0
 
     async def admit(
         self, req: QueuedRequest, max_queue: int = 0, max_ahead: int = 0, charge: Charge | None = None
@@ -247,7 +259,7 @@ class RequestQueue:
         k = self.keys
         fields = [x for kv in to_hash(req).items() for x in kv if kv[0] != "seq"]
         c = charge or Charge("")
-        out = await self._run(
+        out, retried = await self._run(
             _ADMIT,
             keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats, k.fast_path, k.tenant(c.tenant),
                   k.tenant_bucket(c.tenant, "requests"), k.tenant_bucket(c.tenant, "tokens"), k.tenants,
@@ -264,16 +276,41 @@ class RequestQueue:
             if code == -1:
                 raise QueueFull(f"queue holds {n} requests (limit {max_queue})", "depth", n)
             raise QueueFull(f"{n} requests of this priority or higher wait (limit {max_ahead})", "wait", n)
+        if out == -2 and retried:  # the first try landed before its connection broke
+            return None  # queued, or assigned on the fast path (the gateway's reconciliation finds that)
         if out == -2:
             raise DuplicateId(f"a record with id {req.id} exists already")
         if isinstance(out, list):
             return Assignment(id=req.id, engine=int(out[1]), url=text(out[2]), queue_ms=0.0)
         return None
 
-    async def _run(self, source: str, keys: list[str], args: list[Any]) -> Any:
-        if self.pipe is not None:
+    async def _run(self, source: str, keys: list[str], args: list[Any]) -> tuple[Any, bool]:
+        """The script's reply, and whether it was sent again after a lost connection (only behind Sentinel)."""
+        deadline, retried = time.monotonic() + self.retry_s, False
+        while True:
+            try:
+                return await self._run_once(source, keys, args), retried
+            except ConnectionError:
+                if time.monotonic() >= deadline:
+                    raise
+                retried = True
+                await asyncio.sleep(0.05)
+
+    async def _run_once(self, source: str, keys: list[str], args: list[Any]) -> Any:
+        wait = (self.wait.replicas, self.wait.timeout_ms) if self.gate.wanted() else None
+        if self.pipe is not None and wait:
+            out, acked = await self.pipe.script(source, keys, args, wait=wait)
+        elif self.pipe is not None:
             return await self.pipe.script(source, keys, args)
-        return await self._scripts[source](keys=keys, args=args)
+        elif wait:  # one pipeline: the WAIT goes on the connection that wrote
+            pipe = self.r.pipeline(transaction=False)
+            await self._scripts[source](keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", *wait)
+            out, acked = await pipe.execute()
+        else:
+            return await self._scripts[source](keys=keys, args=args)
+        self.gate.saw(int(acked))
+        return out
 
     async def assign(
         self, req: QueuedRequest, engine: int, url: str, now: float | None = None, epoch: int = 0
@@ -290,6 +327,7 @@ class RequestQueue:
         if not moves:
             return 0
         now, k = time.time() if now is None else now, self.keys
+        wait = self.gate.wanted()
         pipe = self.r.pipeline(transaction=False)
         for req, engine, url, epoch in moves:
             queue_ms = max(0.0, (now - req.enqueued_at) * 1000)
@@ -308,13 +346,18 @@ class RequestQueue:
                 ],
                 client=pipe,
             )
-        return sum(bool(x) for x in await pipe.execute())
+        if wait:  # the round's assignments on a replica before the next round reads them
+            pipe.execute_command("WAIT", self.wait.replicas, self.wait.timeout_ms)
+        done = await pipe.execute()
+        if wait:
+            self.gate.saw(int(done.pop()))
+        return sum(bool(x) for x in done)
 
     async def requeue(self, req: QueuedRequest, engine: int, reason: str) -> bool:
         """Put an assigned request back at its original place in the queue (its worker could not take it); the
         router sends it elsewhere than ``engine`` while another engine is live."""
         k = self.keys
-        done = await self._run(
+        done, _ = await self._run(
             _REQUEUE,
             keys=[k.queue, k.request(req.id), k.inflight(engine), k.wake, k.stats],
             args=[req.id, PRIORITY_CLASS[req.priority], reason, engine],
@@ -326,7 +369,7 @@ class RequestQueue:
         record names, let its record expire."""
         assert state in ("done", "failed", "cancelled"), state
         k = self.keys
-        done = await self._run(
+        done, _ = await self._run(
             _FINISH,
             keys=[k.queue, k.request(rid), k.wake, k.stats],
             args=[rid, state, time.time(), error, FINISHED_TTL_S, k.inflight_prefix],

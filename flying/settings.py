@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 REDIS_URL = "FLYING_REDIS_URL"
+REDIS_SENTINEL = "FLYING_REDIS_SENTINEL"  # host:port,host:port of Redis Sentinels (see flying.redis_conn)
+REDIS_MASTER_NAME = "FLYING_REDIS_MASTER_NAME"
 KEY_PREFIX = "FLYING_KEY_PREFIX"
 ENGINE_INDEX = "FLYING_ENGINE_INDEX"
 ENGINE_URL = "FLYING_ENGINE_URL"
@@ -29,6 +31,14 @@ def sp_threshold() -> int:
 
 def redis_url() -> str:
     return os.environ.get(REDIS_URL, DEFAULT_REDIS_URL)
+
+
+def redis_sentinel() -> str:
+    return os.environ.get(REDIS_SENTINEL, "")
+
+
+def redis_master_name() -> str:
+    return os.environ.get(REDIS_MASTER_NAME, "mymaster")
 
 
 def key_prefix() -> str:

@@ -71,7 +71,7 @@ class Admission:
                 param="model",
             )
         cluster = self.cluster
-        beats = await cluster.workers() or await cluster.workers(max_age_s=0)  # before a 503, look again
+        beats = await cluster.workers() or await cluster.workers_again()  # before a 503, look again
         if not beats:
             raise NoLiveWorkers("no live workers; try again later")
         if cluster.router_missing():

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from flying import taskdump
+from flying import redis_conn, taskdump
 from flying.messages import Priority
 from gateway import batch, engine_fields, responses, schemas
 from gateway.auth import InvalidAPIKey, RequireKey
@@ -393,17 +393,17 @@ async def internal_error(request: Request, exc: Exception) -> Response:
 def redis_client(config: GatewayConfig) -> aioredis.Redis:
     """A bounded pool that makes callers wait for a connection rather than fail: the number of connections does
     not grow with the number of requests, and a burst queues for a moment instead of getting 503s."""
-    pool = aioredis.BlockingConnectionPool.from_url(
+    return redis_conn.async_pool_client(
         config.redis_url,
         max_connections=config.redis_max_connections,
         timeout=None,  # wait for a connection as long as it takes (connecting to a dead Redis fails fast)
         client_name=f"flying-gw-{config.gateway_id}",
         health_check_interval=10,
-        # a pooled connection that died with a Redis restart is replaced, not reported as an outage
+        # a pooled connection that died with a Redis restart is replaced, not reported as an outage (behind
+        # Sentinel, redis_conn retries for as long as a failover takes)
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
         retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError],
     )
-    return aioredis.Redis(connection_pool=pool)
 
 
 def create_app(

@@ -19,6 +19,9 @@ from gateway.config import GatewayConfig
 
 # the liveness key's TTL; refreshed every monitor_s (the router reaps a dead gateway's work)
 GATEWAY_TTL_MS = 3000
+LIVENESS_GAP_S = (
+    3.0  # engines seen live this recently may be re-announcing (a Redis failover dropped their keys)
+)
 PRIORITIES = sorted(PRIORITY_CLASS, key=PRIORITY_CLASS.__getitem__)  # high first
 
 
@@ -43,6 +46,7 @@ class ClusterView:
         self.no_router_grace_s = config.no_router_grace_s
         self._workers: tuple[float, list[Heartbeat]] = (-1e9, [])
         self._refresh: asyncio.Future[list[Heartbeat]] | None = None  # the one read in flight
+        self.last_live = -1e9  # when a read last found a live engine
         self.no_workers_since: float | None = None
         self.router_seen = time.monotonic()  # last time a router held the lease (start: a grace period)
         self.pooled_context = True  # the router binds groups for long requests (from its published state)
@@ -58,9 +62,24 @@ class ClusterView:
 
     async def _read_workers(self) -> list[Heartbeat]:
         beats = await live_workers(self.r, self.keys)
+        if beats:
+            self.last_live = time.monotonic()
         raw = await self.r.get(self.keys.router_state)
         self.pooled_context = decode(raw, RouterState).long_context if raw else True
         self._workers = (time.monotonic(), beats)
+        return beats
+
+    async def workers_again(self, within_s: float = 2.0) -> list[Heartbeat]:
+        """The live engines, read again every 0.1 s for up to ``within_s`` while none is, if some were live within
+        ``LIVENESS_GAP_S``: a Redis failover longer than their ready keys' TTL drops them until they write them
+        again (a moment after the new primary answers), and a request then should wait, not get a 503."""
+        deadline = time.monotonic() + within_s
+        beats = await self.workers(max_age_s=0)
+        while (
+            not beats and time.monotonic() - self.last_live < LIVENESS_GAP_S and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.1)
+            beats = await self.workers(max_age_s=0)
         return beats
 
     async def announce(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from flying import redis_conn
 from flying.autopipeline import AutoPipeline
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
@@ -206,7 +207,4 @@ class WaitingRoom:
 def autopipeline(client: aioredis.Redis) -> AutoPipeline | None:
     """An auto-pipelined connection to the client's Redis for the per-request scripts (none for TLS, which it
     does not speak: those go through the client's pool)."""
-    pool = client.connection_pool
-    if issubclass(pool.connection_class, aioredis.SSLConnection):
-        return None
-    return AutoPipeline.like(pool.connection_kwargs)
+    return redis_conn.autopipeline(client)

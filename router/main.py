@@ -10,10 +10,8 @@ import signal
 import typing
 
 import prometheus_client
-import redis
-import redis.asyncio as aioredis
 
-from flying import cli, logs, taskdump
+from flying import cli, logs, redis_conn, taskdump
 from router.config import PolicyConfig, RouterConfig, describe
 from router.dispatcher import Dispatcher
 from router.metrics import ClusterCollector
@@ -73,7 +71,7 @@ def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:
         policy = dataclasses.replace(policy, load_adaptation=False, priority=False, long_context=False)
     return dataclasses.replace(
         d,
-        redis_url=a.redis_url,
+        redis_url=cli.redis_url(a),
         key_prefix=a.key_prefix,
         poll_s=a.poll_s,
         lease_ms=a.lease_ms,
@@ -85,7 +83,7 @@ def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:
 
 
 async def serve(config: RouterConfig) -> None:
-    client = aioredis.Redis.from_url(config.redis_url)
+    client = redis_conn.async_client(config.redis_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -104,7 +102,7 @@ def serve_metrics(dispatcher: Dispatcher, config: RouterConfig) -> None:
     """Prometheus metrics on their own thread: the router's counters and the cluster's state read at scrape time
     (router.metrics)."""
     registry = dispatcher.metrics.registry
-    sync = redis.Redis.from_url(config.redis_url, socket_timeout=2)
+    sync = redis_conn.sync_client(config.redis_url, socket_timeout=2)
     registry.register(ClusterCollector(sync, dispatcher.keys, dispatcher.router_id))
     prometheus_client.start_http_server(config.metrics_port, config.metrics_host, registry=registry)
     logging.getLogger("flying.router").info(

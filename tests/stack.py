@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
-import redis.asyncio as aioredis
 import uvicorn
 
+from flying import redis_conn
 from flying.keys import Keys
 from flying.messages import Heartbeat, encode
 from flying.procs import free_port, spawn, stop, wait_healthy
@@ -65,7 +65,7 @@ class RouterThread:
         self.thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
 
     async def _main(self) -> None:
-        client = aioredis.Redis.from_url(self.redis_url)
+        client = redis_conn.async_client(self.redis_url)
         self.loop, self.stop_event = asyncio.get_running_loop(), asyncio.Event()
         self.ready.set()
         try:

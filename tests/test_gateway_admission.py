@@ -24,6 +24,9 @@ class FakeCluster:
     def __init__(self, beats: list[Heartbeat], router: bool = True) -> None:
         self.beats, self.router = beats, router
         self.reads: list[float] = []
+        self.last_live = -1e9  # no engine seen live lately: no wait before the 503
+
+    workers_again = ClusterView.workers_again
 
     async def workers(self, max_age_s: float = 0.25) -> list[Heartbeat]:
         self.reads.append(max_age_s)

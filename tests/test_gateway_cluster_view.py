@@ -107,3 +107,28 @@ async def test_observe_renews_the_liveness_key_and_reads_the_lease_the_counter_a
     await aredis.set(keys.router_lease, "r1", px=60_000)
     tick = await v.observe()
     assert v.router_seen == tick.now > seen
+
+
+async def test_engines_live_a_moment_ago_are_waited_for_before_none_is_reported(aredis, keys):
+    v = ClusterView(aredis, keys, GatewayConfig(model_path="unused", key_prefix=keys.prefix))
+    await aredis.set(keys.worker(0), encode(beat(0)), px=60_000)
+    await aredis.sadd(keys.workers, 0)
+    await aredis.set(keys.ready(0), "")
+    assert [b.engine for b in await v.workers(max_age_s=0)] == [0]
+    await aredis.delete(keys.ready(0))  # a failover dropped the ready key; the launcher writes it again soon
+
+    async def announce_again() -> None:
+        await asyncio.sleep(0.4)
+        await aredis.set(keys.ready(0), "")
+
+    t0 = time.monotonic()
+    again, _ = await asyncio.gather(v.workers_again(within_s=2.0), announce_again())
+    assert [b.engine for b in again] == [0] and 0.4 <= time.monotonic() - t0 < 1.5
+    await aredis.delete(keys.ready(0))
+    t0 = time.monotonic()
+    assert await v.workers_again(within_s=0.5) == [] and time.monotonic() - t0 < 1.0, (
+        "then none, after the wait"
+    )
+    v.last_live -= 60
+    t0 = time.monotonic()
+    assert await v.workers_again(within_s=2.0) == [] and time.monotonic() - t0 < 0.3, "none for long: no wait"

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from devstack.redis_server import RedisServer
+from flying import redis_conn
 from flying.autopipeline import AutoPipeline
 from flying.messages import Assignment, QueuedRequest, decode
 from flying.queue import DuplicateId, QueueFull, RequestQueue, reap_stale_inflight
@@ -208,3 +213,54 @@ async def test_affinity_targets_take_only_requests_without_a_prefix_chain(aredis
     assert await q.admit(msgspec.structs.replace(mk("c"), prefix="AAAAAAAAAAE=")) is None, "queued"
     await q.finish("c", "cancelled")
     assert (await q.admit(mk("plain"))).engine == 0
+
+
+class LosesTheFirstReply(AutoPipeline):
+    """Runs each script, but the first call's reply is lost with its connection (Redis died after running it)."""
+
+    lost = 0
+
+    async def script(self, source, keys, args, wait=None):
+        reply = await super().script(source, keys, args, wait)
+        if not self.lost:
+            self.lost += 1
+            raise RedisConnectionError("connection lost after the script ran")
+        return reply
+
+
+async def test_behind_sentinel_an_admission_whose_reply_was_lost_is_sent_again_and_counts_once(
+    aredis, keys, redis_server
+):
+    q = RequestQueue(aredis, keys, pipe=LosesTheFirstReply(port=redis_server.port))
+    q.retry_s = 2.0  # what a Sentinel URL sets
+    assert await q.admit(mk("a")) is None, "queued: the retry found the record the first try wrote"
+    assert [r.id for r in await q.peek(10)] == ["a"]
+    with pytest.raises(DuplicateId):
+        await q.admit(mk("a"))  # a real duplicate, not a retry
+    plain = RequestQueue(aredis, keys, pipe=LosesTheFirstReply(port=redis_server.port))
+    with pytest.raises(RedisConnectionError):
+        await plain.admit(mk("b"))  # a plain URL: the outage is the caller's to handle, as before
+
+
+@pytest.mark.slow
+async def test_the_router_waits_for_a_replica_and_stops_waiting_while_none_answers(keys, tmp_path):
+    primary = RedisServer(data_dir=tmp_path / "p").start()
+    replica = RedisServer(data_dir=tmp_path / "r", replica_of=primary.port).start()
+    client = redis_conn.async_client(f"redis://127.0.0.1:{primary.port}/0?wait=1&wait_ms=300")
+    try:
+        while redis.Redis(port=replica.port).info("replication")["master_link_status"] != "up":
+            await asyncio.sleep(0.05)
+        q = RequestQueue(client, keys)
+        await q.admit(mk("a"))
+        assert await q.assign(mk("a"), 0, "http://e0") and q.gate.wanted(), "the replica acknowledged"
+        replica.stop()
+        await asyncio.sleep(0.3)
+        await q.admit(mk("b"))  # waits the 300 ms once, then not while the replica is away
+        assert not q.gate.wanted()
+        t0 = time.monotonic()
+        assert await q.assign(mk("b"), 0, "http://e0")
+        assert time.monotonic() - t0 < 0.2
+    finally:
+        await client.aclose()
+        replica.stop()
+        primary.stop()

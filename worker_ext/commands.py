@@ -15,6 +15,7 @@ import msgspec
 import redis
 import zmq
 
+from flying import redis_conn
 from flying.keys import Keys
 from flying.messages import Command, decode_command
 
@@ -24,7 +25,7 @@ log = logging.getLogger("flying.commands")
 class CommandReader:
     def __init__(self, redis_url: str, keys: Keys, engine: int) -> None:
         self.stream = keys.commands(engine)
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=5)
+        self._redis = redis_conn.sync_client(redis_url, socket_timeout=5)
         self._queue: queue.Queue[Command] = queue.Queue()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         addr = f"inproc://flying-wake-{engine}-{id(self)}"

@@ -20,6 +20,7 @@ from typing import Literal, TypedDict, Unpack
 
 import redis
 
+from flying import redis_conn
 from flying.keys import Keys
 from flying.messages import Heartbeat, encode
 
@@ -88,7 +89,7 @@ class HeartbeatPublisher:
         self._load: Load = {}
         self._wake = threading.Event()
         self._stopped = threading.Event()
-        self._redis = redis.Redis.from_url(config.redis_url, socket_timeout=2)
+        self._redis = redis_conn.sync_client(config.redis_url, socket_timeout=2)
         self._thread = threading.Thread(target=self._run, name="flying-heartbeat", daemon=True)
 
     def start(self) -> None:

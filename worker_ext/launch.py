@@ -29,7 +29,7 @@ from pathlib import Path
 
 import redis
 
-from flying import cli, logs, settings
+from flying import cli, logs, redis_conn, settings
 from flying.keys import Keys
 from flying.logs import LogFormat
 from flying.procs import NotReady, wait_healthy
@@ -188,7 +188,7 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
         # process is joined, never stopped), so the launcher would wait out ready_timeout_s
         raise SystemExit(f"flying-worker: engine {cfg.engine}: cannot serve on {cfg.host}:{cfg.port}: {why}")
     keys = Keys(cfg.key_prefix)
-    r = redis.Redis.from_url(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    r = redis_conn.sync_client(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
     with contextlib.suppress(redis.RedisError):
         r.delete(keys.ready(cfg.engine))
     launch_id = uuid.uuid4().hex[:12]
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         port=a.port,
         host=a.host,
         served_model_name=a.served_model_name,
-        redis_url=a.redis_url,
+        redis_url=cli.redis_url(a),
         key_prefix=a.key_prefix,
         dtype=a.dtype,
         max_total_tokens=a.max_total_tokens,
