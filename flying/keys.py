@@ -80,6 +80,12 @@ class Keys:
         bucket, shared by every gateway."""
         return f"{self.prefix}:tenant:{name}:{kind}"
 
+    @property
+    def breakers(self) -> str:
+        """HASH engine -> JSON Breaker (flying.breaker): each engine's circuit breaker, closed, open or half-open;
+        written by gateways (failures) and the router (probes)."""
+        return f"{self.prefix}:breakers"
+
     def request(self, rid: str) -> str:
         """HASH with one request's metadata and state (expires some time after it finishes)."""
         return f"{self.prefix}:req:{rid}"

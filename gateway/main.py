@@ -74,6 +74,22 @@ def parser() -> argparse.ArgumentParser:
         default=d.redis_max_connections,
         help="Redis connection pool size; requests wait for a connection beyond it",
     )
+    failures = p.add_argument_group("failing engines")
+    failures.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
+                          help="failed requests (refused, reset, timed out, 5xx) within --breaker-window-s that "
+                          "take an engine out of dispatch (its circuit breaker opens)")  # fmt: skip
+    failures.add_argument("--breaker-window-s", type=float, default=d.breaker_window_s,
+                          help="seconds over which an engine's failed requests are counted")  # fmt: skip
+    failures.add_argument("--breaker-backoff-s", type=float, default=d.breaker_backoff_s,
+                          help="seconds an engine stays out of dispatch after its breaker opens, before a probe of "
+                          "its health endpoint; doubled for each trip in a row")  # fmt: skip
+    failures.add_argument("--breaker-backoff-max-s", type=float, default=d.breaker_backoff_max_s,
+                          help="seconds: the longest back-off")  # fmt: skip
+    failures.add_argument("--redispatch-backoff-s", type=float, default=d.redispatch_backoff_s,
+                          help="seconds before a request whose engine failed goes back to the queue (a random "
+                          "50-100%% of it, doubled for each attempt)")  # fmt: skip
+    failures.add_argument("--redispatch-backoff-max-s", type=float, default=d.redispatch_backoff_max_s,
+                          help="seconds: the longest re-dispatch back-off")  # fmt: skip
     p.add_argument(
         "--drain-grace-s",
         type=float,
@@ -129,6 +145,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             keep_alive_timeout_s=a.keep_alive_timeout_s,
             max_connections=a.max_connections,
             drain_grace_s=a.drain_grace_s,
+            breaker_failures=a.breaker_failures,
+            breaker_window_s=a.breaker_window_s,
+            breaker_backoff_s=a.breaker_backoff_s,
+            breaker_backoff_max_s=a.breaker_backoff_max_s,
+            redispatch_backoff_s=a.redispatch_backoff_s,
+            redispatch_backoff_max_s=a.redispatch_backoff_max_s,
             default_max_tokens=a.default_max_tokens,
             api_keys=read_keys(settings.api_keys(), None if toml(a.api_key_file) else a.api_key_file),
             api_key_file=a.api_key_file,

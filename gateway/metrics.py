@@ -36,6 +36,10 @@ class GatewayMetrics:
             "flying_gateway_redispatched", "Requests sent back to the queue because their engine failed or gave "
             "up: before its first event (re-dispatched) or mid-stream (resumed elsewhere)", ["cause"], registry=r,
         )  # fmt: skip
+        self.engine_failures = Counter(
+            "flying_gateway_engine_failures", "Requests that failed on their engine (refused, reset, timed out, "
+            "5xx), by engine: what its circuit breaker counts", ["engine"], registry=r,
+        )  # fmt: skip
         self.rejected = Counter(
             "flying_gateway_rejected", "Requests refused, by HTTP status and error code (429 backpressure, 400 "
             "invalid, 401 no or wrong API key, ...)", ["status", "reason"], registry=r,

@@ -160,6 +160,8 @@ class Gateway:
                 continue
             if resp.status_code != 200:
                 await resp.aread()
+                if resp.status_code >= 500:
+                    waiting.engine_failed(a.engine, f"answered {resp.status_code}")
                 await self.queue.finish(adm.record.id, "failed", resp.text[:200])
                 return Reply(resp.status_code, a, raw=resp.content)
             stream = relay.relay(adm, a, resp, events)
