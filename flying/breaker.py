@@ -155,7 +155,15 @@ class Breakers:
     async def failure(self, engine: int, now: float, reason: str = "") -> bool:
         """Record one failed request (or a failed probe) of ``engine``; True if this opened its breaker."""
         s = self.settings
-        args = [engine, now, s.failures, s.window_s, s.backoff_s, s.backoff_max_s, reason[:200]]
+        args: list[str | int | float] = [
+            engine,
+            now,
+            s.failures,
+            s.window_s,
+            s.backoff_s,
+            s.backoff_max_s,
+            reason[:200],
+        ]
         return _text(await self._failure(keys=[self.keys.breakers], args=args)) == "tripped"
 
     async def success(self, engine: int, now: float) -> bool:
