@@ -16,6 +16,8 @@ class GatewayConfig:
     served_model_name: str = "tiny-llama"
     host: str = "127.0.0.1"
     port: int = 8000
+    ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS with this certificate (chain), PEM
+    ssl_keyfile: str | None = None  # the certificate's private key, PEM
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "flying"
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -65,6 +67,10 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _at_least("max_queue", self.max_queue, 1)
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError(
+                "ssl_certfile and ssl_keyfile go together: HTTPS needs the certificate and its key"
+            )
         _above("queue_timeout_s", self.queue_timeout_s, 0)
         _above("request_timeout_s", self.request_timeout_s, 0)
         _at_least("default_max_tokens", self.default_max_tokens, 1)

@@ -29,6 +29,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=d.served_model_name, help="the model name clients ask for")
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    p.add_argument(
+        "--ssl-certfile",
+        help="serve HTTPS with this certificate (PEM, the chain after it); needs --ssl-keyfile",
+    )
+    p.add_argument("--ssl-keyfile", help="the certificate's private key (PEM, unencrypted)")
     cli.add_redis_arguments(p)
     p.add_argument(
         "--max-queue",
@@ -129,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             served_model_name=a.served_model_name,
             host=a.host,
             port=a.port,
+            ssl_certfile=a.ssl_certfile,
+            ssl_keyfile=a.ssl_keyfile,
             redis_url=a.redis_url,
             key_prefix=a.key_prefix,
             max_queue=a.max_queue,
@@ -184,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         create_app(config, drain=drain, tenants=load_tenants(config)),
         host=config.host,
         port=config.port,
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
         log_level="warning",
         log_config=None,  # uvicorn's own lines go through flying.logs' handler (and format)
         access_log=False,  # the gateway's request log says more (gateway.request_log); none is built per request
