@@ -65,6 +65,10 @@ class GatewayMetrics:
             "flying_gateway_tenant_rejected", "A tenant's requests refused by its own limits: requests_per_s, "
             "tokens_per_min, max_concurrent (429) or max_priority (403)", ["tenant", "reason"], registry=r,
         )  # fmt: skip
+        self.tenant_lowered = Counter(
+            "flying_gateway_tenant_priority_lowered", "Requests that asked for a priority above their tenant's "
+            "highest and run at that one instead", ["tenant", "requested", "granted"], registry=r,
+        )  # fmt: skip
         self._children: dict[tuple, Any] = {}
 
     def child(self, metric: Counter | Histogram, *labels: str):
