@@ -38,11 +38,14 @@ class ServiceRate:
 
     Only intervals that began and ended with requests waiting count: at light load the dispatch rate is the
     arrival rate, not what the engines can serve, and a wait predicted from it would refuse a burst that the
-    engines take at once. With less than ``min_span_s`` of backlog in the window the capacity is unknown."""
+    engines take at once. While requests wait, every dispatch is an engine's slot freed, so a short backlog
+    measures the capacity already: with less than ``min_span_s`` of backlog in the window, or fewer than
+    ``min_served`` requests dispatched in it (the engines stalled), the capacity is unknown."""
 
-    def __init__(self, window_s: float = 10.0, min_span_s: float = 2.0) -> None:
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 0.5, min_served: int = 3) -> None:
         self.window_s = window_s
         self.min_span_s = min_span_s
+        self.min_served = min_served
         self.samples: deque[tuple[float, int, bool]] = deque()
 
     def sample(self, now: float, count: int, backlogged: bool = True) -> None:
@@ -58,7 +61,7 @@ class ServiceRate:
         for (t0, c0, b0), (t1, c1, b1) in zip(self.samples, list(self.samples)[1:]):
             if b0 and b1:
                 span, served = span + (t1 - t0), served + (c1 - c0)
-        if span < self.min_span_s:
+        if span < self.min_span_s or served < self.min_served:
             return None
         return served / span
 

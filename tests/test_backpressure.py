@@ -184,3 +184,20 @@ async def test_low_priority_is_shed_before_high(redis_server, aredis, sync_redis
         await gw.enqueue(await gw.admit(req, p))
     assert await q.depth() == 9
     assert not gw.waiter.pending.keys() - gw.waiter.admitted
+
+
+def test_half_a_second_of_backlog_measures_the_capacity_unless_the_engines_stalled():
+    """The default window: the capacity is known once the queue has been backlogged for 0.5 s (two of the
+    monitor's samples) with at least 3 dispatches in it, so the first 429s come within a second of the engines'
+    slots filling up; a backlog that nothing leaves tells nothing (no refusal by wait)."""
+    rate = ServiceRate()
+    rate.sample(0.0, 0, backlogged=True)
+    rate.sample(0.25, 2, backlogged=True)
+    assert rate.per_s() is None, "0.25 s is too little"
+    rate.sample(0.5, 4, backlogged=True)
+    assert rate.per_s() == pytest.approx(8)
+    stalled = ServiceRate()
+    for i in range(8):
+        stalled.sample(i * 0.25, 1 if i > 4 else 0, backlogged=True)
+    assert stalled.per_s() is None
+    assert Backpressure(100, BUDGETS, rate=stalled).limits("normal").max_ahead == 0
