@@ -45,6 +45,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
 from gateway.service import DONE, Gateway, Reply
+from gateway.tenant_slots import TenantSlots
 from gateway.tenants import Tenants
 
 log = logging.getLogger("flying.gateway")
@@ -436,6 +437,7 @@ def create_app(
         client = redis_client(config)
         gw = Gateway(config, client, counter, meters)
         await gw.start()
+        tenants.slots = TenantSlots(client, gw.keys, config.gateway_id)  # max_concurrent across the gateways
         app.state.gateway = gw
         taskdump.install(asyncio.get_running_loop())
         # The start-up heap (transformers, the tokenizer: ~400K objects) is never garbage; out of the collector's
