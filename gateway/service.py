@@ -118,9 +118,7 @@ class Gateway:
 
     async def observe(self) -> None:
         tick = await self.cluster.observe()
-        bp = self.waiting.backpressure
-        bp.rate.sample(tick.now, tick.assigned, backlogged=tick.depth > 0)
-        bp.arrivals.sample(tick.now, tick.admitted)
+        self.waiting.backpressure.observe(tick)
         grace = self.config.no_worker_grace_s
         if self.cluster.no_workers_for(tick.now) > grace and self.waiter.pending:
             n = self.waiter.fail_all(

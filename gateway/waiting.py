@@ -69,6 +69,8 @@ class WaitingRoom:
         """Admit to the global queue, within the backpressure limits for its priority (else 429)."""
         rid, rec = adm.record.id, adm.record
         limits = self.backpressure.limits(rec.priority)
+        if limits.full:  # the engines' backlog alone is beyond the class's budget: no need to ask the queue
+            raise self._refusal(rec.priority, QueueFull("the engines' backlog", "wait", 0), limits)
         tenant = tenants.current.get()
         charge = tenant.charge(rec.prompt_tokens + rec.max_tokens) if tenant is not None else None
         fut = self.waiter.expect(rid)
@@ -106,7 +108,7 @@ class WaitingRoom:
             retry = bp.wait_retry_after_s(priority, exc.count)
             wait = bp.predicted_wait_s(priority, exc.count) or 0.0
             why = (
-                f"the predicted queue wait ({wait:.1f} s, {exc.count} requests ahead) exceeds {priority} "
+                f"the predicted queue wait ({wait:.1f} s, {exc.count + bp.behind(priority)} requests ahead) exceeds {priority} "
                 f"priority's budget of {bp.budgets[priority]:g} s"
             )
         self.metrics.child(self.metrics.refused, priority, exc.reason).inc()
