@@ -52,7 +52,7 @@ class TenantSlots:
     async def enter(self, tenant: str, limit: int) -> bool:
         """Count one request of ``tenant`` in progress here, unless the deployment holds ``limit`` of them
         already (False, not counted). Redis away: True (this gateway's own count still bounds it)."""
-        args = [self.gateway_id, limit, self.keys.gateway("")]
+        args: list[str | int] = [self.gateway_id, limit, self.keys.gateway("")]
         try:
             return bool(await self._enter(keys=[self.keys.tenant_inflight(tenant)], args=args))
         except aioredis.RedisError as exc:
