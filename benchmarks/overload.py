@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--priority-mix", default="high=0.2,normal=0.6,low=0.2")
     p.add_argument("--out", type=Path, default=Path("results/overload"))
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flying-gateway flag (repeat)")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flying-router flag (repeat)")
     a = p.parse_args()
     model = ensure(Path(".flying/tiny-llama"), seed=0)
     cfg = ClusterConfig(
@@ -44,6 +45,7 @@ def main() -> None:
         num_engines=a.engines,
         log_dir=a.out.parent / f"{a.out.name}-logs",
         gateway_args=tuple(a.gateway_arg),
+        router_args=tuple(a.router_arg),
     )
     load = ["--arrival", "poisson", "--rate", str(a.rate), "-n", str(a.num_requests),
             "--input-tokens", "32:256", "--output-tokens", "16:128", "--priority-mix", a.priority_mix,
