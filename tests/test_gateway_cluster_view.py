@@ -97,7 +97,9 @@ async def test_workers_are_read_at_most_every_max_age_and_concurrent_callers_sha
 
 async def test_observe_renews_the_liveness_key_and_reads_the_lease_the_counter_and_the_depth(aredis, keys):
     v = ClusterView(aredis, keys, GatewayConfig(model_path="unused", key_prefix=keys.prefix, gateway_id="g1"))
-    await aredis.hset(keys.stats, mapping={"assigned": 7, "completed": 5, "admitted_high": 3, "admitted_low": 1})
+    await aredis.hset(
+        keys.stats, mapping={"assigned": 7, "completed": 5, "admitted_high": 3, "admitted_low": 1}
+    )
     await aredis.zadd(keys.queue, {"a": 1, "b": 2})
     tick = await v.observe()
     assert isinstance(tick, Tick) and (tick.assigned, tick.depth, tick.admitted) == (7, 2, (3, 0, 1))
