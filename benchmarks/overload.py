@@ -1,7 +1,8 @@
 """Overload through the full stack: a private Redis, CPU workers with the tiny model, the router and the gateway
 (``devstack.cluster``), then ``loadgen run`` with an open-loop Poisson load well beyond what the engines serve.
-Reports when the first 429 came, each class's queue wait of the admitted requests (P50/P99, against its wait
-budget), the answers by status, and goodput: requests finished with a TTFT within their class's SLO.
+Reports when the first 429 came (and when the first request had to wait in the queue: the overload's onset),
+each class's queue wait of the admitted requests (P50/P99, against its wait budget), the answers by status, and
+goodput: requests finished with a TTFT within their class's SLO.
 
     PYTHONPATH=. .venv/bin/python benchmarks/overload.py --out results/overload
 """
@@ -25,6 +26,7 @@ BUDGETS_S = {
     "normal": 20.0,
     "low": 60.0,
 }  # the gateway's default wait budgets: the TTFT SLOs here
+QUEUED_MS = 250.0  # a queue wait beyond a router round or two: the request waited for a free slot
 
 
 def main() -> None:
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--priority-mix", default="high=0.2,normal=0.6,low=0.2")
     p.add_argument("--out", type=Path, default=Path("results/overload"))
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flying-gateway flag (repeat)")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flying-router flag (repeat)")
     a = p.parse_args()
     model = ensure(Path(".flying/tiny-llama"), seed=0)
     cfg = ClusterConfig(
@@ -42,6 +45,7 @@ def main() -> None:
         num_engines=a.engines,
         log_dir=a.out.parent / f"{a.out.name}-logs",
         gateway_args=tuple(a.gateway_arg),
+        router_args=tuple(a.router_arg),
     )
     load = ["--arrival", "poisson", "--rate", str(a.rate), "-n", str(a.num_requests),
             "--input-tokens", "32:256", "--output-tokens", "16:128", "--priority-mix", a.priority_mix,
@@ -59,6 +63,8 @@ def summarize(records: list[dict]) -> dict:
     recs = [r for r in records if not r["warmup"]]
     ok = [r for r in recs if r["status"] == 200 and not r["error"] and r["event_times"]]
     refused = sorted(r["sent_at"] for r in recs if r["status"] == 429)
+    # the overload's onset: the first request that waited in the queue for an engine (the engines' slots full)
+    queued = sorted(r["sent_at"] for r in ok if (r["queue_ms"] or 0) > QUEUED_MS)
     duration = max(_end(r) for r in recs) - min(r["sent_at"] for r in recs)
     good = [r for r in ok if r["event_times"][0] - r["sent_at"] <= BUDGETS_S[r["priority"]]]
     by_class = {}
@@ -79,6 +85,7 @@ def summarize(records: list[dict]) -> dict:
         "requests": len(recs),
         "statuses": dict(Counter(str(r["status"] or r["error"][:40]) for r in recs)),
         "first_429_sent_at_s": refused[0] if refused else None,
+        "first_queued_sent_at_s": queued[0] if queued else None,
         "duration_s": duration,
         "goodput_rps": len(good) / duration if duration else 0.0,
         "within_slo": len(good),

@@ -25,6 +25,7 @@ import time
 import redis
 
 from flying import cli, control, redis_conn
+from flying.breaker import Breaker, decode_all
 from flying.keys import Keys
 from flying.messages import RouterState, decode
 from flying.queue import text
@@ -33,9 +34,10 @@ from flying.queue import text
 def render_status(r: redis.Redis, keys: Keys) -> str:
     lines = [
         f"{'engine':>6} {'mode':>4} {'epoch':>5} {'pending':>7} {'group':>9} {'inflight':>8} {'run':>4} "
-        f"{'wait':>4} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10} {'steps sp/tp':>13}  error"
+        f"{'wait':>4} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10} {'steps sp/tp':>13} {'breaker':>12}  error"
     ]
     beats = control.status(r, keys)
+    breakers = decode_all(r.hgetall(keys.breakers))
     for e, hb in beats.items():
         group = ",".join(map(str, hb.group)) or "-"
         inflight = r.scard(keys.inflight(e))
@@ -43,7 +45,7 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
         lines.append(
             f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
             f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
-            f"{f'{hb.steps_sp}/{hb.steps_tp}':>13}  "
+            f"{f'{hb.steps_sp}/{hb.steps_tp}':>13} {breaker_cell(breakers.get(e)):>12}  "
             f"{hb.switch_error}"
         )
     if not beats:
@@ -71,6 +73,15 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     parts = ", ".join(f"{name} {n} (oldest {age:.2f} s)" for name, (n, age) in depths.items() if n)
     lines.append(f"queue: {total} waiting" + (f": {parts}" if parts else ""))
     return "\n".join(lines)
+
+
+def breaker_cell(b: Breaker | None) -> str:
+    """An engine's circuit breaker in ``flyctl status``: closed, open (seconds to its probe), half_open."""
+    if b is None or b.dispatchable:
+        return "closed"
+    if b.state.value == "open":
+        return f"open {max(0.0, b.until - time.time()):.0f}s"
+    return b.state.value
 
 
 def render_queue(r: redis.Redis, keys: Keys, limit: int) -> str:

@@ -80,6 +80,17 @@ class Keys:
         bucket, shared by every gateway."""
         return f"{self.prefix}:tenant:{name}:{kind}"
 
+    @property
+    def breakers(self) -> str:
+        """HASH engine -> JSON Breaker (flying.breaker): each engine's circuit breaker, closed, open or half-open;
+        written by gateways (failures) and the router (probes)."""
+        return f"{self.prefix}:breakers"
+
+    def tenant_inflight(self, name: str) -> str:
+        """HASH gateway id -> one tenant's requests in progress on that gateway: its max_concurrent, held across
+        gateways (a gateway whose liveness key is gone no longer counts)."""
+        return f"{self.prefix}:tenant:{name}:inflight"
+
     def request(self, rid: str) -> str:
         """HASH with one request's metadata and state (expires some time after it finishes)."""
         return f"{self.prefix}:req:{rid}"

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from flying import redis_conn, taskdump
 from flying.messages import Priority
 from gateway import batch, engine_fields, responses, schemas
+from gateway import tenants as tenancy
 from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
 from gateway.disconnect import CancelOnDisconnect, ClientGone, watch_disconnect
@@ -44,6 +45,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
 from gateway.service import DONE, Gateway, Reply
+from gateway.tenant_slots import TenantSlots
 from gateway.tenants import Tenants
 
 log = logging.getLogger("flying.gateway")
@@ -100,10 +102,19 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
 
 
 def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
-    """The request's priority (X-Priority, else its ``priority``, else its ``service_tier``), noted for the
+    """The request's priority (X-Priority, else its ``priority``, else its ``service_tier``), lowered to its
+    tenant's highest if it asks for more (the request log line then names the one asked for too), noted for the
     metrics and the request log."""
-    priority = schemas.resolve_priority(request.headers.get("x-priority"), req.priority, req.service_tier)
-    seen["priority"] = request_info(request.scope).priority = priority
+    asked = schemas.resolve_priority(request.headers.get("x-priority"), req.priority, req.service_tier)
+    info, priority = request_info(request.scope), asked
+    tenant = tenancy.current.get()
+    if tenant is not None and tenant.over_priority is tenancy.OverPriority.LOWER:
+        priority = tenant.priority(asked)  # (a tenant that refuses instead: admission answers 403)
+        if priority != asked:
+            info.requested_priority = asked
+            gw: Gateway = request.app.state.gateway
+            gw.metrics.child(gw.metrics.tenant_lowered, tenant.name, asked, priority).inc()
+    seen["priority"] = info.priority = priority
     return priority
 
 
@@ -426,6 +437,7 @@ def create_app(
         client = redis_client(config)
         gw = Gateway(config, client, counter, meters)
         await gw.start()
+        tenants.slots = TenantSlots(client, gw.keys, config.gateway_id)  # max_concurrent across the gateways
         app.state.gateway = gw
         taskdump.install(asyncio.get_running_loop())
         # The start-up heap (transformers, the tokenizer: ~400K objects) is never garbage; out of the collector's

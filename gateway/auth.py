@@ -38,7 +38,7 @@ class TenantLimitReached(APIError):
 class RequireKey:
     """ASGI middleware: refuses protected paths without a valid bearer key (no keys: everything is open), and
     serves each ``/v1/*`` request as its key's tenant (:data:`gateway.tenants.current`), within the tenant's
-    ``max_concurrent`` on this gateway (else 429). ``tenants`` (reloadable) wins over ``keys`` (plain keys)."""
+    ``max_concurrent`` across the deployment's gateways (else 429; :mod:`gateway.tenant_slots`). ``tenants`` (reloadable) wins over ``keys`` (plain keys)."""
 
     def __init__(
         self,
@@ -81,7 +81,8 @@ class RequireKey:
             err = InvalidAPIKey(f"Incorrect API key provided: the request has {why}.")
             await err.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
-        if not self.tenants.enter(tenant):
+        shared = await self._enter(tenant)
+        if shared is None:
             if self.metrics is not None:
                 self.metrics.tenant_rejected.labels(tenant.name, "max_concurrent").inc()
             busy = TenantLimitReached(
@@ -97,3 +98,19 @@ class RequireKey:
         finally:
             current.reset(token)
             self.tenants.leave(tenant)
+            if shared:
+                assert self.tenants.slots is not None
+                self.tenants.slots.leave(tenant.name)
+
+    async def _enter(self, tenant: Tenant) -> bool | None:
+        """Count a request of ``tenant`` in progress, on this gateway and, for a tenant with ``max_concurrent``,
+        in the deployment's shared count (True: counted there too). None: at its limit, not counted."""
+        if not self.tenants.enter(tenant):
+            return None
+        slots, limit = self.tenants.slots, tenant.max_concurrent
+        if slots is None or limit is None:
+            return False
+        if not await slots.enter(tenant.name, limit):
+            self.tenants.leave(tenant)
+            return None
+        return True

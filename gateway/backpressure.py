@@ -3,12 +3,15 @@ wait the measured service capacity predicts against the class's wait budget, and
 should wait before retrying.
 
 By count, low priority is shed first, high last: each class may fill only its share of the queue (``SHARE``). By
-wait, a request is admitted only while its predicted queue wait fits its class's budget. The wait is predicted
-from the work ahead of it (the requests of its class or higher that wait) and the service left to its class: the
-capacity less the arrival rate of the classes above it (they overtake it). The capacity is the router's
-assignment rate while requests were waiting, read from the shared ``assigned`` counter over a sliding window, and
-the arrival rates from the shared per-priority ``admitted_<priority>`` counters, so every gateway sees the deployment's; until
-the capacity is known (cold start, light load) only the count bounds the queue.
+wait, a request is admitted only while its predicted wait fits its class's budget. The wait is predicted from the
+work ahead of it (the requests of its class or higher that wait in the queue, and, for normal and low priority,
+the requests the engines hold in their own waiting queues: an engine is handed up to the router's
+``max_inflight_per_worker`` requests, more than it runs at once) and the service left to its class: the capacity
+less the arrival rate of the classes above it (they overtake it). The capacity is the rate at which requests are
+served to their end while the deployment is saturated (requests wait in the queue or in an engine), read from the
+shared ``completed`` counter over a sliding window, and the arrival rates from the shared per-priority
+``admitted_<priority>`` counters, so every gateway sees the deployment's; until the capacity is known (cold start,
+light load) only the count bounds the queue.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from flying.messages import PRIORITY_CLASS, Priority
+from gateway.cluster_view import Tick
 
 SHARE: dict[str, float] = {"high": 1.0, "normal": 0.85, "low": 0.6}
 
@@ -30,19 +34,23 @@ class Limits:
 
     max_depth: int
     max_ahead: int
+    full: bool = False  # the engines' own backlog alone is past the budget: refused whatever the queue holds
 
 
 class ServiceRate:
-    """The deployment's service capacity: requests dispatched per second while the queue was backlogged, over the
-    last ``window_s``, from samples of the monotonic ``assigned`` counter and the queue depth.
+    """The deployment's service capacity: requests served per second while it was saturated, over the last
+    ``window_s``, from samples of a monotonic counter (the ``completed`` requests) and whether requests waited.
 
-    Only intervals that began and ended with requests waiting count: at light load the dispatch rate is the
-    arrival rate, not what the engines can serve, and a wait predicted from it would refuse a burst that the
-    engines take at once. With less than ``min_span_s`` of backlog in the window the capacity is unknown."""
+    Only intervals that began and ended with requests waiting (in the queue, or in the engines' own queues) count:
+    at light load the service rate is the arrival rate, not what the engines can serve, and a wait predicted from
+    it would refuse a burst that the engines take at once. While requests wait, every request served makes room
+    for a waiting one, so a short backlog measures the capacity already: with less than ``min_span_s`` of backlog
+    in the window, or fewer than ``min_served`` requests served in it (the engines stalled), it is unknown."""
 
-    def __init__(self, window_s: float = 10.0, min_span_s: float = 2.0) -> None:
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 0.5, min_served: int = 3) -> None:
         self.window_s = window_s
         self.min_span_s = min_span_s
+        self.min_served = min_served
         self.samples: deque[tuple[float, int, bool]] = deque()
 
     def sample(self, now: float, count: int, backlogged: bool = True) -> None:
@@ -58,7 +66,7 @@ class ServiceRate:
         for (t0, c0, b0), (t1, c1, b1) in zip(self.samples, list(self.samples)[1:]):
             if b0 and b1:
                 span, served = span + (t1 - t0), served + (c1 - c0)
-        if span < self.min_span_s:
+        if span < self.min_span_s or served < self.min_served:
             return None
         return served / span
 
@@ -104,6 +112,18 @@ class Backpressure:
         self.budgets = dict(budgets or {})
         self.rate = rate or ServiceRate()
         self.arrivals = arrivals or ClassArrivals()
+        self.engine_waiting = 0  # requests waiting in the engines' own queues, as last observed
+
+    def observe(self, tick: Tick) -> None:
+        """One monitor tick's counts: the service rate's and the arrival rates' samples, the engines' backlog."""
+        self.engine_waiting = tick.engine_waiting
+        self.rate.sample(tick.now, tick.completed, backlogged=tick.depth > 0 or tick.engine_waiting > 0)
+        self.arrivals.sample(tick.now, tick.admitted)
+
+    def behind(self, priority: Priority) -> int:
+        """Requests in the engines' own waiting queues that a request of ``priority`` waits behind once assigned:
+        all of them for normal and low priority; none for high (SGLang's priority scheduling runs it first)."""
+        return 0 if priority == "high" else self.engine_waiting
 
     def free_rate(self, priority: Priority) -> float | None:
         """Requests per second the deployment serves to ``priority`` and the classes above it once those above
@@ -119,13 +139,14 @@ class Backpressure:
         budget, free = self.budgets.get(priority), self.free_rate(priority)
         if not budget or not free:  # no budget, or no measured service yet (cold start, stalled): count only
             return Limits(depth, 0)
-        return Limits(depth, max(1, int(free * budget)))
+        room = free * budget - self.behind(priority)
+        return Limits(depth, max(1, int(room)), full=room < 1)
 
     def predicted_wait_s(self, priority: Priority, ahead: int) -> float | None:
-        """The queue wait predicted for a request of ``priority`` with ``ahead`` requests of its class or higher
-        waiting (None while the capacity is unknown)."""
+        """The wait predicted for a request of ``priority`` with ``ahead`` requests of its class or higher waiting
+        in the queue, and the engines' backlog it waits behind (None while the capacity is unknown)."""
         free = self.free_rate(priority)
-        return None if free is None else (ahead + 1) / free
+        return None if free is None else (ahead + self.behind(priority) + 1) / free
 
     def retry_after_s(self, excess: int) -> int:
         """Seconds until ``excess`` requests have been served at the recent rate (1..60; 1 when unknown)."""

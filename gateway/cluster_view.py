@@ -32,6 +32,8 @@ class Tick(NamedTuple):
     assigned: int  # the deployment's ``assigned`` counter
     depth: int  # requests waiting in the global queue
     admitted: tuple[int, ...] = (0, 0, 0)  # the ``admitted_<priority>`` counters, high first
+    completed: int = 0  # the deployment's ``completed`` counter (requests served to their end)
+    engine_waiting: int = 0  # requests the live engines hold in their own waiting queues (heartbeats)
 
 
 class ClusterView:
@@ -87,18 +89,20 @@ class ClusterView:
         await self.r.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
 
     async def observe(self) -> Tick:
-        """Re-read the engines, renew the liveness key, and read the router's lease, the ``assigned`` and per-class
-        ``admitted`` counters and the queue's depth (one pipeline)."""
+        """Re-read the engines, renew the liveness key, and read the router's lease, the ``assigned``,
+        ``completed`` and per-class ``admitted`` counters and the queue's depth (one pipeline)."""
         beats = await self.workers(max_age_s=0)
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
-        pipe.hmget(self.keys.stats, ["assigned", *(f"admitted_{p}" for p in PRIORITIES)])
+        pipe.hmget(self.keys.stats, ["assigned", "completed", *(f"admitted_{p}" for p in PRIORITIES)])
         pipe.exists(self.keys.router_lease)
         pipe.zcard(self.keys.queue)
-        _, (assigned, *admitted), lease, depth = await pipe.execute()
+        _, (assigned, completed, *admitted), lease, depth = await pipe.execute()
         now = time.monotonic()
         self.update(now, live=bool(beats), lease=bool(lease))
-        return Tick(now, int(assigned or 0), depth, tuple(int(a or 0) for a in admitted))
+        admitted_n = tuple(int(a or 0) for a in admitted)
+        waiting = sum(hb.waiting for hb in beats)
+        return Tick(now, int(assigned or 0), depth, admitted_n, int(completed or 0), waiting)
 
     def update(self, now: float, live: bool, lease: bool) -> None:
         """Note what one observation at ``now`` saw: some engine ``live``, a router holding the ``lease``."""

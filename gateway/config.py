@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from flying.breaker import BreakerSettings
 from flying.logs import LogFormat
 from gateway.connections import ConnectionLimits
 
@@ -15,6 +16,8 @@ class GatewayConfig:
     served_model_name: str = "tiny-llama"
     host: str = "127.0.0.1"
     port: int = 8000
+    ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS with this certificate (chain), PEM
+    ssl_keyfile: str | None = None  # the certificate's private key, PEM
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "flying"
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -32,6 +35,16 @@ class GatewayConfig:
     default_max_tokens: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     max_attempts: int = 3  # dispatches per request when workers die before answering
+    # a request whose engine failed goes back to the queue after a jittered back-off: the n-th re-dispatch waits
+    # a random 50-100 % of min(redispatch_backoff_max_s, redispatch_backoff_s * 2^(n-1))
+    redispatch_backoff_s: float = 0.05
+    redispatch_backoff_max_s: float = 1.0
+    # engines' circuit breakers (flying.breaker): this many failed requests within breaker_window_s take an engine
+    # out of dispatch for breaker_backoff_s, doubled for each trip in a row up to breaker_backoff_max_s
+    breaker_failures: int = 5
+    breaker_window_s: float = 10.0
+    breaker_backoff_s: float = 2.0
+    breaker_backoff_max_s: float = 60.0
     redis_max_connections: int = 32  # the pool blocks beyond this; independent of the number of requests
     reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
     drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
@@ -54,10 +67,17 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _at_least("max_queue", self.max_queue, 1)
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError(
+                "ssl_certfile and ssl_keyfile go together: HTTPS needs the certificate and its key"
+            )
         _above("queue_timeout_s", self.queue_timeout_s, 0)
         _above("request_timeout_s", self.request_timeout_s, 0)
         _at_least("default_max_tokens", self.default_max_tokens, 1)
         _at_least("max_attempts", self.max_attempts, 1)
+        _at_least("redispatch_backoff_s", self.redispatch_backoff_s, 0)
+        _at_least("redispatch_backoff_max_s", self.redispatch_backoff_max_s, self.redispatch_backoff_s)
+        self.breaker  # noqa: B018 - validated on construction
         _at_least("max_wait_s", self.max_wait_s, 0, " (0: no bound by wait)")
         _above("keep_alive_timeout_s", self.keep_alive_timeout_s, 0)
         self.connection_limits  # noqa: B018 - validated on construction
@@ -73,6 +93,12 @@ class GatewayConfig:
             self.max_header_bytes, self.max_header_count, self.max_url_bytes, self.header_timeout_s,
             self.max_connections,
         )  # fmt: skip
+
+    @property
+    def breaker(self) -> BreakerSettings:
+        return BreakerSettings(
+            self.breaker_failures, self.breaker_window_s, self.breaker_backoff_s, self.breaker_backoff_max_s
+        )
 
     def wait_budget_s(self, priority: str) -> float | None:
         """How long a request of ``priority`` may wait in the queue: its class's budget capped by ``max_wait_s``

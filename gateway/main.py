@@ -29,6 +29,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=d.served_model_name, help="the model name clients ask for")
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    p.add_argument(
+        "--ssl-certfile",
+        help="serve HTTPS with this certificate (PEM, the chain after it); needs --ssl-keyfile",
+    )
+    p.add_argument("--ssl-keyfile", help="the certificate's private key (PEM, unencrypted)")
     cli.add_redis_arguments(p)
     p.add_argument(
         "--max-queue",
@@ -74,6 +79,22 @@ def parser() -> argparse.ArgumentParser:
         default=d.redis_max_connections,
         help="Redis connection pool size; requests wait for a connection beyond it",
     )
+    failures = p.add_argument_group("failing engines")
+    failures.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
+                          help="failed requests (refused, reset, timed out, 5xx) within --breaker-window-s that "
+                          "take an engine out of dispatch (its circuit breaker opens)")  # fmt: skip
+    failures.add_argument("--breaker-window-s", type=float, default=d.breaker_window_s,
+                          help="seconds over which an engine's failed requests are counted")  # fmt: skip
+    failures.add_argument("--breaker-backoff-s", type=float, default=d.breaker_backoff_s,
+                          help="seconds an engine stays out of dispatch after its breaker opens, before a probe of "
+                          "its health endpoint; doubled for each trip in a row")  # fmt: skip
+    failures.add_argument("--breaker-backoff-max-s", type=float, default=d.breaker_backoff_max_s,
+                          help="seconds: the longest back-off")  # fmt: skip
+    failures.add_argument("--redispatch-backoff-s", type=float, default=d.redispatch_backoff_s,
+                          help="seconds before a request whose engine failed goes back to the queue (a random "
+                          "50-100%% of it, doubled for each attempt)")  # fmt: skip
+    failures.add_argument("--redispatch-backoff-max-s", type=float, default=d.redispatch_backoff_max_s,
+                          help="seconds: the longest re-dispatch back-off")  # fmt: skip
     p.add_argument(
         "--drain-grace-s",
         type=float,
@@ -113,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             served_model_name=a.served_model_name,
             host=a.host,
             port=a.port,
+            ssl_certfile=a.ssl_certfile,
+            ssl_keyfile=a.ssl_keyfile,
             redis_url=cli.redis_url(a),
             key_prefix=a.key_prefix,
             max_queue=a.max_queue,
@@ -129,6 +152,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             keep_alive_timeout_s=a.keep_alive_timeout_s,
             max_connections=a.max_connections,
             drain_grace_s=a.drain_grace_s,
+            breaker_failures=a.breaker_failures,
+            breaker_window_s=a.breaker_window_s,
+            breaker_backoff_s=a.breaker_backoff_s,
+            breaker_backoff_max_s=a.breaker_backoff_max_s,
+            redispatch_backoff_s=a.redispatch_backoff_s,
+            redispatch_backoff_max_s=a.redispatch_backoff_max_s,
             default_max_tokens=a.default_max_tokens,
             api_keys=read_keys(settings.api_keys(), None if toml(a.api_key_file) else a.api_key_file),
             api_key_file=a.api_key_file,
@@ -162,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         create_app(config, drain=drain, tenants=load_tenants(config)),
         host=config.host,
         port=config.port,
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
         log_level="warning",
         log_config=None,  # uvicorn's own lines go through flying.logs' handler (and format)
         access_log=False,  # the gateway's request log says more (gateway.request_log); none is built per request

@@ -36,6 +36,10 @@ class GatewayMetrics:
             "flying_gateway_redispatched", "Requests sent back to the queue because their engine failed or gave "
             "up: before its first event (re-dispatched) or mid-stream (resumed elsewhere)", ["cause"], registry=r,
         )  # fmt: skip
+        self.engine_failures = Counter(
+            "flying_gateway_engine_failures", "Requests that failed on their engine (refused, reset, timed out, "
+            "5xx), by engine: what its circuit breaker counts", ["engine"], registry=r,
+        )  # fmt: skip
         self.rejected = Counter(
             "flying_gateway_rejected", "Requests refused, by HTTP status and error code (429 backpressure, 400 "
             "invalid, 401 no or wrong API key, ...)", ["status", "reason"], registry=r,
@@ -60,6 +64,10 @@ class GatewayMetrics:
         self.tenant_rejected = Counter(
             "flying_gateway_tenant_rejected", "A tenant's requests refused by its own limits: requests_per_s, "
             "tokens_per_min, max_concurrent (429) or max_priority (403)", ["tenant", "reason"], registry=r,
+        )  # fmt: skip
+        self.tenant_lowered = Counter(
+            "flying_gateway_tenant_priority_lowered", "Requests that asked for a priority above their tenant's "
+            "highest and run at that one instead", ["tenant", "requested", "granted"], registry=r,
         )  # fmt: skip
         self._children: dict[tuple, Any] = {}
 

@@ -56,6 +56,8 @@ class Relay:
         resp = await self._unless_gone(adm, a, self.upstream.post(a.url, adm.path, adm.body), disconnected)
         if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
             raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}")
+        if resp.status_code >= 500:
+            self.waiting.engine_failed(a.engine, f"answered {resp.status_code}")
         try:
             payload = resp.json()
         except ValueError:
@@ -213,6 +215,7 @@ class Relay:
         resp = await self.upstream.open_stream(a.url, adm.path, body)
         if resp.status_code != 200:
             await resp.aread()
+            self.waiting.engine_failed(a.engine, f"answered {resp.status_code}")
             raise WorkerUnavailable(f"engine {a.engine} answered {resp.status_code}: {resp.text[:200]}")
         return a, resp, await self.first_event(adm, a, resp, never)
 

@@ -37,7 +37,8 @@ class RequestInfo:
     """What the request's log line says, filled in by the handler as it learns it (``scope["state"]``)."""
 
     request_id: str
-    priority: str = "-"
+    priority: str = "-"  # the priority it runs at
+    requested_priority: str | None = None  # the one asked for, when its tenant's limit lowered it
     engine: int | None = None
     queue_ms: float | None = None
 
@@ -81,9 +82,13 @@ class RequestLog:
 def _log(scope: Scope, req: RequestInfo, status: int, duration_ms: float) -> None:
     engine = "-" if req.engine is None else str(req.engine)
     queue = "-" if req.queue_ms is None else f"{req.queue_ms:.1f}"
+    asked = "" if req.requested_priority is None else f" requested_priority={req.requested_priority}"
+    extra = {"request_id": req.request_id, "status": status, "priority": req.priority, "engine": req.engine,
+             "queue_ms": req.queue_ms, "duration_ms": round(duration_ms, 1)}  # fmt: skip
+    if req.requested_priority is not None:
+        extra["requested_priority"] = req.requested_priority
     log.info(
-        "request %s %s %s status=%d priority=%s engine=%s queue_ms=%s duration_ms=%.1f",
-        req.request_id, scope["method"], scope["path"], status, req.priority, engine, queue, duration_ms,
-        extra={"request_id": req.request_id, "status": status, "priority": req.priority, "engine": req.engine,
-               "queue_ms": req.queue_ms, "duration_ms": round(duration_ms, 1)},
+        "request %s %s %s status=%d priority=%s%s engine=%s queue_ms=%s duration_ms=%.1f",
+        req.request_id, scope["method"], scope["path"], status, req.priority, asked, engine, queue, duration_ms,
+        extra=extra,
     )  # fmt: skip

@@ -118,9 +118,7 @@ class Gateway:
 
     async def observe(self) -> None:
         tick = await self.cluster.observe()
-        bp = self.waiting.backpressure
-        bp.rate.sample(tick.now, tick.assigned, backlogged=tick.depth > 0)
-        bp.arrivals.sample(tick.now, tick.admitted)
+        self.waiting.backpressure.observe(tick)
         grace = self.config.no_worker_grace_s
         if self.cluster.no_workers_for(tick.now) > grace and self.waiter.pending:
             n = self.waiter.fail_all(
@@ -160,6 +158,8 @@ class Gateway:
                 continue
             if resp.status_code != 200:
                 await resp.aread()
+                if resp.status_code >= 500:
+                    waiting.engine_failed(a.engine, f"answered {resp.status_code}")
                 await self.queue.finish(adm.record.id, "failed", resp.text[:200])
                 return Reply(resp.status_code, a, raw=resp.content)
             stream = relay.relay(adm, a, resp, events)

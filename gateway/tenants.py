@@ -31,6 +31,7 @@ from pathlib import Path
 from flying.messages import PRIORITY_CLASS, Priority
 from flying.queue import Charge
 from gateway.errors import APIError
+from gateway.tenant_slots import TenantSlots
 
 log = logging.getLogger("flying.gateway")
 
@@ -164,6 +165,7 @@ class Tenants:
         self.env_value, self.path = env_value, path
         self.book = read_book(env_value, path)
         self.in_progress: dict[str, int] = {}  # requests in progress by tenant name (this gateway)
+        self.slots: TenantSlots | None = None  # the counts shared by every gateway (set once Redis is there)
 
     @classmethod
     def of(cls, keys: tuple[str, ...]) -> Tenants:

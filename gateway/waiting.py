@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ import redis.asyncio as aioredis
 
 from flying import redis_conn
 from flying.autopipeline import AutoPipeline
+from flying.breaker import Breakers
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
 from flying.messages import Assignment, Priority, QueuedRequest
@@ -58,6 +60,7 @@ class WaitingRoom:
         )
         budgets = {p: config.wait_budget_s(p) for p in PRIORITIES}
         self.backpressure = Backpressure(config.max_queue, {p: b for p, b in budgets.items() if b})
+        self.breakers = Breakers(client, keys, config.breaker)
         self.holding: dict[
             str, QueuedRequest
         ] = {}  # waiting requests' records, to re-admit if Redis lost them
@@ -67,6 +70,8 @@ class WaitingRoom:
         """Admit to the global queue, within the backpressure limits for its priority (else 429)."""
         rid, rec = adm.record.id, adm.record
         limits = self.backpressure.limits(rec.priority)
+        if limits.full:  # the engines' backlog alone is beyond the class's budget: no need to ask the queue
+            raise self._refusal(rec.priority, QueueFull("the engines' backlog", "wait", 0), limits)
         tenant = tenants.current.get()
         charge = tenant.charge(rec.prompt_tokens + rec.max_tokens) if tenant is not None else None
         fut = self.waiter.expect(rid)
@@ -104,7 +109,7 @@ class WaitingRoom:
             retry = bp.wait_retry_after_s(priority, exc.count)
             wait = bp.predicted_wait_s(priority, exc.count) or 0.0
             why = (
-                f"the predicted queue wait ({wait:.1f} s, {exc.count} requests ahead) exceeds {priority} "
+                f"the predicted queue wait ({wait:.1f} s, {exc.count + bp.behind(priority)} requests ahead) exceeds {priority} "
                 f"priority's budget of {bp.budgets[priority]:g} s"
             )
         self.metrics.child(self.metrics.refused, priority, exc.reason).inc()
@@ -167,6 +172,7 @@ class WaitingRoom:
         self, adm: Admitted, a: Assignment, why: str, cause: str = "before_first_event"
     ) -> asyncio.Future[Assignment]:
         """The engine died before answering: put the request back in the queue (bounded) or fail it."""
+        self.engine_failed(a.engine, why)
         rec = await self.queue.get(adm.record.id)
         attempts = int(rec.get("attempts", 0)) + 1
         if attempts >= self.config.max_attempts:
@@ -175,11 +181,36 @@ class WaitingRoom:
         log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why,
                     extra={"request_id": adm.record.id})  # fmt: skip
         self.metrics.redispatched.labels(cause).inc()
+        await asyncio.sleep(self.redispatch_delay_s(attempts))
         fut = self.waiter.expect(adm.record.id)
         await self.queue.requeue(adm.record, a.engine, why)
         self.waiter.mark_admitted(adm.record.id)
         self.holding[adm.record.id] = adm.record
         return fut
+
+    def redispatch_delay_s(self, attempt: int) -> float:
+        """The jittered back-off before the ``attempt``-th re-dispatch (1: the first): a random 50-100 % of
+        ``redispatch_backoff_s * 2^(attempt-1)``, at most ``redispatch_backoff_max_s`` (requests that failed
+        together do not all come back at once)."""
+        c = self.config
+        full = min(c.redispatch_backoff_max_s, c.redispatch_backoff_s * 2 ** max(0, attempt - 1))
+        return full * random.uniform(0.5, 1.0)
+
+    def engine_failed(self, engine: int, why: str) -> None:
+        """Count a failed request against ``engine``'s circuit breaker (in the background: the request's path
+        does not wait for it)."""
+        self.metrics.child(self.metrics.engine_failures, str(engine)).inc()
+        self.background.spawn(self._record_failure(engine, why))
+
+    async def _record_failure(self, engine: int, why: str) -> None:
+        try:
+            tripped = await self.breakers.failure(engine, time.time(), why)
+        except aioredis.RedisError as exc:
+            reraise_if_cancelled()
+            log.warning("engine %d: failure not recorded in its circuit breaker (redis: %r)", engine, exc)
+            return
+        if tripped:
+            log.warning("engine %d: circuit breaker open after repeated failures (last: %s)", engine, why)
 
     async def finish_surely(self, rid: str, state: str, error: str = "") -> None:
         """``queue.finish``, retried while Redis is away (up to FINISH_RETRY_S): a finish lost to an outage would

@@ -174,8 +174,15 @@ class RouterConfig:
     metrics_port: int = setting(0, "port of the Prometheus metrics (0: off)")  # router.metrics
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus metrics")
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
+    breaker_probe_timeout_s: float = setting(
+        5.0, "seconds: an open circuit breaker's health probe that has not answered within this has failed"
+    )
 
     def __post_init__(self) -> None:
+        _require(
+            self.breaker_probe_timeout_s > 0,
+            f"breaker_probe_timeout_s must be > 0, got {self.breaker_probe_timeout_s}",
+        )
         _require(self.peek >= 1, f"peek must be >= 1, got {self.peek}")
         _require(0 < self.poll_s <= 1, f"poll_s must be in (0, 1], got {self.poll_s}")
         _require(self.lease_ms >= 500, f"lease_ms must be >= 500, got {self.lease_ms}")

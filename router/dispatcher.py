@@ -16,11 +16,13 @@ import httpx
 import redis.asyncio as aioredis
 
 from flying import control
+from flying.breaker import Breakers, BreakerSettings
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
 from flying.messages import Group, QueuedRequest, RouterState, decode, encode, engine_rids, from_hash
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
 from flying.workers import live_heartbeat, registered_engines
+from router.breakers import RouterBreakers
 from router.config import RouterConfig
 from router.decision import Decision, Dispatch, plan
 from router.engine_view import EngineView
@@ -64,6 +66,8 @@ class Dispatcher:
         self.dispatched = 0
         self.prefixes = PrefixIndex()  # what each engine's prefix cache probably holds (cache-aware dispatch)
         self.metrics = RouterMetrics()
+        probe = BreakerSettings(probe_timeout_s=config.breaker_probe_timeout_s)
+        self.breakers = RouterBreakers(Breakers(client, self.keys, probe))  # engines left out while failing
 
     async def hold_lease(self) -> bool:
         """Take or renew the lease; a leader renews once per quarter lease, not every round (a round at light
@@ -98,7 +102,8 @@ class Dispatcher:
         pipe.hgetall(k.groups)
         pipe.hget(k.stats, "admitted")
         pipe.get(k.router_state)
-        ids, queued, registered, group_rows, admitted, raw_state = await pipe.execute()
+        pipe.hgetall(k.breakers)
+        ids, queued, registered, group_rows, admitted, raw_state, breakers = await pipe.execute()
         ids, engines = [text(x) for x in ids], sorted(int(x) for x in registered)
         groups = control.decode_groups(group_rows)
         counted = [g for g in groups if g.state != "releasing"]
@@ -130,6 +135,7 @@ class Dispatcher:
         views = [EngineView.from_heartbeat(hb, counts[hb.engine]) for hb in beats]
         if forgotten := self.prefixes.sync(views):
             log.info("engines %s: prefix cache index forgotten (restarted or gone)", forgotten)
+        views = self.breakers.dispatchable(views, breakers)
         return Snapshot(
             now=time.time(),
             waiting=waiting,
@@ -272,6 +278,7 @@ class Dispatcher:
         await self.close()
 
     async def close(self) -> None:
+        await self.breakers.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None

@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ms", type=int, default=d.lease_ms, help=ROUTER_HELP["lease_ms"])
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help=ROUTER_HELP["metrics_port"])
     p.add_argument("--metrics-host", default=d.metrics_host, help=ROUTER_HELP["metrics_host"])
+    p.add_argument("--breaker-probe-timeout-s", type=float, default=d.breaker_probe_timeout_s,
+                   help=ROUTER_HELP["breaker_probe_timeout_s"])  # fmt: skip
     logs.add_argument(p)
     _policy_flags(p)
     return p
@@ -79,6 +81,7 @@ def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:
         metrics_port=a.metrics_port,
         metrics_host=a.metrics_host,
         log_format=a.log_format,
+        breaker_probe_timeout_s=a.breaker_probe_timeout_s,
     )
 
 

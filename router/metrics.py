@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from flying import control
+from flying.breaker import decode_all
 from flying.keys import Keys
 from flying.messages import Group, Release, RouterState, decode
 from flying.queue import text
@@ -136,6 +137,7 @@ class ClusterCollector(Collector):
         yield stats
         yield from self._engines()
         yield from self._groups()
+        yield self._breakers()
         lease = r.get(k.router_lease)
         leader = GaugeMetricFamily("flying_router_leader", "1 while this router holds the lease")
         leader.add_metric([], 1.0 if lease is not None and text(lease) == self.router_id else 0.0)
@@ -205,6 +207,19 @@ class ClusterCollector(Collector):
         yield mode
         yield from families.values()
         yield from (prompt, cached, ratio, steps)
+
+    def _breakers(self) -> GaugeMetricFamily:
+        """Each engine's circuit breaker (flying.breaker): 0 closed, 1 half-open (probed), 2 open; engines
+        whose breaker never opened are absent (closed)."""
+        fam = GaugeMetricFamily(
+            "flying_engine_breaker_state",
+            "The engine's circuit breaker: 0 closed (dispatched to), 1 half-open (its health probe in flight), "
+            "2 open (left out after repeated failures)",
+            labels=["engine"],
+        )
+        for e, b in sorted(decode_all(self.r.hgetall(self.keys.breakers)).items()):
+            fam.add_metric([str(e)], float(b.state.level))
+        return fam
 
     def _groups(self) -> Iterator[GaugeMetricFamily]:
         fam = GaugeMetricFamily(

@@ -184,3 +184,43 @@ async def test_low_priority_is_shed_before_high(redis_server, aredis, sync_redis
         await gw.enqueue(await gw.admit(req, p))
     assert await q.depth() == 9
     assert not gw.waiter.pending.keys() - gw.waiter.admitted
+
+
+def test_half_a_second_of_backlog_measures_the_capacity_unless_the_engines_stalled():
+    """The default window: the capacity is known once the queue has been backlogged for 0.5 s (two of the
+    monitor's samples) with at least 3 dispatches in it, so the first 429s come within a second of the engines'
+    slots filling up; a backlog that nothing leaves tells nothing (no refusal by wait)."""
+    rate = ServiceRate()
+    rate.sample(0.0, 0, backlogged=True)
+    rate.sample(0.25, 2, backlogged=True)
+    assert rate.per_s() is None, "0.25 s is too little"
+    rate.sample(0.5, 4, backlogged=True)
+    assert rate.per_s() == pytest.approx(8)
+    stalled = ServiceRate()
+    for i in range(8):
+        stalled.sample(i * 0.25, 1 if i > 4 else 0, backlogged=True)
+    assert stalled.per_s() is None
+    assert Backpressure(100, BUDGETS, rate=stalled).limits("normal").max_ahead == 0
+
+
+def test_the_engines_backlog_is_work_ahead_of_normal_and_low_priority():
+    """Requests waiting inside the engines (handed to them beyond what they run at once) delay a normal or low
+    request as much as the queue does; a high one SGLang runs first. Past the budget on their own: refused
+    whatever the queue holds."""
+    from gateway.cluster_view import Tick
+
+    bp = Backpressure(max_queue=1000, budgets=BUDGETS)
+    for t in range(5):  # saturated by the engines' own queues alone (the global queue is empty): 4 served/s
+        bp.observe(
+            Tick(float(t), assigned=0, depth=0, admitted=(0, 0, 0), completed=4 * t, engine_waiting=30)
+        )
+    assert bp.rate.per_s() == pytest.approx(4) and bp.behind("normal") == 30 and bp.behind("high") == 0
+    assert bp.limits("high") == Limits(1000, 20)
+    assert bp.limits("normal") == Limits(850, 50) and bp.limits("low") == Limits(600, 210)
+    assert bp.predicted_wait_s("normal", 9) == pytest.approx(10)
+    bp.engine_waiting = 100
+    assert bp.limits("normal").full and not bp.limits("low").full and not bp.limits("high").full
+    idle = Backpressure(max_queue=1000, budgets=BUDGETS)
+    for t in range(5):  # light load: served as they come, nothing waits anywhere
+        idle.observe(Tick(float(t), assigned=4 * t, depth=0, admitted=(0, 0, 0), completed=4 * t))
+    assert idle.rate.per_s() is None and idle.limits("normal") == Limits(850, 0)

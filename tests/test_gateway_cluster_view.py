@@ -97,10 +97,13 @@ async def test_workers_are_read_at_most_every_max_age_and_concurrent_callers_sha
 
 async def test_observe_renews_the_liveness_key_and_reads_the_lease_the_counter_and_the_depth(aredis, keys):
     v = ClusterView(aredis, keys, GatewayConfig(model_path="unused", key_prefix=keys.prefix, gateway_id="g1"))
-    await aredis.hset(keys.stats, mapping={"assigned": 7, "admitted_high": 3, "admitted_low": 1})
+    await aredis.hset(
+        keys.stats, mapping={"assigned": 7, "completed": 5, "admitted_high": 3, "admitted_low": 1}
+    )
     await aredis.zadd(keys.queue, {"a": 1, "b": 2})
     tick = await v.observe()
     assert isinstance(tick, Tick) and (tick.assigned, tick.depth, tick.admitted) == (7, 2, (3, 0, 1))
+    assert (tick.completed, tick.engine_waiting) == (5, 0)
     assert 0 < await aredis.pttl(keys.gateway("g1")) <= GATEWAY_TTL_MS
     assert v.no_workers_since == tick.now, "no engine registered"
     seen = v.router_seen
@@ -132,3 +135,12 @@ async def test_engines_live_a_moment_ago_are_waited_for_before_none_is_reported(
     v.last_live -= 60
     t0 = time.monotonic()
     assert await v.workers_again(within_s=2.0) == [] and time.monotonic() - t0 < 0.3, "none for long: no wait"
+
+
+async def test_observe_sums_the_requests_waiting_inside_the_live_engines(aredis, sync_redis, keys):
+    from tests.stack import announce_engine
+
+    announce_engine(sync_redis, keys, 0, waiting=3)
+    announce_engine(sync_redis, keys, 1, url="http://e1", waiting=4)
+    v = ClusterView(aredis, keys, GatewayConfig(model_path="unused", key_prefix=keys.prefix))
+    assert (await v.observe()).engine_waiting == 7

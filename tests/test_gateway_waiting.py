@@ -101,6 +101,21 @@ async def test_a_predicted_wait_beyond_the_class_budget_is_a_429_at_once(room, a
     assert r.metrics.refused.labels("normal", "wait")._value.get() == 1
 
 
+async def test_the_engines_backlog_past_the_budget_is_a_429_before_the_queue_is_asked(room, aredis, keys):
+    """50 requests wait inside the engines, served at 2/s: a normal request would wait 25.5 s for its first token,
+    past its budget of 20 s, with nothing in the queue; a high one is not behind them."""
+    r = room()
+    measured(r, 2.0)
+    r.backpressure.engine_waiting = 50
+    with pytest.raises(
+        QueueFullError, match=r"predicted queue wait \(25.5 s, 50 requests ahead\) exceeds normal"
+    ):
+        await r.enqueue(admitted("n0"))
+    assert await state(aredis, keys, "n0") is None and "n0" not in r.waiter.pending
+    await r.enqueue(admitted("h0", "high"))
+    assert r.metrics.refused.labels("normal", "wait")._value.get() == 1
+
+
 async def test_an_admitted_request_whose_budget_runs_out_is_a_504_not_scheduled_in_time(room, aredis, keys):
     r = room(wait_budget_low_s=0.2, queue_timeout_s=60)
     adm = admitted("a", "low")

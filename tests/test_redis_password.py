@@ -62,3 +62,34 @@ async def test_the_gateway_authenticates_with_the_password_in_its_redis_url(lock
     with pytest.raises(redis.AuthenticationError):
         await wrong.ping()
     await wrong.aclose()
+
+
+async def test_the_gateway_and_router_clients_speak_tls_with_a_password(tmp_path):
+    """``rediss://`` with the password and the CA in the URL: the gateway's pool (its per-request scripts go
+    through it: the auto-pipelined connection does not speak TLS) and the router's client."""
+    from router.config import RouterConfig
+    from router.dispatcher import Dispatcher
+    from tests.stack import announce_engine
+    from tests.tls import tls_redis
+
+    with tls_redis(tmp_path) as url:
+        cfg = GatewayConfig(model_path="unused", redis_url=url)
+        client, keys = redis_client(cfg), Keys("tls")
+        assert autopipeline(client) is None
+        router_client = aioredis.Redis.from_url(url)
+        try:
+            announce_engine(redis.Redis.from_url(url), keys)
+            assert await RequestQueue(client, keys).admit(mk("a")) is None
+            assert await Dispatcher(RouterConfig(key_prefix=keys.prefix), router_client).round() == 1
+            assert await client.hget(keys.request("a"), "state") == b"assigned"
+        finally:
+            await client.aclose()
+            await router_client.aclose()
+        plain = aioredis.Redis.from_url(url.replace("rediss://", "redis://").split("?")[0])
+        with pytest.raises(redis.ConnectionError):
+            await plain.ping()
+        await plain.aclose()
+        untrusted = aioredis.Redis.from_url(url.split("&ssl_ca_certs")[0])
+        with pytest.raises(redis.ConnectionError, match="(?i)certificate"):
+            await untrusted.ping()
+        await untrusted.aclose()

@@ -207,8 +207,17 @@ def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_
         metrics = httpx.get(f"{url}/metrics").text
     assert 'flying_gateway_tenant_rejected_total{reason="max_priority",tenant="team-a"} 1.0' in metrics
     assert 'flying_gateway_tenant_requests_total{tenant="team-b"} 1.0' in metrics
+    lowered = (
+        'flying_gateway_tenant_priority_lowered_total{granted="low",requested="high",tenant="team-b"} 1.0'
+    )
+    assert lowered in metrics, "team-b's high request ran at its highest, low"
+    assert (
+        'flying_gateway_requests_total{priority="low",route="/v1/chat/completions",status="200"} 1.0'
+        in metrics
+    )
     log = (tmp_path / "gateway.log").read_text()
     assert "API keys reloaded: 1 keys" in log and "Bearer" not in log, "keys stay out of the log"
+    assert "status=200 priority=low requested_priority=high" in log
 
 
 async def steady_waits(q: RequestQueue, flood: int) -> list[int]:
