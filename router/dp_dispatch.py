@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from typing import Any
 
 from flying.messages import QueuedRequest
 from router.decision import Dispatch, DpRule
@@ -94,7 +95,10 @@ class DpPool:
         self.open = {
             e.engine: e
             for e in rnd.s.engines
-            if e.mode == "dp" and not e.pending and e.engine not in self.taken and rnd.dp_inflight[e.engine] < cap
+            if e.mode == "dp"
+            and not e.pending
+            and e.engine not in self.taken
+            and rnd.dp_inflight[e.engine] < cap
         }
         self.version = dict.fromkeys(self.open, 0)
         self.low = [(dp_key(rnd, e), e.engine, 0) for e in self.open.values()]
@@ -147,7 +151,7 @@ class DpPool:
         heapq.heappush(self.low, (dp_key(rnd, self.open[e]), e, v))
         heapq.heappush(self.high, (-dp_score(rnd, e), e, v))
 
-    def _top(self, heap: list[tuple[object, int, int]], fits: Fits) -> int | None:
+    def _top(self, heap: list[Any], fits: Fits) -> int | None:
         """The engine of the first current entry of ``heap`` that ``fits``; stale entries are dropped, current
         ones that do not fit are put back."""
         aside, found, version = [], None, self.version

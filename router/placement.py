@@ -142,10 +142,10 @@ def place_priority(rnd: Round, r: QueuedRequest) -> bool:
     if reuse_idle(rnd, r, 1, ("long",), "priority"):
         return True  # (an idle long group is kept while a high-priority request waits: it must take it)
     taken = rnd.in_groups()
-    dp = {e.engine for e in rnd.s.engines if e.mode == "dp" and e.engine not in taken}
     light = not rnd.out.state.busy
     for ms in rnd.free_sets(rnd.cfg.priority_width):
-        if dp - set(ms) and (light or not rnd.block_load(ms)):
+        dp_left = any(e.mode == "dp" and e.engine not in taken and e.engine not in ms for e in rnd.s.engines)
+        if dp_left and (light or not rnd.block_load(ms)):
             adopt = False
             if rnd.block_load(ms) and rnd.kv.possible(ms):
                 if rnd.block_load(ms) > adopt_fits(rnd, ms) or not rnd.kv.may_adopt(ms):

@@ -64,8 +64,10 @@ class Round:
         self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
         self.kv = TransformCost(cfg, self.live, self.dp_kv)
+        self._engines_n = max((e.num_engines for e in s.engines), default=1)
         self._taken: frozenset[int] | None = None  # in_groups(), until a record's members or a bind change it
-        self.dp_pool: DpPool | None = None  # router.dp_dispatch's candidates, built at the round's first DP dispatch
+        # router.dp_dispatch's candidates, built at the round's first DP dispatch
+        self.dp_pool: DpPool | None = None
 
     # --- group records ------------------------------------------------------------------------------------
 
@@ -161,7 +163,7 @@ class Round:
 
     def engines_n(self) -> int:
         """The cluster's engine count (as the heartbeats report it)."""
-        return max((e.num_engines for e in self.s.engines), default=1)
+        return self._engines_n
 
     def load_width(self) -> int:
         """The load groups' width: ``light_width``, or the widest group the cluster has when it has fewer
@@ -176,7 +178,7 @@ class Round:
     def free_sets(self, width: int) -> list[tuple[int, ...]]:
         """Merge sets of ``width`` whose members are live, bindable, in DP and in no group; least loaded first."""
         taken = self.in_groups()
-        n = max((e.num_engines for e in self.s.engines), default=1)
+        n = self._engines_n
         if width > n:
             return []
         ok = []
