@@ -39,6 +39,21 @@ def to_dp(rnd: Round, r: QueuedRequest) -> bool:
     return True
 
 
+def nothing_dispatches(rnd: Round, r: QueuedRequest) -> bool:
+    """Placing ``r`` this round would do nothing: busy load, no group record (none to take it or to reuse), every
+    DP engine full (the pool is current and empty: nothing frees a slot within a round), and ``r`` fits one engine
+    (a long request may still bind). Lets a round skip the rest of a deep queue at once."""
+    pool = rnd.dp_pool
+    return (
+        pool is not None
+        and not pool.open
+        and rnd.out.state.busy
+        and not rnd.groups
+        and pool.taken is rnd.in_groups()
+        and rnd.s.fits_one(r)
+    )
+
+
 def pick_dp(
     rnd: Round, chain: tuple[int, ...], least: EngineView, pool: DpPool, fits: Fits
 ) -> tuple[EngineView, DpRule]:
