@@ -76,8 +76,8 @@ def pick_dp(
     top = max(held.values(), default=0)
     if top == 0 or top < rnd.cfg.cache_threshold * len(chain):
         return least, "no-match"
-    key = lambda e: dp_key(rnd, e)  # noqa: E731
-    return min((pool.open[e] for e, n in held.items() if n == top), key=key), "prefix"
+    _, _, best = min(dp_key(rnd, pool.open[e]) for e, n in held.items() if n == top)  # (its last field: e)
+    return pool.open[best], "prefix"
 
 
 def imbalanced(rnd: Round, lo: float, hi: float) -> bool:
