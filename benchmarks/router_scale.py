@@ -3,12 +3,15 @@ and the simulator call) on simulated clusters of 8, 128 and 1,024 engines with 1
 requests (p50 / p99 of one round), and the admission rate one router sustains against fake engines (real Redis,
 the real Dispatcher, fake heartbeats, requests admitted by the gateway's own admission script).
 
-PYTHONPATH=. .venv/bin/python benchmarks/router_scale.py [--part round|admission|all] [--rounds 30]
+PYTHONPATH=. .venv/bin/python benchmarks/router_scale.py [--part round|admission|all] [--scenario queue|burst|both]
+    [--peek 256] [--rounds 30] [--profile ENGINES,QUEUED]
 
-Clusters are built as nodes of 8 engines (one communicator pool per node: ``num_engines`` 8 in every heartbeat).
-The round sees the whole queue (the live router reads its head, ``--peek``, 256 by default: the rows with 1,000
-and 10,000 queued are what a larger ``--peek`` costs). Busy regime, cache-aware dispatch (the defaults), half of
-the requests with a prefix chain drawn from 64 shared prompts, 5 % high priority, engines about half full with loads in balance (so cache-aware dispatch follows prefixes).
+Clusters are built as nodes of 8 engines (``num_engines`` 8 in every heartbeat: each node its own communicator
+pool). The round sees the whole queue unless ``--peek`` (the live router reads the queue's head, 256 by default:
+without it the rows with 1,000 and 10,000 queued are what a larger ``--peek`` costs). Busy regime, cache-aware
+dispatch (the defaults), half of the requests with a prefix chain drawn from 64 shared prompts, 5 % high priority;
+engines with 0-2 free slots (``queue``: a queue builds only over full engines) or about half full (``burst``), their
+loads in balance (so cache-aware dispatch follows prefixes).
 """
 
 from __future__ import annotations
