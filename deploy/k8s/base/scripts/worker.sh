@@ -18,6 +18,8 @@ fi
 ordinal="${POD_NAME##*-}"
 first=$(( ordinal * gpus ))
 pids=()
+stop() { kill -TERM "${pids[@]}" 2>/dev/null; wait; exit 0; }
+trap stop TERM INT  # before the first engine starts: a SIGTERM at any time drains what runs
 for (( i = 0; i < gpus; i++ )); do
   comm=()
   if [ -n "${COMM_PORT:-}" ]; then comm=(--comm-port "${COMM_PORT}" --comm-host "${COMM_HOST}"); fi
@@ -27,8 +29,6 @@ for (( i = 0; i < gpus; i++ )); do
     --drain-grace-s "${DRAIN_GRACE_S}" --log-format json "${comm[@]}" &
   pids+=("$!")
 done
-stop() { kill -TERM "${pids[@]}" 2>/dev/null; wait; exit 0; }
-trap stop TERM INT
 wait -n  # an engine exited on its own: stop the others, the pod restarts as a whole (its pool with it)
 rc=$?
 kill -TERM "${pids[@]}" 2>/dev/null
