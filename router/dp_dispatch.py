@@ -6,61 +6,82 @@ its :data:`router.decision.DpRule`."""
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable
+from typing import Any
+
 from flying.messages import QueuedRequest
 from router.decision import Dispatch, DpRule
 from router.engine_view import EngineView
 from router.round import Round
 
+Fits = Callable[[int], bool] | None  # which engines may take a request (None: every open one)
+
 
 def to_dp(rnd: Round, r: QueuedRequest) -> bool:
     """Dispatch ``r`` to a DP engine with a free slot and the KV for it; False if there is none."""
-    taken = rnd.in_groups()
-    fits = [
-        e
-        for e in rnd.s.engines
-        if e.mode == "dp"
-        and not e.pending
-        and e.engine not in taken
-        and not rnd.avoid(r, (e.engine,))
-        and rnd.dp_inflight[e.engine] < rnd.cfg.max_inflight_per_worker
-        and e.max_total_tokens >= r.kv_tokens
-    ]
-    if not fits:
+    pool = DpPool.of(rnd)
+    if not pool.open:
+        return False  # every DP engine is full: the rest of the queue waits without a scan
+    fits = pool.fits(rnd, r)
+    least = pool.least(rnd, fits)
+    if least is None:
         return False
-    best, rule = pick_dp(rnd, r, fits)
-    rnd.sent.setdefault(best.engine, set()).update(r.chain)
+    chain = r.chain
+    best, rule = pick_dp(rnd, chain, least, pool, fits)
+    rnd.sent.setdefault(best.engine, set()).update(chain)
     rnd.dp_inflight[best.engine] += 1
     if rnd.cfg.spread_s > 0:
         rnd.recent[best.engine] = rnd.recent.get(best.engine, 0.0) + 1
     rnd.dp_kv[best.engine] += r.kv_tokens
+    pool.sent_to(rnd, best.engine, chain)
     rnd.out.dispatches.append(Dispatch(r, best.engine, best.url, rule=rule))
     return True
 
 
-def pick_dp(rnd: Round, r: QueuedRequest, fits: list[EngineView]) -> tuple[EngineView, DpRule]:
+def nothing_dispatches(rnd: Round, r: QueuedRequest) -> bool:
+    """Placing ``r`` this round would do nothing: busy load, no group record (none to take it or to reuse), every
+    DP engine full (the pool is current and empty: nothing frees a slot within a round), and ``r`` fits one engine
+    (a long request may still bind). Lets a round skip the rest of a deep queue at once."""
+    pool = rnd.dp_pool
+    return (
+        pool is not None
+        and not pool.open
+        and rnd.out.state.busy
+        and not rnd.groups
+        and pool.taken is rnd.in_groups()
+        and rnd.s.fits_one(r)
+    )
+
+
+def pick_dp(
+    rnd: Round, chain: tuple[int, ...], least: EngineView, pool: DpPool, fits: Fits
+) -> tuple[EngineView, DpRule]:
     """Cache-aware (SGLang's model gateway's rule): the engine holding the longest prefix of ``r``'s chain, the
     least loaded of those, when it holds at least ``cache_threshold`` of the chain's blocks and the
     candidates' loads are balanced (not both more than ``balance_abs_threshold`` apart and the highest above
-    ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded."""
-    key = lambda e: dp_key(rnd, e)  # noqa: E731
-    least = min(fits, key=key)
-    chain = r.chain
+    ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded.
+    ``chain`` is the request's; ``least`` the least loaded of the candidates (the pool's engines that ``fits``)."""
     if rnd.cfg.dispatch != "cache-aware":
         return least, "least-loaded"
     if not chain:
         return least, "no-chain"
-    if imbalanced(rnd, fits):
+    if imbalanced(rnd, dp_score(rnd, least.engine), pool.highest(rnd, fits)):
         return least, "imbalanced"
-    held = {e.engine: rnd.s.prefixes.match(e.engine, chain, rnd.sent.get(e.engine, ())) for e in fits}
-    top = max(held.values())
+    held = {
+        e: rnd.s.prefixes.match(e, chain, rnd.sent.get(e, ()))
+        for e in pool.holding(rnd, chain[0])
+        if fits is None or fits(e)
+    }
+    top = max(held.values(), default=0)
     if top == 0 or top < rnd.cfg.cache_threshold * len(chain):
         return least, "no-match"
-    return min((e for e in fits if held[e.engine] == top), key=key), "prefix"
+    _, _, best = min(dp_key(rnd, pool.open[e]) for e, n in held.items() if n == top)  # (its last field: e)
+    return pool.open[best], "prefix"
 
 
-def imbalanced(rnd: Round, fits: list[EngineView]) -> bool:
-    loads = [dp_score(rnd, e.engine) for e in fits]
-    hi, lo = max(loads), min(loads)
+def imbalanced(rnd: Round, lo: float, hi: float) -> bool:
+    """The candidates' loads (lowest ``lo``, highest ``hi``) are out of balance."""
     return hi - lo > rnd.cfg.balance_abs_threshold and hi > rnd.cfg.balance_rel_threshold * lo
 
 
@@ -74,3 +95,90 @@ def dp_score(rnd: Round, e: int) -> float:
     TP requests its leader owns) takes every new request until its count catches up, all of them prefilling
     at once while the other engines only decode."""
     return rnd.dp_inflight[e] + rnd.recent.get(e, 0.0)
+
+
+class DpPool:
+    """The engines a round may still send DP work to (in DP, no bind pending, in no group, a free slot), in two
+    heaps by load (least loaded first, most loaded first), so that a dispatch costs a few heap operations instead of
+    a scan of every engine, and a full cluster stops the scan of the queue at once. Built at a round's first DP
+    dispatch and again whenever the engines in groups change; only :func:`to_dp` changes the loads it orders by
+    (:meth:`sent_to`), which pushes the engine's new entries: an entry of an older version is stale and skipped."""
+
+    def __init__(self, rnd: Round) -> None:
+        self.taken = rnd.in_groups()
+        cap = rnd.cfg.max_inflight_per_worker
+        self.open = {
+            e.engine: e
+            for e in rnd.s.engines
+            if e.mode == "dp"
+            and not e.pending
+            and e.engine not in self.taken
+            and rnd.dp_inflight[e.engine] < cap
+        }
+        self.version = dict.fromkeys(self.open, 0)
+        self.low = [(dp_key(rnd, e), e.engine, 0) for e in self.open.values()]
+        self.high = [(-dp_score(rnd, e), e, 0) for e in self.open]
+        heapq.heapify(self.low)
+        heapq.heapify(self.high)
+        self.min_kv = min((e.max_total_tokens for e in self.open.values()), default=0)
+        self.sent_by: dict[int, set[int]] = {}  # chain hash -> engines this round sent it
+        for e, hashes in rnd.sent.items():
+            for h in hashes:
+                self.sent_by.setdefault(h, set()).add(e)
+
+    @classmethod
+    def of(cls, rnd: Round) -> DpPool:
+        """The round's pool, built again if the engines in groups changed since."""
+        if rnd.dp_pool is None or rnd.dp_pool.taken is not rnd.in_groups():
+            rnd.dp_pool = cls(rnd)
+        return rnd.dp_pool
+
+    def fits(self, rnd: Round, r: QueuedRequest) -> Fits:
+        """Which open engines may take ``r``: the KV for it, and ``r`` did not just fail there (None: all)."""
+        kv = r.kv_tokens
+        if kv <= self.min_kv and (r.failed_on not in self.open or not rnd.avoid(r, (r.failed_on,))):
+            return None
+        return lambda e: self.open[e].max_total_tokens >= kv and not rnd.avoid(r, (e,))
+
+    def least(self, rnd: Round, fits: Fits) -> EngineView | None:
+        """The least loaded open engine that ``fits`` (:func:`dp_key`), None if there is none."""
+        e = self._top(self.low, fits)
+        return None if e is None else self.open[e]
+
+    def highest(self, rnd: Round, fits: Fits) -> float:
+        """The highest load (:func:`dp_score`) among the open engines that ``fits`` (there is one)."""
+        e = self._top(self.high, fits)
+        return 0.0 if e is None else dp_score(rnd, e)
+
+    def holding(self, rnd: Round, h: int) -> set[int]:
+        """Open engines whose cache probably holds hash ``h`` (the prefix index's, or sent this round)."""
+        out = {e for e in rnd.s.prefixes.holders(h) if e in self.open}
+        return out | {e for e in self.sent_by.get(h, ()) if e in self.open}
+
+    def sent_to(self, rnd: Round, e: int, chain: tuple[int, ...]) -> None:
+        """``e`` was sent a request with ``chain``: its load changed (it leaves the pool when full)."""
+        for h in chain:
+            self.sent_by.setdefault(h, set()).add(e)
+        if rnd.dp_inflight[e] >= rnd.cfg.max_inflight_per_worker:
+            del self.open[e]
+            return
+        v = self.version[e] = self.version[e] + 1
+        heapq.heappush(self.low, (dp_key(rnd, self.open[e]), e, v))
+        heapq.heappush(self.high, (-dp_score(rnd, e), e, v))
+
+    def _top(self, heap: list[Any], fits: Fits) -> int | None:
+        """The engine of the first current entry of ``heap`` that ``fits``; stale entries are dropped, current
+        ones that do not fit are put back."""
+        aside, found, version = [], None, self.version
+        while heap:
+            _, e, v = heap[0]
+            if e not in self.open or version[e] != v:
+                heapq.heappop(heap)
+            elif fits is None or fits(e):
+                found = e
+                break
+            else:
+                aside.append(heapq.heappop(heap))
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from flying.groups import widths as group_widths
 from flying.messages import FastTarget, Group, GroupReason, GroupState, QueuedRequest
 from router.decision import Dispatch
-from router.dp_dispatch import to_dp
+from router.dp_dispatch import nothing_dispatches, to_dp
 from router.engine_view import EngineView
 from router.regime import forming
 from router.releases import release_idle_blocking
@@ -40,6 +40,8 @@ def need_width(kv_tokens: int, engines: Sequence[EngineView]) -> int | None:
 
 def place(rnd: Round, r: QueuedRequest) -> None:
     """Send ``r`` where it goes this round (or bind the group it waits for); it stays queued otherwise."""
+    if nothing_dispatches(rnd, r):
+        return  # busy, no groups, every DP engine full: the rest of the queue waits
     width = need_width(r.kv_tokens, rnd.s.engines)
     if width is None:
         return  # no group can hold it now (the gateway rejects such requests while engines are up)
@@ -142,10 +144,10 @@ def place_priority(rnd: Round, r: QueuedRequest) -> bool:
     if reuse_idle(rnd, r, 1, ("long",), "priority"):
         return True  # (an idle long group is kept while a high-priority request waits: it must take it)
     taken = rnd.in_groups()
-    dp = {e.engine for e in rnd.s.engines if e.mode == "dp" and e.engine not in taken}
     light = not rnd.out.state.busy
     for ms in rnd.free_sets(rnd.cfg.priority_width):
-        if dp - set(ms) and (light or not rnd.block_load(ms)):
+        dp_left = any(e.mode == "dp" and e.engine not in taken and e.engine not in ms for e in rnd.s.engines)
+        if dp_left and (light or not rnd.block_load(ms)):
             adopt = False
             if rnd.block_load(ms) and rnd.kv.possible(ms):
                 if rnd.block_load(ms) > adopt_fits(rnd, ms) or not rnd.kv.may_adopt(ms):

@@ -31,6 +31,7 @@ class PrefixIndex:
         self._cap: dict[int, int] = {}
         self._launch: dict[int, str] = {}  # the launch the entries are valid for
         self._dp: dict[int, bool] = {}  # in DP, no bind read: its prompts go through the prefix cache
+        self._holders: dict[int, set[int]] = {}  # hash -> engines whose entries hold it (the LRUs, inverted)
 
     def sync(self, engines: Iterable[EngineView]) -> list[int]:
         """Bring the index in line with a snapshot's live engines; returns those whose entries were forgotten."""
@@ -41,13 +42,16 @@ class PrefixIndex:
             if self._launch.get(engine) != e.launch_id or engine not in self._lru:
                 if self._lru.get(engine):
                     forgotten.append(engine)
+                self._forget(engine)
                 self._lru[engine] = OrderedDict()
                 self._launch[engine] = e.launch_id
             self._dp[engine] = e.mode == "dp" and not e.epoch and not e.pending
             self._cap[engine] = max(1, e.max_total_tokens // self.block)
         for engine in [e for e in self._lru if e not in seen]:
-            if self._lru.pop(engine):
+            if self._lru.get(engine):
                 forgotten.append(engine)
+            self._forget(engine)
+            del self._lru[engine]
             self._launch.pop(engine, None)
             self._dp.pop(engine, None)
             self._cap.pop(engine, None)
@@ -72,10 +76,28 @@ class PrefixIndex:
             return
         lru = self._lru[engine]
         for h in reversed(chain):
-            lru[h] = None
-            lru.move_to_end(h)
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                self._holders.setdefault(h, set()).add(engine)
         while len(lru) > self._cap[engine]:
-            lru.popitem(last=False)
+            self._drop_holder(lru.popitem(last=False)[0], engine)
+
+    def holders(self, h: int) -> Collection[int]:
+        """The engines whose entries hold hash ``h`` (those :meth:`match` finds at least one block on, for a
+        chain starting with ``h``), without a scan of every engine."""
+        return self._holders.get(h, ())
+
+    def _forget(self, engine: int) -> None:
+        for h in self._lru.get(engine, ()):
+            self._drop_holder(h, engine)
+
+    def _drop_holder(self, h: int, engine: int) -> None:
+        engines = self._holders[h]
+        engines.discard(engine)
+        if not engines:
+            del self._holders[h]
 
     def blocks(self, engine: int) -> int:
         """Hashes held for ``engine``."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -18,6 +19,9 @@ from router.decision import BindMode, BindNote, Decision, ReleaseCause, ReleaseM
 from router.engine_view import EngineView
 from router.snapshot import GroupLoad, Snapshot
 from router.transform_cost import TransformCost
+
+if TYPE_CHECKING:
+    from router.dp_dispatch import DpPool
 
 USABLE: tuple[GroupState, ...] = ("bound", "binding")
 # groups a request one engine holds may go to (a long prefill would stall it)
@@ -60,16 +64,24 @@ class Round:
         self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
         self.kv = TransformCost(cfg, self.live, self.dp_kv)
+        self._engines_n = max((e.num_engines for e in s.engines), default=1)
+        self._taken: frozenset[int] | None = None  # in_groups(), until a record's members or a bind change it
+        # router.dp_dispatch's candidates, built at the round's first DP dispatch
+        self.dp_pool: DpPool | None = None
 
     # --- group records ------------------------------------------------------------------------------------
 
     def put(self, g: Group) -> None:
+        old = self.groups.get(g.epoch)
+        if old is None or old.members != g.members:
+            self._taken = None
         self.groups[g.epoch] = g
         self.out.put[g.epoch] = g
 
     def drop(self, g: Group) -> None:
         """The group is gone: delete its record."""
         del self.groups[g.epoch]
+        self._taken = None
         self.out.put.pop(g.epoch, None)
         self.out.drop.append(g.epoch)
 
@@ -103,6 +115,7 @@ class Round:
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
+        self._taken = None
         mode = BindMode.ADOPT if adopt else BindMode(preempt)
         adopt_ms = self.kv.adopt_ms(members) if adopt else 0.0
         self.out.events.append(
@@ -112,8 +125,11 @@ class Round:
 
     # --- what the groups hold -----------------------------------------------------------------------------
 
-    def in_groups(self) -> set[int]:
-        return {m for g in self.groups.values() for m in g.members} | self.reserved
+    def in_groups(self) -> frozenset[int]:
+        """Engines in a group record or a bind planned this round (the same object until that changes)."""
+        if self._taken is None:
+            self._taken = frozenset({m for g in self.groups.values() for m in g.members} | self.reserved)
+        return self._taken
 
     def other_work(self, g: Group) -> int:
         """Requests on the members that were not dispatched to the group (their inflight, less its TP requests):
@@ -147,7 +163,7 @@ class Round:
 
     def engines_n(self) -> int:
         """The cluster's engine count (as the heartbeats report it)."""
-        return max((e.num_engines for e in self.s.engines), default=1)
+        return self._engines_n
 
     def load_width(self) -> int:
         """The load groups' width: ``light_width``, or the widest group the cluster has when it has fewer
@@ -162,7 +178,7 @@ class Round:
     def free_sets(self, width: int) -> list[tuple[int, ...]]:
         """Merge sets of ``width`` whose members are live, bindable, in DP and in no group; least loaded first."""
         taken = self.in_groups()
-        n = max((e.num_engines for e in self.s.engines), default=1)
+        n = self._engines_n
         if width > n:
             return []
         ok = []

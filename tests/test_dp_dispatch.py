@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from flying.messages import QueuedRequest, RouterState
 from flying.prefix import encode_chain
+from router import placement
 from router.config import PolicyConfig
+from router.decision import Dispatch
 from router.dp_dispatch import dp_score, to_dp
 from router.engine_view import EngineView
+from router.policy import decide
 from router.prefix_index import PrefixIndex
 from router.round import Round
 from router.snapshot import Snapshot
@@ -67,3 +71,95 @@ def test_recent_dispatches_count_twice_while_they_decay():
     assert abs(dp_score(r, 1) - (1 + 2.0 / 2.718281828459045)) < 1e-9 and dp_score(r, 0) == 1
     to_dp(r, req())
     assert r.out.dispatches[0].engine == 0 and r.recent[0] == 1.0
+
+
+# --- the round's candidate pool makes the decisions a scan of every engine made -------------------------------
+
+
+def scan_to_dp(rnd_: Round, r: QueuedRequest) -> bool:
+    """The reference: a scan of every engine per request (what :func:`to_dp` decided before its pool)."""
+    taken = rnd_.in_groups()
+    fits = [
+        e
+        for e in rnd_.s.engines
+        if e.mode == "dp"
+        and not e.pending
+        and e.engine not in taken
+        and not rnd_.avoid(r, (e.engine,))
+        and rnd_.dp_inflight[e.engine] < rnd_.cfg.max_inflight_per_worker
+        and e.max_total_tokens >= r.kv_tokens
+    ]
+    if not fits:
+        return False
+    key = lambda e: (dp_score(rnd_, e.engine), -e.free_kv_tokens, e.engine)  # noqa: E731
+    best, rule = min(fits, key=key), "least-loaded"
+    chain = r.chain
+    if rnd_.cfg.dispatch == "cache-aware":
+        loads = [dp_score(rnd_, e.engine) for e in fits]
+        hi, lo = max(loads), min(loads)
+        rule = "no-chain" if not chain else "imbalanced"
+        if chain and not (
+            hi - lo > rnd_.cfg.balance_abs_threshold and hi > rnd_.cfg.balance_rel_threshold * lo
+        ):
+            held = {
+                e.engine: rnd_.s.prefixes.match(e.engine, chain, rnd_.sent.get(e.engine, ())) for e in fits
+            }
+            top = max(held.values())
+            rule = "no-match"
+            if top and top >= rnd_.cfg.cache_threshold * len(chain):
+                best, rule = min((e for e in fits if held[e.engine] == top), key=key), "prefix"
+    rnd_.sent.setdefault(best.engine, set()).update(chain)
+    rnd_.dp_inflight[best.engine] += 1
+    if rnd_.cfg.spread_s > 0:
+        rnd_.recent[best.engine] = rnd_.recent.get(best.engine, 0.0) + 1
+    rnd_.dp_kv[best.engine] += r.kv_tokens
+    rnd_.out.dispatches.append(Dispatch(r, best.engine, best.url, rule=rule))
+    return True
+
+
+def random_snapshot(seed: int) -> tuple[Snapshot, PolicyConfig]:
+    """A cluster with mixed loads, KV sizes, modes, failed requests, prefix chains and groups; light or busy."""
+    rng = random.Random(seed)
+    n = rng.choice((2, 4, 8, 16))
+    chains = [[rng.randrange(1, 50) + 100 * k for k in range(rng.randrange(1, 6))] for _ in range(6)]
+    engines = []
+    for i in range(n):
+        cap = rng.choice((300, 1000, 1000, 4000))
+        mode = "dp" if rng.random() < 0.85 else "tp"
+        engines.append(EngineView(i, f"e{i}", rng.randrange(0, 10), cap - rng.randrange(0, 300), cap,
+                                  mode=mode, epoch=0 if mode == "dp" else 1, pending=int(rng.random() < 0.05),
+                                  num_engines=n, beat_ts=100.0, launch_id="l"))  # fmt: skip
+    index = PrefixIndex()
+    index.sync(engines)
+    for e in engines:
+        for c in rng.sample(chains, 2):
+            index.record(e.engine, c)
+    waiting = [
+        QueuedRequest(id=f"q{k}", priority=rng.choice(("high", "normal", "normal", "low")), model="m",
+                      prompt_tokens=rng.randrange(10, 1500), max_tokens=rng.randrange(1, 200), gateway="g",
+                      enqueued_at=99.0 + rng.random(), failed_on=rng.choice((-1, -1, -1, rng.randrange(n))),
+                      prefix=encode_chain(rng.choice(chains)[: rng.randrange(0, 6)] if rng.random() < 0.7 else []))
+        for k in range(rng.randrange(1, 120))
+    ]  # fmt: skip
+    state = RouterState(busy=rng.random() < 0.6, calm_since=90.0, recent={e: rng.random() * 3 for e in range(n)},
+                        rate_ts=99.0)  # fmt: skip
+    cfg = PolicyConfig(max_inflight_per_worker=rng.choice((4, 8, 16)), spread_s=rng.choice((0.0, 3.0)),
+                       dispatch=rng.choice(("cache-aware", "cache-aware", "least-loaded")),
+                       balance_abs_threshold=rng.choice((2.0, 8.0)))  # fmt: skip
+    return Snapshot(now=100.0, waiting=waiting, queued=len(waiting), engines=engines, groups=[], state=state,
+                    prefixes=index), cfg  # fmt: skip
+
+
+def test_the_candidate_pool_decides_what_a_scan_of_every_engine_decided(monkeypatch):
+    rules: dict[str, int] = {}
+    for seed in range(200):
+        s, cfg = random_snapshot(seed)
+        pooled = decide(s, cfg)
+        with monkeypatch.context() as m:
+            m.setattr(placement, "to_dp", scan_to_dp)
+            scanned = decide(s, cfg)
+        assert pooled == scanned, f"seed {seed}"
+        for x in pooled.dispatches:
+            rules[x.rule] = rules.get(x.rule, 0) + 1
+    assert set(rules) == {"prefix", "no-chain", "no-match", "imbalanced", "least-loaded"}, rules
+    assert min(rules.values()) >= 20, f"every rule is exercised: {rules}"

@@ -59,3 +59,18 @@ def test_an_engine_is_forgotten_when_it_restarts_or_leaves_and_kept_through_a_bi
     idx.sync([eng(0, launch_id="L1")])  # released: back in DP, with what it held before
     idx.record(0, other)
     assert idx.match(0, chain) == 2 and idx.match(0, other) == 2
+
+
+def test_holders_are_the_engines_whose_entries_hold_a_hash_through_eviction_restart_and_loss():
+    idx = PrefixIndex()
+    idx.sync([eng(0, kv=2 * BLOCK), eng(1, launch_id="a")])
+    a, b = block_hashes(list(range(2 * BLOCK))), block_hashes(list(range(9, 9 + 2 * BLOCK)))
+    idx.record(0, a)
+    idx.record(1, a)
+    assert set(idx.holders(a[0])) == {0, 1} and set(idx.holders(a[1])) == {0, 1}
+    idx.record(0, b)  # engine 0 holds 2 blocks: a's are evicted
+    assert set(idx.holders(a[0])) == {1} and set(idx.holders(b[0])) == {0}
+    idx.sync([eng(0, kv=2 * BLOCK), eng(1, launch_id="b")])  # engine 1 restarted
+    assert not idx.holders(a[0]) and set(idx.holders(b[1])) == {0}
+    idx.sync([eng(1, launch_id="b")])  # engine 0 gone
+    assert not idx.holders(b[0]) and not idx._holders, "no hash is left without a holder"
