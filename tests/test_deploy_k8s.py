@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from flying import settings
+from flying import redis_conn, settings
 from gateway.main import parse_args as gateway_args
 from router.main import parse_args as router_args
 from tests.kustomize import Obj, Unsupported, containers, render
@@ -289,7 +289,8 @@ def test_redis_runs_with_sentinels_behind_the_names_the_processes_use(overlay):
     redis = one(objs, "StatefulSet", "redis")
     assert redis["spec"]["replicas"] == 3 and {c["name"] for c in pod_spec(redis)["containers"]} == {"redis", "sentinel"}  # fmt: skip
     url = one(objs, "ConfigMap", "flying-config")["data"][settings.REDIS_URL]
-    assert url.startswith(f"redis://redis-0.{redis['spec']['serviceName']}:6379/")
+    assert url.startswith("redis+sentinel://redis-sentinel:26379/mymaster/")
+    assert redis_conn.parse(url).master == "mymaster"  # the processes' own parser takes it
     scripts = one(objs, "ConfigMap", "flying-scripts")["data"]
     assert "redis-sentinel" in scripts["redis.sh"] and one(objs, "Service", "redis-sentinel")
     assert "sentinel monitor" in scripts["sentinel.sh"]
