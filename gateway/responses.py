@@ -123,6 +123,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         user=req.user,
         priority=req.priority,
         service_tier=req.service_tier,
+        prompt_cache_key=req.prompt_cache_key,
         response_format=response_format(req),
     )
     try:

@@ -41,7 +41,9 @@ def pick_dp(rnd: Round, r: QueuedRequest, fits: list[EngineView]) -> tuple[Engin
     """Cache-aware (SGLang's model gateway's rule): the engine holding the longest prefix of ``r``'s chain, the
     least loaded of those, when it holds at least ``cache_threshold`` of the chain's blocks and the
     candidates' loads are balanced (not both more than ``balance_abs_threshold`` apart and the highest above
-    ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded."""
+    ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded. A
+    request with a cache key (``keyed``: its chain starts with the key's hash) goes where its key went before,
+    whatever the share of its prompt found there: the engine holding the key and most of the prompt."""
     key = lambda e: dp_key(rnd, e)  # noqa: E731
     least = min(fits, key=key)
     chain = r.chain
@@ -53,7 +55,7 @@ def pick_dp(rnd: Round, r: QueuedRequest, fits: list[EngineView]) -> tuple[Engin
         return least, "imbalanced"
     held = {e.engine: rnd.s.prefixes.match(e.engine, chain, rnd.sent.get(e.engine, ())) for e in fits}
     top = max(held.values())
-    if top == 0 or top < rnd.cfg.cache_threshold * len(chain):
+    if top == 0 or (top < rnd.cfg.cache_threshold * len(chain) and not r.keyed):
         return least, "no-match"
     return min((e for e in fits if held[e.engine] == top), key=key), "prefix"
 

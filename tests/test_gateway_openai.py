@@ -11,6 +11,7 @@ import pytest
 from pydantic import BaseModel
 from starlette.testclient import TestClient
 
+from flying.prefix import decode_chain, key_hash
 from gateway import engine_fields
 from gateway.app import create_app
 from gateway.batch import merge_completions
@@ -162,6 +163,24 @@ def test_fields_that_change_nothing_are_accepted_and_not_forwarded(client, engin
             "best_of",
         } & set(body)
         assert body["user"] == "u"
+
+
+def test_prompt_cache_key_heads_the_queue_records_chain(client, sync_redis, keys):
+    """The key is the router's affinity key (flying.prefix, router.dp_dispatch), from every endpoint."""
+    hi = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="tiny-llama", messages=hi, max_tokens=2, prompt_cache_key="user-7",
+                                   extra_headers={"X-Request-Id": "key-chat"})  # fmt: skip
+    client.completions.create(model="tiny-llama", prompt="hi", max_tokens=2, extra_body={"prompt_cache_key": "user-7"},
+                              extra_headers={"X-Request-Id": "key-completion"})  # fmt: skip
+    client.responses.create(model="tiny-llama", input="hi", prompt_cache_key="user-7",
+                            extra_headers={"X-Request-Id": "key-responses"})  # fmt: skip
+    client.completions.create(
+        model="tiny-llama", prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "no-key"}
+    )
+    for rid in ("key-chat", "key-completion", "key-responses", "no-key"):
+        record = {k.decode(): v.decode() for k, v in sync_redis.hgetall(keys.request(rid)).items()}
+        chain = (key_hash("user-7"),) if rid != "no-key" else ()
+        assert (record["keyed"], decode_chain(record["prefix"])) == (str(rid != "no-key"), chain), rid
 
 
 @pytest.mark.parametrize("tier, priority", [("priority", 2), ("default", 1), ("auto", 1), ("flex", 0)])
