@@ -131,10 +131,10 @@ class Tracing:
     def instrument(self, gw: Gateway) -> None:
         """Wrap the gateway's steps (admission, the wait for an assignment, the upstream calls, the requests'
         ends) in spans. Called once, before the gateway serves."""
-        gw.admit = self._admission(gw.admit)  # type: ignore[method-assign]
+        gw.admit = self._admission(gw.admit)
         waiting, upstream, queue = gw.waiting, gw.upstream, gw.waiting.queue
         waiting.wait_assignment = self._queued(waiting.wait_assignment)  # type: ignore[method-assign]
-        gw.wait_assignment = waiting.wait_assignment  # type: ignore[method-assign]
+        gw.wait_assignment = waiting.wait_assignment
         waiting.retry_or_fail = self._requeued(waiting.retry_or_fail)  # type: ignore[method-assign]
         upstream.open_stream = self._relayed(upstream.open_stream, stream=True)  # type: ignore[method-assign]
         upstream.post = self._relayed(upstream.post, stream=False)  # type: ignore[method-assign]

@@ -89,8 +89,8 @@ def test_a_requests_steps_are_spans_under_the_clients_traceparent(traced, engine
         assert trace_id(step) == TRACE_ID and parent_id(step) == span_id(root), step.name
     assert relay.kind is SpanKind.CLIENT
     assert relay.attributes is not None and relay.attributes["flying.request_id"] == r.headers["x-request-id"]
-    assert admission.start_time <= queue.start_time <= queue.end_time == dispatch.start_time  # type: ignore[operator]
-    assert dispatch.end_time <= relay.start_time <= relay.end_time  # type: ignore[operator]
+    assert admission.start_time <= queue.start_time <= queue.end_time == dispatch.start_time
+    assert dispatch.end_time <= relay.start_time <= relay.end_time
     assert engine.traceparents == [f"00-{TRACE_ID}-{span_id(relay)}-01"]
 
 
