@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -16,7 +17,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from starlette.testclient import TestClient
 
+from flying.messages import Assignment, QueuedRequest
 from gateway import tracing
+from gateway.admission import Admitted
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.tracing import Tracing
@@ -150,3 +153,61 @@ def test_no_endpoint_is_off_and_a_base_url_gets_the_traces_path(monkeypatch):
     assert tracing.endpoint_from_env() == "http://c:4318"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://t:4318/v1/traces")
     assert tracing.endpoint_from_env() == "http://t:4318/v1/traces"
+
+
+class _Steps:
+    """The gateway's steps that Tracing.instrument wraps, as fakes: an admission that records, an assignment at
+    once, an engine that answers 200."""
+
+    def __init__(self) -> None:
+        self.waiting = self
+        self.upstream = self
+        self.queue = self
+        self.finished: list[tuple[str, str]] = []
+
+    async def admit(self, req, priority, request_id=None):
+        record = QueuedRequest(id=request_id, priority=priority, model="m", prompt_tokens=1, max_tokens=1,
+                               gateway="g", enqueued_at=time.time())  # fmt: skip
+        return Admitted(record, "/v1/completions", {"rid": request_id}, stream=True)
+
+    async def wait_assignment(self, adm, fut, disconnected):
+        return Assignment(id=adm.record.id, engine=3, url="http://e3", queue_ms=0.5)
+
+    async def retry_or_fail(self, adm, a, why, cause="before_first_event"):
+        return None
+
+    async def open_stream(self, url, path, body, headers=None):
+        return SimpleNamespace(status_code=200)
+
+    post = open_stream
+
+    async def finish(self, rid, state, error=""):
+        self.finished.append((rid, state))
+
+
+async def test_a_re_dispatched_stream_has_a_failed_relay_then_a_second_attempt():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    steps = _Steps()
+    Tracing(provider).instrument(steps)  # type: ignore[arg-type]
+    adm = await steps.admit(None, "normal", "r1")
+    for attempt in (1, 2):
+        a = await steps.waiting.wait_assignment(adm, None, None)
+        await steps.upstream.open_stream(a.url, adm.path, adm.body)
+        if attempt == 1:
+            await steps.waiting.retry_or_fail(adm, a, "engine 3 failed before its first event")
+    await steps.queue.finish("r1", "done")
+    assert steps.finished == [("r1", "done")]
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["flying.admission"] + [
+        "flying.queue",
+        "flying.dispatch",
+        "flying.relay",
+    ] * 2
+    relays = [s for s in spans if s.name == "flying.relay"]
+    assert [(s.attributes or {}).get("flying.outcome") for s in relays] == ["failed", "done"]
+    assert not relays[0].status.is_ok and relays[1].status.is_unset
+    assert [(s.attributes or {})["flying.attempt"] for s in spans if s.name == "flying.queue"] == [1, 2]
+    second = [s for s in spans if s.name == "flying.queue"][1]
+    assert second.start_time >= relays[0].end_time, "the second wait starts when the first relay failed"  # type: ignore[operator]
