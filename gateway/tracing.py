@@ -143,6 +143,8 @@ class Tracing:
     def _admission(self, admit: Callable) -> Callable:
         @functools.wraps(admit)
         async def traced(req, priority, request_id=None):
+            if not self._recording():
+                return await admit(req, priority, request_id)
             with self.tracer.start_as_current_span("flying.admission") as span:
                 adm = await admit(req, priority, request_id)
                 rec = adm.record
@@ -157,6 +159,8 @@ class Tracing:
         async def traced(adm, fut, disconnected):
             rec = adm.record
             flight = self._flights.get(rec.id)
+            if flight is None and not self._recording():
+                return await wait_assignment(adm, fut, disconnected)
             if flight is None:  # its first wait (enqueued): followed until its end is recorded
                 flight = self._flights[rec.id] = _Flight(_ns(rec.enqueued_at))
                 self._bound()
@@ -203,6 +207,10 @@ class Tracing:
 
         @functools.wraps(call)
         async def traced(url: str, path: str, body: dict, headers: dict[str, str] | None = None):
+            carrier: dict[str, str] = dict(headers or {})
+            if not self._recording():  # not sampled: the engine still joins the trace
+                self.propagator.inject(carrier)
+                return await call(url, path, body, headers=carrier)
             rid = str(body.get("rid", ""))
             span = self.tracer.start_span(
                 "flying.relay",
@@ -215,7 +223,6 @@ class Tracing:
                     "flying.stream": stream,
                 },  # fmt: skip
             )
-            carrier: dict[str, str] = dict(headers or {})
             self.propagator.inject(carrier, context=self._trace.set_span_in_context(span))
             try:
                 resp = await call(url, path, body, headers=carrier)
@@ -244,6 +251,10 @@ class Tracing:
             return await finish(rid, state, error)
 
         return traced
+
+    def _recording(self) -> bool:
+        """Whether the current request's span records (is sampled): its steps' spans are made only then."""
+        return self._trace.get_current_span().is_recording()
 
     def _end_relay(self, flight: _Flight, state: str, error: str) -> None:
         span, flight.relay = flight.relay, None

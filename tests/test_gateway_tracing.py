@@ -189,25 +189,49 @@ async def test_a_re_dispatched_stream_has_a_failed_relay_then_a_second_attempt()
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    steps = _Steps()
-    Tracing(provider).instrument(steps)  # type: ignore[arg-type]
-    adm = await steps.admit(None, "normal", "r1")
-    for attempt in (1, 2):
-        a = await steps.waiting.wait_assignment(adm, None, None)
-        await steps.upstream.open_stream(a.url, adm.path, adm.body)
-        if attempt == 1:
-            await steps.waiting.retry_or_fail(adm, a, "engine 3 failed before its first event")
-    await steps.queue.finish("r1", "done")
+    steps, traced = _Steps(), Tracing(provider)
+    traced.instrument(steps)  # type: ignore[arg-type]
+    with traced.tracer.start_as_current_span("request"):
+        adm = await steps.admit(None, "normal", "r1")
+        for attempt in (1, 2):
+            a = await steps.waiting.wait_assignment(adm, None, None)
+            await steps.upstream.open_stream(a.url, adm.path, adm.body)
+            if attempt == 1:
+                await steps.waiting.retry_or_fail(adm, a, "engine 3 failed before its first event")
+    await steps.queue.finish("r1", "done")  # (a stream's end is recorded after its response)
     assert steps.finished == [("r1", "done")]
     spans = exporter.get_finished_spans()
-    assert [s.name for s in spans] == ["flying.admission"] + [
-        "flying.queue",
-        "flying.dispatch",
-        "flying.relay",
-    ] * 2
+    steps_then = ["flying.queue", "flying.dispatch", "flying.relay", "flying.queue", "flying.dispatch"]
+    assert [s.name for s in spans] == ["flying.admission", *steps_then, "request", "flying.relay"]
     relays = [s for s in spans if s.name == "flying.relay"]
     assert [(s.attributes or {}).get("flying.outcome") for s in relays] == ["failed", "done"]
     assert not relays[0].status.is_ok and relays[1].status.is_unset
     assert [(s.attributes or {})["flying.attempt"] for s in spans if s.name == "flying.queue"] == [1, 2]
     second = [s for s in spans if s.name == "flying.queue"][1]
     assert second.start_time >= relays[0].end_time, "the second wait starts when the first relay failed"  # type: ignore[operator]
+
+
+async def test_an_unsampled_request_has_no_step_spans_and_still_sends_its_traceparent():
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sent: list[dict[str, str] | None] = []
+    steps, traced = _Steps(), Tracing(provider)
+
+    async def open_stream(url, path, body, headers=None):
+        sent.append(headers)
+        return SimpleNamespace(status_code=200)
+
+    steps.open_stream = open_stream  # type: ignore[method-assign]
+    traced.instrument(steps)  # type: ignore[arg-type]
+    with traced.tracer.start_as_current_span("request") as root:
+        adm = await steps.admit(None, "normal", "r1")
+        a = await steps.waiting.wait_assignment(adm, None, None)
+        await steps.upstream.open_stream(a.url, adm.path, adm.body)
+    await steps.queue.finish("r1", "done")
+    assert exporter.get_finished_spans() == () and not traced._flights
+    ctx = root.get_span_context()
+    assert sent == [{"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"}]
+    assert not ctx.trace_flags.sampled
