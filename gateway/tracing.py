@@ -145,12 +145,17 @@ class Tracing:
         async def traced(req, priority, request_id=None):
             if not self._recording():
                 return await admit(req, priority, request_id)
-            with self.tracer.start_as_current_span("flying.admission") as span:
+            span = self.tracer.start_span("flying.admission")
+            try:
                 adm = await admit(req, priority, request_id)
-                rec = adm.record
-                span.set_attributes({"flying.request_id": rec.id, "flying.priority": rec.priority,
-                                     "flying.prompt_tokens": rec.prompt_tokens, "flying.max_tokens": rec.max_tokens})  # fmt: skip
-                return adm
+            except BaseException as exc:
+                self._failed(span, exc)
+                raise
+            rec = adm.record
+            span.set_attributes({"flying.request_id": rec.id, "flying.priority": rec.priority,
+                                 "flying.prompt_tokens": rec.prompt_tokens, "flying.max_tokens": rec.max_tokens})  # fmt: skip
+            span.end()
+            return adm
 
         return traced
 
@@ -172,10 +177,9 @@ class Tracing:
             try:
                 a = await wait_assignment(adm, fut, disconnected)
             except BaseException as exc:
-                span = self.tracer.start_span("flying.queue", start_time=flight.since_ns, attributes=attrs)
-                span.record_exception(exc)
-                span.set_status(self._trace.StatusCode.ERROR, type(exc).__name__)
-                span.end()
+                self._failed(
+                    self.tracer.start_span("flying.queue", start_time=flight.since_ns, attributes=attrs), exc
+                )
                 raise
             now = time.time_ns()
             dispatched = min(max(flight.since_ns, _ns(rec.enqueued_at + a.queue_ms / 1000)), now)
@@ -227,9 +231,7 @@ class Tracing:
             try:
                 resp = await call(url, path, body, headers=carrier)
             except BaseException as exc:
-                span.record_exception(exc)
-                span.set_status(self._trace.StatusCode.ERROR, type(exc).__name__)
-                span.end()
+                self._failed(span, exc)
                 raise
             span.set_attribute("http.response.status_code", resp.status_code)
             flight = self._flights.get(rid)
@@ -251,6 +253,11 @@ class Tracing:
             return await finish(rid, state, error)
 
         return traced
+
+    def _failed(self, span: Span, exc: BaseException) -> None:
+        span.record_exception(exc)
+        span.set_status(self._trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200])
+        span.end()
 
     def _recording(self) -> bool:
         """Whether the current request's span records (is sampled): its steps' spans are made only then."""
