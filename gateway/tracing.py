@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 DEFAULT_SERVICE_NAME = "flying-gateway"
 TRACES_PATH = "/v1/traces"
 MAX_OPEN = 65536  # relay spans held until their request's end is recorded; beyond, the oldest are ended
+_PROPAGATED = (b"traceparent", b"tracestate")  # W3C trace context headers
 
 
 def endpoint_from_env() -> str | None:
@@ -276,9 +277,6 @@ class Tracing:
         """Requests whose end was never recorded (Redis away for good) do not pile up."""
         while len(self._flights) > MAX_OPEN:
             self._end_relay(self._flights.pop(next(iter(self._flights))), "unknown", "")
-
-
-_PROPAGATED = (b"traceparent", b"tracestate")
 
 
 class TraceRequests:
