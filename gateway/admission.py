@@ -89,9 +89,8 @@ class Admission:
         body = msgspec.to_builtins(req)
         body.pop("max_completion_tokens", None)
         key = body.pop("prompt_cache_key", None)  # an affinity key for the router, not the engine's
-        chain = block_hashes(
-            ids if isinstance(ids, list) else req.prompt, key=key
-        )  # for cache-aware dispatch
+        tokens = ids if isinstance(ids, list) else req.prompt
+        chain = block_hashes(tokens, key=key)  # for cache-aware dispatch
         body.update(max_tokens=max_tokens, rid=rid, priority=SGLANG_PRIORITY[priority])
         record = QueuedRequest(
             id=rid,

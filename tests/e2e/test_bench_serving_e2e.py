@@ -29,6 +29,8 @@ def test_bench_serving_completes_every_request(redis_server, keys, tiny_model, t
                "--model", "tiny-llama", "--tokenizer", str(tiny_model), "--dataset-name", "random-ids",
                "--num-prompts", str(PROMPTS), "--random-input-len", "32", "--random-output-len", "8",
                "--request-rate", "20", "--disable-tqdm"]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path
+        )  # (its result file)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(rf"Successful requests:\s+{PROMPTS}\b", out.stdout), out.stdout[-3000:]
