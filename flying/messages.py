@@ -29,6 +29,7 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
     failed_on: int = -1  # the engine it was last dispatched to that failed before answering (-1: none)
     n: int = 1  # choices (SGLang runs them as n requests sharing the prompt: rids ``{id}_{i}``)
     prefix: str = ""  # the prompt's block-hash chain (flying.prefix.encode_chain; "": shorter than one block)
+    keyed: bool = False  # the chain starts with the hash of the client's cache key (prompt_cache_key)
 
     @property
     def chain(self) -> tuple[int, ...]:

@@ -10,6 +10,10 @@ Deterministic across processes: token blocks hash as CPython's tuple hash of int
 hashes to itself modulo 2**61 - 1, never salted, unlike str and bytes), so the gateway and the router must run the
 same Python minor version (one image); ``tests/test_prefix.py`` pins known values. A text prompt without ids (a
 completion's string) hashes its UTF-8 bytes in ``TEXT_BLOCK``-byte blocks with BLAKE2b, in its own domain.
+
+A client's cache key (OpenAI's ``prompt_cache_key``) heads the chain: its hash (:func:`key_hash`, BLAKE2b in a
+domain of its own) comes first and seeds the blocks' hashes, so requests with the same key share at least the
+chain's first entry (the router follows it: router.dp_dispatch), and requests with different keys share nothing.
 """
 
 from __future__ import annotations
@@ -27,22 +31,36 @@ _MASK = (1 << 64) - 1
 _SEED = 0x666C79696E67  # "flying": the chain of token ids starts here
 
 
-def block_hashes(prompt: Sequence[int] | str, block: int = BLOCK, cap: int = MAX_BLOCKS) -> list[int]:
+def block_hashes(
+    prompt: Sequence[int] | str, block: int = BLOCK, cap: int = MAX_BLOCKS, key: str | None = None
+) -> list[int]:
     """The prompt's chain: one cumulative 64-bit hash per complete block, at most ``cap`` (a prompt shorter than
-    one block has none). ``prompt``: token ids, or text (hashed in ``TEXT_BLOCK``-byte blocks)."""
+    one block has none). ``prompt``: token ids, or text (hashed in ``TEXT_BLOCK``-byte blocks). With a cache
+    ``key``, the key's hash comes first and seeds the rest (``cap`` blocks after it)."""
+    seed = _SEED if key is None else key_hash(key)
     if isinstance(prompt, str):
-        return _text_hashes(prompt.encode(), cap)
-    n = min(len(prompt) // block, cap) * block
-    out, h = [], _SEED
-    for i in range(0, n, block):
-        h = hash((h, *prompt[i : i + block])) & _MASK
-        out.append(h)
-    return out
+        chain = _text_hashes(prompt.encode(), cap, None if key is None else seed)
+    else:
+        n = min(len(prompt) // block, cap) * block
+        chain, h = [], seed
+        for i in range(0, n, block):
+            h = hash((h, *prompt[i : i + block])) & _MASK
+            chain.append(h)
+    return chain if key is None else [seed, *chain]
 
 
-def _text_hashes(data: bytes, cap: int) -> list[int]:
+def key_hash(key: str) -> int:
+    """A cache key's 64-bit hash (the head of its requests' chains)."""
+    return int.from_bytes(
+        hashlib.blake2b(key.encode(), digest_size=8, person=b"flying-key").digest(), "little"
+    )
+
+
+def _text_hashes(data: bytes, cap: int, seed: int | None = None) -> list[int]:
     n = min(len(data) // TEXT_BLOCK, cap) * TEXT_BLOCK
     h = hashlib.blake2b(digest_size=8, person=b"flying-text")
+    if seed is not None:
+        h.update(seed.to_bytes(8, "little"))
     out = []
     for i in range(0, n, TEXT_BLOCK):
         h.update(data[i : i + TEXT_BLOCK])

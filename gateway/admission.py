@@ -86,9 +86,11 @@ class Admission:
         limit = cluster.limit(beats)
         max_tokens = self._max_tokens(req, prompt, limit)
         rid = request_id or uuid.uuid4().hex
-        chain = block_hashes(ids if isinstance(ids, list) else req.prompt)  # for cache-aware dispatch
         body = msgspec.to_builtins(req)
         body.pop("max_completion_tokens", None)
+        key = body.pop("prompt_cache_key", None)  # an affinity key for the router, not the engine's
+        tokens = ids if isinstance(ids, list) else req.prompt
+        chain = block_hashes(tokens, key=key)  # for cache-aware dispatch
         body.update(max_tokens=max_tokens, rid=rid, priority=SGLANG_PRIORITY[priority])
         record = QueuedRequest(
             id=rid,
@@ -100,6 +102,7 @@ class Admission:
             enqueued_at=time.time(),
             n=req.n,
             prefix=encode_chain(chain),
+            keyed=key is not None,
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
         keep = req.logprobs or req.n > 1 or (not chat and req.echo) or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)  # fmt: skip

@@ -47,6 +47,7 @@ from gateway.request_log import info as request_info
 from gateway.service import DONE, Gateway, Reply
 from gateway.tenant_slots import TenantSlots
 from gateway.tenants import Tenants
+from gateway.tracing import TraceRequests, Tracing
 
 log = logging.getLogger("flying.gateway")
 
@@ -418,11 +419,17 @@ def redis_client(config: GatewayConfig) -> aioredis.Redis:
 
 
 def create_app(
-    config: GatewayConfig, count_tokens=None, drain: Drain | None = None, tenants: Tenants | None = None
+    config: GatewayConfig,
+    count_tokens=None,
+    drain: Drain | None = None,
+    tenants: Tenants | None = None,
+    tracing: Tracing | None = None,
 ) -> Starlette:
     """The app; ``drain`` (made here when not given) counts requests in progress and holds the drain state;
-    ``tenants`` are the API keys (default: ``config.api_keys``, plain)."""
+    ``tenants`` are the API keys (default: ``config.api_keys``, plain); ``tracing`` its spans (default: to
+    ``config.otlp_endpoint``, none without one)."""
     drain = drain or Drain()
+    tracing = tracing or Tracing.from_config(config.otlp_endpoint, config.otel_service_name)
     tenants = tenants if tenants is not None else Tenants.of(config.api_keys)
     meters = GatewayMetrics()
     meters.in_flight.set_function(lambda: drain.active)
@@ -436,6 +443,8 @@ def create_app(
             counter = PromptCounter(config.model_path)
         client = redis_client(config)
         gw = Gateway(config, client, counter, meters)
+        if tracing is not None:
+            tracing.instrument(gw)
         await gw.start()
         tenants.slots = TenantSlots(client, gw.keys, config.gateway_id)  # max_concurrent across the gateways
         app.state.gateway = gw
@@ -457,6 +466,8 @@ def create_app(
         finally:
             await gw.stop()
             await client.aclose()
+            if tracing is not None:
+                tracing.shutdown()
 
     routes = [
         Route("/v1/chat/completions", CompletionRoute("chat"), methods=["POST"]),
@@ -478,6 +489,7 @@ def create_app(
         lifespan=lifespan,
         exception_handlers=handlers,
         middleware=[
+            *([Middleware(TraceRequests, tracing=tracing)] if tracing is not None else []),
             Middleware(CountRequests, drain=drain),
             Middleware(RequestLog),
             Middleware(

@@ -16,6 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.connections import guarded_protocol
 from gateway.drain import Drain, DrainingServer
 from gateway.tenants import Tenants
+from gateway.tracing import endpoint_from_env, service_name_from_env
 
 
 def parser() -> argparse.ArgumentParser:
@@ -119,6 +120,17 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep SGLang's fields beyond OpenAI's in answers (metadata, matched_stop, ...); default: removed",
     )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=endpoint_from_env(),
+        help="OpenTelemetry: send each request's spans to this OTLP/HTTP collector (http://collector:4318; "
+        "default $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT); none: tracing off",
+    )
+    p.add_argument(
+        "--otel-service-name",
+        default=service_name_from_env(),
+        help="the traces' service.name (default $OTEL_SERVICE_NAME or flying-gateway)",
+    )
     logs.add_argument(p)
     return p
 
@@ -164,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             metrics_require_key=a.metrics_require_key,
             log_format=a.log_format,
             raw_engine_fields=a.raw_engine_fields,
+            otlp_endpoint=a.otlp_endpoint or None,
+            otel_service_name=a.otel_service_name,
         )
     except ValueError as exc:  # a setting out of its range
         p.error(str(exc))

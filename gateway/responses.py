@@ -123,6 +123,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         user=req.user,
         priority=req.priority,
         service_tier=req.service_tier,
+        prompt_cache_key=req.prompt_cache_key,
         response_format=response_format(req),
     )
     try:
@@ -220,7 +221,8 @@ def usage_of(chat_usage: Any) -> dict | None:
     reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": int(chat_usage.get("prompt_tokens") or 0),
-        "input_tokens_details": {"cached_tokens": int(cached or 0)},
+        # cache_write_tokens: required by OpenAI's current Responses usage (openai 3.x); SGLang reports no writes
+        "input_tokens_details": {"cached_tokens": int(cached or 0), "cache_write_tokens": 0},
         "output_tokens": int(chat_usage.get("completion_tokens") or 0),
         "output_tokens_details": {"reasoning_tokens": int(reasoning)},
         "total_tokens": int(chat_usage.get("total_tokens") or 0),

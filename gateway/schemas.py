@@ -142,10 +142,9 @@ REFUSED = {
     "functions": "the deprecated functions parameter is not served (use tools)",
     "function_call": "the deprecated function_call parameter is not served (use tool_choice)",
 }
-# accepted from the client, never sent to the engine (they change nothing there, or the gateway applies them)
-GATEWAY_ONLY = (
-    "store", "metadata", "safety_identifier", "service_tier", "prompt_cache_key", "modalities", "best_of",
-)  # fmt: skip
+# accepted from the client, never sent to the engine (they change nothing there, or the gateway applies them);
+# ``prompt_cache_key`` is not sent either: admission takes it off for the router (gateway.admission)
+GATEWAY_ONLY = ("store", "metadata", "safety_identifier", "service_tier", "modalities", "best_of")
 # A stream with any of these keeps the engine's own endpoint (it is not resumable on another engine: they change
 # how the prompt is rendered, or constrain the output with state a continuation elsewhere would not have).
 NOT_RESUMABLE = (

@@ -274,14 +274,18 @@ class Upstream:
             _, conn = await loop.create_connection(_Conn, *key)
         return conn
 
-    async def open_stream(self, url: str, path: str, body: dict) -> StreamResponse:
-        """Send the request and return once the response headers arrive (body still streaming). A pooled
-        connection the engine closed while idle is replaced once, transparently."""
+    async def open_stream(
+        self, url: str, path: str, body: dict, headers: dict[str, str] | None = None
+    ) -> StreamResponse:
+        """Send the request (with ``headers`` besides its own, e.g. a ``traceparent``) and return once the
+        response headers arrive (body still streaming). A pooled connection the engine closed while idle is
+        replaced once, transparently."""
         key = self._key(url)
         payload = _encode(body)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         head = (
             f"POST {path} HTTP/1.1\r\nhost: {key[0]}:{key[1]}\r\ncontent-type: application/json\r\n"
-            f"accept: text/event-stream\r\ncontent-length: {len(payload)}\r\n\r\n"
+            f"accept: text/event-stream\r\ncontent-length: {len(payload)}\r\n{extra}\r\n"
         ).encode()
         idle = self._idle.get(key) or []
         while idle and idle[-1].closed:
@@ -307,9 +311,11 @@ class Upstream:
                     raise WorkerUnavailable(f"{url}: {exc!r}") from exc
         raise AssertionError("unreachable")
 
-    async def post(self, url: str, path: str, body: dict) -> httpx.Response:
+    async def post(
+        self, url: str, path: str, body: dict, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
         try:
-            resp = await self.client.post(url + path, json=body)
+            resp = await self.client.post(url + path, json=body, headers=headers)
             await resp.aread()
             return resp
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectTimeout) as exc:

@@ -28,7 +28,7 @@ def to_dp(rnd: Round, r: QueuedRequest) -> bool:
     if least is None:
         return False
     chain = r.chain
-    best, rule = pick_dp(rnd, chain, least, pool, fits)
+    best, rule = pick_dp(rnd, chain, least, pool, fits, r.keyed)
     rnd.sent.setdefault(best.engine, set()).update(chain)
     rnd.dp_inflight[best.engine] += 1
     if rnd.cfg.spread_s > 0:
@@ -55,12 +55,14 @@ def nothing_dispatches(rnd: Round, r: QueuedRequest) -> bool:
 
 
 def pick_dp(
-    rnd: Round, chain: tuple[int, ...], least: EngineView, pool: DpPool, fits: Fits
+    rnd: Round, chain: tuple[int, ...], least: EngineView, pool: DpPool, fits: Fits, keyed: bool = False
 ) -> tuple[EngineView, DpRule]:
     """Cache-aware (SGLang's model gateway's rule): the engine holding the longest prefix of ``r``'s chain, the
     least loaded of those, when it holds at least ``cache_threshold`` of the chain's blocks and the
     candidates' loads are balanced (not both more than ``balance_abs_threshold`` apart and the highest above
-    ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded.
+    ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded. A
+    request with a cache key (``keyed``: its chain starts with the key's hash) goes where its key went before,
+    whatever the share of its prompt found there: the engine holding the key and most of the prompt.
     ``chain`` is the request's; ``least`` the least loaded of the candidates (the pool's engines that ``fits``)."""
     if rnd.cfg.dispatch != "cache-aware":
         return least, "least-loaded"
@@ -74,7 +76,7 @@ def pick_dp(
         if fits is None or fits(e)
     }
     top = max(held.values(), default=0)
-    if top == 0 or top < rnd.cfg.cache_threshold * len(chain):
+    if top == 0 or (top < rnd.cfg.cache_threshold * len(chain) and not keyed):
         return least, "no-match"
     _, _, best = min(dp_key(rnd, pool.open[e]) for e, n in held.items() if n == top)  # (its last field: e)
     return pool.open[best], "prefix"

@@ -4,7 +4,8 @@ The router cannot see the engines' radix caches; like SGLang's model gateway it 
 its own dispatches. Per engine an LRU of chain hashes, bounded by the engine's KV in blocks
 (``max_total_tokens // BLOCK``: a radix cache holds at most the whole pool), with a chain recorded deepest block
 first, so the shallow blocks a prompt shares with others are the most recent and the deep ones are evicted
-first, as a radix cache evicts leaves. An engine's entries are forgotten when it restarts (a new launch id) or leaves
+first, as a radix cache evicts leaves (a client's cache key heads its requests' chains, flying.prefix: it is the
+most recent entry of all and the last evicted). An engine's entries are forgotten when it restarts (a new launch id) or leaves
 the live set. They are kept while it is bound: the workers keep the radix tree through a bind and a release
 (worker_ext/sglang_patches/prefix_cache.py; a group's TP requests bypass it, and its KV demand may evict unlocked
 DP prefixes, which the index does not see), and nothing is recorded for a bound engine.

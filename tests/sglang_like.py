@@ -1,8 +1,9 @@
 """A fake engine that answers as SGLang's OpenAI server does, extra fields included (``metadata`` with
 ``weight_version``, ``matched_stop``, ``reasoning_content: null``, ``usage.reasoning_tokens``, ``token_ids`` and
 ``prompt_token_ids`` with ``return_token_ids``): what the gateway's cleaning is tested against. Every request body
-it gets is in ``calls``. Each answer is ``max_tokens`` tokens " w<i>" (finish "length"), or 3 that end with
-"stop" when ``max_tokens`` is larger (or not set); a prompt's tokens are its ids or its words."""
+it gets is in ``calls``, its W3C ``traceparent`` header (or None) in ``traceparents``. Each answer is
+``max_tokens`` tokens " w<i>" (finish "length"), or 3 that end with "stop" when ``max_tokens`` is larger (or not
+set); a prompt's tokens are its ids or its words."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def prompt_len(body: dict) -> int:
 class SGLangLike:
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict]] = []
+        self.traceparents: list[str | None] = []
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -49,6 +51,7 @@ class SGLangLike:
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         self.calls.append(("/v1/chat/completions", body))
+        self.traceparents.append(request.headers.get("traceparent"))
         toks, p = self.tokens(body), prompt_len(body)
         if body.get("stream"):
             return StreamingResponse(self._chat_stream(body, toks, p), media_type="text/event-stream")
@@ -77,6 +80,7 @@ class SGLangLike:
     async def completion(self, request: Request) -> Response:
         body = await request.json()
         self.calls.append(("/v1/completions", body))
+        self.traceparents.append(request.headers.get("traceparent"))
         toks, p = self.tokens(body), prompt_len(body)
         if body.get("stream"):
             return StreamingResponse(self._completion_stream(body, toks, p), media_type="text/event-stream")

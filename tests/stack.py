@@ -108,13 +108,21 @@ class ServerThread:
 
 @contextlib.contextmanager
 def gateway_process(
-    redis_url: str, keys: Keys, model: Path, logs: Path, env: dict[str, str] | None = None, args: tuple = ()
+    redis_url: str,
+    keys: Keys,
+    model: Path,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    args: tuple = (),
+    engine_url: str | None = None,
 ) -> Iterator[str]:
     """A real ``flying-gateway`` process (its log: ``logs/gateway.log``), the real router in a thread and a fake
-    engine process announced as engine 0; yields the gateway's URL."""
+    engine process (or the engine at ``engine_url``) announced as engine 0; yields the gateway's URL."""
     from loadgen import fake_server
 
-    engine_proc, engine_url = fake_server.start_process(logs / "engine.log")
+    engine_proc = None
+    if engine_url is None:
+        engine_proc, engine_url = fake_server.start_process(logs / "engine.log")
     announce_engine(redis.Redis.from_url(redis_url), keys, url=engine_url)
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.main", "--model-path", str(model), "--port", str(port),

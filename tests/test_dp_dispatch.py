@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 from flying.messages import QueuedRequest, RouterState
-from flying.prefix import encode_chain
+from flying.prefix import block_hashes, encode_chain
 from router import placement
 from router.config import PolicyConfig
 from router.decision import Dispatch
@@ -24,9 +24,9 @@ def eng(i, inflight=0, cap=1000, **kw):
     return EngineView(i, f"e{i}", inflight, cap, cap, num_engines=4, beat_ts=100.0, **kw)
 
 
-def req(i="r", chain=()):
+def req(i="r", chain=(), keyed=False):
     return QueuedRequest(id=i, priority="normal", model="m", prompt_tokens=10, max_tokens=10, gateway="g",
-                         enqueued_at=100.0, prefix=encode_chain(list(chain)))  # fmt: skip
+                         enqueued_at=100.0, prefix=encode_chain(list(chain)), keyed=keyed)  # fmt: skip
 
 
 def rnd(engines, cfg=CFG, prefixes=None, state=None):
@@ -163,3 +163,42 @@ def test_the_candidate_pool_decides_what_a_scan_of_every_engine_decided(monkeypa
             rules[x.rule] = rules.get(x.rule, 0) + 1
     assert set(rules) == {"prefix", "no-chain", "no-match", "imbalanced", "least-loaded"}, rules
     assert min(rules.values()) >= 20, f"every rule is exercised: {rules}"
+
+
+def keyed(i: str, key: str, blocks: int) -> QueuedRequest:
+    """A request with cache ``key`` and a prompt of ``blocks`` blocks of its own (shared with no other)."""
+    prompt = [hash(i) % 1000 + 1000 * j for j in range(64 * blocks)]
+    return req(i, block_hashes(prompt, key=key), keyed=True)
+
+
+def test_a_cache_key_goes_where_it_went_before_whatever_its_prompt():
+    index = PrefixIndex()
+    engines = [eng(0, inflight=1), eng(1)]
+    index.sync(engines)
+    first = keyed("a", "user-7", 4)
+    index.record(0, first.chain)
+    r = rnd(engines, prefixes=index)
+    assert to_dp(r, keyed("b", "user-7", 6)), "1 block of 7 held: below cache_threshold, followed for the key"
+    assert to_dp(r, keyed("c", "user-8", 6)) and to_dp(r, req("d", keyed("d", "user-7", 6).chain))
+    assert [(x.request.id, x.engine, x.rule) for x in r.out.dispatches] == [
+        ("b", 0, "prefix"),
+        ("c", 1, "no-match"),  # another key: least loaded
+        ("d", 1, "no-match"),  # the same chain without the key's rule: the threshold applies
+    ]
+
+
+def test_a_cache_key_yields_to_a_full_engine_and_to_imbalance():
+    index = PrefixIndex()
+    engines = [eng(0, inflight=4), eng(1)]
+    index.sync(engines)
+    index.record(0, keyed("a", "k", 1).chain)
+    r = rnd(engines, prefixes=index)
+    assert to_dp(r, keyed("b", "k", 1)) and r.out.dispatches[-1].engine == 1, "no room on 0"
+    tight = dataclasses.replace(
+        CFG, balance_abs_threshold=1.0, balance_rel_threshold=1.0, max_inflight_per_worker=8
+    )
+    r = rnd([eng(0, inflight=3), eng(1)], tight, index)
+    assert to_dp(r, keyed("c", "k", 1)) and (r.out.dispatches[-1].engine, r.out.dispatches[-1].rule) == (
+        1,
+        "imbalanced",
+    )

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import time
 
+import msgspec
 import pytest
 
 from flying.messages import Heartbeat
-from flying.prefix import decode_chain
+from flying.prefix import block_hashes, decode_chain, key_hash
 from gateway.admission import Admission, Admitted
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
@@ -90,6 +91,20 @@ async def test_a_streaming_chat_request_travels_as_a_resumable_token_id_completi
     assert adm.resume is not None and adm.resume.chat and adm.resume.prompt_ids == [1] * 5
     assert adm.body["prompt"] == [1] * 5
     assert decode_chain(adm.record.prefix) == (), "shorter than one block: no chain"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["engine-body", "resumable"])
+async def test_a_prompt_cache_key_heads_the_chain_and_is_not_sent_to_the_engine(stream):
+    adm = await admission().admit(chat(stream=stream, prompt_cache_key="user-7"), "normal")
+    assert adm.record.keyed and decode_chain(adm.record.prefix) == (key_hash("user-7"),)
+    assert "prompt_cache_key" not in adm.body
+    big = admission([msgspec.structs.replace(ENGINE, context_len=256, max_total_tokens=256)])
+    plain = await big.admit(completion(prompt=list(range(70))), "normal")
+    keyed = await big.admit(completion(prompt=list(range(70)), prompt_cache_key="k"), "normal")
+    assert not plain.record.keyed and decode_chain(plain.record.prefix) == tuple(
+        block_hashes(list(range(70)))
+    )
+    assert decode_chain(keyed.record.prefix) == tuple(block_hashes(list(range(70)), key="k"))
 
 
 async def test_a_stream_that_asks_for_logprobs_keeps_the_engines_own_endpoint():

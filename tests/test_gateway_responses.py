@@ -28,6 +28,8 @@ def test_a_text_response(client, engine):
     assert (
         out.usage.input_tokens == 2 + 3 + 2 and out.usage.output_tokens == 3 and out.usage.total_tokens == 10
     )
+    details = out.usage.input_tokens_details.model_dump()  # (cache_write_tokens: required by openai 3.x)
+    assert details["cached_tokens"] == 0 and details["cache_write_tokens"] == 0
     path, body = engine.calls[-1]
     assert path in ("/v1/chat/completions", "/v1/completions")
     assert body["temperature"] == 0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from flying.prefix import BLOCK, MAX_BLOCKS, TEXT_BLOCK, block_hashes, decode_chain, encode_chain
+from flying.prefix import BLOCK, MAX_BLOCKS, TEXT_BLOCK, block_hashes, decode_chain, encode_chain, key_hash
 
 
 def test_a_chain_has_one_hash_per_complete_block_up_to_the_cap():
@@ -33,6 +33,20 @@ def test_text_prompts_hash_in_byte_blocks_in_their_own_domain():
     assert len(chain) == len(text.encode()) // TEXT_BLOCK
     assert block_hashes(text + "user question")[: len(chain)] == chain
     assert block_hashes("x" * (TEXT_BLOCK - 1)) == []
+
+
+def test_a_cache_key_heads_the_chain_and_partitions_it():
+    ids, text = list(range(3 * BLOCK)), "system prompt " * 100
+    for prompt in (ids, text):
+        plain, keyed = block_hashes(prompt), block_hashes(prompt, key="user-7")
+        assert keyed[0] == key_hash("user-7") and len(keyed) == len(plain) + 1
+        assert not set(keyed) & set(plain), "a key's blocks are its own"
+        other = block_hashes(prompt, key="user-8")
+        assert not set(other) & set(keyed), "different keys share nothing, the same prompt included"
+        assert block_hashes(prompt, key="user-7") == keyed
+    assert block_hashes([1, 2], key="k") == [key_hash("k")], "a prompt shorter than a block: the key alone"
+    assert block_hashes(ids + ids, key="k")[:4] == block_hashes(ids, key="k"), "still cumulative"
+    assert key_hash("user-7") == PINNED_KEY
 
 
 def test_chains_are_the_same_in_another_process_and_pinned():
@@ -65,3 +79,4 @@ def test_encoding_is_compact_and_round_trips():
 
 PINNED_IDS = 15446048130887238808  # block_hashes(list(range(256)))[-1] on CPython 3.11 (the tuple hash is unchanged since 3.8)
 PINNED_TEXT = 1295746137255538768  # block_hashes("é" * 600)[-1]
+PINNED_KEY = 9225012871344179377  # key_hash("user-7") (BLAKE2b: the same everywhere)

@@ -169,6 +169,29 @@ async def test_a_lost_gateways_requests_are_ended_and_aborted(aredis, keys, monk
     await d.close()
 
 
+async def test_cache_aware_rounds_keep_a_cache_keys_requests_on_one_engine(aredis, keys):
+    """Requests with the same ``prompt_cache_key`` (``keyed``, its hash heading the chain stored with the record)
+    and prompts that share no block go where the key went first, though the other engine is less loaded; another
+    key goes to the least loaded."""
+    from flying.prefix import block_hashes, encode_chain
+
+    await beat(aredis, keys, 0)
+    await beat(aredis, keys, 1)
+    q = RequestQueue(aredis, keys)
+    d = dispatcher(aredis, keys)
+
+    async def send(rid: str, key: str, token: int) -> int:
+        chain = encode_chain(block_hashes([token] * 8 * 64, key=key))
+        await q.admit(QueuedRequest(id=rid, model="m", prompt_tokens=512, max_tokens=8, gateway="g",
+                                    enqueued_at=time.time(), prefix=chain, keyed=True))  # fmt: skip
+        assert await d.round() == 1
+        return int((await q.get(rid))["engine"])
+
+    first = await send("a", "user-7", 1)
+    assert await send("b", "user-7", 2) == first and await send("c", "user-7", 3) == first, "3 vs 0 in flight"
+    assert await send("d", "user-8", 4) != first
+
+
 async def test_cache_aware_rounds_follow_a_prefix_the_router_dispatched_before(aredis, keys):
     """The router records each round's DP dispatches in its prefix index, read from the chains stored with the
     records: a later request sharing the prompt's prefix follows it, though the other engine is less loaded; a
