@@ -42,7 +42,7 @@ class PolicyConfig:
     priority: bool = setting(True, "bind a priority_width group for a high-priority request")
     long_context: bool = setting(True, "bind a group whose pooled KV holds a request one engine's KV cannot")
     light_width: int = setting(
-        2,
+        8,
         "engines per group formed under light load (a power of two; at most all engines): SP prefill scales "
         "with the width",
     )
@@ -70,7 +70,7 @@ class PolicyConfig:
     busy_load: float = setting(0.5, "busy: queued + inflight above this share of the groups' capacity")
     light_rate: float = setting(0.75, "rate regime: light at most this many admissions per second per engine")
     busy_rate: float = setting(1.0, "rate regime: busy above this many admissions per second per engine")
-    rate_tau_s: float = setting(1.5, "seconds: time constant of the admission rate's exponential average")
+    rate_tau_s: float = setting(2.5, "seconds: time constant of the admission rate's exponential average")
     busy_wait_s: float = setting(0.1, "seconds: busy once a normal request has waited this long in the queue")
     keep_s: float = setting(
         1.0, "seconds: a priority or long-context group without TP work for this long is released"

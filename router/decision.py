@@ -67,6 +67,7 @@ class ReleaseCause(StrEnum):
     DP_DEFERRED = "DP work deferred"  # the bind paused DP work for max_defer_s
     NO_TP_WORK = "no TP work"  # for keep_s
     MAKING_ROOM = "making room"  # for a wider (long-context) group
+    WIDENING = "widening"  # light load: the block around it can bind at the load groups' full width
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class ReleaseNote:
             return f"{c} for {s:g} s"
         if c is ReleaseCause.MAKING_ROOM:
             return f"{c} for a width-{self.width} group"
+        if c is ReleaseCause.WIDENING:
+            return f"{c}: its block binds at width {self.width}"
         return str(c)
 
     def __str__(self) -> str:

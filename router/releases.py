@@ -60,17 +60,18 @@ def retractable(rnd: Round, g: Group) -> bool:
     return rnd.tp_max.get(g.epoch, 0) <= min(rnd.live[m].max_total_tokens for m in g.members)
 
 
-def release_now(rnd: Round, g: Group, cause: ReleaseCause, seconds: float = 0.0) -> None:
+def release_now(rnd: Round, g: Group, cause: ReleaseCause, seconds: float = 0.0, width: int = 0) -> None:
     """Release at once: by scatter where the members transform KV (each TP request continues in DP on its
     owner, KV moved, no recompute), else by retraction (recomputed in DP on the leader); a group holding a
     request that needs the pooled KV, or one bound by adoption whose members cannot scatter (its adopted
     requests' streams are on their owners, not on the leader), waits for its TP requests instead."""
     if not retractable(rnd, g):
-        rnd.release(g, cause, seconds=seconds)
+        rnd.release(g, cause, seconds=seconds, width=width)
     elif rnd.kv.possible(g.members):
-        rnd.release(g, cause, ReleaseMode.SCATTER, seconds)
+        rnd.release(g, cause, ReleaseMode.SCATTER, seconds, width=width)
     else:
-        rnd.release(g, cause, ReleaseMode.WAIT if g.adopt else ReleaseMode.RETRACT, seconds)
+        mode = ReleaseMode.WAIT if g.adopt else ReleaseMode.RETRACT
+        rnd.release(g, cause, mode, seconds, width=width)
 
 
 def release_groups(rnd: Round) -> None:
@@ -108,11 +109,42 @@ def release_groups(rnd: Round) -> None:
                 release_now(rnd, g, why, seconds=after)
             else:
                 rnd.release(g, why, seconds=after)
+        elif not busy and g.state == "bound" and (block := widen_block(rnd, g)) is not None:
+            release_now(rnd, g, ReleaseCause.WIDENING, width=len(block))
         elif g.state == "bound" and not tp_busy and not queued_tp and rnd.now - g.last_used >= cfg.keep_s:
             if not busy and g.width == rnd.load_width() and not rnd.paused_dp(g):
                 rnd.put(replace_group(g, reason="load"))  # light load: keep it, as a load group
             elif busy or g.reason == "long" or rnd.paused_dp(g):
                 rnd.release(g, ReleaseCause.NO_TP_WORK, seconds=cfg.keep_s)
+
+
+def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
+    """Light load: the ``load_width`` block around load or priority group ``g`` (narrower than that) whose other
+    engines are DP and free, or in such narrower groups, and whose work the wide group can adopt at once (every
+    member transforms KV, at most ``tp_inflight_per_engine`` requests a member): releasing ``g`` by scatter lets the
+    next rounds bind the block at full width (a wider group's SP steps serve its requests faster). None if there
+    is no such block."""
+    width = rnd.load_width()
+    if g.reason not in ("load", "priority") or g.width >= width or rnd.paused_dp(g):
+        return None
+    block = next((ms for ms in merge_sets(rnd.engines_n(), (width,)) if set(g.members) <= set(ms)), None)
+    if block is None or not all(m in rnd.live for m in block) or not rnd.kv.possible(block):
+        return None
+    inside = {x.epoch: x for x in rnd.groups.values() if set(x.members) & set(block)}
+    for x in inside.values():
+        if not set(x.members) <= set(block) or x.reason not in ("load", "priority") or x.state != "bound":
+            return None
+        if rnd.paused_dp(x) or not retractable(rnd, x):
+            return None
+    grouped = {m for x in inside.values() for m in x.members}
+    for m in set(block) - grouped:
+        e = rnd.live[m]
+        if e.mode != "dp" or e.pending or m in rnd.reserved or m in rnd.suspect:
+            return None
+    load = sum(rnd.dp_inflight[m] for m in set(block) - grouped) + sum(
+        rnd.group_n(x) for x in inside.values()
+    )
+    return block if load <= rnd.cfg.tp_inflight_per_engine * width else None
 
 
 def release_idle_blocking(rnd: Round, width: int) -> None:

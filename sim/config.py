@@ -9,7 +9,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flying.settings import DEFAULT_SP_THRESHOLD
 from router.config import PolicyConfig
 from sim.cost_model import H200_LLAMA70B, CostModel
 
@@ -24,7 +23,9 @@ class SimConfig:
     shift_threshold: int = 256  # shift: a step batching at most this many tokens runs in full TP (seed 001)
     # the live router's defaults: the simulator runs the policy flying-router runs
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    sp_threshold: int = DEFAULT_SP_THRESHOLD  # the simulated workers' --sp-threshold (a Bind may override it)
+    # the simulated GPU workers' --sp-threshold (a Bind may override it): Shift Parallelism's threshold, where its
+    # SP and TP steps cost the same in the cost model at width 8 (CPU workers default to 512, set by measurement)
+    sp_threshold: int = 256
     cost: CostModel = H200_LLAMA70B
     router_ms: float = 2.0  # a router round: snapshot, decision, assignments
     command_ms: float = 2.0  # XADD -> the engine has read the command

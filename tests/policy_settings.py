@@ -10,6 +10,7 @@ from router.config import PolicyConfig
 
 UNIT_POLICY = PolicyConfig(
     regime="inflight",
+    light_width=2,
     max_inflight_per_worker=32,
     spread_s=0.0,
     tp_inflight_per_engine=4,

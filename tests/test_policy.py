@@ -12,7 +12,7 @@ from flying.messages import Bind, Group, QueuedRequest, Release, RouterState
 from flying.prefix import BLOCK, block_hashes, encode_chain
 from router.policy import EngineView, GroupLoad, PolicyConfig, Snapshot, decide, need_width
 from router.prefix_index import PrefixIndex
-from tests.policy_settings import UNIT_POLICY
+from tests.policy_settings import UNIT_POLICY, unit_policy
 
 CFG = UNIT_POLICY
 DP_ONLY = PolicyConfig(load_adaptation=False, priority=False, long_context=False, max_inflight_per_worker=8)
@@ -748,3 +748,27 @@ def test_fast_targets_of_cache_aware_dp_dispatch_carry_affinity():
     engines = [in_epoch(0, 5, n=2), in_epoch(1, 5, n=2)]  # (no idle block left to bind)
     (t,) = decide(snap([], engines, [g], state=LIGHT), CFG).fast
     assert t.epoch == 5 and not t.affinity, "a group's requests bypass the prefix cache: no affinity"
+
+
+def test_light_load_widens_a_narrow_group_once_its_block_can_bind_at_full_width():
+    """Under light load a priority (or narrower load) group whose ``light_width`` block is otherwise free DP
+    engines with little work is released by scatter, so the block binds at full width (faster SP steps); not
+    while busy, not while the block's work exceeds what the wide group takes, not without KV transformation."""
+    wide = unit_policy(light_width=4)
+    g = bound(4, (2, 3), last_used=100.0)
+    loads = {4: GroupLoad(1, 20)}
+    engines = [
+        eng(0, **KVT),
+        eng(1, inflight=2, **KVT),
+        in_epoch(2, 4, inflight=1, **KVT),
+        in_epoch(3, 4, **KVT),
+    ]
+    d = decide(snap(engines=engines, groups=[g], loads=loads, state=LIGHT), wide)
+    assert d.commands == [((2, 3), Release(epoch=4, scatter=True))]
+    assert any("widening: its block binds at width 4" in str(e) for e in d.events)
+    assert not decide(snap(engines=engines, groups=[g], loads=loads, state=BUSY), wide).commands
+    assert not decide(snap(engines=engines, groups=[g], loads=loads, state=LIGHT), CFG).commands, "width 2"
+    heavy = [eng(0, inflight=20, **KVT), *engines[1:]]  # more than 4 engines x tp_inflight_per_engine 4
+    assert not decide(snap(engines=heavy, groups=[g], loads=loads, state=LIGHT), wide).commands
+    plain = [eng(0), *engines[1:]]
+    assert not decide(snap(engines=plain, groups=[g], loads=loads, state=LIGHT), wide).commands
