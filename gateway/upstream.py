@@ -1,19 +1,17 @@
 """Talking to the engines' SGLang HTTP servers.
 
-Streams, the gateway's hot path, go over a small HTTP/1.1 client of its own: keep-alive connections pooled per
-engine, each an asyncio protocol whose bytes httptools parses (chunked encoding included) as they arrive. A reader
-takes every complete line that has arrived in one go (``aiter_batches``), so the events of one socket read cost
-one wake-up and one write to the client, and no read creates a task. It costs a fraction of a millisecond per
-request where httpx costs about three on a 2-core machine (``benchmarks/gateway_hop.py``), which is most of what
-the gateway adds to a request's TTFT. Everything else (non-streaming requests, aborts) uses one pooled httpx
-client.
+Requests, streaming or not (the gateway's hot path), go over a small HTTP/1.1 client of its own: keep-alive
+connections pooled per engine, each an asyncio protocol whose bytes httptools parses (chunked encoding included) as
+they arrive. A reader takes every complete line that has arrived in one go (``aiter_batches``), so the events of
+one socket read cost one wake-up and one write to the client, and no read creates a task. It costs a fraction of a
+millisecond per request where httpx costs about three on a 2-core machine (``benchmarks/router_hop.py``), which
+was most of what the gateway added to a request. Aborts use one pooled httpx client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
@@ -28,6 +26,7 @@ DRAIN_S = (
 MAX_IDLE = 512  # pooled keep-alive connections per engine (fewer: a burst beyond them reconnects, and churns)
 PAUSE_BYTES = 1 << 20  # an unread body this large pauses reading from the engine
 _encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 
 class WorkerUnavailable(Exception):
@@ -151,7 +150,7 @@ class StreamResponse:
         return self.content.decode(errors="replace")
 
     def json(self):
-        return json.loads(self.content)
+        return _decode(self.content)
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives: everything received so far, each time."""
@@ -274,14 +273,16 @@ class Upstream:
             _, conn = await loop.create_connection(_Conn, *key)
         return conn
 
-    async def open_stream(self, url: str, path: str, body: dict) -> StreamResponse:
+    async def open_stream(
+        self, url: str, path: str, body: dict, accept: str = "text/event-stream"
+    ) -> StreamResponse:
         """Send the request and return once the response headers arrive (body still streaming). A pooled
         connection the engine closed while idle is replaced once, transparently."""
         key = self._key(url)
         payload = _encode(body)
         head = (
             f"POST {path} HTTP/1.1\r\nhost: {key[0]}:{key[1]}\r\ncontent-type: application/json\r\n"
-            f"accept: text/event-stream\r\ncontent-length: {len(payload)}\r\n\r\n"
+            f"accept: {accept}\r\ncontent-length: {len(payload)}\r\n\r\n"
         ).encode()
         idle = self._idle.get(key) or []
         while idle and idle[-1].closed:
@@ -307,13 +308,16 @@ class Upstream:
                     raise WorkerUnavailable(f"{url}: {exc!r}") from exc
         raise AssertionError("unreachable")
 
-    async def post(self, url: str, path: str, body: dict) -> httpx.Response:
+    async def post(self, url: str, path: str, body: dict) -> StreamResponse:
+        """A non-streaming request's whole answer (``status_code``, ``content``, ``json()``). Raises
+        WorkerUnavailable when the engine cannot be reached, sends nothing for the read timeout, or its
+        connection breaks before the answer's end."""
+        resp = await self.open_stream(url, path, body, accept="application/json")
         try:
-            resp = await self.client.post(url + path, json=body)
             await resp.aread()
-            return resp
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectTimeout) as exc:
-            raise WorkerUnavailable(f"{url}: {exc!r}") from exc
+        except StreamBroken as exc:
+            raise WorkerUnavailable(f"{url}: {exc}") from exc
+        return resp
 
     async def abort(self, url: str, *rids: str) -> None:
         """Stop a request on its engine (SGLang keeps decoding after a client disconnect otherwise): each of the
