@@ -84,6 +84,17 @@ class AutoPipeline:
         self._shas[source] = (await self.execute("SCRIPT", "LOAD", source)).decode()
         return await self.execute("EVALSHA", self._shas[source], len(keys), *keys, *args)
 
+    def script_nowait(
+        self, source: str, keys: Sequence[Arg], args: Sequence[Arg]
+    ) -> asyncio.Future[Any] | None:
+        """``EVALSHA`` of ``source`` sent now, without a coroutine: its reply's future (which fails with Redis's
+        ``NOSCRIPT`` if Redis does not know the script), or None while no connection is open or the script has not
+        been run through :meth:`script` yet; the caller then awaits :meth:`script`."""
+        protocol, sha = self._protocol, self._shas.get(source)
+        if protocol is None or protocol.lost or sha is None:
+            return None
+        return protocol.send(("EVALSHA", sha, len(keys), *keys, *args))
+
     async def _connect(self) -> _Protocol:
         """The open connection; concurrent callers share one attempt."""
         if self._connecting is None or self._connecting.done():
@@ -185,8 +196,5 @@ class _Protocol(asyncio.Protocol):
 
 
 def pack(args: Sequence[Arg]) -> bytes:
-    """One command in RESP."""
-    enc = [
-        a.encode() if isinstance(a, str) else a if isinstance(a, bytes) else repr(a).encode() for a in args
-    ]
-    return b"*%d\r\n" % len(enc) + b"".join([b"$%d\r\n%s\r\n" % (len(b), b) for b in enc])
+    """One command in RESP (hiredis's packer, in C: a float as its ``repr``, like redis-py)."""
+    return hiredis.pack_command(tuple(args))

@@ -8,6 +8,7 @@ killed at any point neither loses nor duplicates a request: a request is either 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections.abc import Mapping, Sequence
@@ -324,14 +325,21 @@ class RequestQueue:
     async def finish(self, rid: str, state: str, error: str = "") -> bool:
         """Mark a request done/failed/cancelled, drop it from the queue and from the inflight set of the engine its
         record names, let its record expire."""
+        keys, args = self._finish_call(rid, state, error)
+        return bool(await self._run(_FINISH, keys, args))
+
+    def finish_nowait(self, rid: str, state: str, error: str = "") -> asyncio.Future[Any] | None:
+        """``finish`` sent at once on the auto-pipelined connection, without a coroutine: the reply's future; None
+        when it cannot go that way (no pipe, no open connection yet): then await ``finish``."""
+        if self.pipe is None:
+            return None
+        keys, args = self._finish_call(rid, state, error)
+        return self.pipe.script_nowait(_FINISH, keys, args)
+
+    def _finish_call(self, rid: str, state: str, error: str) -> tuple[list[str], list[Any]]:
         assert state in ("done", "failed", "cancelled"), state
         k = self.keys
-        done = await self._run(
-            _FINISH,
-            keys=[k.queue, k.request(rid), k.wake, k.stats],
-            args=[rid, state, time.time(), error, FINISHED_TTL_S, k.inflight_prefix],
-        )
-        return bool(done)
+        return [k.queue, k.request(rid), k.wake, k.stats], [rid, state, time.time(), error, FINISHED_TTL_S, k.inflight_prefix]  # fmt: skip
 
     async def peek(self, limit: int) -> list[QueuedRequest]:
         """The first ``limit`` waiting requests in dispatch order (priority class, then arrival)."""

@@ -63,7 +63,7 @@ class Relay:
             await self.queue.finish(adm.record.id, "failed", error)
             raise WorkerFailed(error) from None
         state = "done" if resp.status_code == 200 else "failed"
-        await self.queue.finish(adm.record.id, state, "" if state == "done" else resp.text[:200])
+        self.waiting.finish_soon(adm.record.id, state, "" if state == "done" else resp.text[:200])
         return resp.status_code, payload
 
     async def first_event(
@@ -147,7 +147,7 @@ class Relay:
             if state == "cancelled":
                 self.background.spawn(self._abandon(adm, a, error))
             else:
-                self.background.spawn(self.waiting.finish_surely(adm.record.id, state, error))
+                self.waiting.finish_soon(adm.record.id, state, error)
             if state == "done":
                 resp.finish()  # its connection goes back to the pool once the response's end is in
             else:
