@@ -18,7 +18,7 @@ from redis.backoff import ExponentialBackoff
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -53,8 +53,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, more = [], 0, True
+    while more:  # ``receive`` itself, not ``request.stream()``: no async generator per request
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")

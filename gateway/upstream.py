@@ -144,6 +144,7 @@ class StreamResponse:
         self._conn: _Conn | None = conn
         self.status_code, self.headers = conn.status, conn.headers
         self.content = b""
+        self._rest = b""  # the start of a line whose end has not arrived
 
     @property
     def text(self) -> str:
@@ -152,17 +153,16 @@ class StreamResponse:
     def json(self):
         return _decode(self.content)
 
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: everything received so far, each time."""
+    async def _data(self) -> bytes | None:
+        """The body's bytes that have arrived since the last call (waiting for some); None at its end."""
         conn = self._conn
         assert conn is not None, "read after close"
         while True:
             if conn.body:
-                yield conn.take()
-                continue  # more may have come (and the end) while the reader was away
+                return conn.take()
             if conn.complete:
                 self._release()
-                return
+                return None
             if conn.error is not None or conn.closed:
                 await self.aclose()
                 raise conn.error or StreamBroken("engine closed the stream")
@@ -172,16 +172,25 @@ class StreamResponse:
                 await self.aclose()
                 raise StreamBroken(f"engine sent nothing for {self._upstream.read_timeout_s:.0f} s") from exc
 
+    async def batch(self) -> list[str] | None:
+        """The body's next lines (without line ends): every complete one that has arrived, at least one (waiting
+        for it); None at the body's end. A coroutine, not a generator: the relay's hot path reads through it."""
+        while self._conn is not None:
+            data = await self._data()
+            if data is None:
+                break
+            *lines, self._rest = (self._rest + data).split(b"\n")
+            if lines:
+                return [line.rstrip(b"\r").decode() for line in lines]
+        if self._rest:
+            rest, self._rest = self._rest, b""
+            return [rest.decode()]
+        return None
+
     async def aiter_batches(self) -> AsyncIterator[list[str]]:
         """The body's lines (without line ends), as lists of those that arrived together."""
-        buf = b""
-        async for data in self._chunks():
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            if lines:
-                yield [line.rstrip(b"\r").decode() for line in lines]
-        if buf:
-            yield [buf.decode()]
+        while (lines := await self.batch()) is not None:
+            yield lines
 
     async def aiter_lines(self) -> AsyncIterator[str]:
         async for batch in self.aiter_batches():
@@ -189,7 +198,10 @@ class StreamResponse:
                 yield line
 
     async def aread(self) -> bytes:
-        self.content = b"".join([c async for c in self._chunks()])
+        parts = []
+        while self._conn is not None and (data := await self._data()) is not None:
+            parts.append(data)
+        self.content = b"".join(parts)
         return self.content
 
     def _release(self) -> None:
