@@ -14,6 +14,8 @@ round-robin over the same two ``loadgen.fake_server`` engines (their own process
 - Saturated: ``--clients`` closed-loop clients on keep-alive connections send ``--requests`` streaming requests
   (max_tokens 2) through each target in turn (a fresh random order per round): requests/s, TTFT p50/p99 and added
   p50/p99 (minus direct's in the same round), and each process's CPU per request (from ``/proc``).
+- At that rate: direct, ours and ``--pace`` (sglang-router) in turn, open loop at ``--pace``'s median saturated
+  rate, ``--rounds`` times: TTFT p50/p99 and added p50/p99 (minus direct's in the same round).
 
 The client is a lean raw-socket HTTP/1.1 client (one write per request) on uvloop. Every process the benchmark
 starts is stopped on exit.
@@ -31,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,54 +52,21 @@ def body(stream: bool, max_tokens: int = 4) -> bytes:
 
 @dataclass(frozen=True)
 class Rust:
-    """A Rust gateway from PyPI: its package, and its command line given the venv, the port and engine URLs."""
+    """A Rust gateway from PyPI: its package and its program (in the venv's ``bin/``), run with its defaults but
+    round-robin over the engines (its log level included: each gateway logs as it does out of the box)."""
 
     name: str
     package: str
-    command: Callable[[Path, int, int, list[str]], list[str]]  # (venv, port, metrics port, engine URLs)
+    program: tuple[str, ...]
+
+    def command(self, venv: Path, port: int, metrics_port: int, urls: list[str]) -> list[str]:
+        return [str(venv / "bin" / self.program[0]), *self.program[1:], "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *urls, "--policy", "round_robin", "--prometheus-port", str(metrics_port)]  # fmt: skip
 
 
 RUST = (
-    Rust(
-        "sglang-router",
-        "sglang-router==0.3.2",
-        lambda venv, port, metrics, urls: [
-            str(venv / "bin/python"),
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "round_robin",
-            "--prometheus-port",
-            str(metrics),
-            "--log-level",
-            "warn",
-        ],  # fmt: skip
-    ),
-    Rust(
-        "vllm-router",
-        "vllm-router==0.1.17",
-        lambda venv, port, metrics, urls: [
-            str(venv / "bin/vllm-router"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "round_robin",
-            "--prometheus-port",
-            str(metrics),
-            "--log-level",
-            "warning",
-        ],  # fmt: skip
-    ),
+    Rust("sglang-router", "sglang-router==0.3.2", ("python", "-m", "sglang_router.launch_router")),
+    Rust("vllm-router", "vllm-router==0.1.17", ("vllm-router",)),
 )
 
 
@@ -236,6 +205,31 @@ async def saturate(port: int, clients: int, requests: int) -> tuple[list[tuple[i
     return results, time.perf_counter() - t0
 
 
+async def offered(port: int, rate: float, requests: int) -> tuple[list[tuple[int, float, float]], float]:
+    """Open loop: ``requests`` streaming requests sent at ``rate`` per second (each on an idle keep-alive
+    connection, a new one when none is idle), whatever the answers' pace."""
+    payload, results, idle = body(True, 2), [], []
+
+    async def one() -> None:
+        conn = idle.pop() if idle else Conn(port)
+        try:
+            results.append(await conn.post(CHAT, payload))
+            idle.append(conn)
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            results.append((-1, 0.0, 0.0))
+            conn.close()
+
+    tasks, t0 = [], time.perf_counter()
+    for i in range(requests):
+        if (delay := t0 + i / rate - time.perf_counter()) > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one()))
+    await asyncio.gather(*tasks)
+    for conn in idle:
+        conn.close()
+    return results, time.perf_counter() - t0
+
+
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -348,6 +342,28 @@ def report_saturated(rounds: list[dict[str, tuple]], names: list[str], clients: 
         )
 
 
+def report_at_rate(at_rate: dict[str, list[tuple]]) -> None:
+    rate = at_rate["direct"][0][2]
+    print(
+        f" open loop at {rate:.0f} req/s (the pace-setter's saturated rate), streaming max_tokens 2: per round"
+    )
+    added: dict[str, list[tuple[float, float]]] = {}
+    for i, direct in enumerate(at_rate["direct"]):
+        d = [x[1] for x in direct[0] if x[0] == 200]
+        print(f"  round {i + 1}")
+        for name, runs in at_rate.items():
+            res, took, _ = runs[i]
+            ok = [x[1] for x in res if x[0] == 200]
+            a50, a99 = pct(ok, 50) - pct(d, 50), pct(ok, 99) - pct(d, 99)
+            added.setdefault(name, []).append((a50, a99))
+            print(
+                f"   {name:14s} {len(ok)}/{len(res)} ok {len(ok) / took:7.1f} req/s  TTFT {pct(ok, 50):6.2f} / "
+                f"{pct(ok, 99):6.2f}  added {a50:6.2f} / {a99:6.2f}"
+            )
+    print("  medians: " + ", ".join(f"{n} added p50 {statistics.median(a for a, _ in v):.2f} ms, p99 "
+                                    f"{statistics.median(b for _, b in v):.2f} ms" for n, v in added.items() if n != "direct"))  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -357,6 +373,12 @@ def main() -> None:
     p.add_argument("--skip", action="append", default=[], choices=[r.name for r in RUST])
     p.add_argument("--no-light", action="store_true", help="only the saturated part")
     p.add_argument("--no-saturated", action="store_true", help="only the light-load part")
+    p.add_argument(
+        "--pace",
+        default="sglang-router",
+        choices=[r.name for r in RUST],
+        help="after the saturated rounds, ours and this one open loop at its saturated rate (the added p99 there)",
+    )
     a = p.parse_args()
     try:
         import uvloop
@@ -390,6 +412,15 @@ def main() -> None:
                     r[t.name] = (res, took, {k: cpu_s(v) - before[k] for k, v in pids.items()})
                 sat_rounds.append(r)
             print(f"round {i + 1} of {a.rounds} done", file=sys.stderr, flush=True)
+        at_rate: dict[str, list[tuple]] = {}
+        pace = next((t for t in rust if t.name == a.pace), None)
+        if (
+            sat_rounds and pace is not None
+        ):  # open loop at the pace-setter's saturated rate: the p99 added there
+            rate = statistics.median(len([x for x in sr[pace.name][0] if x[0] == 200]) / sr[pace.name][1] for sr in sat_rounds)  # fmt: skip
+            for _ in range(a.rounds):
+                for t in random.sample([direct, ours, pace], 3):
+                    at_rate.setdefault(t.name, []).append(run(offered(t.port, rate, a.requests)) + (rate,))
     print(f"router hop: {a.rounds} interleaved rounds on {os.cpu_count()} cores (logs in {stack.tmp})")
     for note in notes:
         print(f" {note}")
@@ -397,6 +428,8 @@ def main() -> None:
         report_light(light_rounds, names)
     if sat_rounds:
         report_saturated(sat_rounds, names, a.clients)
+    if at_rate:
+        report_at_rate(at_rate)
 
 
 if __name__ == "__main__":
