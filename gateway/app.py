@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 
+import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
@@ -47,6 +48,7 @@ from gateway.service import DONE, Gateway, Reply
 from gateway.tenants import Tenants
 
 log = logging.getLogger("flying.gateway")
+_encode = msgspec.json.Encoder().encode
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -187,6 +189,13 @@ async def serve_one(
     return reply, headers, disconnected
 
 
+class EncodedJSON(JSONResponse):
+    """A JSON answer encoded by msgspec: compact UTF-8 as Starlette's, at a fraction of ``json.dumps``'s cost."""
+
+    def render(self, content: object) -> bytes:
+        return _encode(content)
+
+
 def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
     """A non-streaming answer as the client gets it: SGLang's extra fields removed, an engine's error in OpenAI's
     shape (both kept as they are with ``raw_engine_fields``)."""
@@ -197,7 +206,7 @@ def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
     body = (
         reply.body if raw else engine_fields.openai_error_doc(reply.body) or engine_fields.clean(reply.body)
     )
-    return JSONResponse(body, status_code=reply.status, headers=headers)
+    return EncodedJSON(body, status_code=reply.status, headers=headers)
 
 
 async def answer_batch(
