@@ -197,4 +197,5 @@ class _Protocol(asyncio.Protocol):
 
 def pack(args: Sequence[Arg]) -> bytes:
     """One command in RESP (hiredis's packer, in C: a float as its ``repr``, like redis-py)."""
-    return hiredis.pack_command(tuple(args))
+    packed: bytes = hiredis.pack_command(tuple(args))  # type: ignore[arg-type]  # (its stub types a 1-tuple)
+    return packed

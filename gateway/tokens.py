@@ -28,6 +28,7 @@ class PromptCounter:
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids as the engine's chat endpoint would make them (template, then tokenizer)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text: object
         if self.render is not None:
             text = self.render(messages=messages)
         else:
