@@ -318,6 +318,10 @@ class Upstream:
                     conn.close()
                 if not reused:
                     raise WorkerUnavailable(f"{url}: {exc!r}") from exc
+            except BaseException:  # cancelled (its client left): a connection mid-request cannot be reused
+                if conn is not None:
+                    conn.close()
+                raise
         raise AssertionError("unreachable")
 
     async def post(self, url: str, path: str, body: dict) -> StreamResponse:
@@ -329,6 +333,9 @@ class Upstream:
             await resp.aread()
         except StreamBroken as exc:
             raise WorkerUnavailable(f"{url}: {exc}") from exc
+        except BaseException:  # cancelled (its client left) with the answer half read: not reusable
+            await resp.aclose()
+            raise
         return resp
 
     async def abort(self, url: str, *rids: str) -> None:
