@@ -115,6 +115,17 @@ class AutoPipeline:
             protocol = await self._connect()
         return protocol
 
+    def script_nowait(
+        self, source: str, keys: Sequence[Arg], args: Sequence[Arg]
+    ) -> asyncio.Future[Any] | None:
+        """``EVALSHA`` of ``source`` sent now, without a coroutine: its reply's future (which fails with Redis's
+        ``NOSCRIPT`` if Redis does not know the script), or None while no connection is open or the script has not
+        been run through :meth:`script` yet; the caller then awaits :meth:`script`."""
+        protocol, sha = self._protocol, self._shas.get(source)
+        if protocol is None or protocol.lost or sha is None:
+            return None
+        return protocol.send(("EVALSHA", sha, len(keys), *keys, *args))
+
     async def _connect(self) -> _Protocol:
         """The open connection; concurrent callers share one attempt."""
         if self._connecting is None or self._connecting.done():
@@ -294,8 +305,6 @@ class _Protocol(asyncio.Protocol):
 
 
 def pack(args: Sequence[Arg]) -> bytes:
-    """One command in RESP."""
-    enc = [
-        a.encode() if isinstance(a, str) else a if isinstance(a, bytes) else repr(a).encode() for a in args
-    ]
-    return b"*%d\r\n" % len(enc) + b"".join([b"$%d\r\n%s\r\n" % (len(b), b) for b in enc])
+    """One command in RESP (hiredis's packer, in C: a float as its ``repr``, like redis-py)."""
+    packed: bytes = hiredis.pack_command(tuple(args))  # type: ignore[arg-type]  # (its stub types a 1-tuple)
+    return packed

@@ -367,14 +367,23 @@ class RequestQueue:
     async def finish(self, rid: str, state: str, error: str = "") -> bool:
         """Mark a request done/failed/cancelled, drop it from the queue and from the inflight set of the engine its
         record names, let its record expire."""
+        keys, args = self._finish_call(rid, state, error)
+        done, _ = await self._run(_FINISH, keys, args)
+        return bool(done)
+
+    def finish_nowait(self, rid: str, state: str, error: str = "") -> asyncio.Future[Any] | None:
+        """``finish`` sent at once on the auto-pipelined connection, without a coroutine: the reply's future; None
+        when it cannot go that way (no pipe, no open connection yet, or a replica wait wanted): then await
+        ``finish``."""
+        if self.pipe is None or self.gate.wanted():
+            return None
+        keys, args = self._finish_call(rid, state, error)
+        return self.pipe.script_nowait(_FINISH, keys, args)
+
+    def _finish_call(self, rid: str, state: str, error: str) -> tuple[list[str], list[Any]]:
         assert state in ("done", "failed", "cancelled"), state
         k = self.keys
-        done, _ = await self._run(
-            _FINISH,
-            keys=[k.queue, k.request(rid), k.wake, k.stats],
-            args=[rid, state, time.time(), error, FINISHED_TTL_S, k.inflight_prefix],
-        )
-        return bool(done)
+        return [k.queue, k.request(rid), k.wake, k.stats], [rid, state, time.time(), error, FINISHED_TTL_S, k.inflight_prefix]  # fmt: skip
 
     async def peek(self, limit: int) -> list[QueuedRequest]:
         """The first ``limit`` waiting requests in dispatch order (priority class, then arrival)."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
-import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -85,7 +85,7 @@ class Admission:
         prompt = ids if isinstance(ids, int) else len(ids)
         limit = cluster.limit(beats)
         max_tokens = self._max_tokens(req, prompt, limit)
-        rid = request_id or uuid.uuid4().hex
+        rid = request_id or os.urandom(16).hex()
         body = msgspec.to_builtins(req)
         body.pop("max_completion_tokens", None)
         key = body.pop("prompt_cache_key", None)  # an affinity key for the router, not the engine's

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 
+import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
@@ -18,7 +19,7 @@ from redis.backoff import ExponentialBackoff
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -50,14 +51,19 @@ from gateway.tenants import Tenants
 from gateway.tracing import TraceRequests, Tracing
 
 log = logging.getLogger("flying.gateway")
+_encode = msgspec.json.Encoder().encode
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, more = [], 0, True
+    while more:  # ``receive`` itself, not ``request.stream()``: no async generator per request
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
@@ -195,6 +201,13 @@ async def serve_one(
     return reply, headers, disconnected
 
 
+class EncodedJSON(JSONResponse):
+    """A JSON answer encoded by msgspec: compact UTF-8 as Starlette's, at a fraction of ``json.dumps``'s cost."""
+
+    def render(self, content: object) -> bytes:
+        return _encode(content)
+
+
 def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
     """A non-streaming answer as the client gets it: SGLang's extra fields removed, an engine's error in OpenAI's
     shape (both kept as they are with ``raw_engine_fields``)."""
@@ -205,7 +218,7 @@ def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
     body = (
         reply.body if raw else engine_fields.openai_error_doc(reply.body) or engine_fields.clean(reply.body)
     )
-    return JSONResponse(body, status_code=reply.status, headers=headers)
+    return EncodedJSON(body, status_code=reply.status, headers=headers)
 
 
 async def answer_batch(

@@ -64,7 +64,9 @@ class GatewayConfig:
     metrics_require_key: bool = False  # /metrics needs a key too
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
     raw_engine_fields: bool = False  # keep SGLang's fields beyond OpenAI's in answers (gateway.engine_fields)
-    otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/HTTP collector (gateway.tracing); None: off
+    otlp_endpoint: str | None = (
+        None  # OpenTelemetry traces to this OTLP/HTTP collector (gateway.tracing); None: off
+    )
     otel_service_name: str = "flying-gateway"  # the traces' service.name
 
     def __post_init__(self) -> None:

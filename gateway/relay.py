@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 
 import httpx
 import msgspec
@@ -65,21 +65,20 @@ class Relay:
             await self.queue.finish(adm.record.id, "failed", error)
             raise WorkerFailed(error) from None
         state = "done" if resp.status_code == 200 else "failed"
-        await self.queue.finish(adm.record.id, state, "" if state == "done" else resp.text[:200])
+        self.waiting.finish_soon(adm.record.id, state, "" if state == "done" else resp.text[:200])
         return resp.status_code, payload
 
     async def first_event(
         self, adm: Admitted, a: Assignment, resp, disconnected: asyncio.Future[None]
-    ) -> AsyncIterator[list[str]]:
+    ) -> list[str]:
         """Streaming: wait for the engine's first SSE event before the client gets anything, so an engine that
         dies (or a group that loses a member) before it can still be replaced: raises WorkerUnavailable and the
-        request is re-dispatched; ClientGone if the client leaves meanwhile. Returns the stream's lines in the
-        batches they arrived in, the first starting with that event."""
-        batches = resp.aiter_batches()
+        request is re-dispatched; ClientGone if the client leaves meanwhile. Returns the lines of the batch that
+        event arrived in, from that event on (the rest follow from ``resp.batch()``)."""
 
         async def read() -> list[str]:
             try:
-                async for batch in batches:
+                while (batch := await resp.batch()) is not None:
                     for i, line in enumerate(batch):
                         if line.startswith("data:"):
                             return batch[i:]
@@ -95,7 +94,7 @@ class Relay:
             with contextlib.suppress(Exception):
                 await resp.aclose()
             raise
-        return _prepend(first, batches)
+        return first
 
     async def _unless_gone(
         self, adm: Admitted, a: Assignment, coro: Awaitable, disconnected: asyncio.Future[None]
@@ -117,19 +116,27 @@ class Relay:
                 coro.close()  # never started (the client had left already)
 
     async def relay(
-        self, adm: Admitted, a: Assignment, resp, events: AsyncIterator[list[str]]
+        self, adm: Admitted, a: Assignment, resp, first: list[str]
     ) -> AsyncGenerator[bytes, None]:
-        """Streaming: relay the engine's SSE ``events`` (from :meth:`first_event`), the last chunk ending with
-        ``DONE``. A resumable stream whose engine
-        dies, or aborts it (its TP group lost a member), after the first event continues on another engine from
-        the tokens already sent (:mod:`gateway.resume`, within ``max_attempts``); any other broken stream ends
-        with an error event."""
-        state, error = "cancelled", "client disconnected"
+        """Streaming: relay the engine's SSE events (from ``first``, :meth:`first_event`'s batch, on), the
+        last chunk ending with ``DONE``: the events that arrived together in one chunk (one write to the client).
+        A resumable stream whose engine dies, or aborts it (its TP group lost a member), after the first event
+        continues on another engine from the tokens already sent (:mod:`gateway.resume`, within
+        ``max_attempts``); any other broken stream ends with an error event. One generator, reading ``resp``
+        through coroutines: the hot path has no generator per layer."""
+        state, error, batch = "cancelled", "client disconnected", first
         try:
             while True:
                 try:
-                    async for chunk in self._events(adm, a, events):
-                        yield chunk
+                    while True:
+                        out, done, why = self._convert(adm, batch)
+                        if out:
+                            yield out
+                        if why:
+                            raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
+                        if done:
+                            break
+                        batch = await self._next(a, resp)
                     state, error = "done", ""
                     break
                 except WorkerUnavailable as exc:
@@ -141,60 +148,59 @@ class Relay:
                         yield DONE
                         state, error = "done", ""
                         break
-                    a, resp, events = await self._resume(adm, a, str(exc))
+                    a, resp, batch = await self._resume(adm, a, str(exc))
         except Exception as exc:  # noqa: BLE001 - any upstream failure that cannot be resumed: an error event
             state, error = "failed", f"engine {a.engine} failed mid-stream: {exc!r}"
             yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error)) + DONE
-        finally:  # spawned first: an await here may be cancelled again (the client left)
+        finally:  # started first: an await here may be cancelled again (the client left)
             if state == "cancelled":
                 self.background.spawn(self._abandon(adm, a, error))
             else:
-                self.background.spawn(self.waiting.finish_surely(adm.record.id, state, error))
+                self.waiting.finish_soon(adm.record.id, state, error)
             if state == "done":
                 resp.finish()  # its connection goes back to the pool once the response's end is in
             else:
                 with contextlib.suppress(Exception):
                     await resp.aclose()
 
-    async def _events(
-        self, adm: Admitted, a: Assignment, batches: AsyncIterator[list[str]]
-    ) -> AsyncIterator[bytes]:
-        """One engine's events as the client gets them, through ``[DONE]``: those that arrived together in one
-        piece (one write to the client); WorkerUnavailable if the engine fails, aborts the request or closes the
-        stream before its end."""
+    @staticmethod
+    async def _next(a: Assignment, resp) -> list[str]:
+        """The stream's next batch of lines; WorkerUnavailable if the engine fails or closes it before its end."""
         try:
-            async for batch in batches:
-                out: list[bytes] = []
-                for line in batch:
-                    if not line.startswith("data:"):
-                        continue
-                    if line.strip() == "data: [DONE]":
-                        out.append(DONE)
-                        yield b"".join(out)
-                        return
-                    if adm.resume is None:
-                        if self.clean:
-                            chunk, event = engine_fields.clean_sse(line)
-                            why = engine_gave_up(event)
-                        else:
-                            chunk, why = (line + "\n\n").encode(), unavailable(line)
-                        out.append(chunk)
-                        if why:
-                            yield b"".join(out)
-                            raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
-                        continue
-                    event, data = adm.resume.event(line[5:].strip())
-                    if why := engine_gave_up(event):
-                        if out:
-                            yield b"".join(out)
-                        raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
-                    if data is not None:
-                        out += (b"data: ", self._cleaned(event, data), b"\n\n")
-                if out:
-                    yield b"".join(out)
+            batch = await resp.batch()
         except (httpx.HTTPError, StreamBroken) as exc:
             raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}") from exc
-        raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
+        if batch is None:
+            raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
+        return batch
+
+    def _convert(self, adm: Admitted, batch: list[str]) -> tuple[bytes, bool, str]:
+        """One batch of the engine's lines as the client gets them: (the bytes to write, whether the stream ended
+        (``[DONE]``), why the engine gave up on the request ('' if it did not): then the bytes are what came
+        before)."""
+        out: list[bytes] = []
+        for line in batch:
+            if not line.startswith("data:"):
+                continue
+            if line.strip() == "data: [DONE]":
+                out.append(DONE)
+                return b"".join(out), True, ""
+            if adm.resume is None:
+                if self.clean:
+                    chunk, event = engine_fields.clean_sse(line)
+                    why = engine_gave_up(event)
+                else:
+                    chunk, why = (line + "\n\n").encode(), unavailable(line)
+                out.append(chunk)
+                if why:
+                    return b"".join(out), False, why
+                continue
+            event, data = adm.resume.event(line[5:].strip())
+            if why := engine_gave_up(event):
+                return b"".join(out), False, why
+            if data is not None:
+                out += (b"data: ", self._cleaned(event, data), b"\n\n")
+        return b"".join(out), False, ""
 
     def _cleaned(self, event, data: bytes) -> bytes:
         """A resumable stream's event as the client gets it: encoded again only if SGLang's fields were in it."""
@@ -204,7 +210,7 @@ class Relay:
 
     async def _resume(self, adm: Admitted, a: Assignment, why: str):
         """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),
-        then the remaining tokens from a new engine. Returns (assignment, response, events)."""
+        then the remaining tokens from a new engine. Returns (assignment, response, first batch)."""
         assert adm.resume is not None, "only a resumable stream is resumed"
         body = adm.resume.continuation()
         log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated),
@@ -232,12 +238,6 @@ class Relay:
         slot (what the relay does when it ends)."""
         self.background.spawn(resp.aclose())
         self.background.spawn(self._abandon(adm, a, "client disconnected before its stream started"))
-
-
-async def _prepend(first: list[str], rest: AsyncIterator[list[str]]) -> AsyncIterator[list[str]]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 def unavailable(line: str) -> str:

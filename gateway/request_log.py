@@ -12,9 +12,9 @@ client's id still finds it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 from dataclasses import dataclass
 
 from starlette.datastructures import MutableHeaders
@@ -29,7 +29,7 @@ def request_id(header: str | None) -> str:
     """The client's id if it is valid, else a fresh one."""
     if header is not None and _VALID_ID.fullmatch(header):
         return header
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 @dataclass(slots=True)

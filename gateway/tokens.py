@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -14,6 +17,7 @@ class PromptCounter:
         # cost of the Python wrapper around it (~15 us against ~140 us for a short prompt).
         self.backend = self.tok.backend_tokenizer if self.tok.is_fast else None
         self.vocab = len(self.tok)  # token ids a prompt may hold: 0 .. vocab - 1
+        self.render = _renderer(self.tok)
 
     def ids(self, text: str, special: bool) -> list[int]:
         """``text``'s token ids; ``special``: with the tokenizer's special tokens (e.g. BOS) added."""
@@ -24,7 +28,11 @@ class PromptCounter:
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids as the engine's chat endpoint would make them (template, then tokenizer)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text: object
+        if self.render is not None:
+            text = self.render(messages=messages)
+        else:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # tokenize=False renders one conversation to text (a transformers that does not is not supported)
         if not isinstance(text, str):
             raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
@@ -43,3 +51,20 @@ class PromptCounter:
                 )
             return len(req.prompt)
         return len(self.ids(req.prompt, special=True))
+
+
+def _renderer(tok) -> Callable[..., str] | None:
+    """The chat template compiled once and rendered as ``apply_chat_template`` renders it (transformers' own
+    compiler, the tokenizer's special tokens, no tools or documents), without that method's per-call work (a third
+    of its ~75 us for a short conversation); None when this transformers has no such compiler or the tokenizer no
+    template (then ``apply_chat_template`` it is)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        template = _compile_jinja_template(tok.get_chat_template())
+    except (ImportError, ValueError, TypeError, AttributeError):
+        return None
+    specials = dict(tok.special_tokens_map)
+    return functools.partial(
+        template.render, tools=None, documents=None, add_generation_prompt=True, **specials
+    )

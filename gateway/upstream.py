@@ -1,19 +1,17 @@
 """Talking to the engines' SGLang HTTP servers.
 
-Streams, the gateway's hot path, go over a small HTTP/1.1 client of its own: keep-alive connections pooled per
-engine, each an asyncio protocol whose bytes httptools parses (chunked encoding included) as they arrive. A reader
-takes every complete line that has arrived in one go (``aiter_batches``), so the events of one socket read cost
-one wake-up and one write to the client, and no read creates a task. It costs a fraction of a millisecond per
-request where httpx costs about three on a 2-core machine (``benchmarks/gateway_hop.py``), which is most of what
-the gateway adds to a request's TTFT. Everything else (non-streaming requests, aborts) uses one pooled httpx
-client.
+Requests, streaming or not (the gateway's hot path), go over a small HTTP/1.1 client of its own: keep-alive
+connections pooled per engine, each an asyncio protocol whose bytes httptools parses (chunked encoding included) as
+they arrive. A reader takes every complete line that has arrived in one go (``aiter_batches``), so the events of
+one socket read cost one wake-up and one write to the client, and no read creates a task. It costs a fraction of a
+millisecond per request where httpx costs about three on a 2-core machine (``benchmarks/router_hop.py``), which
+was most of what the gateway added to a request. Aborts use one pooled httpx client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
@@ -28,6 +26,7 @@ DRAIN_S = (
 MAX_IDLE = 512  # pooled keep-alive connections per engine (fewer: a burst beyond them reconnects, and churns)
 PAUSE_BYTES = 1 << 20  # an unread body this large pauses reading from the engine
 _encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 
 class WorkerUnavailable(Exception):
@@ -145,25 +144,25 @@ class StreamResponse:
         self._conn: _Conn | None = conn
         self.status_code, self.headers = conn.status, conn.headers
         self.content = b""
+        self._rest = b""  # the start of a line whose end has not arrived
 
     @property
     def text(self) -> str:
         return self.content.decode(errors="replace")
 
     def json(self):
-        return json.loads(self.content)
+        return _decode(self.content)
 
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: everything received so far, each time."""
+    async def _data(self) -> bytes | None:
+        """The body's bytes that have arrived since the last call (waiting for some); None at its end."""
         conn = self._conn
         assert conn is not None, "read after close"
         while True:
             if conn.body:
-                yield conn.take()
-                continue  # more may have come (and the end) while the reader was away
+                return conn.take()
             if conn.complete:
                 self._release()
-                return
+                return None
             if conn.error is not None or conn.closed:
                 await self.aclose()
                 raise conn.error or StreamBroken("engine closed the stream")
@@ -173,16 +172,25 @@ class StreamResponse:
                 await self.aclose()
                 raise StreamBroken(f"engine sent nothing for {self._upstream.read_timeout_s:.0f} s") from exc
 
+    async def batch(self) -> list[str] | None:
+        """The body's next lines (without line ends): every complete one that has arrived, at least one (waiting
+        for it); None at the body's end. A coroutine, not a generator: the relay's hot path reads through it."""
+        while self._conn is not None:
+            data = await self._data()
+            if data is None:
+                break
+            *lines, self._rest = (self._rest + data).split(b"\n")
+            if lines:
+                return [line.rstrip(b"\r").decode() for line in lines]
+        if self._rest:
+            rest, self._rest = self._rest, b""
+            return [rest.decode()]
+        return None
+
     async def aiter_batches(self) -> AsyncIterator[list[str]]:
         """The body's lines (without line ends), as lists of those that arrived together."""
-        buf = b""
-        async for data in self._chunks():
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            if lines:
-                yield [line.rstrip(b"\r").decode() for line in lines]
-        if buf:
-            yield [buf.decode()]
+        while (lines := await self.batch()) is not None:
+            yield lines
 
     async def aiter_lines(self) -> AsyncIterator[str]:
         async for batch in self.aiter_batches():
@@ -190,7 +198,10 @@ class StreamResponse:
                 yield line
 
     async def aread(self) -> bytes:
-        self.content = b"".join([c async for c in self._chunks()])
+        parts = []
+        while self._conn is not None and (data := await self._data()) is not None:
+            parts.append(data)
+        self.content = b"".join(parts)
         return self.content
 
     def _release(self) -> None:
@@ -277,15 +288,20 @@ class Upstream:
     async def open_stream(
         self, url: str, path: str, body: dict, headers: dict[str, str] | None = None
     ) -> StreamResponse:
-        """Send the request (with ``headers`` besides its own, e.g. a ``traceparent``) and return once the
+        """Send a streaming request (with ``headers`` besides its own, e.g. a ``traceparent``) and return once the
         response headers arrive (body still streaming). A pooled connection the engine closed while idle is
         replaced once, transparently."""
+        return await self._send(url, path, body, "text/event-stream", headers)
+
+    async def _send(
+        self, url: str, path: str, body: dict, accept: str, headers: dict[str, str] | None
+    ) -> StreamResponse:
         key = self._key(url)
         payload = _encode(body)
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         head = (
             f"POST {path} HTTP/1.1\r\nhost: {key[0]}:{key[1]}\r\ncontent-type: application/json\r\n"
-            f"accept: text/event-stream\r\ncontent-length: {len(payload)}\r\n{extra}\r\n"
+            f"accept: {accept}\r\ncontent-length: {len(payload)}\r\n{extra}\r\n"
         ).encode()
         idle = self._idle.get(key) or []
         while idle and idle[-1].closed:
@@ -309,17 +325,27 @@ class Upstream:
                     conn.close()
                 if not reused:
                     raise WorkerUnavailable(f"{url}: {exc!r}") from exc
+            except BaseException:  # cancelled (its client left): a connection mid-request cannot be reused
+                if conn is not None:
+                    conn.close()
+                raise
         raise AssertionError("unreachable")
 
     async def post(
         self, url: str, path: str, body: dict, headers: dict[str, str] | None = None
-    ) -> httpx.Response:
+    ) -> StreamResponse:
+        """A non-streaming request's whole answer (``status_code``, ``content``, ``json()``). Raises
+        WorkerUnavailable when the engine cannot be reached, sends nothing for the read timeout, or its
+        connection breaks before the answer's end."""
+        resp = await self._send(url, path, body, "application/json", headers)
         try:
-            resp = await self.client.post(url + path, json=body, headers=headers)
             await resp.aread()
-            return resp
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectTimeout) as exc:
-            raise WorkerUnavailable(f"{url}: {exc!r}") from exc
+        except StreamBroken as exc:
+            raise WorkerUnavailable(f"{url}: {exc}") from exc
+        except BaseException:  # cancelled (its client left) with the answer half read: not reusable
+            await resp.aclose()
+            raise
+        return resp
 
     async def abort(self, url: str, *rids: str) -> None:
         """Stop a request on its engine (SGLang keeps decoding after a client disconnect otherwise): each of the

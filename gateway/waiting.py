@@ -212,6 +212,20 @@ class WaitingRoom:
         if tripped:
             log.warning("engine %d: circuit breaker open after repeated failures (last: %s)", engine, why)
 
+    def finish_soon(self, rid: str, state: str, error: str = "") -> None:
+        """:meth:`finish_surely` in the background, without a task while Redis answers: the script is sent now and
+        its reply checked by a callback; a failed one (Redis away, a script it forgot) or a connection not yet
+        open spawns ``finish_surely``."""
+        fut = self.queue.finish_nowait(rid, state, error)
+        if fut is None:
+            self.background.spawn(self.finish_surely(rid, state, error))
+            return
+        fut.add_done_callback(lambda f: self._finished(f, rid, state, error))
+
+    def _finished(self, fut: asyncio.Future[Any], rid: str, state: str, error: str) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self.background.spawn(self.finish_surely(rid, state, error))
+
     async def finish_surely(self, rid: str, state: str, error: str = "") -> None:
         """``queue.finish``, retried while Redis is away (up to FINISH_RETRY_S): a finish lost to an outage would
         leave the record ``assigned`` and its engine's inflight slot taken for good."""

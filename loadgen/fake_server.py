@@ -1,7 +1,7 @@
 """A minimal, fast OpenAI-style streaming endpoint: loadgen's self-test target and the "fast endpoint" of its
 dispatch benchmark. Raw asyncio HTTP/1.1 with keep-alive and chunked SSE, so it costs far less CPU than the
 client it serves. Each request streams ``max_tokens`` tokens (one per chunk, usage in every chunk when asked),
-``itl_ms`` apart, after ``ttft_ms``; ``/v1/models`` lists one model; ``/abort_request`` (SGLang's, by ``rid``)
+``itl_ms`` apart, after ``ttft_ms``; ``/v1/models`` lists one model; ``/health`` answers 200; ``/abort_request`` (SGLang's, by ``rid``)
 ends a running stream with ``finish_reason`` "abort". A word of the prompt (of every message's content, for chat)
 stands for a token; usage reports ``prompt_tokens_details.cached_tokens`` from a prefix cache of the prompts and
 outputs it has seen, in blocks of ``BLOCK`` words.
@@ -105,6 +105,9 @@ class _Conn(asyncio.Protocol):
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                 % (len(doc), doc)
             )
+            return
+        if path in (b"/health", b"/health_generate"):  # what routers in front of engines probe
+            t.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
             return
         if method == b"POST" and path == b"/abort_request":
             self.state.aborted.append(json.loads(body).get("rid", ""))

@@ -1,6 +1,6 @@
 """Fuzzing the gateway's HTTP edge: whatever the body and headers, the answer is never a 5xx, and every error is
 OpenAI-shaped. The real app (real tokenizer and chat template of the tiny model, real Redis, the real router in a
-thread); only the engine is an httpx mock that answers every request it gets."""
+thread); only the engine is a fake (``loadgen.fake_server``) that answers every request it gets."""
 
 from __future__ import annotations
 
@@ -18,28 +18,15 @@ from loadgen import fake_server
 from tests.stack import RouterThread, announce_engine
 
 
-def engine(request: httpx.Request) -> httpx.Response:
-    """An engine that answers every non-streaming request with one JSON completion (streams go to a fake engine
-    process over the gateway's own stream client)."""
-    body = json.loads(request.content)
-    if body.get("stream"):
-        chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
-        return httpx.Response(200, content=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
-    return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "hi"}}]})
-
-
 @pytest.fixture
 def app_client(redis_server, sync_redis, keys, tiny_model, tmp_path):
     from gateway.tokens import PromptCounter
 
-    engine_proc, engine_url = fake_server.start_process(tmp_path / "engine.log")  # streams: the raw client
+    engine_proc, engine_url = fake_server.start_process(tmp_path / "engine.log")
     announce_engine(sync_redis, keys, url=engine_url)
     cfg = GatewayConfig(model_path=str(tiny_model), redis_url=redis_server.url, key_prefix=keys.prefix)
     app = create_app(cfg, count_tokens=PromptCounter(str(tiny_model)))
     with RouterThread(redis_server.url, keys.prefix), TestClient(app, raise_server_exceptions=False) as c:
-        gw = app.state.gateway
-        c.portal.call(gw.upstream.client.aclose)
-        gw.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))  # non-streaming
         yield c
     engine_proc.kill()
     engine_proc.wait()

@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -76,16 +77,26 @@ class ScriptedEngine:
     """A raw HTTP/1.1 engine that answers its n-th request with ``scripts[n]`` (events, end): SSE events, then
     [DONE] ("done"), a connection reset ("reset"), a close without the stream's end ("cut") or nothing more
     ("hang"). Records
-    ``calls`` as (path, JSON body)."""
+    ``calls`` as (path, JSON body). With ``answer`` set (an httpx-style handler), every request gets that
+    handler's response instead (non-streaming answers)."""
 
     def __init__(self) -> None:
         self.scripts: list = []
         self.calls: list[tuple[str, dict]] = []
+        self.answer: Callable[[httpx.Request], httpx.Response] | None = None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (request := await read_request(reader)) is not None:
             head, body = request
             self.calls.append((head.split()[1].decode(), json.loads(body)))
+            if self.answer is not None:
+                resp = self.answer(httpx.Request("POST", "http://engine" + self.calls[-1][0], content=body))
+                writer.write(
+                    b"HTTP/1.1 %d -\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (resp.status_code, len(resp.content), resp.content)
+                )
+                await writer.drain()
+                continue
             events, end = self.scripts[len(self.calls) - 1]
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -227,10 +238,9 @@ async def test_a_stream_that_cannot_resume_ends_with_an_error_event(gateway, are
 
 
 async def serve_chat(gateway, engine, priority: str = "normal", request_id: str | None = None):
-    """One non-streaming chat request through ``gateway.serve``, with ``engine`` (an httpx handler) as every
-    engine; returns the Reply."""
-    await gateway.upstream.client.aclose()
-    gateway.upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    """One non-streaming chat request through ``gateway.serve``, with ``engine`` (an httpx-style handler) as every
+    engine's answer; returns the Reply."""
+    gateway.engine.answer = engine
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
     adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), priority, request_id)
     connected = asyncio.create_task(asyncio.Event().wait())

@@ -161,3 +161,31 @@ async def test_what_arrives_while_the_reader_is_away_is_still_read_even_with_the
     assert got == ["data: 1", "data: 2"]
     await up.close()
     server.close()
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["before-headers", "mid-body"])
+async def test_a_request_cancelled_midway_closes_its_connection(answered):
+    """A non-streaming request whose client left (its task cancelled) before its answer was read to the end: the
+    connection is closed, not left open outside the pool."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345"
+    server, url, conns = await scripted([(0, head if answered else b""), (30, b"67890")])
+    up = Upstream(read_timeout_s=60)
+    task = asyncio.ensure_future(up.post(url, "/v1/completions", {}))
+    while not conns:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.05)
+    assert not any(up._idle.values())
+    assert await asyncio.wait_for(_closed(conns[0]), 2)
+    await up.close()
+    server.close()
+
+
+async def _closed(writer) -> bool:
+    """Whether the peer closed: the server's end of the connection reads EOF (the reader behind a writer of
+    ``asyncio.start_server``'s)."""
+    reader = writer._protocol._stream_reader
+    return await reader.read() == b""
