@@ -169,7 +169,7 @@ Note = BindNote | ReleaseNote | RegimeNote | DistrustNote
 @dataclass(frozen=True)
 class Dispatch:
     request: QueuedRequest
-    engine: int  # the DP engine, or the group's leader
+    engine: int  # the DP engine, or the member of the group that owns it (router.placement.owner)
     url: str
     epoch: int = 0  # the TP group's epoch (0: DP)
     rule: DpRule | None = None  # how a DP dispatch chose its engine (None: a TP dispatch)

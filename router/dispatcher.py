@@ -88,7 +88,7 @@ class Dispatcher:
         self._live = live
 
     async def snapshot(self) -> Snapshot:
-        """Everything the policy reads, in two pipelined round trips (three while groups hold TP requests): the
+        """Everything the policy reads, in two pipelined round trips (three while groups hold requests): the
         router's round costs a few Redis round trips, not one per key, so the hop a request pays stays short."""
         k, r = self.keys, self.r
         pipe = r.pipeline(transaction=False)
@@ -110,7 +110,8 @@ class Dispatcher:
             pipe.get(k.ready(e))
             pipe.scard(k.inflight(e))
         for g in counted:
-            pipe.smembers(k.inflight(g.leader))
+            for m in g.members:
+                pipe.smembers(k.inflight(m))
         rows = await pipe.execute()
         requests, rows = rows[: len(ids)], rows[len(ids) :]
         waiting = [from_hash(decode_row(row), QueuedRequest) for row in requests if row]
@@ -120,7 +121,8 @@ class Dispatcher:
             if hb is not None:
                 beats.append(hb)
                 counts[e] = int(rows[3 * i + 2])
-        members = [[text(x) for x in m] for m in rows[3 * len(engines) :]]
+        sets = iter(rows[3 * len(engines) :])  # one per member of each counted group, in order
+        held = [sorted({text(x) for m in g.members for x in next(sets)}) for g in counted]
         self._note_liveness({hb.engine for hb in beats})
         state = (
             decode(raw_state, RouterState)
@@ -136,22 +138,23 @@ class Dispatcher:
             queued=int(queued),
             engines=views,
             groups=groups,
-            tp_load=await self._group_loads(counted, members),
+            tp_load=await self._group_loads(counted, held),
             state=state,
             admitted=int(admitted or 0),
             prefixes=self.prefixes,
         )
 
-    async def _group_loads(self, groups: list[Group], members: list[list[str]]) -> dict[int, GroupLoad]:
-        """Per group: its TP requests (assigned to its leader in its epoch and unfinished), their KV tokens and
-        the largest one's, from one pipelined read of the leaders' inflight requests."""
+    async def _group_loads(self, groups: list[Group], held: list[list[str]]) -> dict[int, GroupLoad]:
+        """Per group: its TP requests (assigned to any of its members in its epoch and unfinished: each member owns
+        those sent to it), their KV tokens and the largest one's, from one pipelined read of the requests in the
+        members' inflight sets (``held``: per group, their ids)."""
         pipe = self.r.pipeline(transaction=False)
-        for rids in members:
+        for rids in held:
             for rid in rids:
                 pipe.hmget(self.keys.request(rid), ["epoch", "prompt_tokens", "max_tokens"])
-        rows = iter(await pipe.execute() if any(members) else [])
+        rows = iter(await pipe.execute() if any(held) else [])
         out = {}
-        for g, rids in zip(groups, members):
+        for g, rids in zip(groups, held):
             n = kv = top = 0
             for _ in rids:
                 ep, p, m = next(rows)
