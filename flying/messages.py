@@ -216,6 +216,25 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (PolicyConfig.spread_s)
 
 
+DecisionKind = Literal["bind", "release", "regime", "distrust"]
+
+
+class DecisionEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Router -> Redis (``flying:router:decisions``, a capped stream): one entry of the router's decision log, as it
+    applies a round: a bind, a release, a change of the load regime, engines left out of binds. ``text`` is the
+    router's log line for it, made from the policy's note (why); the other fields are for readers that act on it:
+    ``epoch`` and ``members`` of a bind or release (of a distrust: the engines), the group's ``reason``, and
+    ``busy`` for a regime change."""
+
+    ts: float
+    kind: DecisionKind
+    text: str
+    epoch: int = 0
+    members: tuple[int, ...] = ()
+    reason: str = ""
+    busy: bool = False
+
+
 def decode_command(data: bytes | str) -> Command:
     cmd: Command = msgspec.json.decode(data, type=Command)
     return cmd

@@ -33,6 +33,8 @@ GATEWAY_GRACE_S = (
     5.0  # a gateway's liveness key gone this long: its requests are ended (a Redis restart is shorter)
 )
 
+DECISION_LOG_LEN = 1000  # entries of flying:router:decisions kept (about; a bind or release is one or two)
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -165,18 +167,20 @@ class Dispatcher:
         return out
 
     async def apply(self, d: Decision) -> int:
-        """Records, then commands, then assignments (:func:`router.decision.plan`); returns how many requests were
-        assigned."""
+        """Records (with the round's decision-log entries), then commands, then assignments
+        (:func:`router.decision.plan`); returns how many requests were assigned."""
         k = self.keys
         p = plan(d, [int(await self.r.incr(k.epoch)) for _ in d.binds])
         state = encode(p.state)
-        if p.records or p.drop or state != self._state_written:
+        if p.records or p.drop or p.events or state != self._state_written:
             pipe = self.r.pipeline(transaction=True)
             for g in p.records:
                 pipe.hset(k.groups, str(g.epoch), encode(g))
             if p.drop:
                 pipe.hdel(k.groups, *map(str, p.drop))
             pipe.set(k.router_state, state)
+            for entry in p.log(time.time()):
+                pipe.xadd(k.decisions, {"event": encode(entry)}, maxlen=DECISION_LOG_LEN, approximate=True)
             await pipe.execute()
             self._state_written = state
         for note in p.events:

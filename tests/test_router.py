@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from flying.messages import Group, Heartbeat, QueuedRequest, encode
+from flying import control
+from flying.messages import DecisionEvent, Group, Heartbeat, QueuedRequest, RouterState, decode, encode
 from flying.queue import RequestQueue
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
@@ -125,6 +126,21 @@ async def test_a_groups_requests_go_to_its_members_in_turn_and_its_load_counts_e
     await q.admit(dp)
     await q.assign_many([(dp, 1, "http://e1", 0)])
     assert (await d.snapshot()).tp_load[4] == GroupLoad(inflight=4, kv_tokens=80, max_kv_tokens=20)
+
+
+async def test_a_round_that_binds_writes_its_decisions_to_the_log(aredis, keys):
+    """Light load binds the idle engines: the regime change and the bind (with its epoch) reach
+    flying:router:decisions, as values and as the router's log lines."""
+    for e in (0, 1):
+        await beat(aredis, keys, e, num_engines=2)
+    await aredis.set(keys.router_state, encode(RouterState(busy=False, calm_since=time.time() - 10)))
+    d = Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=PolicyConfig(regime="inflight")), aredis)
+    await d.round()
+    entries = [decode(fields[b"event"], DecisionEvent) for _, fields in await aredis.xrange(keys.decisions)]
+    [bind] = [e for e in entries if e.kind == "bind"]
+    [group] = control.decode_groups(await aredis.hgetall(keys.groups))
+    assert (bind.epoch, bind.members, bind.reason) == (group.epoch, (0, 1), "load")
+    assert bind.text.startswith("bind (0, 1) (load, hard preemption") and bind.ts > 0
 
 
 async def test_snapshot_carries_kv_transform_and_the_admission_counter(aredis, keys):
