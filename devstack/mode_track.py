@@ -38,7 +38,7 @@ class PhaseModes:
 
 def decision_log(r: redis.Redis, keys: Keys, since: float = 0.0) -> list[DecisionEvent]:
     """The decision log's entries from ``since`` (wall clock) on, oldest first."""
-    rows = r.xrange(keys.decisions, min=f"{int(since * 1000)}-0")
+    rows: list[tuple[bytes, dict[bytes, bytes]]] = r.xrange(keys.decisions, min=f"{int(since * 1000)}-0")  # type: ignore[assignment]
     return [decode(fields[b"event"], DecisionEvent) for _, fields in rows]
 
 

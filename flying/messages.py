@@ -223,8 +223,8 @@ class DecisionEvent(msgspec.Struct, frozen=True, kw_only=True):
     """Router -> Redis (``flying:router:decisions``, a capped stream): one entry of the router's decision log, as it
     applies a round: a bind, a release, a change of the load regime, engines left out of binds. ``text`` is the
     router's log line for it, made from the policy's note (why); the other fields are for readers that act on it:
-    ``epoch`` and ``members`` of a bind or release (of a distrust: the engines), the group's ``reason``, and
-    ``busy`` for a regime change."""
+    ``epoch`` and ``members`` of a bind or release (of a distrust: the engines), the group's ``reason``, a
+    release's ``cause`` (``router.decision.ReleaseCause``'s value) and ``busy`` for a regime change."""
 
     ts: float
     kind: DecisionKind
@@ -232,6 +232,7 @@ class DecisionEvent(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = 0
     members: tuple[int, ...] = ()
     reason: str = ""
+    cause: str = ""
     busy: bool = False
 
 

@@ -258,7 +258,8 @@ def log_entry(note: Note, ts: float, epoch: int = 0) -> DecisionEvent:
                 ts=ts, kind="bind", text=text, epoch=epoch, members=note.members, reason=note.reason
             )
         case ReleaseNote():
-            return DecisionEvent(ts=ts, kind="release", text=text, epoch=note.epoch, members=note.members, reason=note.reason)  # fmt: skip
+            return DecisionEvent(ts=ts, kind="release", text=text, epoch=note.epoch, members=note.members,
+                                 reason=note.reason, cause=note.cause.value)  # fmt: skip
         case RegimeNote():
             return DecisionEvent(ts=ts, kind="regime", text=text, busy=note.busy)
         case DistrustNote():

@@ -108,11 +108,11 @@ def test_the_decision_log_has_an_entry_per_event_each_bind_with_its_epoch():
         events=[regime, binds[0], release, DistrustNote((3,), 10.0), binds[1]],
     )
     log = plan(d, [8, 9]).log(12.5)
-    assert [(e.kind, e.epoch, e.members, e.reason, e.busy) for e in log] == [
-        ("regime", 0, (), "", False),
-        ("bind", 8, (0, 1), "load", False),
-        ("release", 4, (0, 1), "load", False),
-        ("distrust", 0, (3,), "", False),
-        ("bind", 9, (2, 3), "priority", False),
+    assert [(e.kind, e.epoch, e.members, e.reason, e.cause, e.busy) for e in log] == [
+        ("regime", 0, (), "", "", False),
+        ("bind", 8, (0, 1), "load", "", False),
+        ("release", 4, (0, 1), "load", "load rose", False),
+        ("distrust", 0, (3,), "", "", False),
+        ("bind", 9, (2, 3), "priority", "", False),
     ]
     assert [e.text for e in log] == d.notes and {e.ts for e in log} == {12.5}
