@@ -1,5 +1,7 @@
 """``flying-demo``: the main job. Starts Redis, two CPU workers with the tiny model, the router and the gateway;
-sends a short burst of mixed-priority streaming requests; prints a summary table; stops everything it started."""
+sends a quiet phase of a few requests and then a short burst of mixed-priority streaming requests; prints a summary
+table of the burst, each phase's TTFT and how many of its requests ran in TP groups or in DP, and the mode track
+(when the engines bound and released, and why, from the router's decision log); stops everything it started."""
 
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from devstack import mode_track
 from devstack.cluster import Cluster, ClusterConfig
 from devstack.redis_server import SentinelSet
+from flying import control
 from loadgen import metrics, report, runner
 from loadgen.arrivals import Arrivals
 from loadgen.workload import PromptMaker, Workload, plan
@@ -22,8 +27,14 @@ from worker_ext.tinymodel import ensure
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="flying-demo", description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--requests", type=int, default=50)
-    p.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
+    p.add_argument("--requests", type=int, default=50, help="requests in the burst")
+    p.add_argument("--rate", type=float, default=8.0, help="the burst's requests per second (Poisson)")
+    p.add_argument(
+        "--quiet-requests", type=int, default=6, help="requests in the quiet phase before it (0: none)"
+    )
+    p.add_argument(
+        "--quiet-rate", type=float, default=0.5, help="the quiet phase's requests per second (Poisson)"
+    )
     p.add_argument("--workdir", type=Path, default=Path(".flying"))
     p.add_argument(
         "--redis-url",
@@ -42,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
+    started = time.time()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     model = ensure(a.workdir / "tiny-llama", seed=0)
     say(f"tiny model at {model}")
@@ -65,27 +77,28 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cluster.start()
         say(f"cluster up: gateway {cluster.config.gateway_url}, redis {cluster.redis_url}")
-        workload = Workload(num_requests=a.requests, arrivals=Arrivals("poisson", a.rate))
-        progress = report.Progress(a.requests, stream=sys.stdout)
-
         r = cluster.client()
+        phases = []
+        if a.quiet_requests:
+            wait_bound(cluster, say)
+            say(f"quiet phase: {a.quiet_requests} streaming requests at {a.quiet_rate:g} req/s")
+            quiet = Workload(
+                num_requests=a.quiet_requests, arrivals=Arrivals("poisson", a.quiet_rate), seed=1
+            )
+            phases.append(send(cluster, model, "quiet", quiet, a.quiet_rate))
         epochs_before = int(r.get(cluster.keys.epoch) or 0)
         say(f"sending {a.requests} streaming requests at {a.rate:g} req/s (high 20%, normal 60%, low 20%)")
-        records, duration = asyncio.run(
-            runner.run(
-                runner.RunConfig(cluster.config.gateway_url, cluster.config.served_model_name),
-                plan(workload, PromptMaker(model)),
-                on_done=progress,
-            )
-        )
-        summary = metrics.summarize(records, duration)
+        burst = Workload(num_requests=a.requests, arrivals=Arrivals("poisson", a.rate))
+        phases.append(send(cluster, model, "burst", burst, a.rate))
+        summary = metrics.summarize(phases[-1].records, phases[-1].duration)
         print(report.table(summary))
         binds = int(r.get(cluster.keys.epoch) or 0) - epochs_before
         say(f"router: {binds} TP group binds during the burst (why: grep bind {cluster.log('router')})")
+        print_modes(cluster, phases, started)
         out = a.workdir / "demo-summary.json"
         out.write_text(json.dumps(summary, indent=2))
         say(f"summary written to {out}; logs in {cluster.config.log_dir}")
-        if summary["failed"]:
+        if any(not x.ok for p in phases for x in p.records):
             sys.exit(1)
     except KeyboardInterrupt:
         say("interrupted")
@@ -96,6 +109,43 @@ def main(argv: list[str] | None = None) -> None:
         if sentinels is not None:
             sentinels.stop()
         say("stopped")
+
+
+def send(cluster: Cluster, model: Path, name: str, workload: Workload, rate: float) -> mode_track.Phase:
+    """Run one phase through the gateway, with a progress line."""
+    progress = report.Progress(workload.num_requests, stream=sys.stdout)
+    t0 = time.time()
+    records, duration = asyncio.run(
+        runner.run(
+            runner.RunConfig(cluster.config.gateway_url, cluster.config.served_model_name),
+            plan(workload, PromptMaker(model)),
+            on_done=progress,
+        )
+    )
+    return mode_track.Phase(name, records, t0, time.time(), rate, duration)
+
+
+def wait_bound(cluster: Cluster, say: Callable[[str], None], timeout_s: float = 10.0) -> None:
+    """Give the router a moment to see the idle cluster as light load and bind its engines."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(g.state == "bound" for g in control.groups(cluster.client(), cluster.keys)):
+            say("the router bound the idle engines into a TP group (light load)")
+            return
+        time.sleep(0.2)
+    say(f"no TP group bound within {timeout_s:g} s (the mode track says why)")
+
+
+def print_modes(cluster: Cluster, phases: list[mode_track.Phase], since: float) -> None:
+    """Each phase's TTFT and TP/DP split, then the mode track."""
+    r = cluster.client()
+    print("phases:")
+    for p in phases:
+        print("  " + mode_track.phase_line(p, mode_track.modes(r, cluster.keys, p.started, p.ended)))
+    events = mode_track.decision_log(r, cluster.keys, since)
+    print("mode track (the router's decision log, t from the first phase's start):")
+    for line in mode_track.track(events, phases):
+        print("  " + line)
 
 
 if __name__ == "__main__":

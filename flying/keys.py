@@ -43,6 +43,12 @@ class Keys:
         return f"{self.prefix}:router:fast"
 
     @property
+    def decisions(self) -> str:
+        """STREAM (capped at about 1,000 entries) of the router's decision log: field ``event``, a
+        ``DecisionEvent`` JSON per bind, release, regime change and distrust, in the order the router applied them."""
+        return f"{self.prefix}:router:decisions"
+
+    @property
     def groups(self) -> str:
         """HASH epoch -> JSON Group: every TP group the router (or flyctl) bound and has not seen released."""
         return f"{self.prefix}:groups"

@@ -63,7 +63,7 @@ class Assignment(msgspec.Struct, frozen=True, kw_only=True):
 class FastTarget(msgspec.Struct, frozen=True, kw_only=True):
     """Router -> gateways' admission script (``flying:router:fast``): where a short normal or low priority request
     arriving before the next round goes at once, without waiting for that round, while the queue is empty: to
-    ``engine`` (a group's leader when ``epoch`` > 0) while its inflight set holds fewer than ``cap`` requests and
+    ``engine`` (a member of a bound group when ``epoch`` > 0) while its inflight set holds fewer than ``cap`` requests and
     the request's KV (prompt + max_tokens) is at most ``max_kv``. ``affinity``: a request carrying a prefix chain
     (``QueuedRequest.prefix``) does not take it: the router places it by prefix (cache-aware DP dispatch)."""
 
@@ -215,6 +215,26 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     rate_ts: float = 0.0  # when ``rate`` was last updated (0: never)
     admitted: int = 0  # the admission counter (``flying:stats`` admitted) at that time
     recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (PolicyConfig.spread_s)
+
+
+DecisionKind = Literal["bind", "release", "regime", "distrust"]
+
+
+class DecisionEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Router -> Redis (``flying:router:decisions``, a capped stream): one entry of the router's decision log, as it
+    applies a round: a bind, a release, a change of the load regime, engines left out of binds. ``text`` is the
+    router's log line for it, made from the policy's note (why); the other fields are for readers that act on it:
+    ``epoch`` and ``members`` of a bind or release (of a distrust: the engines), the group's ``reason``, a
+    release's ``cause`` (``router.decision.ReleaseCause``'s value) and ``busy`` for a regime change."""
+
+    ts: float
+    kind: DecisionKind
+    text: str
+    epoch: int = 0
+    members: tuple[int, ...] = ()
+    reason: str = ""
+    cause: str = ""
+    busy: bool = False
 
 
 def decode_command(data: bytes | str) -> Command:

@@ -96,6 +96,11 @@ class PolicyConfig:
     kv_transform: bool = setting(
         True, "move KV between DP and TP layouts (bind by adoption, release by scatter) where engines can"
     )
+    spread_ownership: bool = setting(
+        True,
+        "a bound group's TP requests go to its members in turn, each streaming its own, so a release scatters them "
+        "evenly (where the members transform KV); off: all to the leader",
+    )
     adopt_max_ms: float = setting(
         100.0, "milliseconds: adopt only if the estimated KV transformation stalls the group at most this"
     )

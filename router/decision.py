@@ -18,7 +18,17 @@ from typing import Literal
 
 import msgspec
 
-from flying.messages import Bind, Command, FastTarget, Group, GroupReason, QueuedRequest, Release, RouterState
+from flying.messages import (
+    Bind,
+    Command,
+    DecisionEvent,
+    FastTarget,
+    Group,
+    GroupReason,
+    QueuedRequest,
+    Release,
+    RouterState,
+)
 from router.prefix_index import PrefixIndex
 
 # why a DP dispatch went where it did: followed its prefix; least loaded because dispatch is least-loaded, the
@@ -172,7 +182,7 @@ Note = BindNote | ReleaseNote | RegimeNote | DistrustNote
 @dataclass(frozen=True)
 class Dispatch:
     request: QueuedRequest
-    engine: int  # the DP engine, or the group's leader
+    engine: int  # the DP engine, or the member of the group that owns it (router.placement.owner)
     url: str
     epoch: int = 0  # the TP group's epoch (0: DP)
     rule: DpRule | None = None  # how a DP dispatch chose its engine (None: a TP dispatch)
@@ -231,10 +241,32 @@ class Plan:
         """Dispatches to DP engines (their prompts go through the engine's prefix cache)."""
         return [x for x in self.dispatches if not x.epoch]
 
+    def log(self, ts: float) -> list[DecisionEvent]:
+        """The events as decision-log entries at ``ts`` (each bind with the epoch :func:`plan` gave it)."""
+        epochs = iter(g.epoch for g in self.binds)  # a round's bind notes are in the order of its binds
+        return [log_entry(n, ts, next(epochs) if isinstance(n, BindNote) else 0) for n in self.events]
+
     def record_prefixes(self, prefixes: PrefixIndex) -> None:
         """The DP dispatches' prompts enter the engines' prefix caches: record them in the caller's index."""
         for x in self.dp_dispatches:
             prefixes.record(x.engine, x.request.chain)
+
+
+def log_entry(note: Note, ts: float, epoch: int = 0) -> DecisionEvent:
+    """``note`` as an entry of the decision log (``epoch``: a bind's, which the note does not know)."""
+    text = str(note)
+    match note:
+        case BindNote():
+            return DecisionEvent(
+                ts=ts, kind="bind", text=text, epoch=epoch, members=note.members, reason=note.reason
+            )
+        case ReleaseNote():
+            return DecisionEvent(ts=ts, kind="release", text=text, epoch=note.epoch, members=note.members,
+                                 reason=note.reason, cause=note.cause.value)  # fmt: skip
+        case RegimeNote():
+            return DecisionEvent(ts=ts, kind="regime", text=text, busy=note.busy)
+        case DistrustNote():
+            return DecisionEvent(ts=ts, kind="distrust", text=text, members=note.engines)
 
 
 def plan(d: Decision, epochs: Iterable[int]) -> Plan:

@@ -35,6 +35,8 @@ GATEWAY_GRACE_S = (
     5.0  # a gateway's liveness key gone this long: its requests are ended (a Redis restart is shorter)
 )
 
+DECISION_LOG_LEN = 1000  # entries of flying:router:decisions kept (about; a bind or release is one or two)
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -92,7 +94,7 @@ class Dispatcher:
         self._live = live
 
     async def snapshot(self) -> Snapshot:
-        """Everything the policy reads, in two pipelined round trips (three while groups hold TP requests): the
+        """Everything the policy reads, in two pipelined round trips (three while groups hold requests): the
         router's round costs a few Redis round trips, not one per key, so the hop a request pays stays short."""
         k, r = self.keys, self.r
         pipe = r.pipeline(transaction=False)
@@ -115,7 +117,8 @@ class Dispatcher:
             pipe.get(k.ready(e))
             pipe.scard(k.inflight(e))
         for g in counted:
-            pipe.smembers(k.inflight(g.leader))
+            for m in g.members:
+                pipe.smembers(k.inflight(m))
         rows = await pipe.execute()
         requests, rows = rows[: len(ids)], rows[len(ids) :]
         waiting = [from_hash(decode_row(row), QueuedRequest) for row in requests if row]
@@ -125,7 +128,8 @@ class Dispatcher:
             if hb is not None:
                 beats.append(hb)
                 counts[e] = int(rows[3 * i + 2])
-        members = [[text(x) for x in m] for m in rows[3 * len(engines) :]]
+        sets = iter(rows[3 * len(engines) :])  # one per member of each counted group, in order
+        held = [sorted({text(x) for m in g.members for x in next(sets)}) for g in counted]
         self._note_liveness({hb.engine for hb in beats})
         state = (
             decode(raw_state, RouterState)
@@ -142,22 +146,23 @@ class Dispatcher:
             queued=int(queued),
             engines=views,
             groups=groups,
-            tp_load=await self._group_loads(counted, members),
+            tp_load=await self._group_loads(counted, held),
             state=state,
             admitted=int(admitted or 0),
             prefixes=self.prefixes,
         )
 
-    async def _group_loads(self, groups: list[Group], members: list[list[str]]) -> dict[int, GroupLoad]:
-        """Per group: its TP requests (assigned to its leader in its epoch and unfinished), their KV tokens and
-        the largest one's, from one pipelined read of the leaders' inflight requests."""
+    async def _group_loads(self, groups: list[Group], held: list[list[str]]) -> dict[int, GroupLoad]:
+        """Per group: its TP requests (assigned to any of its members in its epoch and unfinished: each member owns
+        those sent to it), their KV tokens and the largest one's, from one pipelined read of the requests in the
+        members' inflight sets (``held``: per group, their ids)."""
         pipe = self.r.pipeline(transaction=False)
-        for rids in members:
+        for rids in held:
             for rid in rids:
                 pipe.hmget(self.keys.request(rid), ["epoch", "prompt_tokens", "max_tokens"])
-        rows = iter(await pipe.execute() if any(members) else [])
+        rows = iter(await pipe.execute() if any(held) else [])
         out = {}
-        for g, rids in zip(groups, members):
+        for g, rids in zip(groups, held):
             n = kv = top = 0
             for _ in rids:
                 ep, p, m = next(rows)
@@ -168,18 +173,20 @@ class Dispatcher:
         return out
 
     async def apply(self, d: Decision) -> int:
-        """Records, then commands, then assignments (:func:`router.decision.plan`); returns how many requests were
-        assigned."""
+        """Records (with the round's decision-log entries), then commands, then assignments
+        (:func:`router.decision.plan`); returns how many requests were assigned."""
         k = self.keys
         p = plan(d, [int(await self.r.incr(k.epoch)) for _ in d.binds])
         state = encode(p.state)
-        if p.records or p.drop or state != self._state_written:
+        if p.records or p.drop or p.events or state != self._state_written:
             pipe = self.r.pipeline(transaction=True)
             for g in p.records:
                 pipe.hset(k.groups, str(g.epoch), encode(g))
             if p.drop:
                 pipe.hdel(k.groups, *map(str, p.drop))
             pipe.set(k.router_state, state)
+            for entry in p.log(time.time()):
+                pipe.xadd(k.decisions, {"event": encode(entry)}, maxlen=DECISION_LOG_LEN, approximate=True)
             await pipe.execute()
             self._state_written = state
         for note in p.events:

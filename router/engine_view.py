@@ -13,7 +13,7 @@ class EngineView:
 
     engine: int
     url: str
-    inflight: int  # assigned by the router and not finished (DP and, on a leader, TP requests)
+    inflight: int  # assigned by the router and not finished (DP, and the TP requests of its group it owns)
     free_kv_tokens: int
     max_total_tokens: int
     mode: str = "dp"

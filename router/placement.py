@@ -5,6 +5,7 @@
 - a high-priority one to a group with room, else a new ``priority_width`` group (:func:`place_priority`);
 - under light load normal work goes to the load groups (:func:`load_binds` binds them), else to DP
   (:mod:`router.dp_dispatch`);
+- a bound group's TP requests go to its members in turn (:func:`owner`), each streaming its own;
 - :func:`fast_targets`: where a short normal request arriving before the next round may go at once.
 """
 
@@ -80,13 +81,37 @@ def group_for(
 
 
 def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
-    """``r`` is the group's: dispatched to its leader if it is bound, else it waits for the group to form."""
+    """``r`` is the group's: dispatched to the member that is to own it (:func:`owner`) if the group is bound,
+    else it waits for the group to form."""
     n, kv = rnd.tp.get(g.epoch, (0, 0))
     rnd.tp[g.epoch] = (n + 1, kv + r.kv_tokens)
     if g.state == "bound":
-        leader = rnd.live[g.leader]
-        rnd.out.dispatches.append(Dispatch(r, leader.engine, leader.url, g.epoch))
+        e = owner(rnd, g)
+        rnd.out.dispatches.append(Dispatch(r, e.engine, e.url, g.epoch))
         rnd.put(replace_group(g, last_used=rnd.now))
+
+
+def spread(rnd: Round, g: Group) -> bool:
+    """The group's TP requests are spread over its members (``spread_ownership``): each member owns (streams,
+    and keeps on a release) the requests sent to its endpoint, so a release by scatter leaves them evenly. Only
+    where every member transforms KV: a release by retraction recomputes the group's requests on its leader, which
+    cannot stream a request another member owns."""
+    return rnd.cfg.spread_ownership and rnd.kv.possible(g.members)
+
+
+def owner(rnd: Round, g: Group) -> EngineView:
+    """The member a bound group's next TP request goes to: the leader, or, spread, the member holding the fewest
+    requests (its inflight set: its paused or adopted DP work and the TP requests it owns, plus what this round
+    sent it; the first in member order on a tie), so the members take the group's requests in turn and each
+    engine's load after a release is as even as it can be."""
+    if not spread(rnd, g):
+        return rnd.live[g.leader]
+    return min((rnd.live[m] for m in g.members), key=lambda e: e.inflight + sent_to(rnd, e.engine))
+
+
+def sent_to(rnd: Round, engine: int) -> int:
+    """Requests this round dispatched to ``engine`` so far."""
+    return sum(1 for x in rnd.out.dispatches if x.engine == engine)
 
 
 def adopt_fits(rnd: Round, ms: tuple[int, ...]) -> float:
@@ -212,9 +237,10 @@ def reuse_idle(
 
 
 def fast_targets(rnd: Round) -> list[FastTarget]:
-    """Where :func:`place` would send a short normal request arriving after this round: the light load's group,
-    or the DP engines with a free slot (the admission script picks the least loaded). None while a group
-    forms (requests wait for it) or when a round would bind or choose among groups for it."""
+    """Where :func:`place` would send a short normal request arriving after this round: the light load's group
+    (its leader, or, spread, each member with a share of the group's room), or the DP engines with a free slot
+    (the admission script picks the least loaded target). None while a group forms (requests wait for it) or when
+    a round would bind or choose among groups for it."""
     probe = QueuedRequest(id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=rnd.now)  # fmt: skip
     if forming(rnd.groups.values(), rnd.now, rnd.cfg.ack_timeout_s) or not rnd.live:
         return []
@@ -225,9 +251,18 @@ def fast_targets(rnd: Round) -> list[FastTarget]:
         full = g.width * min(rnd.live[m].max_total_tokens for m in g.members)
         pooled = g.kv_cap if g.kv_cap and rnd.other_work(g) > 0 else full
         room = g.width * rnd.cfg.tp_inflight_per_engine - n
-        leader = rnd.live[g.leader]
-        sent = sum(1 for x in rnd.out.dispatches if x.engine == leader.engine)
-        return [FastTarget(engine=leader.engine, url=leader.url, epoch=g.epoch, cap=leader.inflight + sent + room, max_kv=pooled - kv)]  # fmt: skip
+        members = [rnd.live[m] for m in g.members] if spread(rnd, g) else [rnd.live[g.leader]]
+        shares = [room // len(members) + (i < room % len(members)) for i in range(len(members))]
+        return [
+            FastTarget(
+                engine=e.engine,
+                url=e.url,
+                epoch=g.epoch,
+                cap=e.inflight + sent_to(rnd, e.engine) + share,
+                max_kv=pooled - kv,
+            )  # fmt: skip
+            for e, share in zip(members, shares)
+        ]
     taken = rnd.in_groups()
     affinity = rnd.cfg.dispatch == "cache-aware"  # requests with a prefix chain wait for a round
     return [

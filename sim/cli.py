@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--spread-ownership",
         action=argparse.BooleanOptionalAction,
-        default=d.spread_ownership,
-        help="a bound group's TP requests are owned by its members in turn (a release scatters them evenly)",
+        default=d.policy.spread_ownership,
+        help="a bound group's TP requests are owned by its members in turn (a release scatters them evenly); "
+        "the policy's spread_ownership",
     )
     p.add_argument(
         "--cost",
@@ -288,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         tp_width=a.tp_width,
         kv_transform=a.kv_transform,
         shift_threshold=a.shift_threshold,
-        spread_ownership=a.spread_ownership,
     )
-    base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, **policy_overrides(a.policy)))
+    policy = {"spread_ownership": a.spread_ownership, **policy_overrides(a.policy)}
+    base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, **policy))
     try:
         base = dataclasses.replace(base, cost=with_overrides(base.cost, a.cost))
     except ValueError as e:

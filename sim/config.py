@@ -37,9 +37,6 @@ class SimConfig:
         True  # the engines apply Bind.adopt / Release.scatter (and say so in their heartbeats) ...
     )
     no_kv_transform: tuple[int, ...] = ()  # ... except these (an older worker build)
-    # a bound group's TP requests are owned by its members in turn (else by the engine they were sent to, the
-    # leader), so a release scatters them evenly
-    spread_ownership: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):

@@ -17,11 +17,11 @@ KV transformation (``SimConfig.kv_transform``: the engines report ``kv_transform
 ``adopt`` is applied at the member's next step boundary like a hard one, but its running and waiting DP requests
 become the group's (running ones keep their KV and progress); the group forms ``switch_ms`` plus the transformation
 (:meth:`sim.cost_model.CostModel.transform_ms` over each member's moved head slices) after the last member
-arrives. Every request is *owned* by the engine it was dispatched to (a group's leader for TP dispatches) and stays
-assigned there. A release with ``scatter`` takes effect at the leader's next step boundary: each running TP request
-goes back to DP on its owner with its KV if the owner's free KV holds it (whole), else it is retracted there
-(recomputed in DP); unstarted ones join the owner's queue; the members resume DP after ``switch_ms`` plus the
-transformation. A release with ``retract`` recomputes every TP request on its owner.
+arrives. Every request is *owned* by the engine it was dispatched to (for a TP dispatch the group's member the
+policy named, :func:`router.placement.owner`) and stays assigned there. A release with ``scatter`` takes effect at
+the leader's next step boundary: each running TP request goes back to DP on its owner with its KV if the owner's
+free KV holds it (whole), else it is retracted there (recomputed in DP); unstarted ones join the owner's queue; the
+members resume DP after ``switch_ms`` plus the transformation. A release with ``retract`` recomputes every TP request on its owner.
 
 Static baselines run the same machinery: ``dp`` with every use case off, ``tp`` with every engine in a permanent
 (unmerged) group of ``tp_width``. ``shift`` is Shift Parallelism (seed 001): one permanent scheduler over all the
@@ -48,7 +48,7 @@ from flying.groups import pooled_limit
 from flying.messages import PRIORITY_CLASS, Bind, Group, GroupReason, QueuedRequest, RouterState
 from flying.prefix import MAX_BLOCKS, encode_chain
 from loadgen.metrics import RequestRecord
-from router.decision import Decision, Dispatch, ReleaseCause, plan
+from router.decision import Decision, ReleaseCause, plan
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
 from sim.config import Mode, SimConfig
@@ -105,9 +105,6 @@ class Simulator:
         self.groups: dict[int, SimGroup] = {}
         self.tp_load: dict[int, list[int]] = {}
         self.tp_max: dict[int, int] = {}
-        self.turns: dict[
-            int, int
-        ] = {}  # epoch -> the member the group's last TP request went to (spread_ownership)
         self.dispatched: set[int] = set()
         self.finished = 0
         self.admitted = 0
@@ -264,7 +261,7 @@ class Simulator:
             r = self.queue[PRIORITY_CLASS[x.request.priority]].pop(x.request.id)
             assert r.i not in self.dispatched, f"request {r.i} dispatched twice"
             self.dispatched.add(r.i)
-            r.engine, r.epoch = self.owner(x), x.epoch
+            r.engine, r.epoch = x.engine, x.epoch  # its owner (in a group: the member the policy named)
             self.engines[r.engine].assigned += 1
             if not x.epoch:
                 self.dp_rules[x.rule or ""] += 1
@@ -281,15 +278,6 @@ class Simulator:
             else:
                 e.dp.queue.append(r)
                 e.boundary()
-
-    def owner(self, x: Dispatch) -> int:
-        """The engine that owns a dispatched request (streams it, takes it back in DP on a release): the engine
-        it was sent to; with ``spread_ownership`` a bound group's TP requests go to its members in turn."""
-        g = self.groups.get(x.epoch) if x.epoch else None
-        if not self.cfg.spread_ownership or g is None:
-            return x.engine
-        turn = self.turns[x.epoch] = self.turns.get(x.epoch, -1) + 1
-        return g.members[turn % len(g.members)]
 
     def note_decisions(self, d: Decision, binds: list[Group]) -> None:
         self.decisions += [SimDecision(self.now, "bind", g.epoch, g.members, g.reason) for g in binds]

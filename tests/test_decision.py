@@ -93,3 +93,26 @@ def test_every_bind_carries_the_routers_sp_threshold():
     assert p.sends == [((0, 1, 2, 3), Bind(epoch=5, members=(0, 1, 2, 3), sp_threshold=1024))]
     unset = plan(Decision(binds=[new]), [6]).sends[0][1]
     assert isinstance(unset, Bind) and unset.sp_threshold is None  # each worker's own --sp-threshold
+
+
+def test_the_decision_log_has_an_entry_per_event_each_bind_with_its_epoch():
+    """The router's decision log (flying:router:decisions): the events in order, as values and as the log line."""
+    regime = RegimeNote(busy=False, demand=0, rate=0.2, engines=4)
+    release = ReleaseNote(4, (0, 1), "load", ReleaseMode.SCATTER, ReleaseCause.LOAD_ROSE)
+    binds = [BindNote((0, 1), "load", BindMode.HARD), BindNote((2, 3), "priority", BindMode.HARD)]
+    d = Decision(
+        binds=[
+            Group(epoch=0, members=(0, 1), reason="load"),
+            Group(epoch=0, members=(2, 3), reason="priority"),
+        ],
+        events=[regime, binds[0], release, DistrustNote((3,), 10.0), binds[1]],
+    )
+    log = plan(d, [8, 9]).log(12.5)
+    assert [(e.kind, e.epoch, e.members, e.reason, e.cause, e.busy) for e in log] == [
+        ("regime", 0, (), "", "", False),
+        ("bind", 8, (0, 1), "load", "", False),
+        ("release", 4, (0, 1), "load", "load rose", False),
+        ("distrust", 0, (3,), "", "", False),
+        ("bind", 9, (2, 3), "priority", "", False),
+    ]
+    assert [e.text for e in log] == d.notes and {e.ts for e in log} == {12.5}

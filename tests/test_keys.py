@@ -16,6 +16,7 @@ def test_every_key_is_under_the_prefix():
         k.inflight(3),
         k.gateway_channel("g"),
         k.commands(3),
+        k.decisions,
     ]
     assert all(n.startswith("p:") for n in names)
     assert len(set(names)) == len(names)
@@ -43,5 +44,6 @@ def test_schema_matches_the_documented_names():
         "flying:inflight:{i}",
         "flying:gw:{gateway}",
         "flying:cmd:{i}",
+        "flying:router:decisions",
     ):
         assert name in doc, f"{name} not documented in docs/architecture.md"

@@ -10,13 +10,14 @@ from router.placement import (
     group_for,
     load_binds,
     need_width,
+    owner,
     place,
     place_long,
     place_priority,
 )
 from router.round import SHORT, USABLE, Round
 from router.snapshot import Snapshot
-from tests.policy_settings import UNIT_POLICY
+from tests.policy_settings import UNIT_POLICY, unit_policy
 
 CFG = UNIT_POLICY
 LIGHT, BUSY = RouterState(busy=False), RouterState(busy=True)
@@ -100,3 +101,52 @@ def test_busy_fast_targets_are_the_dp_engines_in_no_group():
     g = Group(epoch=4, members=(0, 1), reason="priority", state="bound")
     r = rnd([eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [g])
     assert [t.engine for t in fast_targets(r)] == [2, 3]
+
+
+def spread_group(inflight=(0, 0), kvt=True, cfg=CFG):
+    """A bound load group (0, 1) under light load, its members holding ``inflight`` requests."""
+    g = Group(epoch=4, members=(0, 1), reason="load", state="bound")
+    es = [eng(m, inflight=n, epoch=4, kvt=kvt) for m, n in enumerate(inflight)] + [eng(2), eng(3)]
+    return g, rnd(es, [g], state=LIGHT, cfg=cfg)
+
+
+def test_a_groups_tp_requests_go_to_its_members_in_turn_each_to_its_own_url():
+    g, r = spread_group()
+    for i in range(4):
+        place(r, req(f"r{i}"))
+    assert [(x.engine, x.url, x.epoch) for x in r.out.dispatches] == [
+        (0, "e0", 4), (1, "e1", 4), (0, "e0", 4), (1, "e1", 4)
+    ]  # fmt: skip
+    assert r.tp[4][0] == 4, "the group counts every member's requests"
+
+
+def test_the_member_holding_fewer_requests_owns_the_next_one():
+    """Paused DP work and the TP requests a member owns already count: after a release each engine holds as many
+    requests as can be."""
+    g, r = spread_group(inflight=(3, 1))
+    assert owner(r, g).engine == 1
+    for i in range(3):
+        place(r, req(f"r{i}"))
+    assert [x.engine for x in r.out.dispatches] == [1, 1, 0]  # 3 + 0 and 1 + 2 tie: the leader first
+
+
+def test_the_leader_owns_every_tp_request_where_members_cannot_scatter_or_spreading_is_off():
+    """A release by retraction recomputes the group's requests on its leader: without KV transformation they stay
+    the leader's; ``spread_ownership`` off, too."""
+    for _, r in (spread_group(kvt=False), spread_group(cfg=unit_policy(spread_ownership=False))):
+        for i in range(3):
+            place(r, req(f"r{i}"))
+        assert [x.engine for x in r.out.dispatches] == [0, 0, 0]
+        [target] = fast_targets(r)
+        assert target.engine == 0
+
+
+def test_fast_targets_of_a_spread_group_are_its_members_sharing_its_room():
+    """One target per member (the admission script picks the least loaded); their caps add up to the group's room,
+    above what each holds now."""
+    g, r = spread_group(inflight=(2, 0))
+    place(r, req())  # -> engine 1
+    room = 2 * CFG.tp_inflight_per_engine - 1
+    targets = fast_targets(r)
+    assert [(t.engine, t.url, t.epoch) for t in targets] == [(0, "e0", 4), (1, "e1", 4)]
+    assert [t.cap for t in targets] == [2 + (room + 1) // 2, 1 + room // 2]

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from flying.messages import Heartbeat, QueuedRequest, encode
+from flying import control
+from flying.messages import DecisionEvent, Group, Heartbeat, QueuedRequest, RouterState, decode, encode
 from flying.queue import RequestQueue
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
-from router.policy import PolicyConfig
+from router.policy import GroupLoad, PolicyConfig
 
 
 async def beat(r, keys, engine: int, ready: bool = True, **kw) -> None:
@@ -105,6 +106,41 @@ async def test_run_loop_dispatches_new_arrivals_and_stops(aredis, keys):
     await asyncio.wait_for(task, 5)
     assert d.dispatched == 4
     assert await aredis.exists(keys.router_lease) == 0, "a clean stop gives the lease back"
+
+
+async def test_a_groups_requests_go_to_its_members_in_turn_and_its_load_counts_every_member(aredis, keys):
+    """A bound group whose members transform KV: the round sends its requests to both members (each owns and
+    streams its own), and the next snapshot counts the group's requests in every member's inflight set (not a DP
+    request a member holds)."""
+    for e in (0, 1):
+        await beat(aredis, keys, e, mode="tp", epoch=4, kv_transform=True)
+    g = Group(epoch=4, members=(0, 1), reason="manual", state="bound", since=time.time())
+    await aredis.hset(keys.groups, "4", encode(g))
+    q = RequestQueue(aredis, keys)
+    await admit(q, 4)
+    d = dispatcher(aredis, keys)
+    assert await d.round() == 4
+    assert [await aredis.scard(keys.inflight(e)) for e in (0, 1)] == [2, 2]
+    assert {(await q.get(f"normal{i}"))["url"] for i in range(4)} == {"http://e0", "http://e1"}
+    dp = QueuedRequest(id="dp", priority="normal", model="m", prompt_tokens=10, max_tokens=10, gateway="g", enqueued_at=time.time())  # fmt: skip
+    await q.admit(dp)
+    await q.assign_many([(dp, 1, "http://e1", 0)])
+    assert (await d.snapshot()).tp_load[4] == GroupLoad(inflight=4, kv_tokens=80, max_kv_tokens=20)
+
+
+async def test_a_round_that_binds_writes_its_decisions_to_the_log(aredis, keys):
+    """Light load binds the idle engines: the regime change and the bind (with its epoch) reach
+    flying:router:decisions, as values and as the router's log lines."""
+    for e in (0, 1):
+        await beat(aredis, keys, e, num_engines=2)
+    await aredis.set(keys.router_state, encode(RouterState(busy=False, calm_since=time.time() - 10)))
+    d = Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=PolicyConfig(regime="inflight")), aredis)
+    await d.round()
+    entries = [decode(fields[b"event"], DecisionEvent) for _, fields in await aredis.xrange(keys.decisions)]
+    [bind] = [e for e in entries if e.kind == "bind"]
+    [group] = control.decode_groups(await aredis.hgetall(keys.groups))
+    assert (bind.epoch, bind.members, bind.reason) == (group.epoch, (0, 1), "load")
+    assert bind.text.startswith("bind (0, 1) (load, hard preemption") and bind.ts > 0
 
 
 async def test_snapshot_carries_kv_transform_and_the_admission_counter(aredis, keys):

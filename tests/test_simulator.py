@@ -57,6 +57,7 @@ def scenarios(draw):
         busy_rate=2.0,
         rate_tau_s=draw(st.sampled_from([0.5, 2.0])),
         spread_s=draw(st.sampled_from([0.0, 2.0])),
+        spread_ownership=draw(st.booleans()),
         dispatch=draw(st.sampled_from(["cache-aware", "least-loaded"])),
         balance_abs_threshold=draw(st.sampled_from([0.0, 8.0])),
     )
@@ -64,7 +65,6 @@ def scenarios(draw):
         engines=engines,
         policy=policy,
         cost=SMALL,
-        spread_ownership=draw(st.booleans()),
         router_down=tuple((a, a + b) for a, b in down),
         ignore_binds=tuple(
             (e, a, a + b)
@@ -236,10 +236,11 @@ def test_without_kv_transform_the_same_commands_pause_and_retract():
 
 
 def test_scatter_retracts_on_the_owner_what_its_kv_cannot_hold():
-    """Three TP requests of 1400 KV tokens each, all owned by the leader (4000 tokens of KV): two come back with
-    their KV, the third is recomputed there; none goes to the other member."""
+    """Three TP requests of 1400 KV tokens each, all owned by the leader (4000 tokens of KV; ownership not spread):
+    two come back with their KV, the third is recomputed there; none goes to the other member."""
     reqs = [SimRequest(0.0, "normal", 1000, 400) for _ in range(3)]
-    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=MANUAL), reqs, check=True)
+    policy = dataclasses.replace(MANUAL, spread_ownership=False)
+    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=policy), reqs, check=True)
     ep = operator(sim, 0.0, (0, 1), adopt=True)
     release(sim, 2.0, ep, (0, 1), scatter=True)
     seen = {}
@@ -480,7 +481,7 @@ def test_spread_ownership_gives_a_groups_tp_requests_to_its_members_in_turn():
     reqs = [SimRequest(1.0 + 0.01 * i, "normal", 100, 50) for i in range(4)]
     owners = {}
     for spread in (False, True):
-        cfg = SimConfig(engines=2, cost=SMALL, policy=unit_policy(calm_s=0.3), spread_ownership=spread)
+        cfg = SimConfig(engines=2, cost=SMALL, policy=unit_policy(calm_s=0.3, spread_ownership=spread))
         sim = Simulator(cfg, reqs, check=True)
         assert all(r.ok for r in sim.run())
         assert all(r.epoch for r in sim.reqs), sim.log

@@ -142,7 +142,8 @@ async def burst(url: str, n: int, high_every: int = 0, max_tokens: int = 12) -> 
 
 def test_burst_returns_every_engine_to_dp(policy):
     """Idle, the router forms load groups (light load); a burst makes it busy: the load groups are released
-    (requests they were running continue in DP on the leader) and the rest of the burst is served in DP."""
+    (requests they were running continue in DP on the members that own them) and the rest of the burst is served
+    in DP."""
     restart_router(policy, LOAD_ADAPTING)
     try:
         deadline = time.monotonic() + 30

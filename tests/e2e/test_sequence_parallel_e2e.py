@@ -1,12 +1,15 @@
 """Sequence-parallel steps inside a bound group, on real SGLang CPU workers: a prompt prefilled in SP steps (chunked
 over several steps, mixed with decodes) gives tp=1's prompt log-probs and greedy text, decodes on in TP, and the
-release leaves DP bit-exact; at width 4 against a stock tp=1 server; with adopted requests and a scatter."""
+release leaves DP bit-exact; at width 4 against a stock tp=1 server; with adopted requests and a scatter; a request
+sent to a follower; the router spreading a group's requests over its members, each kept by its owner on a scatter."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import httpx
 import pytest
 
 from devstack.cluster import Cluster, ClusterConfig
@@ -165,3 +168,45 @@ def test_a_request_sent_to_a_follower_runs_in_the_group_and_streams_from_the_fol
     finally:
         release(chunked, (0, 1), epoch)
     assert_matches(ours, ref, "a follower's own request run by its group")
+
+
+async def _gateway_requests(url: str, n: int, max_tokens: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        body = lambda i: {"model": "tiny-llama", "messages": [{"role": "user", "content": f"count to {i}"}],  # noqa: E731
+                          "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}  # fmt: skip
+        return await asyncio.gather(
+            *(client.post(url + "/v1/chat/completions", json=body(i)) for i in range(n))
+        )
+
+
+def test_the_router_spreads_a_groups_requests_over_its_members_and_a_scatter_keeps_each_with_its_owner(
+    chunked,
+):
+    """The router (its operator's group takes the gateway's work) dispatches a bound group's requests to both
+    members' endpoints; released by scatter while they decode, each continues in DP on the member that owns it
+    and completes: none lost, none moved."""
+    c, n, tokens = chunked, 6, 96
+    r = c.client()
+    epoch = bind_sp(c, (0, 1))
+
+    async def scenario() -> tuple[dict[int, int], list[httpx.Response]]:
+        task = asyncio.create_task(_gateway_requests(c.config.gateway_url, n, tokens))
+        deadline = time.monotonic() + 60
+        while sum(r.scard(c.keys.inflight(e)) for e in (0, 1)) < n:  # every one assigned and running
+            assert time.monotonic() < deadline and not task.done(), "requests not all assigned"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # they decode in the group
+        held = {e: r.scard(c.keys.inflight(e)) for e in (0, 1)}
+        await asyncio.to_thread(release, c, (0, 1), epoch, True)
+        return held, await task
+
+    held, responses = asyncio.run(scenario())
+    assert held[0] and held[1], f"in flight at the release: {held}"
+    assert [x.status_code for x in responses] == [200] * n
+    assert all(x.json()["usage"]["completion_tokens"] == tokens for x in responses)
+    rows = [{k.decode(): v.decode() for k, v in r.hgetall(c.keys.request(x.headers["x-request-id"])).items()}
+            for x in responses]  # fmt: skip
+    assert {h["epoch"] for h in rows} == {str(epoch)}, "every request ran in the group"
+    owners = sorted(int(h["engine"]) for h in rows)
+    assert owners == [0, 0, 0, 1, 1, 1], f"not spread in turn over the members: {owners}"
+    assert {h["url"] for h in rows} == {worker_url(c, 0), worker_url(c, 1)}
