@@ -8,7 +8,6 @@ by retraction) where that loses nothing, else it waits for the group's TP reques
 
 from __future__ import annotations
 
-from flying.groups import merge_sets
 from flying.messages import Group
 from router.decision import DistrustNote, ReleaseCause, ReleaseMode
 from router.round import Round, replace_group
@@ -117,12 +116,9 @@ def release_groups(rnd: Round) -> None:
 
 def release_idle_blocking(rnd: Round, width: int) -> None:
     """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one."""
-    n = max((e.num_engines for e in rnd.s.engines), default=1)
-    for ms in merge_sets(n, (width,)) if 1 < width <= n else []:
+    for ms in rnd.merge_sets(width):  # (any node's)
         inside = [g for g in rnd.groups.values() if set(g.members) & set(ms)]
-        if all(g.state == "bound" and g.reason != "manual" and not rnd.group_n(g) for g in inside) and all(
-            m in rnd.live for m in ms
-        ):
+        if all(g.state == "bound" and g.reason != "manual" and not rnd.group_n(g) for g in inside):
             for g in inside:
                 rnd.release(g, ReleaseCause.MAKING_ROOM, width=width)
             return

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from flying.groups import merge_sets
+from flying.groups import pool_sets
 from flying.groups import widths as group_widths
 from flying.messages import Group, GroupReason, GroupState, Preempt, QueuedRequest, RouterState
 from router.config import PolicyConfig
@@ -146,7 +146,7 @@ class Round:
         return r.failed_on in engines and len(self.live) > 1
 
     def engines_n(self) -> int:
-        """The cluster's engine count (as the heartbeats report it)."""
+        """The engines of the largest node's pool (as the heartbeats report it): the widest group there can be."""
         return max((e.num_engines for e in self.s.engines), default=1)
 
     def load_width(self) -> int:
@@ -159,25 +159,34 @@ class Round:
     def block_load(self, ms: tuple[int, ...]) -> int:
         return sum(self.dp_inflight[m] for m in ms)
 
+    def merge_sets(self, width: int) -> list[tuple[int, ...]]:
+        """Merge sets of ``width`` whose members are all live and in one node's pool (every node's, in engine
+        order): a group never spans two nodes."""
+        pools = sorted(
+            {e.pool for e in self.s.engines if 1 < width <= e.num_engines}, key=lambda p: (p[1], p[0])
+        )
+        return [
+            ms
+            for pool in pools
+            for ms in pool_sets(pool[1], pool[2], (width,))
+            if all(m in self.live and self.live[m].pool == pool for m in ms)
+        ]
+
     def free_sets(self, width: int) -> list[tuple[int, ...]]:
-        """Merge sets of ``width`` whose members are live, bindable, in DP and in no group; least loaded first."""
+        """Merge sets of ``width`` (any node's) whose members are live, bindable, in DP and in no group; least
+        loaded first."""
         taken = self.in_groups()
-        n = max((e.num_engines for e in self.s.engines), default=1)
-        if width > n:
-            return []
-        ok = []
-        for ms in merge_sets(n, (width,)) if n > 1 else []:
-            es = [self.live.get(m) for m in ms]
+        ok = [
+            ms
+            for ms in self.merge_sets(width)
             if all(
-                e is not None
-                and e.num_engines == n
-                and e.mode == "dp"
-                and not e.pending
+                self.live[m].mode == "dp"
+                and not self.live[m].pending
                 and m not in taken
                 and m not in self.suspect
-                for m, e in zip(ms, es)
-            ):
-                ok.append(ms)
+                for m in ms
+            )
+        ]
         return sorted(ok, key=lambda ms: (self.block_load(ms), ms))
 
     def hard_cap(self, members: tuple[int, ...]) -> int:
