@@ -1,13 +1,14 @@
 """``flyctl``: inspect and operate a running deployment through Redis.
 
-flyctl status                      engines (mode, epoch, group, load, prefix-cache hit rate, switch timings),
-                                   groups, regime, queue
+flyctl status                      engines by node (mode, epoch, group, load, prefix-cache hit rate, switch
+                                   timings), groups, regime, queue
 flyctl queue [-n 20]               the waiting requests in dispatch order
 flyctl watch [--interval 1]        status, refreshed until Ctrl-C
 flyctl tenants                     each tenant's requests and tokens admitted and requests refused by its
                                    limits (all gateways)
 flyctl bind 0 1 [--preempt hard] [--adopt] [--sp-threshold N]
-                                   bind engines 0 and 1 into one TP group by hand (prints the epoch);
+                                   bind engines 0 and 1 into one TP group by hand (prints the epoch; the
+                                   engines must be on one node);
                                    --adopt: their DP requests become the group's, KV moved by head slices;
                                    --sp-threshold: its steps of N batched tokens or more run sequence-parallel
 flyctl release EPOCH 0 1 [--retract | --scatter]
@@ -24,9 +25,10 @@ import time
 
 import redis
 
+from flyctl.nodes import by_node, cross_node, node_header
 from flying import control, settings
 from flying.keys import Keys
-from flying.messages import RouterState, decode
+from flying.messages import Heartbeat, RouterState, decode
 from flying.queue import text
 
 
@@ -36,16 +38,11 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
         f"{'wait':>4} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10} {'steps sp/tp':>13}  error"
     ]
     beats = control.status(r, keys)
-    for e, hb in beats.items():
-        group = ",".join(map(str, hb.group)) or "-"
-        inflight = r.scard(keys.inflight(e))
-        hit = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
-        lines.append(
-            f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
-            f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
-            f"{f'{hb.steps_sp}/{hb.steps_tp}':>13}  "
-            f"{hb.switch_error}"
-        )
+    nodes = by_node(beats)
+    for node, members in nodes.items():
+        if node or len(nodes) > 1:  # (engines that announce no node: one unnamed node, shown as before)
+            lines.append(node_header(node, members))
+        lines += [_engine_row(r, keys, e, hb) for e, hb in members.items()]
     if not beats:
         lines.append("no live engines")
     raw = r.get(keys.router_state)
@@ -71,6 +68,18 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     parts = ", ".join(f"{name} {n} (oldest {age:.2f} s)" for name, (n, age) in depths.items() if n)
     lines.append(f"queue: {total} waiting" + (f": {parts}" if parts else ""))
     return "\n".join(lines)
+
+
+def _engine_row(r: redis.Redis, keys: Keys, e: int, hb: Heartbeat) -> str:
+    group = ",".join(map(str, hb.group)) or "-"
+    inflight = r.scard(keys.inflight(e))
+    hit = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
+    return (
+        f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
+        f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
+        f"{f'{hb.steps_sp}/{hb.steps_tp}':>13}  "
+        f"{hb.switch_error}"
+    )
 
 
 def render_queue(r: redis.Redis, keys: Keys, limit: int) -> str:
@@ -149,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             if len(set(a.members)) < 2:
                 print("flyctl: a group needs at least two distinct engines", file=sys.stderr)
                 return 2
+            members = tuple(sorted(set(a.members)))
+            if why := cross_node(control.status(r, keys), members):
+                print(f"flyctl: cannot bind {list(members)}: {why}", file=sys.stderr)
+                return 2
             try:
-                members = tuple(sorted(set(a.members)))
                 print(control.bind(r, keys, members, a.preempt, adopt=a.adopt, sp_threshold=a.sp_threshold))
             except ValueError as exc:
                 print(f"flyctl: {exc}", file=sys.stderr)
