@@ -115,10 +115,16 @@ def release_groups(rnd: Round) -> None:
 
 
 def release_idle_blocking(rnd: Round, width: int) -> None:
-    """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one."""
+    """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one. (A
+    width with no such block this round has none for the round's later requests either.)"""
+    if width in rnd.no_idle_block:
+        return
+    group_of = {m: g for g in rnd.groups.values() for m in g.members}
+    order = {ep: i for i, ep in enumerate(rnd.groups)}
     for ms in rnd.merge_sets(width):  # (any node's)
-        inside = [g for g in rnd.groups.values() if set(g.members) & set(ms)]
+        inside = sorted({group_of[m] for m in ms if m in group_of}, key=lambda g: order[g.epoch])
         if all(g.state == "bound" and g.reason != "manual" and not rnd.group_n(g) for g in inside):
             for g in inside:
                 rnd.release(g, ReleaseCause.MAKING_ROOM, width=width)
             return
+    rnd.no_idle_block.add(width)

@@ -60,6 +60,8 @@ class Round:
         self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
         self.kv = TransformCost(cfg, self.live, self.dp_kv)
+        self._sets: dict[int, list[tuple[int, ...]]] = {}  # width -> merge sets of live engines (merge_sets)
+        self.no_idle_block: set[int] = set()  # widths router.releases.release_idle_blocking found no block for
 
     # --- group records ------------------------------------------------------------------------------------
 
@@ -161,7 +163,13 @@ class Round:
 
     def merge_sets(self, width: int) -> list[tuple[int, ...]]:
         """Merge sets of ``width`` whose members are all live and in one node's pool (every node's, in engine
-        order): a group never spans two nodes."""
+        order): a group never spans two nodes. (The live engines do not change within a round: computed once per
+        width.)"""
+        if width not in self._sets:
+            self._sets[width] = self._merge_sets(width)
+        return self._sets[width]
+
+    def _merge_sets(self, width: int) -> list[tuple[int, ...]]:
         pools = sorted(
             {e.pool for e in self.s.engines if 1 < width <= e.num_engines}, key=lambda p: (p[1], p[0])
         )

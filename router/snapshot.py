@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from flying.messages import Group, QueuedRequest, RouterState
 from router.engine_view import EngineView
@@ -31,9 +32,14 @@ class Snapshot:
     admitted: int = 0  # requests admitted so far (a monotonic counter; the rate regime's input)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
 
+    @cached_property
+    def max_engine_kv(self) -> int:
+        """The largest live engine's KV tokens (-1: no engine)."""
+        return max((e.max_total_tokens for e in self.engines), default=-1)
+
     def fits_one(self, r: QueuedRequest) -> bool:
         """One engine's KV holds ``r``."""
-        return any(e.max_total_tokens >= r.kv_tokens for e in self.engines)
+        return self.max_engine_kv >= r.kv_tokens
 
     def dp_fit(self, r: QueuedRequest) -> bool:
         """``r`` is normal work DP serves (not high priority, and one engine holds it)."""
