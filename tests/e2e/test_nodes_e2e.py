@@ -16,7 +16,7 @@ import pytest
 from devstack.cluster import Cluster, ClusterConfig
 from flying import control
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 BODY = {
     "model": "tiny-llama",
     "messages": [{"role": "user", "content": "a long story please"}],
@@ -38,8 +38,11 @@ def two_nodes(tiny_model, tmp_path_factory):
         max_total_tokens=4096,
         router_args=("--max-inflight-per-worker", "4"),
     )
-    with Cluster(config, progress=print) as c:
+    c = Cluster(config, progress=print).start(timeout_s=600)  # four CPU engines start slowly on two cores
+    try:
         yield c
+    finally:
+        c.stop()
 
 
 def wait_for(pred, timeout_s: float, what: str):
