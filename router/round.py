@@ -61,7 +61,8 @@ class Round:
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
         self.kv = TransformCost(cfg, self.live, self.dp_kv)
         self._sets: dict[int, list[tuple[int, ...]]] = {}  # width -> merge sets of live engines (merge_sets)
-        self.no_idle_block: set[int] = set()  # widths router.releases.release_idle_blocking found no block for
+        # widths router.releases.release_idle_blocking found no block for
+        self.no_idle_block: set[int] = set()
 
     # --- group records ------------------------------------------------------------------------------------
 
