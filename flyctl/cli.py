@@ -39,10 +39,10 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     ]
     beats = control.status(r, keys)
     nodes = by_node(beats)
-    for node, members in nodes.items():
+    for node, engines in nodes.items():
         if node or len(nodes) > 1:  # (engines that announce no node: one unnamed node, shown as before)
-            lines.append(node_header(node, members))
-        lines += [_engine_row(r, keys, e, hb) for e, hb in members.items()]
+            lines.append(node_header(node, engines))
+        lines += [_engine_row(r, keys, e, hb) for e, hb in engines.items()]
     if not beats:
         lines.append("no live engines")
     raw = r.get(keys.router_state)

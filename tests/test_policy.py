@@ -831,3 +831,14 @@ def test_a_node_that_comes_back_rejoins_in_dp_and_binds_again_inside_itself():
     assert {x.engine for x in d.dispatches} >= {4, 5, 6, 7}, "its engines take DP work at once"
     d = decide(snap([req("p", priority="high")], engines=back, state=LIGHT), CFG)
     assert d.binds and all(len({node_of(m) for m in g.members}) == 1 for g in d.binds)
+
+
+def test_a_node_without_load_groups_binds_its_own_beside_another_nodes():
+    """Node b's engines came up first and bound their load group; node a's, live later in the same light period,
+    still bind theirs (one node's choice does not hold the other's engines in DP)."""
+    es = two_nodes(2)
+    es = [*es[:2], *(dataclasses.replace(e, mode="tp", epoch=5) for e in es[2:])]
+    d = decide(snap(engines=es, groups=[bound(5, (2, 3), reason="load")], state=LIGHT), CFG)
+    assert [g.members for g in d.binds] == [(0, 1)]
+    d = decide(snap(engines=es[:2] + [node_eng(i, "b", 2, 2) for i in (2, 3)], state=LIGHT), CFG)
+    assert sorted(g.members for g in d.binds) == [(0, 1), (2, 3)]
