@@ -61,6 +61,9 @@ class Round:
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
         self.kv = TransformCost(cfg, self.live, self.dp_kv)
         self._sets: dict[int, list[tuple[int, ...]]] = {}  # width -> merge sets of live engines (merge_sets)
+        self._failed: dict[
+            int, set[int]
+        ] = {}  # engine -> where what failed on it is not sent (failed_domain)
         # widths router.releases.release_idle_blocking found no block for
         self.no_idle_block: set[int] = set()
 
@@ -145,8 +148,25 @@ class Round:
 
     def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired
-        yet): send it elsewhere, unless that engine is the only live one."""
-        return r.failed_on in engines and len(self.live) > 1
+        yet): send it elsewhere, unless that engine is the only live one. Its node may be gone whole (the other
+        engines' heartbeats not expired yet either): while another node is live, it goes there."""
+        if r.failed_on < 0:
+            return False
+        return bool(set(engines) & self.failed_domain(r.failed_on))
+
+    def failed_domain(self, engine: int) -> set[int]:
+        """Where a request that failed on ``engine`` is not sent: the live engines of ``engine``'s node (those
+        whose pool spans it) and ``engine`` itself, while a live engine outside them remains; else ``engine``
+        alone while another engine is live; else nothing."""
+        if engine not in self._failed:
+            node = {e.engine for e in self.s.engines if e.pool_first <= engine < e.pool_first + e.num_engines}
+            node = {e for e in node if self.live[e].pool == self.live[min(node)].pool} if node else set()
+            node.add(engine)
+            if len(self.live.keys() - node) > 0:
+                self._failed[engine] = node
+            else:
+                self._failed[engine] = {engine} if len(self.live) > 1 else set()
+        return self._failed[engine]
 
     def engines_n(self) -> int:
         """The engines of the largest node's pool (as the heartbeats report it): the widest group there can be."""

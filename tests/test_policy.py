@@ -842,3 +842,15 @@ def test_a_node_without_load_groups_binds_its_own_beside_another_nodes():
     assert [g.members for g in d.binds] == [(0, 1)]
     d = decide(snap(engines=es[:2] + [node_eng(i, "b", 2, 2) for i in (2, 3)], state=LIGHT), CFG)
     assert sorted(g.members for g in d.binds) == [(0, 1), (2, 3)]
+
+
+def test_a_request_that_failed_on_an_engine_goes_to_another_node_while_its_node_may_be_gone():
+    """It failed on engine 2 before the heartbeats of node b (2, 3) expired: the whole node may be lost, so it
+    goes to node a, even though engine 3 is the least loaded; on one node it avoids engine 2 only."""
+    failed = msgspec.structs.replace(req("f"), failed_on=2, attempts=1)
+    es = [node_eng(i, "a", 0, 2, inflight=2) for i in (0, 1)] + [node_eng(i, "b", 2, 2) for i in (2, 3)]
+    assert [x.engine for x in decide(snap([failed], engines=es), DP_ONLY).dispatches] in ([0], [1])
+    one = [eng(i, inflight=2) for i in (0, 1)] + [eng(2), eng(3)]
+    assert [x.engine for x in decide(snap([failed], engines=one), DP_ONLY).dispatches] == [3]
+    alone = [node_eng(i, "b", 2, 2) for i in (2, 3)]  # only node b is live: its other engine
+    assert [x.engine for x in decide(snap([failed], engines=alone), DP_ONLY).dispatches] == [3]
