@@ -15,7 +15,6 @@ import pytest
 
 from devstack.cluster import Cluster, ClusterConfig
 from flying import control
-from flying.procs import stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 BODY = {
@@ -25,7 +24,6 @@ BODY = {
     "ignore_eos": True,
     "temperature": 0,
 }
-STEADY = ("--max-inflight-per-worker", "4", "--calm-s", "3600")
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +83,6 @@ def test_binds_stay_inside_a_node_and_a_lost_node_loses_no_accepted_request(two_
         lambda: len(control.groups(r, c.keys)) == 2 and control.groups(r, c.keys), 60, "2 groups"
     )
     assert sorted(g.members for g in groups) == [(0, 1), (2, 3)]
-    # from here on the routers stay busy once load rises (no rebinding while CPU engines switch under load)
-    stop(c.standby)
-    c.kill_router()
-    c.start_router(STEADY)
-    c.start_standby(STEADY)
 
     urls = c.config.gateway_urls()
     served_by: dict[int, set[int]] = {0: set(), 1: set()}
@@ -105,7 +98,7 @@ def test_binds_stay_inside_a_node_and_a_lost_node_loses_no_accepted_request(two_
                         served_by[node[e]].add(e)
                 return all(served_by.values())
 
-            await asyncio.to_thread(wait_for, both_nodes_busy, 120, "requests on both nodes")
+            await asyncio.to_thread(wait_for, both_nodes_busy, 60, "requests on both nodes")
             c.kill_node(1, signal.SIGKILL)  # engines 2 and 3 at once, with whatever they were running
             return await asyncio.gather(*tasks)
 
