@@ -236,7 +236,7 @@ class Engine:
             epoch=g.epoch if g else 0,
             pending=self.pending.epoch if self.pending else 0,
             num_engines=self.sim.cfg.per_node,
-            node=f"node{self.sim.cfg.node_of(self.idx)}",
+            node=f"node{self.sim.cfg.node_of(self.idx)}" if self.sim.cfg.nodes > 1 else "",
             pool_first=self.sim.cfg.node_of(self.idx) * self.sim.cfg.per_node,
             kv_transform=self.transforms,
             free_kv_tokens=kv - self.dp.kv_used,
