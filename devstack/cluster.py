@@ -1,11 +1,17 @@
 """Start and stop a whole local deployment: Redis, N workers, the router and the gateway.
 
+With ``nodes`` > 1 the engines are split into that many "nodes" on this machine (each announces its node, each
+node's engines build their own communicator pool on their own rendezvous port), and with ``gateways`` > 1 more
+gateway processes on their own ports share the one Redis: a many-node stack in miniature.
+
 Used by the demo (``flying-demo``) and by the end-to-end tests. Every process gets its own process group and log
 file under ``log_dir``; ``stop()`` tears all of them down.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -28,7 +34,9 @@ from router.policy import DispatchRule, PolicyConfig
 @dataclass(frozen=True)
 class ClusterConfig:
     model_path: Path
-    num_engines: int = 2
+    num_engines: int = 2  # in all: nodes x engines per node
+    nodes: int = 1  # "nodes" on this machine: bind domains, each with its own communicator pool
+    gateways: int = 1  # gateway processes over the one Redis (the first on gateway_port)
     log_dir: Path = Path(".flying/logs")
     redis_url: str | None = None  # None: start a private redis-server
     key_prefix: str = "flying"
@@ -51,6 +59,10 @@ class ClusterConfig:
     cache_threshold: float = PolicyConfig.cache_threshold
     balance_abs_threshold: float = PolicyConfig.balance_abs_threshold
     balance_rel_threshold: float = PolicyConfig.balance_rel_threshold
+    comm_ports: tuple[int, ...] = field(
+        init=False, default=()
+    )  # each node's rendezvous (the first: comm_port)
+    gateway_ports: tuple[int, ...] = field(init=False, default=())  # each gateway's (the first: gateway_port)
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -61,6 +73,30 @@ class ClusterConfig:
             raise ValueError(
                 f"worker_ports needs one port per engine: {len(self.worker_ports)} for {self.num_engines} engines"
             )
+        if self.nodes < 1 or self.num_engines % self.nodes:
+            raise ValueError(f"{self.num_engines} engines do not split evenly over {self.nodes} nodes")
+        if self.gateways < 1:
+            raise ValueError(f"gateways must be >= 1, got {self.gateways}")
+        more_comm = tuple(free_port() for _ in range(self.nodes - 1))
+        object.__setattr__(self, "comm_ports", (self.comm_port, *more_comm))
+        more_gw = tuple(free_port() for _ in range(self.gateways - 1))
+        object.__setattr__(self, "gateway_ports", (self.gateway_port, *more_gw))
+
+    @property
+    def per_node(self) -> int:
+        return self.num_engines // self.nodes
+
+    def node_of(self, engine: int) -> int:
+        return engine // self.per_node
+
+    def node_engines(self, node: int) -> range:
+        return range(node * self.per_node, (node + 1) * self.per_node)
+
+    def node_name(self, node: int) -> str:
+        return f"node{node}"
+
+    def gateway_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.gateway_ports]
 
     @property
     def gateway_url(self) -> str:
@@ -88,6 +124,7 @@ class Cluster:
         self.router: subprocess.Popen | None = None
         self.standby: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
+        self.more_gateways: dict[int, subprocess.Popen] = {}  # the second gateway on, by index (gateways > 1)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 300) -> Cluster:
@@ -102,15 +139,21 @@ class Cluster:
             if self.config.standby_router:
                 self.start_standby()
             self.start_gateway()
+            for g in range(1, self.config.gateways):
+                self.start_more_gateway(g)
             self.wait_live(range(self.config.num_engines), timeout_s)
             self.wait_gateway(timeout_s=60)
+            for g in self.more_gateways:
+                self.wait_gateway(timeout_s=60, index=g)
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self) -> None:
-        stop_all([self.gateway, self.router, self.standby, *self.workers.values()])
+        stop_all(
+            [self.gateway, *self.more_gateways.values(), self.router, self.standby, *self.workers.values()]
+        )
         if self.redis_server:
             self.redis_server.stop()
 
@@ -130,18 +173,24 @@ class Cluster:
         log_args = ["--log-format", self.config.log_format]
         return [sys.executable, "-m", module, *redis_args, *log_args, *args]
 
-    def start_worker(self, i: int) -> None:
+    def worker_command(self, i: int) -> list[str]:
+        """``flying-worker`` for engine ``i``: its node's pool (engines, first engine, rendezvous port)."""
         c = self.config
         cmd = self._command(
-            "worker_ext.launch", "--engine", str(i), "--num-engines", str(c.num_engines),
+            "worker_ext.launch", "--engine", str(i), "--num-engines", str(c.per_node),
             "--model-path", str(c.model_path), "--port", str(c.worker_ports[i]),
             "--served-model-name", c.served_model_name, "--max-total-tokens", str(c.max_total_tokens),
         )  # fmt: skip
-        if c.bindable and c.num_engines > 1:
-            cmd += ["--comm-port", str(c.comm_port)]
-        cmd += list(c.worker_args)
-        self.workers[i] = spawn(cmd, self.log(f"worker{i}"))
-        self.progress(f"worker {i} starting on port {c.worker_ports[i]}")
+        node = c.node_of(i)
+        if c.nodes > 1:
+            cmd += ["--node", c.node_name(node), "--first-engine", str(c.node_engines(node).start)]
+        if c.bindable and c.per_node > 1:
+            cmd += ["--comm-port", str(c.comm_ports[node])]
+        return cmd + list(c.worker_args)
+
+    def start_worker(self, i: int) -> None:
+        self.workers[i] = spawn(self.worker_command(i), self.log(f"worker{i}"))
+        self.progress(f"worker {i} starting on port {self.config.worker_ports[i]}")
 
     def start_router(self, args: tuple[str, ...] | None = None) -> None:
         """Start the router with ``args`` (default: the config's router_args)."""
@@ -162,14 +211,30 @@ class Cluster:
         self.standby = spawn(cmd, self.log("router-standby"))
         self.progress("standby router starting")
 
-    def start_gateway(self) -> None:
+    def _gateway(self, index: int) -> subprocess.Popen:
         c = self.config
         cmd = self._command(
-            "gateway.main", "--model-path", str(c.model_path), "--port", str(c.gateway_port),
+            "gateway.main", "--model-path", str(c.model_path), "--port", str(c.gateway_ports[index]),
             "--served-model-name", c.served_model_name, *c.gateway_args,
         )  # fmt: skip
-        self.gateway = spawn(cmd, self.log("gateway"))
-        self.progress(f"gateway starting on {c.gateway_url}")
+        self.progress(f"gateway {index} starting on {c.gateway_urls()[index]}")
+        return spawn(cmd, self.log("gateway" if index == 0 else f"gateway{index}"))
+
+    def start_gateway(self) -> None:
+        self.gateway = self._gateway(0)
+
+    def start_more_gateway(self, index: int) -> None:
+        """Gateway ``index`` (1 ..): another gateway process on its own port, over the same Redis."""
+        self.more_gateways[index] = self._gateway(index)
+
+    def kill_node(self, node: int, sig: int = signal.SIGKILL) -> None:
+        """Every engine of ``node`` at once (its launchers and servers), as a lost host."""
+        procs = [self.workers.pop(i) for i in self.config.node_engines(node) if i in self.workers]
+        for proc in procs:  # all at once, then reap each
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        for proc in procs:
+            stop(proc, sig=sig)
 
     def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
         stop(self.workers.pop(i), sig=sig)
@@ -200,7 +265,7 @@ class Cluster:
 
     def heartbeats(self) -> dict[int, Heartbeat]:
         r = self.client()
-        engines = range(self.config.num_engines)
+        engines = range(self.config.num_engines)  # (every node's)
         beats = r.mget([self.keys.worker(i) for i in engines])
         readies = r.mget([self.keys.ready(i) for i in engines])
         return {hb.engine: hb for raw, ready in zip(beats, readies) if (hb := live_heartbeat(raw, ready))}
@@ -227,9 +292,11 @@ class Cluster:
             f"workers {sorted(want - set(self.heartbeats()))} not live after {timeout_s:.0f} s"
         )
 
-    def wait_gateway(self, timeout_s: float) -> None:
+    def wait_gateway(self, timeout_s: float, index: int = 0) -> None:
+        proc = self.gateway if index == 0 else self.more_gateways[index]
+        name = "gateway" if index == 0 else f"gateway{index}"
         try:
-            wait_healthy(self.gateway, self.config.gateway_url, timeout_s)
+            wait_healthy(proc, self.config.gateway_urls()[index], timeout_s)
         except NotReady as exc:
-            raise ClusterError(f"gateway: {exc}:\n{tail(self.log('gateway'))}") from None
-        self.progress("gateway ready")
+            raise ClusterError(f"{name}: {exc}:\n{tail(self.log(name))}") from None
+        self.progress(f"{name} ready")

@@ -1,13 +1,14 @@
 """``flyctl``: inspect and operate a running deployment through Redis.
 
-flyctl status                      engines (mode, epoch, group, load, prefix-cache hit rate, switch timings),
-                                   groups, regime, queue
+flyctl status                      engines by node (mode, epoch, group, load, prefix-cache hit rate, switch
+                                   timings), groups, regime, queue
 flyctl queue [-n 20]               the waiting requests in dispatch order
 flyctl watch [--interval 1]        status, refreshed until Ctrl-C
 flyctl tenants                     each tenant's requests and tokens admitted and requests refused by its
                                    limits (all gateways)
 flyctl bind 0 1 [--preempt hard] [--adopt] [--sp-threshold N]
-                                   bind engines 0 and 1 into one TP group by hand (prints the epoch);
+                                   bind engines 0 and 1 into one TP group by hand (prints the epoch; the
+                                   engines must be on one node);
                                    --adopt: their DP requests become the group's, KV moved by head slices;
                                    --sp-threshold: its steps of N batched tokens or more run sequence-parallel
 flyctl release EPOCH 0 1 [--retract | --scatter]
@@ -24,10 +25,11 @@ import time
 
 import redis
 
+from flyctl.nodes import by_node, cross_node, node_header
 from flying import cli, control, redis_conn
 from flying.breaker import Breaker, decode_all
 from flying.keys import Keys
-from flying.messages import RouterState, decode
+from flying.messages import Heartbeat, RouterState, decode
 from flying.queue import text
 
 
@@ -38,16 +40,11 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     ]
     beats = control.status(r, keys)
     breakers = decode_all(r.hgetall(keys.breakers))
-    for e, hb in beats.items():
-        group = ",".join(map(str, hb.group)) or "-"
-        inflight = r.scard(keys.inflight(e))
-        hit = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
-        lines.append(
-            f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
-            f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
-            f"{f'{hb.steps_sp}/{hb.steps_tp}':>13} {breaker_cell(breakers.get(e)):>12}  "
-            f"{hb.switch_error}"
-        )
+    nodes = by_node(beats)
+    for node, engines in nodes.items():
+        if node or len(nodes) > 1:  # (engines that announce no node: one unnamed node, shown as before)
+            lines.append(node_header(node, engines))
+        lines += [_engine_row(r, keys, e, hb, breakers.get(e)) for e, hb in engines.items()]
     if not beats:
         lines.append("no live engines")
     raw = r.get(keys.router_state)
@@ -82,6 +79,18 @@ def breaker_cell(b: Breaker | None) -> str:
     if b.state.value == "open":
         return f"open {max(0.0, b.until - time.time()):.0f}s"
     return b.state.value
+
+
+def _engine_row(r: redis.Redis, keys: Keys, e: int, hb: Heartbeat, breaker: Breaker | None) -> str:
+    group = ",".join(map(str, hb.group)) or "-"
+    inflight = r.scard(keys.inflight(e))
+    hit = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
+    return (
+        f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
+        f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
+        f"{f'{hb.steps_sp}/{hb.steps_tp}':>13} {breaker_cell(breaker):>12}  "
+        f"{hb.switch_error}"
+    )
 
 
 def render_queue(r: redis.Redis, keys: Keys, limit: int) -> str:
@@ -160,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             if len(set(a.members)) < 2:
                 print("flyctl: a group needs at least two distinct engines", file=sys.stderr)
                 return 2
+            members = tuple(sorted(set(a.members)))
+            if why := cross_node(control.status(r, keys), members):
+                print(f"flyctl: cannot bind {list(members)}: {why}", file=sys.stderr)
+                return 2
             try:
-                members = tuple(sorted(set(a.members)))
                 print(control.bind(r, keys, members, a.preempt, adopt=a.adopt, sp_threshold=a.sp_threshold))
             except ValueError as exc:
                 print(f"flyctl: {exc}", file=sys.stderr)

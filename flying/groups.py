@@ -26,3 +26,9 @@ def widths(num_engines: int) -> list[int]:
 def pooled_limit(num_engines: int, per_engine_tokens: int) -> int:
     """The most KV tokens one request can use: the widest group's pooled KV (one engine's without groups)."""
     return max(widths(num_engines)) * per_engine_tokens
+
+
+def pool_sets(first: int, num_engines: int, widths: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
+    """The merge sets of one node's pool, which spans engines ``first`` .. ``first + num_engines - 1``: those of
+    :func:`merge_sets` offset by ``first`` (a group never spans two nodes)."""
+    return [tuple(first + m for m in ms) for ms in merge_sets(num_engines, widths)]

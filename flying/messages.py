@@ -121,6 +121,11 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0  # ... and how many of them its prefix cache held (SGLang's cached_tokens)
     step: int = 0
     ts: float = 0.0
+    node: str = (
+        ""  # the node (host) it runs on: a group only binds engines of one node ("": a one-node record)
+    )
+    pool_first: int = 0  # the first engine of its node's communicator pool: the pool spans engines
+    # pool_first .. pool_first + num_engines - 1 and its merge sets are flying.groups.pool_sets(pool_first, ...)
 
     @property
     def cache_hit_rate(self) -> float | None:

@@ -14,8 +14,10 @@ NUM_ENGINES = "FLYING_NUM_ENGINES"
 SERVED_MODEL = "FLYING_SERVED_MODEL"
 DEVICE = "FLYING_DEVICE"
 LAUNCH_ID = "FLYING_LAUNCH_ID"
-COMM_HOST = "FLYING_COMM_HOST"  # the communicator pool's rendezvous store (hosted by engine 0)
+COMM_HOST = "FLYING_COMM_HOST"  # the communicator pool's rendezvous store (hosted by the node's first engine)
 COMM_PORT = "FLYING_COMM_PORT"
+NODE = "FLYING_NODE"  # the node an engine announces (flying-worker --node)
+FIRST_ENGINE = "FLYING_FIRST_ENGINE"  # the first engine of the node's communicator pool (--first-engine)
 LOG_FORMAT = "FLYING_LOG_FORMAT"  # set by flying-worker for the SGLang server's processes (the plugin)
 SP_THRESHOLD = "FLYING_SP_THRESHOLD"  # a bound group's SP steps: batched tokens from which a step runs in SP
 

@@ -23,6 +23,13 @@ class EngineView:
     beat_ts: float = 0.0
     kv_transform: bool = False  # it applies Bind.adopt / Release.scatter
     launch_id: str = ""  # its server's launch (a restart forgets its prefix cache)
+    node: str = ""  # the node it runs on: groups bind engines of one node only
+    pool_first: int = 0  # the first engine of its node's pool (spanning num_engines engines)
+
+    @property
+    def pool(self) -> tuple[str, int, int]:
+        """Its node's communicator pool: (node, first engine, engines); engines of one pool may bind together."""
+        return (self.node, self.pool_first, self.num_engines)
 
     @classmethod
     def from_heartbeat(cls, hb: Heartbeat, inflight: int) -> EngineView:
@@ -41,4 +48,6 @@ class EngineView:
             beat_ts=hb.ts,
             kv_transform=hb.kv_transform,
             launch_id=hb.launch_id,
+            node=hb.node,
+            pool_first=hb.pool_first,
         )

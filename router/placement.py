@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from flying.groups import widths as group_widths
 from flying.messages import FastTarget, Group, GroupReason, GroupState, QueuedRequest
@@ -127,7 +128,8 @@ def load_binds(rnd: Round) -> None:
     are idle binds at once; a busy one binds at once by adoption where its members transform KV and the
     transformation is cheap (``adopt_max_ms``), otherwise it drains first (sequential: its engines get no new work
     while the rest of the cluster takes it), so no request is paused or recomputed. At most half of the blocks
-    still in DP drain at the same time."""
+    still in DP drain at the same time. Per node: a node whose load groups of this light period are chosen binds
+    no narrower ones beside them; the other nodes still bind theirs."""
     if rnd.out.state.busy or not rnd.cfg.load_adaptation:
         return
     if any(need_width(r.kv_tokens, rnd.s.engines) not in (1, None) for r in rnd.s.waiting):
@@ -135,14 +137,18 @@ def load_binds(rnd: Round) -> None:
     for width in sorted(
         (w for w in group_widths(rnd.engines_n()) if 2 <= w <= rnd.load_width()), reverse=True
     ):
-        if any(g.reason == "load" for g in [*rnd.groups.values(), *rnd.out.binds]):
-            return  # the load groups of this light period are chosen: no narrower ones beside them
-        bind_blocks(rnd, width)
+        chosen = {  # nodes whose load groups of this light period are chosen: no narrower ones beside them
+            rnd.live[g.leader].pool
+            for g in [*rnd.groups.values(), *rnd.out.binds]
+            if g.reason == "load" and g.leader in rnd.live
+        }
+        bind_blocks(rnd, width, chosen)
 
 
-def bind_blocks(rnd: Round, width: int) -> None:
-    """Bind the free blocks of ``width`` that may bind now (see :func:`load_binds`)."""
-    sets = rnd.free_sets(width)
+def bind_blocks(rnd: Round, width: int, chosen: AbstractSet[tuple[str, int, int]] = frozenset()) -> None:
+    """Bind the free blocks of ``width`` that may bind now (see :func:`load_binds`), outside the ``chosen``
+    nodes' pools."""
+    sets = [ms for ms in rnd.free_sets(width) if rnd.live[ms[0]].pool not in chosen]
     draining = sum(1 for g in rnd.groups.values() if g.reason == "load" and g.state == "binding")
     in_dp = len(sets) + draining
     for ms in sets:  # least loaded first

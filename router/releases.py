@@ -8,7 +8,6 @@ by retraction) where that loses nothing, else it waits for the group's TP reques
 
 from __future__ import annotations
 
-from flying.groups import merge_sets
 from flying.messages import Group
 from router.decision import DistrustNote, ReleaseCause, ReleaseMode
 from router.round import Round, replace_group
@@ -127,7 +126,7 @@ def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
     width = rnd.load_width()
     if g.reason not in ("load", "priority") or g.width >= width or rnd.paused_dp(g):
         return None
-    block = next((ms for ms in merge_sets(rnd.engines_n(), (width,)) if set(g.members) <= set(ms)), None)
+    block = next((ms for ms in rnd.merge_sets(width) if set(g.members) <= set(ms)), None)
     if block is None or not all(m in rnd.live for m in block) or not rnd.kv.possible(block):
         return None
     inside = {x.epoch: x for x in rnd.groups.values() if set(x.members) & set(block)}
@@ -148,13 +147,16 @@ def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
 
 
 def release_idle_blocking(rnd: Round, width: int) -> None:
-    """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one."""
-    n = max((e.num_engines for e in rnd.s.engines), default=1)
-    for ms in merge_sets(n, (width,)) if 1 < width <= n else []:
-        inside = [g for g in rnd.groups.values() if set(g.members) & set(ms)]
-        if all(g.state == "bound" and g.reason != "manual" and not rnd.group_n(g) for g in inside) and all(
-            m in rnd.live for m in ms
-        ):
+    """A long request needs ``width`` engines but groups occupy every block: release the idle ones in one. (A
+    width with no such block this round has none for the round's later requests either.)"""
+    if width in rnd.no_idle_block:
+        return
+    group_of = {m: g for g in rnd.groups.values() for m in g.members}
+    order = {ep: i for i, ep in enumerate(rnd.groups)}
+    for ms in rnd.merge_sets(width):  # (any node's)
+        inside = sorted({group_of[m] for m in ms if m in group_of}, key=lambda g: order[g.epoch])
+        if all(g.state == "bound" and g.reason != "manual" and not rnd.group_n(g) for g in inside):
             for g in inside:
                 rnd.release(g, ReleaseCause.MAKING_ROOM, width=width)
             return
+    rnd.no_idle_block.add(width)

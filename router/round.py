@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from flying.groups import merge_sets
+from flying.groups import pool_sets
 from flying.groups import widths as group_widths
 from flying.messages import Group, GroupReason, GroupState, Preempt, QueuedRequest, RouterState
 from router.config import PolicyConfig
@@ -68,6 +68,12 @@ class Round:
         self._taken: frozenset[int] | None = None  # in_groups(), until a record's members or a bind change it
         # router.dp_dispatch's candidates, built at the round's first DP dispatch
         self.dp_pool: DpPool | None = None
+        self._sets: dict[int, list[tuple[int, ...]]] = {}  # width -> merge sets of live engines (merge_sets)
+        self._failed: dict[
+            int, set[int]
+        ] = {}  # engine -> where what failed on it is not sent (failed_domain)
+        # widths router.releases.release_idle_blocking found no block for
+        self.no_idle_block: set[int] = set()
 
     # --- group records ------------------------------------------------------------------------------------
 
@@ -158,11 +164,28 @@ class Round:
 
     def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired
-        yet): send it elsewhere, unless that engine is the only live one."""
-        return r.failed_on in engines and len(self.live) > 1
+        yet): send it elsewhere, unless that engine is the only live one. Its node may be gone whole (the other
+        engines' heartbeats not expired yet either): while another node is live, it goes there."""
+        if r.failed_on < 0:
+            return False
+        return bool(set(engines) & self.failed_domain(r.failed_on))
+
+    def failed_domain(self, engine: int) -> set[int]:
+        """Where a request that failed on ``engine`` is not sent: the live engines of ``engine``'s node (those
+        whose pool spans it) and ``engine`` itself, while a live engine outside them remains; else ``engine``
+        alone while another engine is live; else nothing."""
+        if engine not in self._failed:
+            node = {e.engine for e in self.s.engines if e.pool_first <= engine < e.pool_first + e.num_engines}
+            node = {e for e in node if self.live[e].pool == self.live[min(node)].pool} if node else set()
+            node.add(engine)
+            if len(self.live.keys() - node) > 0:
+                self._failed[engine] = node
+            else:
+                self._failed[engine] = {engine} if len(self.live) > 1 else set()
+        return self._failed[engine]
 
     def engines_n(self) -> int:
-        """The cluster's engine count (as the heartbeats report it)."""
+        """The engines of the largest node's pool (as the heartbeats report it): the widest group there can be."""
         return self._engines_n
 
     def load_width(self) -> int:
@@ -175,25 +198,40 @@ class Round:
     def block_load(self, ms: tuple[int, ...]) -> int:
         return sum(self.dp_inflight[m] for m in ms)
 
+    def merge_sets(self, width: int) -> list[tuple[int, ...]]:
+        """Merge sets of ``width`` whose members are all live and in one node's pool (every node's, in engine
+        order): a group never spans two nodes. (The live engines do not change within a round: computed once per
+        width.)"""
+        if width not in self._sets:
+            self._sets[width] = self._merge_sets(width)
+        return self._sets[width]
+
+    def _merge_sets(self, width: int) -> list[tuple[int, ...]]:
+        pools = sorted(
+            {e.pool for e in self.s.engines if 1 < width <= e.num_engines}, key=lambda p: (p[1], p[0])
+        )
+        return [
+            ms
+            for pool in pools
+            for ms in pool_sets(pool[1], pool[2], (width,))
+            if all(m in self.live and self.live[m].pool == pool for m in ms)
+        ]
+
     def free_sets(self, width: int) -> list[tuple[int, ...]]:
-        """Merge sets of ``width`` whose members are live, bindable, in DP and in no group; least loaded first."""
+        """Merge sets of ``width`` (any node's) whose members are live, bindable, in DP and in no group; least
+        loaded first."""
         taken = self.in_groups()
-        n = self._engines_n
-        if width > n:
-            return []
-        ok = []
-        for ms in merge_sets(n, (width,)) if n > 1 else []:
-            es = [self.live.get(m) for m in ms]
+        ok = [
+            ms
+            for ms in self.merge_sets(width)
             if all(
-                e is not None
-                and e.num_engines == n
-                and e.mode == "dp"
-                and not e.pending
+                self.live[m].mode == "dp"
+                and not self.live[m].pending
                 and m not in taken
                 and m not in self.suspect
-                for m, e in zip(ms, es)
-            ):
-                ok.append(ms)
+                for m in ms
+            )
+        ]
         return sorted(ok, key=lambda ms: (self.block_load(ms), ms))
 
     def hard_cap(self, members: tuple[int, ...]) -> int:

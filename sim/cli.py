@@ -10,6 +10,7 @@ flying-sim --trace my.csv --preset burstgpt --out o    your own trace (loadgen's
 flying-sim --modes shift,dynamic --shift-threshold 512  Shift Parallelism with the code's threshold
 flying-sim --workload shared-prefix --modes dp --engines 4   cache-aware vs least-loaded DP dispatch
 flying-sim --modes dp,shift,dynamic --long-share 0 --seeds 0-19   the targets over 20 seeds
+flying-sim --nodes 16 --modes dp,shift,dynamic          16 nodes of 8 engines, 16 times the arrival rate
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from sim.prefix_report import prefix_table, ratios, summarize_prefix
 from sim.prefix_workload import shared_prefix_workload
 from sim.seeds import over_seeds, parse_seeds, seeds_table
 from sim.simulator import Simulator
-from sim.workload import SimRequest, paper_workload, two_level_phase
+from sim.workload import BURST_RATE, LOW_RATE, SimRequest, paper_workload, two_level_phase
 
 FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
 
@@ -204,7 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     d = SimConfig()
     p = argparse.ArgumentParser(prog="flying-sim", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=4000)
-    p.add_argument("--engines", type=int, default=d.engines)
+    p.add_argument("--engines", type=int, default=d.engines, help="engines per node")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=d.nodes,
+        help="nodes (bind domains: groups never span two) of --engines each, over one global queue; the paper "
+        "workload's arrival rates and --requests are scaled by it",
+    )
     p.add_argument(
         "--tp-width", type=int, default=d.tp_width, help="static TP width (dynamic's: --policy light_width=W)"
     )
@@ -270,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     lo_in, hi_in = (int(x) for x in a.input.split(":"))
     lo_out, hi_out = (int(x) for x in a.output.split(":"))
     if a.workload == "shared-prefix":
+        if a.nodes > 1:
+            p.error("--nodes runs the paper workload (or a trace), not --workload shared-prefix")
         return prefix_main(a, d)
     if a.trace:
         rows = read_trace(a.trace, PRESETS[a.preset], limit=a.requests)
@@ -277,15 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         phase = lambda t: "all"  # noqa: E731
         flat = lambda t: False  # noqa: E731
     else:
-        reqs = paper_workload(
-            a.requests, a.seed, low_s=a.low_s, burst_s=a.burst_s, input_tokens=(lo_in, hi_in),
-            output_tokens=(lo_out, hi_out), high_share=a.high_share, long_share=a.long_share,
-        )  # fmt: skip
+        reqs = paper_workload(a.requests * a.nodes, a.seed, **workload_args(a))
         phase = lambda t: two_level_phase(t, a.low_s, a.burst_s)  # noqa: E731
         flat = lambda t: flat_period(t, a.low_s, a.burst_s)  # noqa: E731
     base = dataclasses.replace(
         d,
-        engines=a.engines,
+        engines=a.engines * a.nodes,
+        nodes=a.nodes,
         tp_width=a.tp_width,
         kv_transform=a.kv_transform,
         shift_threshold=a.shift_threshold,
@@ -333,16 +341,20 @@ def main(argv: list[str] | None = None) -> int:
                                                    indent=1, default=float))  # fmt: skip
     t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=0.0)
     bursts = [] if a.trace else burst_spans(a.low_s, a.burst_s, t_end)
-    picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {a.engines} engines", a.dpi)
+    where = f"{a.nodes} nodes of {a.engines} engines" if a.nodes > 1 else f"{a.engines} engines"
+    picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {where}", a.dpi)
     return 0
 
 
 def workload_args(a: argparse.Namespace) -> dict:
-    """paper_workload's keyword arguments from the command line (all but the count and the seed)."""
+    """paper_workload's keyword arguments from the command line (all but the count and the seed): the paper's
+    arrival rates times ``--nodes``."""
     lo_in, hi_in = (int(x) for x in a.input.split(":"))
     lo_out, hi_out = (int(x) for x in a.output.split(":"))
+    n = a.nodes
     return dict(low_s=a.low_s, burst_s=a.burst_s, input_tokens=(lo_in, hi_in), output_tokens=(lo_out, hi_out),
-                high_share=a.high_share, long_share=a.long_share)  # fmt: skip
+                high_share=a.high_share, long_share=a.long_share, low_rate=(LOW_RATE[0] * n, LOW_RATE[1] * n),
+                burst_rate=(BURST_RATE[0] * n, BURST_RATE[1] * n))  # fmt: skip
 
 
 def seed_summary(job: tuple[int, int, dict, SimConfig, tuple[Mode, ...]]) -> dict[str, dict]:
@@ -364,7 +376,7 @@ def seeds_main(a: argparse.Namespace, base: SimConfig) -> int:
     except ValueError as e:
         raise SystemExit(f"flying-sim: {e}") from None
     kw, modes = workload_args(a), tuple(typing.cast(Mode, m) for m in a.modes.split(","))
-    jobs = {s: (s, a.requests, kw, base, modes) for s in seeds}
+    jobs = {s: (s, a.requests * a.nodes, kw, base, modes) for s in seeds}
     t0 = time.perf_counter()
     if a.jobs > 1:
         with multiprocessing.Pool(a.jobs) as pool:

@@ -17,7 +17,8 @@ Mode = Literal["dynamic", "dp", "tp", "shift"]
 
 @dataclass(frozen=True)
 class SimConfig:
-    engines: int = 8
+    engines: int = 8  # in all (nodes x engines per node)
+    nodes: int = 1  # bind domains: each node's engines form one communicator pool (groups never span two)
     mode: Mode = "dynamic"
     tp_width: int = 2  # static TP's group width
     shift_threshold: int = 256  # shift: a step batching at most this many tokens runs in full TP (seed 001)
@@ -43,6 +44,16 @@ class SimConfig:
             raise ValueError(f"mode {self.mode!r} is not one of {', '.join(typing.get_args(Mode))}")
         if self.engines < 1 or self.tp_width < 1:
             raise ValueError(f"need engines >= 1 and tp_width >= 1, got {self.engines} and {self.tp_width}")
+        if self.nodes < 1 or self.engines % self.nodes:
+            raise ValueError(f"{self.engines} engines do not split evenly over {self.nodes} nodes")
+
+    @property
+    def per_node(self) -> int:
+        """Engines on each node (its pool's size)."""
+        return self.engines // self.nodes
+
+    def node_of(self, engine: int) -> int:
+        return engine // self.per_node
 
     def effective_policy(self) -> PolicyConfig:
         if self.mode == "dynamic":

@@ -198,6 +198,7 @@ class Engine:
             0  # requests assigned to it (DP, paused, adopted, and TP when it leads a group): it owns them
         )
         self.beat_ts = 0.0
+        self._view: tuple[tuple, EngineView] | None = None  # (what it was built from, the view)
         self.adopted: tuple[list[Req], list[Req]] = (
             [],
             [],
@@ -236,7 +237,9 @@ class Engine:
             mode=self.mode,
             epoch=g.epoch if g else 0,
             pending=self.pending.epoch if self.pending else 0,
-            num_engines=self.sim.cfg.engines,
+            num_engines=self.sim.cfg.per_node,
+            node=f"node{self.sim.cfg.node_of(self.idx)}" if self.sim.cfg.nodes > 1 else "",
+            pool_first=self.sim.cfg.node_of(self.idx) * self.sim.cfg.per_node,
             kv_transform=self.transforms,
             free_kv_tokens=kv - self.dp.kv_used,
             max_total_tokens=kv,
@@ -244,7 +247,15 @@ class Engine:
         )
 
     def view(self) -> EngineView:
-        return EngineView.from_heartbeat(self.heartbeat(), self.assigned)
+        """The router's view of this engine, from the heartbeat it would publish now (kept while nothing the
+        heartbeat carries changed: a round's snapshot reads every engine, most of them unchanged since the
+        last round)."""
+        g = self.group
+        pending = self.pending.epoch if self.pending else 0
+        key = (self.mode, g.epoch if g else 0, pending, self.dp.kv_used, self.beat_ts, self.assigned)
+        if self._view is None or self._view[0] != key:
+            self._view = (key, EngineView.from_heartbeat(self.heartbeat(), self.assigned))
+        return self._view[1]
 
     def command(self, cmd: Bind | Release) -> None:
         """The worker's own intake rule (:func:`worker_ext.intake.intake`); width changes are not modelled (the

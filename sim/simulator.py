@@ -121,13 +121,13 @@ class Simulator:
         self.decisions: list[SimDecision] = []
         self.shift_steps: list[tuple[float, float, bool]] = []  # (at, seconds, full TP) of every shift step
         if cfg.mode in ("tp", "shift"):
-            self._static_groups(cfg.engines if cfg.mode == "shift" else cfg.tp_width, cfg.mode == "shift")
+            self._static_groups(cfg.per_node if cfg.mode == "shift" else cfg.tp_width, cfg.mode == "shift")
         self.note_states()
 
     @property
     def kv_per_engine(self) -> int:
         cost = self.cfg.cost
-        return cost.shift_kv_tokens(self.cfg.engines) if self.cfg.mode == "shift" else cost.kv_tokens
+        return cost.shift_kv_tokens(self.cfg.per_node) if self.cfg.mode == "shift" else cost.kv_tokens
 
     def note_states(self) -> None:
         """Append to the mode track if an engine's state or the paused DP work changed."""
@@ -172,8 +172,8 @@ class Simulator:
         if cfg.mode == "tp":
             return cfg.tp_width * kv
         if cfg.mode == "shift":
-            return cfg.engines * kv
-        return pooled_limit(cfg.engines, kv) if self.policy.long_context else kv
+            return cfg.per_node * kv
+        return pooled_limit(cfg.per_node, kv) if self.policy.long_context else kv
 
     def arrive_request(self, r: Req) -> None:
         if r.kv > self.context_limit():  # the gateway answers 400: longer than the deployment's context
@@ -322,7 +322,9 @@ class Simulator:
         self.poke_router()
 
     def _static_groups(self, w: int, shift: bool) -> None:
-        for start in range(0, self.cfg.engines - w + 1, w):
+        """Static groups of ``w`` engines, inside each node."""
+        n = self.cfg.per_node
+        for start in (s for node in range(0, self.cfg.engines, n) for s in range(node, node + n - w + 1, w)):
             epoch = next(self.epochs)
             members = tuple(range(start, start + w))
             b = Bind(epoch=epoch, members=members)
@@ -338,6 +340,9 @@ class Simulator:
     def check_invariants(self) -> None:
         seen: dict[int, int] = {}
         for g in self.records.values():
+            assert len({self.cfg.node_of(m) for m in g.members}) == 1, (
+                f"epoch {g.epoch} spans nodes {g.members}"
+            )
             for m in g.members:
                 assert m not in seen, f"engine {m} in epochs {seen[m]} and {g.epoch}"
                 seen[m] = g.epoch

@@ -30,11 +30,15 @@ def two_level_phase(t: float, low_s: float, burst_s: float) -> str:
     return "burst" if t % (low_s + burst_s) >= low_s else "low"
 
 
+LOW_RATE = (2.0, 5.0)  # requests per second: the paper's low phase (one node of 8 GPUs) ...
+BURST_RATE = (10.0, 30.0)  # ... and its bursts
+
+
 def paper_workload(
     n: int = 4000,
     seed: int = 0,
-    low_rate: tuple[float, float] = (2.0, 5.0),
-    burst_rate: tuple[float, float] = (10.0, 30.0),
+    low_rate: tuple[float, float] = LOW_RATE,
+    burst_rate: tuple[float, float] = BURST_RATE,
     low_s: float = 60.0,
     burst_s: float = 30.0,
     input_tokens: tuple[int, int] = (512, 4096),

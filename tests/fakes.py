@@ -359,6 +359,7 @@ class FakePool:
     ) -> None:
         self.groups = groups
         self.num_engines = num_engines
+        self.first = 0
         self.rebuilds = 0
         self.store = store
         self.ready = threading.Event()

@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from flying.groups import merge_sets
+from flying.groups import merge_sets, pool_sets
 from flying.procs import free_port
-from worker_ext.comm_pool import CommPool
+from worker_ext.comm_pool import CommPool, NotInPool
 
 
 def test_merge_sets_are_linear_aligned_ranges():
@@ -22,8 +22,20 @@ def test_merge_sets_are_linear_aligned_ranges():
         merge_sets(4, widths=(8,))
 
 
-def _member(engine, n, port, out):
-    pool = CommPool(engine, n, "127.0.0.1", port, timeout_s=5).start()
+def test_a_nodes_pool_spans_its_own_engines_only():
+    """Engine indices are global; a node's pool spans its run of them, and its merge sets stay inside it."""
+    assert pool_sets(4, 4) == [(4, 5), (6, 7), (4, 5, 6, 7)]
+    pool = CommPool(5, 4, "127.0.0.1", 1, first=4)
+    assert pool.mine() == [(4, 5), (4, 5, 6, 7)]
+    pool.ready.set()  # (nothing built: the lookup refuses before it looks)
+    with pytest.raises(NotInPool, match=r"engines \[3\] are not in this node's pool \(engines 4..7\)"):
+        pool.get((3, 4))
+    with pytest.raises(ValueError, match=r"engine 3 is not in its pool \[4, 8\)"):
+        CommPool(3, 4, "127.0.0.1", 1, first=4)
+
+
+def _member(engine, n, port, out, first=0):
+    pool = CommPool(engine, n, "127.0.0.1", port, timeout_s=5, first=first).start()
     pool.ready.wait(60)
     res = {"groups": list(pool.groups), "error": pool.error, "host_bytes": pool.host_bytes}
     for members in pool.groups:
@@ -53,6 +65,30 @@ def test_every_engine_builds_its_groups_and_they_work():
             total, plan = res[members]
             assert total == sum(m + 1 for m in members)
             assert plan == {"step": 7, "from": members[0]}  # the leader's plan reached every member
+
+
+@pytest.mark.slow
+def test_two_nodes_build_separate_pools_on_their_own_stores():
+    """Node a (engines 0, 1) and node b (engines 2, 3), each pool on its first engine's store: each engine builds
+    its node's group only, and each group reduces over its own members."""
+    ctx = mp.get_context("spawn")
+    out, ports = ctx.Queue(), {0: free_port(), 2: free_port()}
+    procs = [
+        ctx.Process(target=_member, args=(e, 2, ports[first], out, first))
+        for e, first in ((3, 2), (0, 0), (2, 2), (1, 0))
+    ]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert {e: r["groups"] for e, r in results.items()} == {
+        0: [(0, 1)],
+        1: [(0, 1)],
+        2: [(2, 3)],
+        3: [(2, 3)],
+    }
+    assert results[0][(0, 1)][0] == 3.0 and results[3][(2, 3)][0] == 7.0
 
 
 def _dies_or_waits(engine, port, out):

@@ -97,3 +97,33 @@ async def test_tenants_lists_each_tenants_counters(aredis, sync_redis, keys, red
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["tenant", "requests", "tokens", "refused", "rps", "refused", "tpm"]
     assert lines[1].split() == ["team-a", "1", "100", "1", "0"]
+
+
+def _beat(sync_redis, keys, e, node, first, n=2):
+    hb = Heartbeat(
+        engine=e, url="u", pid=e, model="m", launch_id=f"L{e}", node=node, pool_first=first, num_engines=n
+    )
+    sync_redis.set(keys.worker(e), encode(hb))
+    sync_redis.set(keys.ready(e), f"L{e}")
+    sync_redis.sadd(keys.workers, e)
+
+
+def test_status_groups_engines_by_node_and_bind_refuses_a_cross_node_group(
+    sync_redis, keys, redis_server, capsys
+):
+    args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    for e, node, first in ((0, "a", 0), (1, "a", 0), (2, "b", 2), (3, "b", 2)):
+        _beat(sync_redis, keys, e, node, first)
+    assert main([*args, "status"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "node a: 2 live, pool engines 0..1" and [r.split()[0] for r in out[2:4]] == ["0", "1"]
+    assert out[4] == "node b: 2 live, pool engines 2..3" and [r.split()[0] for r in out[5:7]] == ["2", "3"]
+    assert main([*args, "bind", "1", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot bind [1, 2]: engines 1 on a, 2 on b: a group binds engines of one node only" in err
+    assert sync_redis.xlen(keys.commands(1)) == 0 and not control.groups(sync_redis, keys), "nothing sent"
+    _beat(sync_redis, keys, 4, "b", 2)  # (a heartbeat claiming node b but outside its pool)
+    assert main([*args, "bind", "3", "4"]) == 2
+    assert "engines [4] are not in engine 3's pool on node b (engines 2..3)" in capsys.readouterr().err
+    assert main([*args, "bind", "2", "3"]) == 0
+    assert [g.members for g in control.groups(sync_redis, keys)] == [(2, 3)]

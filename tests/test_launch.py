@@ -3,6 +3,7 @@ TTL), and rides out Redis losing its data or restarting."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import threading
@@ -180,3 +181,29 @@ def test_a_worker_config_out_of_range_is_a_value_error_naming_the_flag():
         WorkerConfig(engine=2, num_engines=2, model_path="/m", port=30000)
     with pytest.raises(ValueError, match="--port 0"):
         WorkerConfig(engine=0, num_engines=2, model_path="/m", port=0)
+    with pytest.raises(ValueError, match=r"--engine 1 is not in its node's pool \[2, 4\)"):
+        WorkerConfig(engine=1, num_engines=2, model_path="/m", port=30000, first_engine=2)
+
+
+def test_a_second_nodes_worker_announces_its_node_and_pool_and_uses_its_local_gpu():
+    """Node b's engine 9 (engines 8..15): its pool starts at 8, the plugin learns node and pool from the
+    environment, and it runs on the node's second GPU; without --node it announces the host name."""
+    from flying import settings
+    from worker_ext.launch import WorkerConfig, parser, sglang_env
+
+    a = parser().parse_args(
+        ["--engine", "9", "--num-engines", "8", "--first-engine", "8", "--node", "b", "--model-path", "/m"]
+        + ["--port", "30009"]
+    )
+    assert (a.node, a.first_engine) == ("b", 8)
+    cfg = WorkerConfig(
+        engine=9, num_engines=8, model_path="/m", port=30009, node="b", first_engine=8, cpu=False
+    )
+    env = sglang_env(cfg, "L1")
+    assert (env[settings.NODE], env[settings.FIRST_ENGINE], env[settings.NUM_ENGINES]) == ("b", "8", "8")
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert (
+        parser().parse_args(["--engine", "0", "--num-engines", "1", "--model-path", "/m", "--port", "1"]).node
+        is None
+    )

@@ -49,3 +49,12 @@ def test_n_choices_hold_kv_each_and_are_known_to_sglang_by_suffixed_ids():
     two = QueuedRequest(id="r", model="m", prompt_tokens=5, max_tokens=7, gateway="g", enqueued_at=0, n=2)
     assert (one.kv_tokens, two.kv_tokens) == (12, 19)
     assert one.engine_rids() == ["r"] and two.engine_rids() == ["r_0", "r_1"]
+
+
+def test_a_heartbeat_without_a_node_decodes_as_one_nodes_engine():
+    """Records written before engines announced their node: node "" and a pool from engine 0, as one node."""
+    from flying.messages import Heartbeat, decode
+
+    old = b'{"engine":1,"url":"u","pid":2,"model":"m","num_engines":4}'
+    hb = decode(old, Heartbeat)
+    assert (hb.node, hb.pool_first, hb.num_engines) == ("", 0, 4)

@@ -772,3 +772,109 @@ def test_light_load_widens_a_narrow_group_once_its_block_can_bind_at_full_width(
     assert not decide(snap(engines=heavy, groups=[g], loads=loads, state=LIGHT), wide).commands
     plain = [eng(0), *engines[1:]]
     assert not decide(snap(engines=plain, groups=[g], loads=loads, state=LIGHT), wide).commands
+
+
+# --- nodes: one bind domain each, one global queue ---------------------------------------------------------------
+
+
+def node_eng(i: int, node: str, first: int, n: int = 4, **kw) -> EngineView:
+    return eng(i, n=n, node=node, pool_first=first, **kw)
+
+
+def two_nodes(n: int = 4, **kw) -> list[EngineView]:
+    """Node a: engines 0..n-1, node b: n..2n-1, each its own pool."""
+    return [node_eng(i, "a", 0, n, **kw) for i in range(n)] + [
+        node_eng(i, "b", n, n, **kw) for i in range(n, 2 * n)
+    ]
+
+
+def node_of(i: int, n: int = 4) -> str:
+    return "a" if i < n else "b"
+
+
+def test_light_load_binds_groups_inside_each_node_and_none_across():
+    d = decide(snap(engines=two_nodes(), state=LIGHT), CFG)
+    assert d.binds, "light load binds load groups"
+    assert {len({node_of(m) for m in g.members}) for g in d.binds} == {1}
+    assert {node_of(g.members[0]) for g in d.binds} == {"a", "b"}, "every node binds its own"
+
+
+def test_a_group_never_spans_two_small_nodes_even_where_their_engines_are_contiguous():
+    """Nodes of two engines: a request that needs four engines' KV has no group to go to (no four-engine
+    pool), so nothing binds; one that needs two binds inside a node."""
+    es = two_nodes(2)
+    assert decide(snap([req("long4", prompt=3000)], engines=es), CFG).binds == []
+    d = decide(snap([req("long2", prompt=1500)], engines=es), CFG)
+    assert [g.members for g in d.binds] in ([(0, 1)], [(2, 3)])
+
+
+def test_an_engine_whose_heartbeat_names_another_pool_is_not_bound_with_this_one():
+    """Engine 3 claims node b's pool though its index is in node a's run: the idle (2, 3) set is not a group, so
+    the high-priority request binds the busier (0, 1)."""
+    es = [node_eng(i, "a", 0, inflight=3) for i in range(2)] + [node_eng(2, "a", 0), node_eng(3, "b", 0)]
+    d = decide(snap([req("p", priority="high")], engines=es, state=LIGHT), CFG)
+    assert [g.members for g in d.binds] == [(0, 1)]
+
+
+def test_dp_requests_go_to_the_least_loaded_engine_of_any_node():
+    es = [node_eng(i, "a", 0, inflight=5) for i in range(4)] + [
+        node_eng(i, "b", 4, inflight=5) for i in range(4, 8)
+    ]
+    es[6] = node_eng(6, "b", 4, inflight=0)
+    d = decide(snap([req("x")], engines=es), DP_ONLY)
+    assert [x.engine for x in d.dispatches] == [6]
+
+
+def test_priority_order_holds_across_nodes():
+    """One free slot in the whole cluster, on node b: the high-priority request takes it, whatever its node."""
+    cfg = dataclasses.replace(DP_ONLY, max_inflight_per_worker=2)
+    es = [node_eng(i, "a", 0, inflight=2) for i in range(4)] + [
+        node_eng(i, "b", 4, inflight=2) for i in range(4, 8)
+    ]
+    es[5] = node_eng(5, "b", 4, inflight=1)
+    d = decide(snap([req("hi", priority="high"), req("n1"), req("n2")], engines=es), cfg)
+    assert [(x.request.id, x.engine) for x in d.dispatches] == [("hi", 5)]
+
+
+def test_a_whole_node_lost_releases_then_forgets_its_groups_and_its_queue_goes_to_the_other_node():
+    """Node b (engines 4..7, in groups 7 and 8) stops at once: its groups are released, their records dropped the
+    next round (no member beats any more), and the queue is served by node a in DP."""
+    groups = [bound(7, (4, 5)), bound(8, (6, 7))]
+    node_a = [node_eng(i, "a", 0) for i in range(4)]
+    waiting = [req("r1"), req("r2"), req("r3")]
+    d = decide(snap(waiting, engines=node_a, groups=groups), DP_ONLY)
+    assert {e: g.state for e, g in d.put.items()} == {7: "releasing", 8: "releasing"}
+    assert {x.engine for x in d.dispatches} <= {0, 1, 2, 3} and len(d.dispatches) == 3
+    d2 = decide(snap(engines=node_a, groups=list(d.put.values()), now=100.5), DP_ONLY)
+    assert sorted(d2.drop) == [7, 8], "the lost node's groups are forgotten"
+
+
+def test_a_node_that_comes_back_rejoins_in_dp_and_binds_again_inside_itself():
+    back = two_nodes()  # node b's engines beat again: DP, no epoch, new launches
+    d = decide(snap([req(f"r{i}") for i in range(8)], engines=back), DP_ONLY)
+    assert {x.engine for x in d.dispatches} >= {4, 5, 6, 7}, "its engines take DP work at once"
+    d = decide(snap([req("p", priority="high")], engines=back, state=LIGHT), CFG)
+    assert d.binds and all(len({node_of(m) for m in g.members}) == 1 for g in d.binds)
+
+
+def test_a_node_without_load_groups_binds_its_own_beside_another_nodes():
+    """Node b's engines came up first and bound their load group; node a's, live later in the same light period,
+    still bind theirs (one node's choice does not hold the other's engines in DP)."""
+    es = two_nodes(2)
+    es = [*es[:2], *(dataclasses.replace(e, mode="tp", epoch=5) for e in es[2:])]
+    d = decide(snap(engines=es, groups=[bound(5, (2, 3), reason="load")], state=LIGHT), CFG)
+    assert [g.members for g in d.binds] == [(0, 1)]
+    d = decide(snap(engines=es[:2] + [node_eng(i, "b", 2, 2) for i in (2, 3)], state=LIGHT), CFG)
+    assert sorted(g.members for g in d.binds) == [(0, 1), (2, 3)]
+
+
+def test_a_request_that_failed_on_an_engine_goes_to_another_node_while_its_node_may_be_gone():
+    """It failed on engine 2 before the heartbeats of node b (2, 3) expired: the whole node may be lost, so it
+    goes to node a, even though engine 3 is the least loaded; on one node it avoids engine 2 only."""
+    failed = msgspec.structs.replace(req("f"), failed_on=2, attempts=1)
+    es = [node_eng(i, "a", 0, 2, inflight=2) for i in (0, 1)] + [node_eng(i, "b", 2, 2) for i in (2, 3)]
+    assert [x.engine for x in decide(snap([failed], engines=es), DP_ONLY).dispatches] in ([0], [1])
+    one = [eng(i, inflight=2) for i in (0, 1)] + [eng(2), eng(3)]
+    assert [x.engine for x in decide(snap([failed], engines=one), DP_ONLY).dispatches] == [3]
+    alone = [node_eng(i, "b", 2, 2) for i in (2, 3)]  # only node b is live: its other engine
+    assert [x.engine for x in decide(snap([failed], engines=alone), DP_ONLY).dispatches] == [3]

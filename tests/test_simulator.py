@@ -487,3 +487,20 @@ def test_spread_ownership_gives_a_groups_tp_requests_to_its_members_in_turn():
         assert all(r.epoch for r in sim.reqs), sim.log
         owners[spread] = [r.engine for r in sim.reqs]
     assert len(set(owners[False])) == 1 and sorted(owners[True]) == [0, 0, 1, 1]
+
+
+def test_nodes_bind_inside_themselves_over_one_queue_and_serve_everything():
+    """Two nodes of four engines: every group (the check runs after each event) stays inside a node, both nodes'
+    engines bind, and every request is served, the long one by a group; static TP's groups are per node too."""
+    reqs = paper_workload(60, seed=1, low_rate=(2, 2), burst_rate=(2, 2), high_share=0.2, long_share=0)
+    reqs.append(SimRequest(1.0, "normal", 6_000, 8))  # needs two engines' KV
+    sim = Simulator(SimConfig(engines=8, nodes=2, cost=SMALL), reqs, check=True)
+    assert all(r.ok for r in sim.run())
+    bound = [d.members for d in sim.decisions if d.kind == "bind"]
+    assert {m // 4 for ms in bound for m in ms} == {0, 1}, "both nodes bind"
+    assert all(len({m // 4 for m in ms}) == 1 for ms in bound)
+    tp = Simulator(SimConfig(engines=8, nodes=2, cost=SMALL, mode="tp", tp_width=4), reqs, check=True)
+    assert all(r.ok for r in tp.run())
+    assert sorted(g.members for g in tp.records.values()) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        SimConfig(engines=8, nodes=3)

@@ -109,6 +109,7 @@ class Binding:
             "comm_groups": len(self.pool.groups),
             "comm_rebuilds": self.pool.rebuilds,
             "num_engines": self.pool.num_engines,
+            "pool_first": self.pool.first,
             "param_bytes": self.param_bytes,
             **(
                 {"max_total_tokens": self._dp_limits.max_total_tokens} if e and self._dp_limits else {}

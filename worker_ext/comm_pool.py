@@ -1,7 +1,10 @@
 """The communicator pool: every process group an engine can be bound into, built once at worker start.
 
-Merge sets are the aligned contiguous ranges of power-of-two widths (N=4: (0,1), (2,3), (0,1,2,3)) plus the full
-set when N is not a power of two: linear in N. Groups are built on a rendezvous ``TCPStore`` hosted by engine 0,
+A pool is one node's: it spans the node's N engines, ``first`` .. ``first + N - 1`` (engine indices are global,
+each node numbers its own run of them). Merge sets are the aligned contiguous ranges of power-of-two widths over
+them (N=4, first 0: (0,1), (2,3), (0,1,2,3); first 4: (4,5), (6,7), (4,5,6,7)) plus the full set when N is not a
+power of two: linear in N; no set spans two nodes. Groups are built on a rendezvous ``TCPStore`` hosted by the
+node's first engine,
 each on its own ``PrefixStore``, directly as ``ProcessGroupGloo`` (and ``ProcessGroupNCCL`` for data on GPU) with no
 default process group, so they never touch the engine's own SGLang world. Every engine builds the sets it belongs
 to in one global order (width, then start), so no two engines wait on each other in a cycle. Nothing here runs on
@@ -24,7 +27,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from flying.groups import merge_sets
+from flying.groups import pool_sets
 
 log = logging.getLogger("flying.comm_pool")
 
@@ -110,18 +113,27 @@ class MergedGroup:
         return [pickle.loads(t[: int(k.item())].numpy().tobytes()) for t, k in zip(got, sizes)]
 
 
+class NotInPool(KeyError):
+    """A bind names engines this engine's pool does not span (another node's, or none's)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 @dataclass
 class CommPool:
-    """Every pooled group of one engine. Each group is built for one *generation*: its members' launch ids, read
-    from the rendezvous store where every engine announces its own. A restarted member comes back with a new
-    launch id, so the survivors' watcher (:meth:`watch`, every ``watch_s``) rebuilds the groups it is in, off the
-    serving path, and the restarted engine builds them with the same ids: the two rendezvous on a fresh prefix
-    and the member rejoins. A restarted engine 0 hosts a fresh store: the survivors reconnect and announce again."""
+    """Every pooled group of one engine (its node's engines only). Each group is built for one *generation*: its
+    members' launch ids, read from the rendezvous store where every engine announces its own. A restarted member
+    comes back with a new launch id, so the survivors' watcher (:meth:`watch`, every ``watch_s``) rebuilds the
+    groups it is in, off the serving path, and the restarted engine builds them with the same ids: the two
+    rendezvous on a fresh prefix and the member rejoins. A restarted first engine hosts a fresh store: the
+    survivors reconnect and announce again."""
 
     engine: int
-    num_engines: int
+    num_engines: int  # engines of the node's pool
     store_host: str
     store_port: int
+    first: int = 0  # the node's first engine (it hosts the store)
     sets: list[tuple[int, ...]] = field(default_factory=list)
     timeout_s: float = 10.0
     device: str = "cpu"
@@ -137,8 +149,12 @@ class CommPool:
     store: dist.Store | None = None
 
     def __post_init__(self) -> None:
+        if not self.first <= self.engine < self.first + self.num_engines:
+            raise ValueError(
+                f"engine {self.engine} is not in its pool [{self.first}, {self.first + self.num_engines})"
+            )
         if not self.sets:
-            self.sets = merge_sets(self.num_engines)
+            self.sets = pool_sets(self.first, self.num_engines)
         self.launch_id = self.launch_id or f"{psutil.Process().pid}-{time.time_ns()}"
 
     def mine(self) -> list[tuple[int, ...]]:
@@ -167,11 +183,11 @@ class CommPool:
         self.ready.set()
 
     def _connect(self) -> dist.Store:
-        """The rendezvous store (engine 0 hosts it), with this engine's launch id announced on it."""
+        """The rendezvous store (the node's first engine hosts it), with this engine's launch id announced on it."""
         store = dist.TCPStore(
             self.store_host,
             self.store_port,
-            is_master=self.engine == 0,
+            is_master=self.engine == self.first,
             wait_for_workers=False,
             timeout=timedelta(seconds=max(self.timeout_s, 600)),
         )
@@ -214,7 +230,7 @@ class CommPool:
 
     def watch(self) -> None:
         """Rebuild the groups whose members' launch ids changed (a member restarted), in the global set order
-        every engine uses; reconnect to the store if it is gone (engine 0 restarted)."""
+        every engine uses; reconnect to the store if it is gone (the first engine restarted)."""
         while True:
             time.sleep(self.watch_s)
             try:
@@ -229,7 +245,7 @@ class CommPool:
             except Exception as exc:  # noqa: BLE001 - a peer or the store is gone: retry (on a fresh connection)
                 self.error = f"{type(exc).__name__}: {str(exc)[:200]}"
                 log.warning("communicator pool: %s; retrying", self.error)
-                if self.engine != 0:  # engine 0 hosts the store: its own never goes away
+                if self.engine != self.first:  # the first engine hosts the store: its own never goes away
                     with contextlib.suppress(Exception):
                         self.store = self._connect()
 
@@ -244,6 +260,12 @@ class CommPool:
     def get(self, members: tuple[int, ...]) -> MergedGroup:
         if not self.ready.is_set():
             raise RuntimeError("communicator pool is still connecting")
+        outside = [m for m in members if not self.first <= m < self.first + self.num_engines]
+        if outside:
+            raise NotInPool(
+                f"engines {outside} are not in this node's pool (engines {self.first}.."
+                f"{self.first + self.num_engines - 1}): a group binds engines of one node only"
+            )
         if members not in self.groups:
             raise KeyError(f"no pooled group for {members}; pooled: {sorted(self.groups)}")
         return self.groups[members]

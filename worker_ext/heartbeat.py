@@ -42,6 +42,7 @@ class Load(TypedDict, total=False):
     comm_groups: int
     comm_rebuilds: int
     num_engines: int
+    pool_first: int
     kv_transform: bool
     transform_ms: float
     transform_tokens: int
@@ -68,6 +69,7 @@ class HeartbeatConfig:
     model: str
     redis_url: str
     launch_id: str = ""
+    node: str = ""  # the node it announces
     key_prefix: str = "flying"
     interval_s: float = 0.05
     ttl_ms: int = 3000
@@ -117,6 +119,7 @@ class HeartbeatPublisher:
             pid=os.getpid(),
             model=cfg.model,
             launch_id=cfg.launch_id,
+            node=cfg.node,
             step=self.step,
             ts=time.time(),
             **self._load,

@@ -56,8 +56,10 @@ class WorkerConfig:
     dtype: str = "float32"
     max_total_tokens: int | None = None
     cpu: bool = True
-    comm_port: int | None = None  # communicator-pool rendezvous on engine 0; None: this engine never binds
+    comm_port: int | None = None  # communicator-pool rendezvous on the pool's first engine; None: never binds
     comm_host: str = "127.0.0.1"
+    node: str = ""  # the node it announces (flying-worker --node; the host name by default)
+    first_engine: int = 0  # the first engine of its node's pool (engine indices are global: node by node)
     sp_threshold: int = (
         settings.DEFAULT_SP_THRESHOLD
     )  # a bound group's steps of this many batched tokens run in SP (0: never)
@@ -70,8 +72,14 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
-        if not 0 <= self.engine < self.num_engines:
-            raise ValueError(f"--engine {self.engine} is not in [0, --num-engines {self.num_engines})")
+        first, n = self.pool_first, self.num_engines
+        if n < 1:
+            raise ValueError(f"--num-engines {n} must be >= 1")
+        if not first <= self.engine < first + n:
+            raise ValueError(
+                f"--engine {self.engine} is not in its node's pool [{first}, {first + n}) "
+                f"(--first-engine {first}, --num-engines {n})"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.sp_threshold < 0:
@@ -80,6 +88,16 @@ class WorkerConfig:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def pool_first(self) -> int:
+        """The first engine of the node's pool (it hosts the pool's rendezvous store)."""
+        return self.first_engine
+
+    @property
+    def local_index(self) -> int:
+        """The engine's index on its node (its GPU)."""
+        return self.engine - self.pool_first
 
 
 def mem_available_bytes() -> int:
@@ -156,13 +174,17 @@ def sglang_command(cfg: WorkerConfig) -> list[str]:
 
 
 def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
-    env = sglang_cpu_env(cpu_bind=str(cfg.engine % (os.cpu_count() or 1))) if cfg.cpu else dict(os.environ)
+    env = (
+        sglang_cpu_env(cpu_bind=str(cfg.local_index % (os.cpu_count() or 1))) if cfg.cpu else dict(os.environ)
+    )
     if not cfg.cpu:
-        env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg.engine))
+        env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg.local_index))
     env.update(
         {
             settings.ENGINE_INDEX: str(cfg.engine),
             settings.NUM_ENGINES: str(cfg.num_engines),
+            settings.FIRST_ENGINE: str(cfg.pool_first),
+            settings.NODE: cfg.node,
             settings.ENGINE_URL: cfg.url,
             settings.SERVED_MODEL: cfg.served_model_name,
             settings.REDIS_URL: cfg.redis_url,
@@ -314,7 +336,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine", type=int, required=True, help="engine index i, 0..N-1 (one per GPU) (required)"
     )
-    p.add_argument("--num-engines", type=int, required=True, help="N, engines in the deployment (required)")
+    p.add_argument(
+        "--num-engines",
+        type=int,
+        required=True,
+        help="N, engines on this node: its communicator pool spans engines --first-engine .. +N-1 (required)",
+    )
+    p.add_argument(
+        "--node",
+        default=None,
+        help="the node this engine announces: groups bind engines of one node only (default: the host name)",
+    )
+    p.add_argument(
+        "--first-engine",
+        type=int,
+        default=d.first_engine,
+        help="the first engine of this node's pool: engine indices are global, each node runs its own run of "
+        "them (node k of N engines each: k*N); it hosts the pool's rendezvous store",
+    )
     p.add_argument("--model-path", required=True, help="model directory (required)")
     p.add_argument("--port", type=int, required=True, help="the SGLang server's HTTP port (required)")
     p.add_argument("--host", default=d.host, help="address the SGLang server listens on (keep it private)")
@@ -341,10 +380,13 @@ def parser() -> argparse.ArgumentParser:
         "--comm-port",
         type=int,
         default=None,
-        help="rendezvous port (same on every engine) to allow binds; by default none: the engine never binds",
+        help="rendezvous port (same on every engine of the node) to allow binds; by default none: the engine "
+        "never binds",
     )
     p.add_argument(
-        "--comm-host", default=d.comm_host, help="host of engine 0, which serves the rendezvous store"
+        "--comm-host",
+        default=d.comm_host,
+        help="host of the node's first engine, which serves the pool's rendezvous store",
     )
     p.add_argument(
         "--sp-threshold",
@@ -401,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
         cpu=cpu,
         comm_port=a.comm_port,
         comm_host=a.comm_host,
+        node=socket.gethostname() if a.node is None else a.node,
+        first_engine=a.first_engine,
         sp_threshold=a.sp_threshold,
         extra_args=extra,
         enable_metrics=a.enable_metrics,

@@ -70,6 +70,7 @@ def _on_scheduler_init(scheduler) -> None:
         url=os.environ[settings.ENGINE_URL],
         model=os.environ.get(settings.SERVED_MODEL, "default"),
         launch_id=os.environ.get(settings.LAUNCH_ID, ""),
+        node=os.environ.get(settings.NODE, ""),
         redis_url=settings.redis_url(),
         key_prefix=settings.key_prefix(),
     )
@@ -97,8 +98,15 @@ def _start_switching(scheduler, config: HeartbeatConfig) -> None:
         return
     device = "cuda" if os.environ.get(settings.DEVICE, "cpu") == "cuda" else "cpu"
     host = os.environ.get(settings.COMM_HOST, "127.0.0.1")
+    first = int(os.environ.get(settings.FIRST_ENGINE, "0"))
     pool = CommPool(
-        config.engine, num_engines, host, int(port), device=device, launch_id=config.launch_id
+        config.engine,
+        num_engines,
+        host,
+        int(port),
+        first=first,
+        device=device,
+        launch_id=config.launch_id,
     ).start()
     _commands = CommandReader(config.redis_url, Keys(config.key_prefix), config.engine).start()
     sglang_patches.register_idle_wake(scheduler, _commands.wake_socket)

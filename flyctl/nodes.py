@@ -1,0 +1,42 @@
+"""Nodes as flyctl shows and checks them: engines grouped by the node their heartbeat announces, and the rule that
+a group binds engines of one node's communicator pool only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flying.messages import Heartbeat
+
+
+def by_node(beats: Mapping[int, Heartbeat]) -> dict[str, dict[int, Heartbeat]]:
+    """The live engines' heartbeats by node (nodes in the order of their first engine, engines in order)."""
+    out: dict[str, dict[int, Heartbeat]] = {}
+    for e in sorted(beats):
+        out.setdefault(beats[e].node, {})[e] = beats[e]
+    return out
+
+
+def node_header(node: str, beats: Mapping[int, Heartbeat]) -> str:
+    """One node's line above its engines: its name and its pool's span as the heartbeats report it."""
+    pools = sorted({(hb.pool_first, hb.num_engines) for hb in beats.values()})
+    spans = ", ".join(f"{f}..{f + n - 1}" if n > 1 else "none (cannot bind)" for f, n in pools)
+    return f"node {node or '(unnamed)'}: {len(beats)} live, pool engines {spans}"
+
+
+def cross_node(beats: Mapping[int, Heartbeat], members: tuple[int, ...]) -> str:
+    """Why ``members`` cannot form one group as the live heartbeats show them ('' if nothing says they cannot):
+    they are on different nodes, or one is outside another's pool. Members without a live heartbeat are not
+    judged (the workers refuse a bind they cannot build)."""
+    live = {m: beats[m] for m in members if m in beats}
+    nodes = {hb.node for hb in live.values()}
+    if len(nodes) > 1:
+        where = ", ".join(f"{m} on {hb.node or '(unnamed)'}" for m, hb in live.items())
+        return f"engines {where}: a group binds engines of one node only"
+    for m, hb in live.items():
+        first, n = hb.pool_first, hb.num_engines
+        if outside := [x for x in members if not first <= x < first + n]:
+            return (
+                f"engines {outside} are not in engine {m}'s pool on node {hb.node or '(unnamed)'} "
+                f"(engines {first}..{first + n - 1}): a group binds engines of one node only"
+            )
+    return ""
