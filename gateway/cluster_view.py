@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import redis.asyncio as aioredis
 
-from flying.groups import merge_sets
+from flying.groups import pool_sets
 from flying.keys import Keys
 from flying.messages import PRIORITY_CLASS, Heartbeat, RouterState, decode
 from flying.workers import live_workers
@@ -140,7 +140,8 @@ class ClusterView:
         widest group whose members are all live (one engine's KV when engines cannot bind)."""
         live = {hb.engine for hb in beats}
         per_engine = min(hb.max_total_tokens for hb in beats)
-        sets = merge_sets(max(hb.num_engines for hb in beats)) if pooled else []
+        pools = {(hb.pool_first, hb.num_engines) for hb in beats}  # every node's pool (a group stays in one)
+        sets = [ms for first, n in pools for ms in pool_sets(first, n)] if pooled else []
         widest = max((len(ms) for ms in sets if set(ms) <= live), default=1)
         kv = max(max(hb.max_total_tokens for hb in beats), widest * per_engine)
         return min(max(hb.context_len for hb in beats), kv)

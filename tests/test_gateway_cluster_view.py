@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
+
 from flying.keys import Keys
 from flying.messages import Heartbeat, RouterState, encode
 from gateway.cluster_view import GATEWAY_TTL_MS, ClusterView, Tick
@@ -144,3 +146,12 @@ async def test_observe_sums_the_requests_waiting_inside_the_live_engines(aredis,
     announce_engine(sync_redis, keys, 1, url="http://e1", waiting=4)
     v = ClusterView(aredis, keys, GatewayConfig(model_path="unused", key_prefix=keys.prefix))
     assert (await v.observe()).engine_waiting == 7
+
+
+def test_the_context_limit_counts_every_nodes_widest_live_group():
+    """Two nodes of two engines (KV 100 each): node 0 is down, node 1's pair still holds 200 tokens."""
+    node1 = [
+        msgspec.structs.replace(beat(e, num_engines=2, kv=100, context=10_000), pool_first=2) for e in (2, 3)
+    ]
+    assert ClusterView.context_limit(node1) == 200
+    assert ClusterView.context_limit(node1[:1]) == 100, "its pair is not whole"
