@@ -1,7 +1,7 @@
 """Where a request served in DP goes: the least loaded DP engine with a free slot, or, cache-aware (``dispatch``),
 the one whose prefix cache probably holds most of its prompt (:mod:`router.prefix_index`) while loads are in
-balance. Load counts the requests sent within about ``spread_s`` twice (a released group's follower, whose TP
-requests its leader owns, would otherwise take every new request at once). The rule each dispatch followed is
+balance. Load counts the requests sent within about ``spread_s`` twice (an engine that has just become free, e.g.
+a released group's member holding few of its requests, would otherwise take every new request at once). The rule each dispatch followed is
 its :data:`router.decision.DpRule`."""
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def dp_key(rnd: Round, e: EngineView) -> tuple[float, int, int]:
 
 def dp_score(rnd: Round, e: int) -> float:
     """Least loaded first: requests in flight, those sent within about ``spread_s`` counted twice (their
-    prefill is still ahead). Without it an engine that has just become free (a released group's member, whose
-    TP requests its leader owns) takes every new request until its count catches up, all of them prefilling
+    prefill is still ahead). Without it an engine that has just become free (a released group's member holding
+    few of its TP requests) takes every new request until its count catches up, all of them prefilling
     at once while the other engines only decode."""
     return rnd.dp_inflight[e] + rnd.recent.get(e, 0.0)
 

@@ -5,8 +5,10 @@ No Redis, no clocks, no randomness: the live router (router.dispatcher), the uni
 
 The three use cases, each switchable in :class:`PolicyConfig`:
 
-- *load adaptation*: after ``calm_s`` of light load engines bind into ``light_width`` groups and normal traffic goes
-  to them (TP latency). Light and busy are judged (``regime``) by demand (queued + inflight against
+- *load adaptation*: after ``calm_s`` of light load engines bind into ``light_width`` groups (by default the whole
+  node: a group's large steps run sequence-parallel, its small ones TP) and normal traffic goes to them. A group
+  bound narrower (a priority group, or a block that could bind before the rest drained) is released by scatter
+  once the ``light_width`` block around it could bind whole ("widening"). Light and busy are judged (``regime``) by demand (queued + inflight against
   ``light_load`` / ``busy_load`` of the groups' capacity, ``tp_inflight_per_engine`` per engine) or by the admission
   rate per engine (``light_rate`` / ``busy_rate``, an exponential average over ``rate_tau_s``), which sees a burst
   begin and end at once while demand lags behind its backlog. An idle block binds at once. A busy one binds at
@@ -37,8 +39,8 @@ Its cost enters the decision: an adoption's stall is estimated from the members'
 apply to it; its adopted requests stay owned by their members, so it is never released by retraction (only by
 scatter, or by waiting). Hysteresis: light needs ``calm_s`` of light load, the thresholds leave a band between
 light and busy, and a queue that only waits for load groups forming at their members' next step boundary is not
-pressure. DP dispatch is least loaded, counting requests sent within about ``spread_s`` twice (a released group's
-follower, whose TP requests its leader owns, would otherwise take every new request at once); cache-aware
+pressure. DP dispatch is least loaded, counting requests sent within about ``spread_s`` twice (an engine that
+has just become free would otherwise take every new request at once); cache-aware
 (``dispatch``) it follows the prompt's prefix (:func:`router.dp_dispatch.pick_dp`) to the engine whose cache probably
 holds most of it (:mod:`router.prefix_index`, which the caller keeps), unless loads are out of balance. TP
 dispatches ignore prefixes: a group's requests bypass the prefix cache.
