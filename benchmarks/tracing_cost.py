@@ -60,6 +60,9 @@ class Steps:
     async def finish(self, rid, state, error=""):
         return True
 
+    def finish_nowait(self, rid, state, error=""):
+        return None
+
 
 async def request(steps: Steps, tracing: Tracing | None) -> None:
     if tracing is not None:

@@ -140,6 +140,7 @@ class Tracing:
         upstream.open_stream = self._relayed(upstream.open_stream, stream=True)  # type: ignore[method-assign]
         upstream.post = self._relayed(upstream.post, stream=False)  # type: ignore[method-assign]
         queue.finish = self._finished(queue.finish)  # type: ignore[method-assign]
+        queue.finish_nowait = self._finished_nowait(queue.finish_nowait)  # type: ignore[method-assign]
 
     def _admission(self, admit: Callable) -> Callable:
         @functools.wraps(admit)
@@ -252,6 +253,15 @@ class Tracing:
             if (flight := self._flights.pop(rid, None)) is not None:
                 self._end_relay(flight, state, error)
             return await finish(rid, state, error)
+
+        return traced
+
+    def _finished_nowait(self, finish_nowait: Callable) -> Callable:
+        @functools.wraps(finish_nowait)
+        def traced(rid: str, state: str, error: str = ""):
+            if (flight := self._flights.pop(rid, None)) is not None:
+                self._end_relay(flight, state, error)
+            return finish_nowait(rid, state, error)
 
         return traced
 

@@ -67,6 +67,19 @@ def group_for(
 ) -> Group | None:
     """The narrowest, least-loaded group with room for ``r``; ``imminent``: binding groups only if hard
     (they form at the members' next step boundary, a sequential one waits for their DP work)."""
+    fits = groups_for(rnd, r, width, states, reasons, imminent)
+    return fits[0] if fits else None
+
+
+def groups_for(
+    rnd: Round,
+    r: QueuedRequest,
+    width: int,
+    states: tuple[GroupState, ...],
+    reasons: tuple[GroupReason, ...] | None = None,
+    imminent: bool = False,
+) -> list[Group]:
+    """Every group with room for ``r`` (see :func:`group_for`), the one it picks first."""
     fits = [
         g
         for g in rnd.groups.values()
@@ -78,7 +91,7 @@ def group_for(
         and rnd.group_room(g, r)
     ]
     # a bound group serves now; a binding one once its members reach a step boundary (one long DP step, maybe)
-    return min(fits, key=lambda g: (g.width, g.state != "bound", rnd.group_n(g), g.epoch), default=None)
+    return sorted(fits, key=lambda g: (g.width, g.state != "bound", rnd.group_n(g), g.epoch))
 
 
 def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
@@ -250,25 +263,14 @@ def fast_targets(rnd: Round) -> list[FastTarget]:
     probe = QueuedRequest(id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=rnd.now)  # fmt: skip
     if forming(rnd.groups.values(), rnd.now, rnd.cfg.ack_timeout_s) or not rnd.live:
         return []
-    if not rnd.out.state.busy and (g := group_for(rnd, probe, 1, USABLE, SHORT, imminent=True)) is not None:
-        if g.state != "bound" or g.leader not in rnd.live:
+    if not rnd.out.state.busy and (gs := groups_for(rnd, probe, 1, USABLE, SHORT, imminent=True)):
+        if gs[0].state != "bound" or gs[0].leader not in rnd.live:
             return []
-        n, kv = rnd.tp.get(g.epoch, (0, 0))
-        full = g.width * min(rnd.live[m].max_total_tokens for m in g.members)
-        pooled = g.kv_cap if g.kv_cap and rnd.other_work(g) > 0 else full
-        room = g.width * rnd.cfg.tp_inflight_per_engine - n
-        members = [rnd.live[m] for m in g.members] if spread(rnd, g) else [rnd.live[g.leader]]
-        shares = [room // len(members) + (i < room % len(members)) for i in range(len(members))]
-        return [
-            FastTarget(
-                engine=e.engine,
-                url=e.url,
-                epoch=g.epoch,
-                cap=e.inflight + sent_to(rnd, e.engine) + share,
-                max_kv=pooled - kv,
-            )  # fmt: skip
-            for e, share in zip(members, shares)
+        width = gs[0].width  # every bound group of the width the round would pick (one per node, say)
+        whole = [
+            g for g in gs if g.width == width and g.state == "bound" and all(m in rnd.live for m in g.members)
         ]
+        return [t for g in whole for t in group_targets(rnd, g)]
     taken = rnd.in_groups()
     affinity = rnd.cfg.dispatch == "cache-aware"  # requests with a prefix chain wait for a round
     return [
@@ -281,4 +283,25 @@ def fast_targets(rnd: Round) -> list[FastTarget]:
         )
         for e in rnd.s.engines
         if e.mode == "dp" and not e.pending and e.engine not in taken
+    ]
+
+
+def group_targets(rnd: Round, g: Group) -> list[FastTarget]:
+    """A bound group's fast targets (every member live): its leader, or, spread, each member with a share of the
+    group's room."""
+    n, kv = rnd.tp.get(g.epoch, (0, 0))
+    full = g.width * min(rnd.live[m].max_total_tokens for m in g.members)
+    pooled = g.kv_cap if g.kv_cap and rnd.other_work(g) > 0 else full
+    room = g.width * rnd.cfg.tp_inflight_per_engine - n
+    members = [rnd.live[m] for m in g.members] if spread(rnd, g) else [rnd.live[g.leader]]
+    shares = [room // len(members) + (i < room % len(members)) for i in range(len(members))]
+    return [
+        FastTarget(
+            engine=e.engine,
+            url=e.url,
+            epoch=g.epoch,
+            cap=e.inflight + sent_to(rnd, e.engine) + share,
+            max_kv=pooled - kv,
+        )  # fmt: skip
+        for e, share in zip(members, shares)
     ]

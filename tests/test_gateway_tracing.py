@@ -184,6 +184,9 @@ class _Steps:
     async def finish(self, rid, state, error=""):
         self.finished.append((rid, state))
 
+    def finish_nowait(self, rid, state, error=""):
+        self.finished.append((rid, state))
+
 
 async def test_a_re_dispatched_stream_has_a_failed_relay_then_a_second_attempt():
     exporter = InMemorySpanExporter()
@@ -235,3 +238,20 @@ async def test_an_unsampled_request_has_no_step_spans_and_still_sends_its_tracep
     ctx = root.get_span_context()
     assert sent == [{"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"}]
     assert not ctx.trace_flags.sampled
+
+
+async def test_a_request_ended_without_awaiting_its_record_ends_its_relay_span():
+    """The gateway records a request's end on the auto-pipelined connection without awaiting it
+    (``finish_nowait``): the stream's relay span ends there too."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    steps, traced = _Steps(), Tracing(provider)
+    traced.instrument(steps)  # type: ignore[arg-type]
+    with traced.tracer.start_as_current_span("request"):
+        adm = await steps.admit(None, "normal", "r1")
+        a = await steps.waiting.wait_assignment(adm, None, None)
+        await steps.upstream.open_stream(a.url, adm.path, adm.body)
+        assert "flying.relay" not in [s.name for s in exporter.get_finished_spans()], "open while it streams"
+        steps.queue.finish_nowait("r1", "done")
+    assert [s.name for s in exporter.get_finished_spans()].count("flying.relay") == 1

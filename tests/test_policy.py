@@ -878,3 +878,13 @@ def test_a_request_that_failed_on_an_engine_goes_to_another_node_while_its_node_
     assert [x.engine for x in decide(snap([failed], engines=one), DP_ONLY).dispatches] == [3]
     alone = [node_eng(i, "b", 2, 2) for i in (2, 3)]  # only node b is live: its other engine
     assert [x.engine for x in decide(snap([failed], engines=alone), DP_ONLY).dispatches] == [3]
+
+
+def test_fast_targets_under_light_load_cover_every_nodes_load_group():
+    """Two nodes, each with its idle load group: a request arriving before the next round may go to either
+    (the admission script picks the least loaded target), not only to the one group the round would pick."""
+    es = [node_eng(i, "a", 0, 2, mode="tp", epoch=5, **KVT) for i in (0, 1)]
+    es += [node_eng(i, "b", 2, 2, mode="tp", epoch=6, **KVT) for i in (2, 3)]
+    groups = [bound(5, (0, 1), reason="load"), bound(6, (2, 3), reason="load")]
+    d = decide(snap(engines=es, groups=groups, state=LIGHT), CFG)
+    assert sorted({(t.engine, t.epoch) for t in d.fast}) == [(0, 5), (1, 5), (2, 6), (3, 6)]
