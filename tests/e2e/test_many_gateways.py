@@ -40,10 +40,11 @@ class Watch:
             self.samples.append((time.monotonic(), holder, int(assigned or 0) - int(fast or 0)))
 
     def first_router_assignment_after(self, t: float, by: bytes | None) -> float:
-        """When a router other than ``by`` first held the lease after ``t`` and its next assignment was counted."""
+        """When a router other than ``by`` first held the lease after ``t`` and its next assignment was counted (or,
+        when every later request took the fast path the new leader publishes, when it took the lease)."""
         after = [s for s in self.samples if s[0] >= t]
         took = next(s for s in after if s[1] not in (None, by))
-        return next(s[0] for s in after if s[0] >= took[0] and s[2] > after[0][2])
+        return next((s[0] for s in after if s[0] >= took[0] and s[2] > after[0][2]), took[0])
 
 
 def test_a_gateway_and_the_active_router_killed_under_load_lose_no_request_of_the_survivor(
