@@ -188,12 +188,18 @@ class _Steps:
         self.finished.append((rid, state))
 
 
-async def test_a_re_dispatched_stream_has_a_failed_relay_then_a_second_attempt():
+def instrumented_steps() -> tuple[InMemorySpanExporter, _Steps, Tracing]:
+    """Stub gateway steps instrumented by a sampling tracer whose spans land in the returned exporter."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     steps, traced = _Steps(), Tracing(provider)
     traced.instrument(steps)  # type: ignore[arg-type]
+    return exporter, steps, traced
+
+
+async def test_a_re_dispatched_stream_has_a_failed_relay_then_a_second_attempt():
+    exporter, steps, traced = instrumented_steps()
     with traced.tracer.start_as_current_span("request"):
         adm = await steps.admit(None, "normal", "r1")
         for attempt in (1, 2):
@@ -243,11 +249,7 @@ async def test_an_unsampled_request_has_no_step_spans_and_still_sends_its_tracep
 async def test_a_request_ended_without_awaiting_its_record_ends_its_relay_span():
     """The gateway records a request's end on the auto-pipelined connection without awaiting it
     (``finish_nowait``): the stream's relay span ends there too."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    steps, traced = _Steps(), Tracing(provider)
-    traced.instrument(steps)  # type: ignore[arg-type]
+    exporter, steps, traced = instrumented_steps()
     with traced.tracer.start_as_current_span("request"):
         adm = await steps.admit(None, "normal", "r1")
         a = await steps.waiting.wait_assignment(adm, None, None)
