@@ -120,7 +120,9 @@ def test_decode_steps_above_the_threshold_run_sp_and_give_dp_s_text(chunked):
         before = sp_steps(chunked, 0)
         runs = [Running(url, p, n) for p in prompts]
         got = [r.join() for r in runs]
-        assert sp_steps(chunked, 0) - before >= n  # the decode steps too, not only the prefills
+        # the decode steps too, not only the (at most one per prompt) prefills; the requests start a moment
+        # apart, so the few steps in which one decodes alone stay TP
+        assert sp_steps(chunked, 0) - before >= len(prompts) + n // 2
     finally:
         release(chunked, (0, 1), epoch)
     for ours, ref in zip(got, refs):
