@@ -220,9 +220,10 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     rate_ts: float = 0.0  # when ``rate`` was last updated (0: never)
     admitted: int = 0  # the admission counter (``flying:stats`` admitted) at that time
     recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (PolicyConfig.spread_s)
+    long_waits: dict[str, float] = {}  # long requests waiting for calm -> since when (router.long_wait)
 
 
-DecisionKind = Literal["bind", "release", "regime", "distrust"]
+DecisionKind = Literal["bind", "release", "regime", "distrust", "wait"]
 
 
 class DecisionEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -230,7 +231,8 @@ class DecisionEvent(msgspec.Struct, frozen=True, kw_only=True):
     applies a round: a bind, a release, a change of the load regime, engines left out of binds. ``text`` is the
     router's log line for it, made from the policy's note (why); the other fields are for readers that act on it:
     ``epoch`` and ``members`` of a bind or release (of a distrust: the engines), the group's ``reason``, a
-    release's ``cause`` (``router.decision.ReleaseCause``'s value) and ``busy`` for a regime change."""
+    release's ``cause`` (``router.decision.ReleaseCause``'s value) and ``busy`` for a regime change; ``wait``: a
+    long request began or ended its wait for calm (``cause``: ``router.decision.WaitCause``'s value)."""
 
     ts: float
     kind: DecisionKind

@@ -51,7 +51,9 @@ class PolicyConfig:
         "hard", "how a priority bind takes busy engines: hard pauses their DP work, sequential drains it"
     )
     long_preempt: Preempt = setting(
-        "sequential", "how a long-context bind takes busy engines (hard only where their free KV holds it)"
+        "hard",
+        "how a long-context bind takes busy engines (hard only where their free KV holds it, then by adoption "
+        "where they transform KV; sequential drains them first)",
     )
     max_inflight_per_worker: int = setting(
         256, "requests one DP engine is handed before the rest wait in Redis"
@@ -79,7 +81,9 @@ class PolicyConfig:
         0.5, "long-context groups hold at most this share of the engines (one always allowed)"
     )
     long_wait_s: float = setting(
-        60.0, "seconds: under busy load a long request waits up to this long before binding"
+        180.0,
+        "seconds: a long request of normal or low priority waits up to this long for calm (light admission rate, "
+        "small backlog, no other long request running) before it runs; high priority never waits",
     )
     max_defer_s: float = setting(
         5.0, "seconds: a bind pauses DP work at most this long (then released, retracting)"
@@ -139,6 +143,7 @@ class PolicyConfig:
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("light_load", "calm_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _require(self.long_wait_s >= 0, f"long_wait_s must be >= 0, got {self.long_wait_s}")
         for name in ("busy_wait_s", "rate_tau_s"):
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _require(

@@ -176,7 +176,43 @@ class DistrustNote:
         return f"engines {list(self.engines)} not picked for binds for {self.seconds:g} s"
 
 
-Note = BindNote | ReleaseNote | RegimeNote | DistrustNote
+class WaitCause(StrEnum):
+    """Why a long request waits for calm (:mod:`router.long_wait`), or why its wait ended."""
+
+    BUSY = "load is not light"
+    BACKLOG = "the engines hold a backlog"
+    TURN = "another long request runs"
+    CALM = "calm"  # the wait ended: the load is calm
+    BOUND = "waited long_wait_s"  # the wait ended: its bound
+
+    @property
+    def ended(self) -> bool:
+        return self in (WaitCause.CALM, WaitCause.BOUND)
+
+
+@dataclass(frozen=True)
+class LongWaitNote:
+    """A long request (``kv_tokens``) began waiting for calm (``cause``: why the load is not calm; at most
+    ``bound_s``), or ended its wait after ``waited_s`` (``cause``: calm, or the bound); ``demand``: queued and
+    inflight requests then."""
+
+    request: str
+    kv_tokens: int
+    cause: WaitCause
+    bound_s: float
+    demand: int
+    waited_s: float = 0.0
+
+    def __str__(self) -> str:
+        what = f"long request {self.request} ({self.kv_tokens:,} tokens)"
+        if self.cause is WaitCause.CALM:
+            return f"{what} waited {self.waited_s:.1f} s: calm ({self.demand} requests), it binds now"
+        if self.cause is WaitCause.BOUND:
+            return f"{what} waited {self.waited_s:.1f} s, its bound: it binds now ({self.demand} requests)"
+        return f"{what} waits for calm, at most {self.bound_s:g} s: {self.cause} ({self.demand} requests)"
+
+
+Note = BindNote | ReleaseNote | RegimeNote | DistrustNote | LongWaitNote
 
 
 @dataclass(frozen=True)
@@ -267,6 +303,8 @@ def log_entry(note: Note, ts: float, epoch: int = 0) -> DecisionEvent:
             return DecisionEvent(ts=ts, kind="regime", text=text, busy=note.busy)
         case DistrustNote():
             return DecisionEvent(ts=ts, kind="distrust", text=text, members=note.engines)
+        case LongWaitNote():
+            return DecisionEvent(ts=ts, kind="wait", text=text, reason="long", cause=note.cause.value)
 
 
 def plan(d: Decision, epochs: Iterable[int]) -> Plan:

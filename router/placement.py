@@ -16,6 +16,7 @@ from collections.abc import Set as AbstractSet
 
 from flying.groups import widths as group_widths
 from flying.messages import FastTarget, Group, GroupReason, GroupState, QueuedRequest
+from router import long_wait
 from router.decision import Dispatch
 from router.dp_dispatch import nothing_dispatches, to_dp
 from router.engine_view import EngineView
@@ -53,8 +54,14 @@ def place(rnd: Round, r: QueuedRequest) -> None:
         pass
     elif not rnd.out.state.busy and (g := group_for(rnd, r, 1, USABLE, SHORT, imminent=True)) is not None:
         to_group(rnd, g, r)
-    elif not to_dp(rnd, r) and (g := group_for(rnd, r, 1, ("bound",), reasons=("manual",))) is not None:
-        to_group(rnd, g, r)  # an operator bound the engines: traffic still flows through their groups
+    elif (
+        not to_dp(rnd, r)
+        and (g := group_for(rnd, r, 1, ("bound",), reasons=("manual", "load", "long"))) is not None
+    ):
+        to_group(
+            rnd, g, r
+        )  # an operator bound the engines, or a load group serves a long request to its end:
+        # traffic still flows through their groups
 
 
 def group_for(
@@ -203,17 +210,23 @@ def place_priority(rnd: Round, r: QueuedRequest) -> bool:
 
 
 def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
-    """The narrowest long (or manual) group that holds it, bound or binding, or an idle load/priority group
-    (never one with paused DP work: its release would wait for this request); else bind one (hard only where
-    the members' free KV holds it). Under pressure it waits up to ``long_wait_s`` first, so a burst drains in
-    DP."""
+    """A normal-priority request first waits for calm, at most ``long_wait_s`` (:mod:`router.long_wait`). Then the
+    narrowest long (or manual) group that holds it, bound or binding, or an idle load/priority group (never one
+    with paused DP work: its release would wait for this request), or the bound load group (the widest there is:
+    its SP steps prefill the prompt over every member); else bind the width it needs (hard only where the members'
+    free KV holds it), making room by releasing load or priority groups in the way."""
     cfg = rnd.cfg
+    if cfg.long_context and long_wait.waits(rnd, r):
+        return  # it waits for calm, at most long_wait_s (high priority never waits)
     if (g := group_for(rnd, r, width, USABLE, ("long", "manual"))) is not None:
         to_group(rnd, g, r)  # bound: dispatched; binding: it waits for this group
         return
     if reuse_idle(rnd, r, width, ("load", "priority"), "long"):
         return
-    if not cfg.long_context or (rnd.pressure and rnd.now - r.enqueued_at < cfg.long_wait_s):
+    if not cfg.long_context:
+        return
+    if (g := group_for(rnd, r, width, ("bound",), ("load",))) is not None:
+        to_group(rnd, g, r)  # the widest group there is, the load group, in SP (router.long_wait)
         return
     in_long = sum(g.width for g in rnd.groups.values() if g.reason == "long") + sum(
         g.width for g in rnd.out.binds if g.reason == "long"
@@ -227,7 +240,7 @@ def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
         elif preempt == "hard" and rnd.block_load(sets[0]):
             adopt = rnd.kv.may_adopt(sets[0])  # their DP work continues in the group instead of pausing
         rnd.bind(sets[0], "long", preempt, adopt=adopt)
-    else:
+    elif not long_wait.make_room(rnd, width):
         release_idle_blocking(rnd, width)
 
 

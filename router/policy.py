@@ -28,8 +28,11 @@ The three use cases, each switchable in :class:`PolicyConfig`:
   whose pooled KV holds it, or an idle group (re-labelled), or binds the smallest width that fits
   (``long_preempt``, sequential by default so the members' KV is free; hard only where their free KV holds it, and
   then by adoption where the members transform KV).
-  Under pressure it waits up to ``long_wait_s`` first, and long groups hold at most ``long_max_share`` of the
-  engines (one is always allowed), so a burst is served in DP.
+  One of normal priority first waits for calm (light admission rate, small backlog, no other long request
+  running), at most ``long_wait_s``, then runs on the widest group there is (the load group, or a bind as wide as
+  the calm allows; :mod:`router.long_wait`); long groups hold at most ``long_max_share`` of the engines (one is
+  always allowed). A group running a long request cannot be released: under busy load it keeps taking the work
+  DP has no room for until the long request ends.
 
 KV transformation (Gyges-style) is used only where every member's heartbeat reports ``kv_transform`` and
 ``PolicyConfig.kv_transform`` is on (``flying-router --no-kv-transform``); otherwise every decision is as without it.
@@ -63,6 +66,7 @@ import msgspec
 from router.config import DispatchRule, PolicyConfig
 from router.decision import Decision, Dispatch, DpRule
 from router.engine_view import EngineView
+from router.long_wait import forget_old
 from router.placement import fast_targets, load_binds, need_width, place
 from router.regime import update as update_regime
 from router.releases import reconcile, release_groups
@@ -90,6 +94,7 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     update_regime(rnd)
     rnd.out.state = msgspec.structs.replace(rnd.out.state, suspect=rnd.suspect)
     release_groups(rnd)
+    forget_old(rnd)
     for r in s.waiting:  # high priority first, before load binds take the engines
         if r.priority == "high":
             place(rnd, r)

@@ -85,6 +85,8 @@ def release_groups(rnd: Round) -> None:
     for g in list(rnd.groups.values()):
         if g.state == "releasing" or g.reason == "manual":
             continue
+        if g.reason in ("load", "long") and not retractable(rnd, g):
+            continue  # it serves a long request (router.long_wait): it stays, taking work, until that ends
         tp_busy = rnd.group_n(g) > 0
         if tp_busy and g.state == "bound" and rnd.now - g.last_used > 0.5:
             g = replace_group(

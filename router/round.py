@@ -160,7 +160,11 @@ class Round:
         n = self.tp.get(g.epoch, (0, 0))[
             0
         ]  # (adopted requests do not count: they were the members' own load)
-        return n < g.width * self.cfg.tp_inflight_per_engine and kv + r.kv_tokens <= pooled
+        # under busy load a load or long group still bound serves a long request to its end (router.long_wait):
+        # it takes DP's share of work
+        busy_serving = self.out.state.busy and g.reason in ("load", "long")
+        per = self.cfg.max_inflight_per_worker if busy_serving else self.cfg.tp_inflight_per_engine
+        return n < g.width * per and kv + r.kv_tokens <= pooled
 
     def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired

@@ -104,7 +104,8 @@ class Simulator:
         self.epochs = itertools.count(1)
         self.groups: dict[int, SimGroup] = {}
         self.tp_load: dict[int, list[int]] = {}
-        self.tp_max: dict[int, int] = {}
+        self.tp_max: dict[int, int] = {}  # epoch -> the largest request one engine holds it was sent
+        self.tp_long: dict[int, dict[int, int]] = {}  # epoch -> its unfinished long requests' KV, by request
         self.dispatched: set[int] = set()
         self.finished = 0
         self.admitted = 0
@@ -184,6 +185,11 @@ class Simulator:
         self.admitted += 1
         self.poke_router()
 
+    def group_max_kv(self, epoch: int) -> int:
+        """The largest unfinished TP request of the group (as the live router reads it from the inflight set; one
+        engine holds any request below this: those count as the largest it was ever sent)."""
+        return max(self.tp_long.get(epoch, {}).values(), default=self.tp_max.get(epoch, 0))
+
     def finish(self, r: Req) -> None:
         assert not r.done, f"request {r.i} finished twice"
         r.done = True
@@ -193,6 +199,7 @@ class Simulator:
             load = self.tp_load[r.epoch]
             load[0] -= 1
             load[1] -= r.kv
+            self.tp_long.get(r.epoch, {}).pop(r.i, None)
         self.poke_router()
 
     def record(self, r: Req) -> RequestRecord:
@@ -225,7 +232,7 @@ class Simulator:
             queued=sum(len(q) for q in self.queue.values()),
             engines=engines,
             groups=list(self.records.values()),
-            tp_load={ep: GroupLoad(n, kv, self.tp_max.get(ep, 0)) for ep, (n, kv) in self.tp_load.items()},
+            tp_load={ep: GroupLoad(n, kv, self.group_max_kv(ep)) for ep, (n, kv) in self.tp_load.items()},
             state=self.state,
             admitted=self.admitted,
             prefixes=self.prefixes,
@@ -269,7 +276,10 @@ class Simulator:
                 load = self.tp_load.setdefault(x.epoch, [0, 0])
                 load[0] += 1
                 load[1] += r.kv
-                self.tp_max[x.epoch] = max(self.tp_max.get(x.epoch, 0), r.kv)  # (not lowered: conservative)
+                if r.kv > self.kv_per_engine:  # a long request: the group is not retractable while it runs
+                    self.tp_long.setdefault(x.epoch, {})[r.i] = r.kv
+                else:  # (not lowered: conservative, and below one engine's KV whatever it is)
+                    self.tp_max[x.epoch] = max(self.tp_max.get(x.epoch, 0), r.kv)
             e = self.engines[x.engine]
             sg = e.group
             if sg is not None and sg.epoch == x.epoch and x.epoch:
@@ -362,7 +372,7 @@ class Simulator:
                 assert rec.state == "releasing", f"epoch {ep} defers DP work beyond {grace:.2f} s"
                 # and the release retracts (the paused work resumes after one group step), unless a request
                 # needs the group's pooled KV
-                stuck = self.now - rec.since > 1.0 and self.tp_max.get(ep, 0) <= self.cfg.cost.kv_tokens
+                stuck = self.now - rec.since > 1.0 and self.group_max_kv(ep) <= self.cfg.cost.kv_tokens
                 assert not stuck, f"epoch {ep} released {self.now - rec.since:.2f} s ago still defers DP work"
         places = sum(len(q) for q in self.queue.values()) + len(self.dispatched)
         arrived = sum(1 for r in self.reqs if r.spec.at <= self.now and not (r.done and not r.times))

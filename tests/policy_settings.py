@@ -20,6 +20,7 @@ UNIT_POLICY = PolicyConfig(
     rate_tau_s=2.0,
     busy_wait_s=0.25,
     adopt_max_inflight=64,
+    long_preempt="sequential",  # the tests of long binds were written against draining first
 )
 
 

@@ -46,7 +46,8 @@ def test_need_width_picks_dp_the_narrowest_pool_or_none():
 
 
 def test_a_long_request_binds_the_least_loaded_block_it_needs_sequentially_by_default():
-    r = rnd([eng(0, inflight=3), eng(1, inflight=3), eng(2), eng(3)])
+    """Not calm (demand above light) and its wait over (long_wait_s 0): the width its KV needs."""
+    r = rnd([eng(0, inflight=5), eng(1, inflight=5), eng(2), eng(3)], cfg=unit_policy(long_wait_s=0.0))
     place_long(r, req(prompt=1500), 2)
     assert [(g.members, g.reason, g.preempt) for g in r.out.binds] == [((2, 3), "long", "sequential")]
     assert r.out.events == [BindNote((2, 3), "long", BindMode.SEQUENTIAL, engines=4)] and r.reserved == {2, 3}

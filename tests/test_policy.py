@@ -115,12 +115,15 @@ def test_need_width_is_the_smallest_group_whose_pooled_kv_fits():
 
 
 def test_long_request_binds_the_smallest_fitting_group_then_goes_to_its_leader():
+    """Under load (a deep queue: not calm) once its wait is over (long_wait_s 0); calm binds wider
+    (tests/test_long_wait.py)."""
+    cfg = dataclasses.replace(CFG, long_wait_s=0.0)
     long = req("long", prompt=1400, out=100)
-    d = decide(snap([long]), CFG)
+    d = decide(snap([long], queued=10), cfg)
     assert [(g.members, g.reason, g.preempt) for g in d.binds] == [((0, 1), "long", "sequential")]
     assert d.dispatches == []  # it waits for the group
     g = bound(5, (0, 1), reason="long", state="binding")
-    d = decide(snap([long], [in_epoch(0, 5), in_epoch(1, 5), eng(2), eng(3)], [g]), CFG)
+    d = decide(snap([long], [in_epoch(0, 5), in_epoch(1, 5), eng(2), eng(3)], [g], queued=10), cfg)
     assert d.put[5].state == "bound"
     assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 5)]
     assert not d.binds
@@ -172,11 +175,11 @@ def test_a_hard_long_bind_counts_the_dp_work_sent_to_its_members_in_the_same_rou
     """Found by the simulator's random sequences: a DP request sent to engine 0 in the same round as a hard long
     bind over (0, 1) pauses there holding KV the snapshot did not show; counted, the long request no longer fits
     the hard cap and the bind is sequential (before: the group formed too small to ever start it)."""
-    cfg = dataclasses.replace(CFG, long_preempt="hard")
+    cfg = dataclasses.replace(CFG, long_preempt="hard", long_wait_s=0.0)  # under load (queued): its need
     engines = [eng(0), eng(1), eng(2, inflight=3), eng(3, inflight=3)]
     long = req("long", prompt=1700)
-    assert decide(snap([long], engines), cfg).binds[0].preempt == "hard"  # alone: the cap (1800) holds it
-    d = decide(snap([req("small", prompt=290), long], engines), cfg)
+    assert decide(snap([long], engines, queued=10), cfg).binds[0].preempt == "hard"  # alone: the cap holds it
+    d = decide(snap([req("small", prompt=290), long], engines, queued=10), cfg)
     assert [(x.request.id, x.engine) for x in d.dispatches] == [("small", 0)]
     assert [(g.members, g.preempt) for g in d.binds] == [((0, 1), "sequential")]
 
@@ -315,7 +318,9 @@ def test_waiting_normal_request_means_busy_and_releases_load_groups():
     d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 100, 20)}), CFG)
     assert d.state.busy and d.commands == [((0, 1), Release(epoch=1, retract=True))]  # they continue in DP
     d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 1900, 1500)}), CFG)
-    assert d.commands == [((0, 1), Release(epoch=1, retract=False))]  # a long one cannot: it finishes in TP
+    # a long one cannot: the group stays bound, taking the work DP has no room for, until the long one ends
+    assert d.state.busy and not d.commands and d.put.get(1, g).state == "bound"
+    assert [(x.request.id, x.epoch) for x in d.dispatches] == [("old", 1)]
 
 
 def test_idle_priority_group_of_light_width_becomes_a_load_group_under_light_load():
@@ -488,9 +493,9 @@ def test_load_groups_release_by_scatter_when_load_rises():
     d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 100, 20)}), CFG)
     assert d.state.busy and d.commands == [((0, 1), Release(epoch=1, scatter=True))]
     assert any("by scatter" in n for n in d.notes)
-    # a request that needs the pooled KV cannot go back to one engine: the group waits for it, as before
+    # a request that needs the pooled KV cannot go back to one engine: the group stays, serving, until it ends
     d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 190_000, 150_000)}), CFG)
-    assert d.commands == [((0, 1), Release(epoch=1))]
+    assert d.state.busy and not d.commands and d.put.get(1, g).state == "bound"
 
 
 def test_scatter_is_gated_on_kv_transform_and_an_adopted_group_never_retracts():
@@ -542,12 +547,13 @@ def test_adopted_requests_do_not_take_the_groups_room():
 
 
 def test_long_request_adopts_where_hard_preemption_would_pause():
-    cfg = dataclasses.replace(CFG, long_preempt="hard")
+    cfg = dataclasses.replace(CFG, long_preempt="hard", long_wait_s=0.0)  # under load (queued): its need
     engines = [teng(i, inflight=1, used=1000, cap=100_000) for i in range(4)]
     long = req("long", prompt=150_000, out=100)
-    d = decide(snap([long], engines), cfg)
+    d = decide(snap([long], engines, queued=10), cfg)
     assert [(g.members, g.reason, g.preempt, g.adopt) for g in d.binds] == [((0, 1), "long", "hard", True)]
-    assert [g.adopt for g in decide(snap([long], engines), CFG).binds] == [False]  # sequential: it drains
+    drain = dataclasses.replace(cfg, long_preempt="sequential")
+    assert [g.adopt for g in decide(snap([long], engines, queued=10), drain).binds] == [False]  # it drains
 
 
 # --- the rate regime and hysteresis ------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""When a long-context request runs, and on how wide a group (paper section 5, long context).
+
+A request one engine's KV cannot hold needs a group for the whole of its prefill and decode. Bound in a burst, that
+group leaves the burst fewer DP engines. So a long request of normal (or low) priority waits for *calm*
+(:func:`unrest`: the admission rate is light, the engines' backlog is small, and no other long request runs), for
+at most ``long_wait_s``; when the calm comes, or the bound expires, it runs on the widest group there is: the load
+group if one is bound (its SP steps prefill the long prompt over every member while it keeps serving the rest).
+Otherwise it binds the width its KV needs and no wider: measured in the simulator, a wider dedicated group
+prefills faster but takes engines from the rest's traffic (the rest's low-load P90 TTFT 10x, burst P90 no better). A high-priority long
+request never waits. A load or long group that runs a long request is not released under busy load (it cannot be:
+no engine holds that request alone); it keeps taking work DP has no room for until the long request ends.
+
+Why a request waits, and why its wait ended (calm, or the bound), are notes of the decision log
+(:class:`router.decision.LongWaitNote`), once each: the router's state keeps the noted waits
+(``RouterState.long_waits``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from flying.messages import Group, QueuedRequest
+from router.decision import LongWaitNote, ReleaseCause, WaitCause
+from router.releases import release_now, retractable
+from router.round import Round
+
+
+def unrest(rnd: Round, request: str = "") -> WaitCause | None:
+    """Why the load is not calm for a long request now (None: it is calm): it is not light by the regime's
+    measure (rate: admissions above ``light_rate`` per engine; inflight: demand above ``light_load`` of the groups'
+    capacity; either without the regime's hysteresis), more queued and inflight requests than the groups would hold (``tp_inflight_per_engine`` per engine:
+    a burst's backlog), or another long request runs (one at a time keeps most of the node serving the rest)."""
+    cfg, n = rnd.cfg, len(rnd.live)
+    if cfg.regime == "rate" and rnd.out.state.rate > cfg.light_rate * n:
+        return WaitCause.BUSY
+    if cfg.regime == "inflight" and demand(rnd) > cfg.light_load * cfg.tp_inflight_per_engine * n:
+        return WaitCause.BUSY
+    if demand(rnd) > cfg.tp_inflight_per_engine * n:
+        return WaitCause.BACKLOG
+    if running_long(rnd, request):
+        return WaitCause.TURN
+    return None
+
+
+def demand(rnd: Round) -> int:
+    """Queued and inflight requests."""
+    return rnd.s.queued + sum(e.inflight for e in rnd.s.engines)
+
+
+def running_long(rnd: Round, request: str = "") -> int:
+    """Long requests running or about to: those in groups (any group holding a request one engine cannot, a long
+    group still binding), bound or dispatched this round, and those whose wait ended but that are not
+    placed yet."""
+    one = rnd.s.max_kv
+    n = sum(
+        1
+        for g in rnd.groups.values()
+        if (g.reason == "long" and g.state == "binding") or rnd.tp_max.get(g.epoch, 0) > one
+    )
+    n += sum(1 for g in rnd.out.binds if g.reason == "long")
+    placed = {x.request.id for x in rnd.out.dispatches}
+    n += sum(1 for x in rnd.out.dispatches if x.request.kv_tokens > one)
+    ended = rnd.out.state.long_waits
+    return n + sum(1 for r in rnd.s.waiting if ended.get(r.id, 0.0) < 0 and r.id not in placed | {request})
+
+
+def waits(rnd: Round, r: QueuedRequest) -> bool:
+    """``r`` (a long request) waits this round: its priority is not high, the load is not calm and it has waited
+    less than ``long_wait_s``. Notes the start of a wait and its end (calm, or the bound); a wait that ended does
+    not begin again."""
+    if r.priority == "high":
+        return False
+    noted = rnd.out.state.long_waits.get(r.id)
+    if noted is not None and noted < 0:
+        return False  # its wait ended: it runs as soon as it can
+    waited = rnd.now - r.enqueued_at
+    cause = unrest(rnd, r.id)
+    if cause is not None and waited < rnd.cfg.long_wait_s:
+        if noted is None:
+            remember(rnd, r.id, rnd.now)
+            rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, cause, rnd.cfg.long_wait_s, demand(rnd)))
+        return True
+    end = WaitCause.BOUND if cause is not None else WaitCause.CALM
+    remember(rnd, r.id, -rnd.now)
+    if noted is not None:
+        rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, end, rnd.cfg.long_wait_s, demand(rnd), waited))
+    return False
+
+
+def remember(rnd: Round, request: str, at: float) -> None:
+    """Keep in the router's state that ``request`` waits for calm since ``at`` (negative: its wait ended then)."""
+    waits = {**rnd.out.state.long_waits, request: at}
+    rnd.out.state = msgspec.structs.replace(rnd.out.state, long_waits=waits)
+
+
+def forget_old(rnd: Round) -> None:
+    """Drop the waits noted more than twice ``long_wait_s`` ago (the request has long been served or cancelled:
+    a wait ends within ``long_wait_s``)."""
+    waits, horizon = rnd.out.state.long_waits, rnd.now - 2 * rnd.cfg.long_wait_s
+    if any(abs(t) < horizon for t in waits.values()):
+        keep = {k: t for k, t in waits.items() if abs(t) >= horizon}
+        rnd.out.state = msgspec.structs.replace(rnd.out.state, long_waits=keep)
+
+
+def make_room(rnd: Round, width: int) -> bool:
+    """Load or priority groups hold every block of ``width``: release at once (by scatter, else retracting) those
+    in the least loaded block whose groups are all bound, of those reasons, and can move to DP, so the long
+    request binds there next. False if there is no such block."""
+    group_of = {m: g for g in rnd.groups.values() for m in g.members}
+    for ms in sorted(rnd.merge_sets(width), key=rnd.block_load):
+        if any(m in rnd.reserved or rnd.live[m].pending for m in ms):
+            continue
+        inside: list[Group] = list({group_of[m].epoch: group_of[m] for m in ms if m in group_of}.values())
+        if inside and all(
+            g.state == "bound" and g.reason in ("load", "priority") and retractable(rnd, g) for g in inside
+        ):
+            for g in inside:
+                release_now(rnd, g, ReleaseCause.MAKING_ROOM, width=width)
+            return True
+    return False
