@@ -111,7 +111,8 @@ def preset_workload(name: str, n: int = 4000, seed: int = 0, nodes: int = 1) -> 
 def arrivals(p: Preset, n: int, rng: np.random.Generator, nodes: int) -> np.ndarray:
     """Gamma inter-arrival times (shape ``burstiness``) around a rate that switches between ``p.rate``'s two
     levels after exponential stretches of mean ``level_s``."""
-    out, t, level, until = [], 0.0, 0, rng.exponential(p.level_s)
+    out: list[float] = []
+    t, level, until = 0.0, 0, rng.exponential(p.level_s)
     while len(out) < n:
         rate = p.rate[level] * nodes
         t += rng.gamma(p.burstiness, 1.0 / (rate * p.burstiness))
