@@ -70,7 +70,7 @@ PRESETS: dict[str, Preset] = {
         0.9,
         13,
         1.0,
-        (5.0, 30.0),
+        (3.0, 15.0),
         max_output=1000,
     ),  # fmt: skip
     "burstgpt": Preset(
