@@ -62,8 +62,8 @@ class CorkedTransport:
 def corked(protocol: type) -> type:
     """``protocol`` (a uvicorn HTTP protocol class) with a :class:`CorkedTransport` on each connection."""
 
-    class Corked(protocol):  # type: ignore[misc, valid-type]
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    class Corked(protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:
             loop = getattr(self, "loop", None) or asyncio.get_running_loop()
             super().connection_made(CorkedTransport(transport, loop))
 
