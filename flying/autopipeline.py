@@ -118,13 +118,15 @@ class AutoPipeline:
     def script_nowait(
         self, source: str, keys: Sequence[Arg], args: Sequence[Arg]
     ) -> asyncio.Future[Any] | None:
-        """``EVALSHA`` of ``source`` sent now, without a coroutine: its reply's future (which fails with Redis's
-        ``NOSCRIPT`` if Redis does not know the script), or None while no connection is open or the script has not
-        been run through :meth:`script` yet; the caller then awaits :meth:`script`."""
+        """``EVALSHA`` of ``source`` sent at the end of this event-loop turn (with the turn's other calls: what the
+        caller does in the rest of its step, e.g. answer its client, goes first), without a coroutine: its reply's
+        future (which fails with Redis's ``NOSCRIPT`` if Redis does not know the script), or None while no
+        connection is open or the script has not been run through :meth:`script` yet; the caller then awaits
+        :meth:`script`."""
         protocol, sha = self._protocol, self._shas.get(source)
         if protocol is None or protocol.lost or sha is None:
             return None
-        return protocol.send(("EVALSHA", sha, len(keys), *keys, *args))
+        return protocol.send(("EVALSHA", sha, len(keys), *keys, *args), batched=True)
 
     async def _connect(self) -> _Protocol:
         """The open connection; concurrent callers share one attempt."""

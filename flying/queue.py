@@ -372,9 +372,9 @@ class RequestQueue:
         return bool(done)
 
     def finish_nowait(self, rid: str, state: str, error: str = "") -> asyncio.Future[Any] | None:
-        """``finish`` sent at once on the auto-pipelined connection, without a coroutine: the reply's future; None
-        when it cannot go that way (no pipe, no open connection yet, or a replica wait wanted): then await
-        ``finish``."""
+        """``finish`` sent on the auto-pipelined connection at the end of this event-loop turn (after the answer
+        its caller writes in the same step), without a coroutine: the reply's future; None when it cannot go that
+        way (no pipe, no open connection yet, or a replica wait wanted): then await ``finish``."""
         if self.pipe is None or self.gate.wanted():
             return None
         keys, args = self._finish_call(rid, state, error)

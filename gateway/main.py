@@ -15,6 +15,7 @@ from gateway.app import create_app
 from gateway.auth import read_keys
 from gateway.config import GatewayConfig
 from gateway.connections import guarded_protocol
+from gateway.cork import corked
 from gateway.drain import Drain, DrainingServer
 from gateway.tenants import Tenants
 from gateway.tracing import endpoint_from_env, service_name_from_env
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         proxy_headers=False,  # no X-Forwarded-For rewriting of the client's address, which nothing here reads  # the gateway's request log says more (gateway.request_log); none is built per request
         timeout_graceful_shutdown=5,
-        http=guarded_protocol(config.connection_limits),
+        http=corked(guarded_protocol(config.connection_limits)),  # a response's head and body in one write
         timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn accepts a float
     )
     DrainingServer(server_config, drain, config.drain_grace_s).run()

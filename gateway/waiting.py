@@ -213,8 +213,8 @@ class WaitingRoom:
             log.warning("engine %d: circuit breaker open after repeated failures (last: %s)", engine, why)
 
     def finish_soon(self, rid: str, state: str, error: str = "") -> None:
-        """:meth:`finish_surely` in the background, without a task while Redis answers: the script is sent now and
-        its reply checked by a callback; a failed one (Redis away, a script it forgot) or a connection not yet
+        """:meth:`finish_surely` in the background, without a task while Redis answers: the script is sent at the
+        end of this loop turn (a non-streaming answer is written first) and its reply checked by a callback; a failed one (Redis away, a script it forgot) or a connection not yet
         open spawns ``finish_surely``."""
         fut = self.queue.finish_nowait(rid, state, error)
         if fut is None:

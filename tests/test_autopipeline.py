@@ -59,6 +59,19 @@ async def test_a_cancelled_caller_leaves_the_replies_in_step(redis_server, keys)
     p.close()
 
 
+async def test_a_call_sent_nowait_goes_out_at_the_end_of_the_loop_turn(redis_server, keys, sync_redis):
+    p = AutoPipeline(port=redis_server.port)
+    key, source = keys.prefix + ":nowait", "return redis.call('INCR', KEYS[1])"
+    assert await p.script(source, [key], []) == 1  # loaded: script_nowait can send it
+    fut = p.script_nowait(source, [key], [])
+    assert fut is not None
+    assert (
+        sync_redis.get(key) == b"1"
+    )  # the rest of this step (a blocking read here) runs before it is written
+    assert await fut == 2 and sync_redis.get(key) == b"2"
+    p.close()
+
+
 async def test_it_connects_like_a_redis_py_pool(redis_server, keys, sync_redis):
     client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, db=3, client_name="flying-test")
     p = AutoPipeline.like(client.connection_pool.connection_kwargs)
