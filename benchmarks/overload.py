@@ -1,8 +1,11 @@
 """Overload through the full stack: a private Redis, CPU workers with the tiny model, the router and the gateway
 (``devstack.cluster``), then ``loadgen run`` with an open-loop Poisson load well beyond what the engines serve.
-Reports when the first 429 came (and when the first request had to wait in the queue: the overload's onset),
-each class's queue wait of the admitted requests (P50/P99, against its wait budget), the answers by status, and
-goodput: requests finished with a TTFT within their class's SLO.
+Reports when the first 429 came after the overload's onset (a watcher thread polls, every 0.1 s on one clock, the
+engines' heartbeats and the queue's depth for the first moment requests wait anywhere, and the gateway's
+``flying_gateway_refused`` counter for the first refusal; also, from loadgen's records, when the first 429 and the
+first request that waited in the global queue were sent), each class's queue wait of the admitted requests
+(P50/P99, against its wait budget), the answers by status, and goodput: requests finished with a TTFT within
+their class's SLO.
 
     PYTHONPATH=. .venv/bin/python benchmarks/overload.py --out results/overload
 """
@@ -12,6 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import threading
+import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +25,7 @@ import numpy as np
 
 from benchmarks._loadgen import run_loadgen
 from devstack.cluster import Cluster, ClusterConfig
+from flying.messages import Heartbeat, decode
 from worker_ext.tinymodel import ensure
 
 BUDGETS_S = {
@@ -51,11 +58,56 @@ def main() -> None:
             "--input-tokens", "32:256", "--output-tokens", "16:128", "--priority-mix", a.priority_mix,
             "--tokenizer", str(model)]  # fmt: skip
     with Cluster(cfg, progress=print) as cluster:
-        run_loadgen(cluster.config.gateway_url, a.out, *load)
+        watch = Onset(cluster)
+        watch.start()
+        try:
+            run_loadgen(cluster.config.gateway_url, a.out, *load)
+        finally:
+            watch.stop()
     records = json.loads(a.out.with_suffix(".json").read_text())["records"]
-    report = summarize(records)
+    report = summarize(records) | watch.report()
     a.out.with_name(a.out.name + "-report.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
+
+
+class Onset(threading.Thread):
+    """Every 0.1 s: do requests wait anywhere (the engines' heartbeats report waiting ones, or the global queue
+    holds some), and has the gateway refused any (its ``flying_gateway_refused`` counter)? The first time of
+    each, on this thread's clock."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.done = cluster, threading.Event()
+        self.waiting_at: float | None = None
+        self.refused_at: float | None = None
+
+    def run(self) -> None:
+        r, keys = self.cluster.client(), self.cluster.keys
+        engines = [keys.worker(i) for i in range(self.cluster.config.num_engines)]
+        metrics = self.cluster.config.gateway_url + "/metrics"
+        while not self.done.wait(0.1) and self.refused_at is None:
+            now = time.monotonic()
+            if self.waiting_at is None:
+                beats = [decode(raw, Heartbeat) for raw in r.mget(engines) if raw]
+                if any(hb.waiting for hb in beats) or r.zcard(keys.queue):
+                    self.waiting_at = now
+            try:
+                text = urllib.request.urlopen(metrics, timeout=5).read().decode()
+            except OSError:
+                continue
+            if any(line.startswith("flying_gateway_refused_total{") and float(line.split()[-1]) > 0
+                   for line in text.splitlines()):  # fmt: skip
+                self.refused_at = now
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(10)
+
+    def report(self) -> dict:
+        gap = None
+        if self.waiting_at is not None and self.refused_at is not None:
+            gap = self.refused_at - self.waiting_at
+        return {"first_refusal_after_onset_s": gap}
 
 
 def summarize(records: list[dict]) -> dict:

@@ -5,13 +5,20 @@ should wait before retrying.
 By count, low priority is shed first, high last: each class may fill only its share of the queue (``SHARE``). By
 wait, a request is admitted only while its predicted wait fits its class's budget. The wait is predicted from the
 work ahead of it (the requests of its class or higher that wait in the queue, and, for normal and low priority,
-the requests the engines hold in their own waiting queues: an engine is handed up to the router's
+the requests the engines hold beyond what they run: an engine is handed up to the router's
 ``max_inflight_per_worker`` requests, more than it runs at once) and the service left to its class: the capacity
-less the arrival rate of the classes above it (they overtake it). The capacity is the rate at which requests are
-served to their end while the deployment is saturated (requests wait in the queue or in an engine), read from the
-shared ``completed`` counter over a sliding window, and the arrival rates from the shared per-priority
-``admitted_<priority>`` counters, so every gateway sees the deployment's; until the capacity is known (cold start,
-light load) only the count bounds the queue.
+less the arrival rate of the classes above it (they overtake it). The engines' backlog is what their heartbeats
+report waiting; once that is any, the larger of it and what their inflight sets hold beyond what they run (a
+request handed to an engine is in its set before the engine reports it), plus the requests this gateway handed to
+them since it last looked.
+
+The capacity is the rate at which requests are served to their end while the deployment is saturated (requests
+wait in the queue or in an engine), read from the shared ``completed`` counter over a sliding window, and the
+arrival rates from the shared per-priority ``admitted_<priority>`` counters, so every gateway sees the
+deployment's. While requests wait but too little of that backlog has been seen to measure it (the onset of an
+overload, or engines that serve nothing), the capacity is taken low: what the window saw served, over the whole
+window, and no more, so an overload is refused from its first moments rather than after the first measurement;
+with nothing waiting (cold start, light load) only the count bounds the queue.
 """
 
 from __future__ import annotations
@@ -59,6 +66,13 @@ class ServiceRate:
         self.samples.append((now, count, backlogged))
         while self.samples and now - self.samples[0][0] > self.window_s:
             self.samples.popleft()
+
+    def lower_bound_per_s(self) -> float:
+        """A capacity the deployment surely has, for a backlog too new to measure: the requests served in the
+        window (at least ``min_served``) over the whole window, whether they waited or not (at light load the
+        engines serve what comes, which is at most what they can)."""
+        served = self.samples[-1][1] - self.samples[0][1] if self.samples else 0
+        return max(served, self.min_served) / self.window_s
 
     def per_s(self) -> float | None:
         """The capacity, or None while the window holds too little backlogged history to tell."""
@@ -112,24 +126,45 @@ class Backpressure:
         self.budgets = dict(budgets or {})
         self.rate = rate or ServiceRate()
         self.arrivals = arrivals or ClassArrivals()
-        self.engine_waiting = 0  # requests waiting in the engines' own queues, as last observed
+        self.engine_waiting = 0  # requests the engines hold beyond what they run, as last observed
+        self.handed = 0  # requests this gateway handed to the engines (fast path) since then
+        self.backlogged = False  # requests waited (queue or engines) at the last observation
 
     def observe(self, tick: Tick) -> None:
         """One monitor tick's counts: the service rate's and the arrival rates' samples, the engines' backlog."""
         self.engine_waiting = tick.engine_waiting
-        self.rate.sample(tick.now, tick.completed, backlogged=tick.depth > 0 or tick.engine_waiting > 0)
+        if tick.engine_waiting > 0:  # saturated: what is on its way to the engines waits there too
+            self.engine_waiting = max(tick.engine_waiting, tick.engine_held - tick.engine_running)
+        self.handed = 0
+        self.backlogged = tick.depth > 0 or self.engine_waiting > 0
+        self.rate.sample(tick.now, tick.completed, backlogged=self.backlogged)
         self.arrivals.sample(tick.now, tick.admitted)
 
+    def handed_to_engine(self) -> None:
+        """A request went straight to an engine at admission: part of the engines' backlog until the next
+        observation counts it (when they have one already)."""
+        if self.engine_waiting > 0:
+            self.handed += 1
+
     def behind(self, priority: Priority) -> int:
-        """Requests in the engines' own waiting queues that a request of ``priority`` waits behind once assigned:
-        all of them for normal and low priority; none for high (SGLang's priority scheduling runs it first)."""
-        return 0 if priority == "high" else self.engine_waiting
+        """Requests in the engines beyond what they run that a request of ``priority`` waits behind once
+        assigned: all of them for normal and low priority; none for high (SGLang's priority scheduling runs it
+        first)."""
+        return 0 if priority == "high" else self.engine_waiting + self.handed
+
+    def capacity(self) -> float | None:
+        """The measured capacity; while requests wait but it cannot be measured yet, the window's lower bound;
+        None with nothing waiting and nothing measured."""
+        rate = self.rate.per_s()
+        if rate:
+            return rate
+        return self.rate.lower_bound_per_s() if self.backlogged else None
 
     def free_rate(self, priority: Priority) -> float | None:
         """Requests per second the deployment serves to ``priority`` and the classes above it once those above
         have been served (None while the capacity is unknown; at least a twentieth of the capacity, so a
         prediction stays finite)."""
-        rate = self.rate.per_s()
+        rate = self.capacity()
         if not rate:
             return None
         return max(rate - self.arrivals.above(priority), rate / 20)
@@ -150,7 +185,7 @@ class Backpressure:
 
     def retry_after_s(self, excess: int) -> int:
         """Seconds until ``excess`` requests have been served at the recent rate (1..60; 1 when unknown)."""
-        rate = self.rate.per_s()
+        rate = self.capacity()
         if not rate:
             return 1
         return _clip(excess / rate)

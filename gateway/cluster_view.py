@@ -34,6 +34,8 @@ class Tick(NamedTuple):
     admitted: tuple[int, ...] = (0, 0, 0)  # the ``admitted_<priority>`` counters, high first
     completed: int = 0  # the deployment's ``completed`` counter (requests served to their end)
     engine_waiting: int = 0  # requests the live engines hold in their own waiting queues (heartbeats)
+    engine_held: int = 0  # requests assigned to the live engines and not ended (their inflight sets)
+    engine_running: int = 0  # requests the live engines run now (heartbeats)
 
 
 class ClusterView:
@@ -90,19 +92,24 @@ class ClusterView:
 
     async def observe(self) -> Tick:
         """Re-read the engines, renew the liveness key, and read the router's lease, the ``assigned``,
-        ``completed`` and per-class ``admitted`` counters and the queue's depth (one pipeline)."""
+        ``completed`` and per-class ``admitted`` counters, the queue's depth and the live engines' inflight sets'
+        sizes (one pipeline)."""
         beats = await self.workers(max_age_s=0)
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
         pipe.hmget(self.keys.stats, ["assigned", "completed", *(f"admitted_{p}" for p in PRIORITIES)])
         pipe.exists(self.keys.router_lease)
         pipe.zcard(self.keys.queue)
-        _, (assigned, completed, *admitted), lease, depth = await pipe.execute()
+        for hb in beats:
+            pipe.scard(self.keys.inflight(hb.engine))
+        _, (assigned, completed, *admitted), lease, depth, *held = await pipe.execute()
         now = time.monotonic()
         self.update(now, live=bool(beats), lease=bool(lease))
         admitted_n = tuple(int(a or 0) for a in admitted)
-        waiting = sum(hb.waiting for hb in beats)
-        return Tick(now, int(assigned or 0), depth, admitted_n, int(completed or 0), waiting)
+        waiting, running = sum(hb.waiting for hb in beats), sum(hb.running for hb in beats)
+        return Tick(
+            now, int(assigned or 0), depth, admitted_n, int(completed or 0), waiting, sum(held), running
+        )
 
     def update(self, now: float, live: bool, lease: bool) -> None:
         """Note what one observation at ``now`` saw: some engine ``live``, a router holding the ``lease``."""

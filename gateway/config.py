@@ -55,7 +55,10 @@ class GatewayConfig:
     max_header_count: int = 100
     max_url_bytes: int = 8192
     header_timeout_s: float = 10.0
-    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    # an idle keep-alive connection is closed after this: longer than clients keep an idle connection for reuse
+    # (httpx and the OpenAI SDK 5 s, aiohttp 15 s), so the client gives it up first; a gateway that closes it
+    # first can meet a request the client sent at that moment, which then ends in a reset
+    keep_alive_timeout_s: float = 75.0
     max_connections: int = 4096
     api_keys: tuple[str, ...] = field(
         default=(), repr=False

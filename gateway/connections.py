@@ -9,14 +9,21 @@ answered; :func:`guarded_protocol` is that protocol with the limits of a :class:
   and a connection that sent nothing in that time is closed;
 - beyond ``max_connections`` open connections: the new one's requests get 503 with ``Retry-After``.
 
+An idle or silent connection is never closed while bytes from the client wait unread in its socket: under load
+the event loop can run a due timer before it reads what arrived meanwhile (uvloop runs timers before it polls the
+sockets), and closing then would drop a request the client has sent on a connection it had every right to use
+(the client sees a reset, not an answer). Such a connection's timer is armed again instead, and the request is
+read and answered. (A head that has begun arriving gets its 408 on time.)
+
 The refusals are OpenAI-shaped JSON with ``Connection: close``; after one the connection reads and drops what the
 client still sends for a moment (so the client, still writing, gets the answer rather than a reset), then closes.
-The idle keep-alive timeout is uvicorn's ``timeout_keep_alive``."""
+The idle keep-alive timeout is uvicorn's ``timeout_keep_alive``, with that guard."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import select
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +105,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         super().connection_lost(exc)
 
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's idle keep-alive timeout: closes the connection, unless the client has sent more meanwhile."""
+        if self._unread():
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return
+        super().timeout_keep_alive_handler()
+
     def data_received(self, data: bytes) -> None:
         if self.refusal is not None:  # refused: drop what the client still sends until the linger ends
             return
@@ -162,6 +178,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self.transport.write(raw_response(error))
         self.loop.call_later(LINGER_S, self.transport.close)
 
+    def _unread(self) -> bool:
+        """Bytes from the client (or its end) wait in the socket, not yet read by the event loop."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
     def _arm_head_timer(self) -> None:
         self.head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
 
@@ -174,8 +199,11 @@ class GuardedProtocol(HttpToolsProtocol):
         self.head_timer = None
         if self.transport.is_closing() or not self.in_head:
             return
-        if self.head_bytes == 0 and self.url_bytes == 0 and self.fields == 0:  # sent nothing: just close
-            self.transport.close()
+        if self.head_bytes == 0 and self.url_bytes == 0 and self.fields == 0:  # sent nothing read yet
+            if self._unread():  # its head arrived while the loop was busy: read and answer it
+                self._arm_head_timer()
+            else:
+                self.transport.close()
             return
         secs = self.limits.header_timeout_s
         self._refuse(HeadTimeout(f"the request head did not arrive within {secs:g} s"))

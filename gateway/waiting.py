@@ -92,6 +92,7 @@ class WaitingRoom:
                 rec.prompt_tokens + rec.max_tokens
             )
         if fast is not None:  # assigned at admission (the queue was empty): no wait for the router's round
+            self.backpressure.handed_to_engine()
             self.waiter.resolve(fast)
             return fut
         self.waiter.mark_admitted(rid)

@@ -188,8 +188,8 @@ async def test_low_priority_is_shed_before_high(redis_server, aredis, sync_redis
 
 def test_half_a_second_of_backlog_measures_the_capacity_unless_the_engines_stalled():
     """The default window: the capacity is known once the queue has been backlogged for 0.5 s (two of the
-    monitor's samples) with at least 3 dispatches in it, so the first 429s come within a second of the engines'
-    slots filling up; a backlog that nothing leaves tells nothing (no refusal by wait)."""
+    monitor's samples) with at least 3 dispatches in it; a backlog that nothing leaves does not measure it (the
+    rate stays unknown; see the next test for what a backlog is then bounded by)."""
     rate = ServiceRate()
     rate.sample(0.0, 0, backlogged=True)
     rate.sample(0.25, 2, backlogged=True)
@@ -224,3 +224,43 @@ def test_the_engines_backlog_is_work_ahead_of_normal_and_low_priority():
     for t in range(5):  # light load: served as they come, nothing waits anywhere
         idle.observe(Tick(float(t), assigned=4 * t, depth=0, admitted=(0, 0, 0), completed=4 * t))
     assert idle.rate.per_s() is None and idle.limits("normal") == Limits(850, 0)
+
+
+def test_a_backlog_too_new_to_measure_is_bounded_by_what_the_window_saw_served():
+    """The onset of an overload: requests wait in the engines, but too few have been served while they waited to
+    measure the capacity. The wait is then predicted from what the last 10 s served (at least 3), over all 10 s:
+    a capacity the deployment surely has, so the overload is refused from its first moments, not after the first
+    measurement. With nothing waiting, as before, only the count bounds the queue."""
+    from gateway.cluster_view import Tick
+
+    bp = Backpressure(max_queue=1000, budgets=BUDGETS)
+    for i in range(8):  # 2 s of light load: 5 served, nothing waits
+        bp.observe(Tick(i * 0.25, assigned=0, depth=0, completed=i * 5 // 7))
+    assert bp.capacity() is None and bp.limits("normal") == Limits(850, 0)
+    bp.observe(Tick(2.0, assigned=0, depth=0, completed=5, engine_waiting=4))  # the engines' slots are full
+    assert bp.rate.per_s() is None and bp.capacity() == pytest.approx(0.5), "5 served in 10 s"
+    assert bp.limits("normal") == Limits(850, 6), "0.5/s x 20 s = 10, less the 4 in the engines"
+    bp.observe(Tick(2.25, assigned=0, depth=0, completed=5, engine_waiting=10))
+    assert bp.limits("normal").full and not bp.limits("high").full, "10 s x 0.5/s: normal's budget is used up"
+    assert bp.wait_retry_after_s("normal", 0) == 2, "11 ahead at 0.5/s: 22 s, 2 s beyond the budget"
+
+
+def test_requests_on_their_way_to_saturated_engines_count_as_their_backlog():
+    """Once the engines report waiting requests, those assigned to them that they do not run yet (their inflight
+    sets hold them before the engines report them) and those this gateway handed them since it looked are work
+    ahead too; while nothing waits, requests on their way are not a backlog (light load stays unbounded)."""
+    from gateway.cluster_view import Tick
+
+    bp = Backpressure(max_queue=1000, budgets=BUDGETS)
+    bp.observe(Tick(0.0, assigned=0, depth=0, engine_held=12, engine_running=10))
+    bp.handed_to_engine()
+    assert bp.behind("normal") == 0 and not bp.backlogged
+    bp.observe(Tick(0.25, assigned=0, depth=0, engine_waiting=1, engine_held=30, engine_running=10))
+    assert bp.behind("normal") == 20 and bp.behind("high") == 0
+    bp.handed_to_engine()
+    bp.handed_to_engine()
+    assert bp.behind("low") == 22
+    bp.observe(Tick(0.5, assigned=0, depth=0, engine_waiting=25, engine_held=30, engine_running=10))
+    assert bp.behind("low") == 25, (
+        "the heartbeats' count when it is the larger; the handed ones are in it now"
+    )

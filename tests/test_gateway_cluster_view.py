@@ -139,13 +139,19 @@ async def test_engines_live_a_moment_ago_are_waited_for_before_none_is_reported(
     assert await v.workers_again(within_s=2.0) == [] and time.monotonic() - t0 < 0.3, "none for long: no wait"
 
 
-async def test_observe_sums_the_requests_waiting_inside_the_live_engines(aredis, sync_redis, keys):
+async def test_observe_sums_the_requests_waiting_held_and_running_in_the_live_engines(
+    aredis, sync_redis, keys
+):
     from tests.stack import announce_engine
 
-    announce_engine(sync_redis, keys, 0, waiting=3)
-    announce_engine(sync_redis, keys, 1, url="http://e1", waiting=4)
+    announce_engine(sync_redis, keys, 0, waiting=3, running=2)
+    announce_engine(sync_redis, keys, 1, url="http://e1", waiting=4, running=1)
+    sync_redis.sadd(keys.inflight(0), *(f"r{i}" for i in range(9)))  # 2 run, 3 wait, 4 on their way
+    sync_redis.sadd(keys.inflight(1), "s0", "s1")
+    sync_redis.sadd(keys.inflight(5), "gone")  # an engine not live: not counted
     v = ClusterView(aredis, keys, GatewayConfig(model_path="unused", key_prefix=keys.prefix))
-    assert (await v.observe()).engine_waiting == 7
+    tick = await v.observe()
+    assert (tick.engine_waiting, tick.engine_held, tick.engine_running) == (7, 11, 3)
 
 
 def test_the_context_limit_counts_every_nodes_widest_live_group():

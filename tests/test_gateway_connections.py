@@ -1,16 +1,19 @@
 """Limits at the door (gateway.connections), each held by a real gateway process to hostile input sent over a raw
 socket: header bytes and fields (431), URL length (414), body size (413), a slow head (408), a silent or idle
 keep-alive connection (closed), and open connections beyond the cap (503 with Retry-After). One gateway serves
-every test (small limits, 1 s timeouts)."""
+those tests (small limits, 1 s timeouts). A second one, stopped (SIGSTOP) while busy as an overloaded box stalls
+it, shows that its timers never drop a request that arrived during the stall."""
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 import uuid
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 
 from flying.keys import Keys
@@ -158,3 +161,69 @@ def test_the_limits_are_validated_and_a_refusal_is_a_whole_response():
     raw = raw_response(HeadersTooLarge("too big"))
     head, body = raw.split(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ") and f"content-length: {len(body)}".encode() in head
+
+
+STALL_TIMEOUT_S = 1.0  # the stalled gateway's keep-alive and header timeouts
+
+
+@pytest.fixture(scope="module")
+def stalled_gateway(redis_server, tiny_model, tmp_path_factory) -> Iterator[tuple[int, psutil.Process]]:
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    logs = tmp_path_factory.mktemp("stall")
+    timeouts = ("--keep-alive-timeout-s", str(STALL_TIMEOUT_S), "--header-timeout-s", str(STALL_TIMEOUT_S))
+    with gateway_process(redis_server.url, keys, tiny_model, logs, args=timeouts) as url:
+        port = url.rsplit(":", 1)[1]  # this test's gateway (a full run has other gateways alive)
+        gw = next(
+            p
+            for p in psutil.Process().children(recursive=True)
+            if "gateway.main" in (cmd := " ".join(p.cmdline())) and f"--port {port} " in f"{cmd} "
+        )
+        yield int(port), gw
+
+
+def response_or_error(s: socket.socket) -> int | str:
+    """The status of the one response on ``s``, or how the connection failed (closed, reset)."""
+    raw = b""
+    try:
+        while b"\r\n\r\n" not in raw:
+            if not (chunk := s.recv(65536)):
+                return "closed without an answer"
+            raw += chunk
+    except OSError as exc:
+        return repr(exc)
+    return status(raw)
+
+
+@pytest.mark.slow
+def test_requests_that_arrive_while_the_gateway_is_stalled_are_answered_not_reset(stalled_gateway):
+    """Keep-alive connections reused, and silent connections that send their request, while the gateway's event
+    loop is stalled past both timeouts: on resuming it runs the due timers before it reads the sockets, and
+    must answer every such request (before: it closed the connections, and their clients saw resets)."""
+    port, gw = stalled_gateway
+    reused = [connect(port) for _ in range(100)]
+    for s in reused:
+        s.sendall(request())
+        assert status(one_response(s)) == 200
+    silent = [connect(port) for _ in range(100)]
+    time.sleep(0.2)  # accepted: their header timers run
+    busy = [connect(port) for _ in range(4)]
+    for s in busy:
+        s.sendall(
+            request() * 300
+        )  # pipelined: the gateway is busy when it stops, not waiting for the sockets
+    gw.suspend()
+    try:
+        time.sleep(STALL_TIMEOUT_S + 0.5)  # every timer is due
+        # what an HTTP client's pool does before reusing a connection: one the gateway closed before it stopped
+        # (a slow start) is readable (its end) and not reused
+        reused = [s for s in reused if not select.select([s], [], [], 0)[0]]
+        for s in reused + silent:
+            s.sendall(request())
+    finally:
+        gw.resume()
+    assert len(reused) >= 50, "too few connections were still open when the gateway stopped"
+    outcomes = [response_or_error(s) for s in reused + silent]
+    errors = [o for o in outcomes if o != 200]
+    assert not errors, f"{len(errors)} of {len(outcomes)} requests got no answer: {sorted(set(errors))}"
+    for s in reused + silent + busy:
+        s.close()
