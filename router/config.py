@@ -61,14 +61,22 @@ class PolicyConfig:
     spread_s: float = setting(
         3.0, "seconds: DP dispatch also counts requests an engine was sent within about this long"
     )
-    tp_inflight_per_engine: int = setting(8, "a group of width w takes w times this many TP requests at once")
+    tp_inflight_per_engine: int = setting(
+        64,
+        "a group of width w takes w times this many TP requests at once (its large steps run sequence-parallel, "
+        "so it holds about as many as its members would in DP)",
+    )
     regime: Literal["inflight", "rate"] = setting(
         "rate", "what judges light and busy load: queued + inflight requests, or the admission rate"
     )
     light_load: float = setting(
         0.4, "light: queued + inflight at most this share of the groups' capacity (for calm_s)"
     )
-    calm_s: float = setting(0.5, "seconds of light load before load groups form")
+    calm_s: float = setting(
+        0.0,
+        "seconds of light load before load groups form (the rate regime's average already smooths: 0 binds as "
+        "soon as a burst has passed)",
+    )
     busy_load: float = setting(0.5, "busy: queued + inflight above this share of the groups' capacity")
     light_rate: float = setting(0.75, "rate regime: light at most this many admissions per second per engine")
     busy_rate: float = setting(1.0, "rate regime: busy above this many admissions per second per engine")
@@ -106,7 +114,9 @@ class PolicyConfig:
         "evenly (where the members transform KV); off: all to the leader",
     )
     adopt_max_ms: float = setting(
-        100.0, "milliseconds: adopt only if the estimated KV transformation stalls the group at most this"
+        200.0,
+        "milliseconds: adopt only if the estimated KV transformation stalls the group at most this (a block too "
+        "costly to adopt whole binds narrower groups, whose SP prefill is slower until they widen)",
     )
     adopt_max_inflight: int = setting(128, "adopt only if each member holds at most this many DP requests")
     kv_bytes_per_token: int = setting(
