@@ -504,3 +504,15 @@ def test_nodes_bind_inside_themselves_over_one_queue_and_serve_everything():
     assert sorted(g.members for g in tp.records.values()) == [(0, 1, 2, 3), (4, 5, 6, 7)]
     with pytest.raises(ValueError, match="do not split evenly"):
         SimConfig(engines=8, nodes=3)
+
+
+
+def test_steady_low_load_keeps_one_group_of_every_engine_bound_with_the_defaults():
+    """A low phase of the paper workload at its highest rate (5 requests/s on 8 engines), the live defaults: one
+    load group of all eight engines forms at once and is never released (no flapping)."""
+    reqs = paper_workload(300, seed=0, low_rate=(5, 5), burst_rate=(5, 5), high_share=0, long_share=0)
+    sim = Simulator(SimConfig(), reqs, check=True)
+    assert all(r.ok for r in sim.run())
+    binds = [d for d in sim.decisions if d.kind == "bind"]
+    assert [(d.members, d.reason) for d in binds] == [(tuple(range(8)), "load")] and binds[0].at < 1.0
+    assert not [d for d in sim.decisions if d.kind == "release"]
