@@ -506,7 +506,6 @@ def test_nodes_bind_inside_themselves_over_one_queue_and_serve_everything():
         SimConfig(engines=8, nodes=3)
 
 
-
 def test_steady_low_load_keeps_one_group_of_every_engine_bound_with_the_defaults():
     """A low phase of the paper workload at its highest rate (5 requests/s on 8 engines), the live defaults: one
     load group of all eight engines forms at once and is never released (no flapping)."""
