@@ -61,10 +61,11 @@ class PolicyConfig:
     spread_s: float = setting(
         3.0, "seconds: DP dispatch also counts requests an engine was sent within about this long"
     )
-    tp_inflight_per_engine: int = setting(
+    tp_inflight_per_engine: int = setting(8, "a group of width w takes w times this many TP requests at once")
+    sp_inflight_per_engine: int = setting(
         64,
-        "a group of width w takes w times this many TP requests at once (its large steps run sequence-parallel, "
-        "so it holds about as many as its members would in DP)",
+        "... a load or priority group running no long request takes w times this many under light load (its "
+        "large steps run sequence-parallel: about what its members would hold in DP)",
     )
     regime: Literal["inflight", "rate"] = setting(
         "rate", "what judges light and busy load: queued + inflight requests, or the admission rate"
@@ -149,7 +150,7 @@ class PolicyConfig:
         for name in ("light_width", "priority_width"):
             w = getattr(self, name)
             _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")
-        for name in ("max_inflight_per_worker", "tp_inflight_per_engine"):
+        for name in ("max_inflight_per_worker", "tp_inflight_per_engine", "sp_inflight_per_engine"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("light_load", "calm_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")

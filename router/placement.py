@@ -305,7 +305,7 @@ def group_targets(rnd: Round, g: Group) -> list[FastTarget]:
     n, kv = rnd.tp.get(g.epoch, (0, 0))
     full = g.width * min(rnd.live[m].max_total_tokens for m in g.members)
     pooled = g.kv_cap if g.kv_cap and rnd.other_work(g) > 0 else full
-    room = g.width * rnd.cfg.tp_inflight_per_engine - n
+    room = g.width * rnd.tp_room_per_engine(g) - n
     members = [rnd.live[m] for m in g.members] if spread(rnd, g) else [rnd.live[g.leader]]
     shares = [room // len(members) + (i < room % len(members)) for i in range(len(members))]
     return [

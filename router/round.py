@@ -163,8 +163,15 @@ class Round:
         # under busy load a load or long group still bound serves a long request to its end (router.long_wait):
         # it takes DP's share of work
         busy_serving = self.out.state.busy and g.reason in ("load", "long")
-        per = self.cfg.max_inflight_per_worker if busy_serving else self.cfg.tp_inflight_per_engine
+        per = self.cfg.max_inflight_per_worker if busy_serving else self.tp_room_per_engine(g)
         return n < g.width * per and kv + r.kv_tokens <= pooled
+
+    def tp_room_per_engine(self, g: Group) -> int:
+        """TP requests a member of ``g`` takes under light load: ``sp_inflight_per_engine`` for a load or priority
+        group running only requests one engine holds (its SP steps keep up with what the members would hold in
+        DP), else ``tp_inflight_per_engine`` (a long request's prefill chunks hold up everything else)."""
+        short = g.reason in ("load", "priority") and self.tp_max.get(g.epoch, 0) <= self.s.max_kv
+        return self.cfg.sp_inflight_per_engine if short else self.cfg.tp_inflight_per_engine
 
     def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired

@@ -14,6 +14,7 @@ UNIT_POLICY = PolicyConfig(
     max_inflight_per_worker=32,
     spread_s=0.0,
     tp_inflight_per_engine=4,
+    sp_inflight_per_engine=4,  # a load group takes as many as any other (tests/test_round.py: more)
     light_load=0.5,
     calm_s=2.0,
     busy_load=1.0,

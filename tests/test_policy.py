@@ -217,7 +217,7 @@ def test_second_high_request_waits_for_the_binding_group_instead_of_binding_anot
 
 
 def test_high_priority_reuses_the_bound_group_up_to_its_capacity():
-    cfg = dataclasses.replace(CFG, tp_inflight_per_engine=1)
+    cfg = dataclasses.replace(CFG, tp_inflight_per_engine=1, sp_inflight_per_engine=1)
     g = bound(4, (2, 3))
     engines = [eng(0), eng(1), in_epoch(2, 4), in_epoch(3, 4)]
     d = decide(snap([req(f"h{i}", priority="high") for i in range(3)], engines, [g]), cfg)
@@ -534,7 +534,7 @@ def test_a_group_bound_by_adoption_pauses_nothing_so_max_defer_s_does_not_releas
 
 
 def test_adopted_requests_do_not_take_the_groups_room():
-    cfg = dataclasses.replace(RATE, tp_inflight_per_engine=1, adopt_max_inflight=4)  # (2, 3) stay DP
+    cfg = dataclasses.replace(RATE, tp_inflight_per_engine=1, sp_inflight_per_engine=1, adopt_max_inflight=4)
     g = msgspec.structs.replace(bound(4, (0, 1), reason="load"), adopt=True)
     engines = [
         tin_epoch(0, 4, inflight=6),

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import msgspec
+
 from flying.messages import Group, QueuedRequest, RouterState
 from router.decision import BindMode, BindNote
 from router.engine_view import EngineView
@@ -56,3 +60,19 @@ def test_recent_dispatches_decay_and_forget_engines_that_left():
     live = {0: eng(0), 1: eng(1)}
     assert decayed_recent(st, 100.0, 1.0, live) == {0: 4.0 * 0.36787944117144233}
     assert decayed_recent(st, 100.0, 0.0, live) == {}
+
+
+def test_a_load_group_of_short_requests_takes_sp_inflight_per_engine_and_one_running_a_long_request_less():
+    cfg = dataclasses.replace(UNIT_POLICY, tp_inflight_per_engine=2, sp_inflight_per_engine=8)
+    g = Group(epoch=5, members=(0, 1), reason="load", state="bound")
+    req = QueuedRequest(id="r", model="m", prompt_tokens=10, max_tokens=10, gateway="g", enqueued_at=0.0)
+
+    def room(n: int, max_kv: int, reason: str = "load") -> bool:
+        x = msgspec.structs.replace(g, reason=reason)
+        s = Snapshot(now=100.0, waiting=[], queued=0, engines=[eng(0, epoch=5, mode="tp"), eng(1, epoch=5, mode="tp")],
+                     groups=[x], tp_load={5: GroupLoad(n, 100, max_kv)}, state=RouterState(busy=False))  # fmt: skip
+        return Round(s, cfg).group_room(x, req)
+
+    assert room(15, 100) and not room(16, 100)  # width 2 x 8: its SP steps keep up
+    assert room(3, 1500) and not room(4, 1500)  # a request one engine cannot hold: width 2 x 2
+    assert not room(4, 100, reason="long") and not room(4, 100, reason="manual")
