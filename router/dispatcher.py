@@ -29,6 +29,7 @@ from router.engine_view import EngineView
 from router.metrics import RouterMetrics
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
+from router.watchdog import MOVES, Change, Progress, Watchdog
 
 log = logging.getLogger("flying.router")
 GATEWAY_GRACE_S = (
@@ -70,6 +71,7 @@ class Dispatcher:
         self.metrics = RouterMetrics()
         probe = BreakerSettings(probe_timeout_s=config.breaker_probe_timeout_s)
         self.breakers = RouterBreakers(Breakers(client, self.keys, probe))  # engines left out while failing
+        self.watchdog = Watchdog(config.stall_s)
 
     async def hold_lease(self) -> bool:
         """Take or renew the lease; a leader renews once per quarter lease, not every round (a round at light
@@ -235,6 +237,7 @@ class Dispatcher:
         for e in engines:
             if dropped := await reap_stale_inflight(self.queue, e):
                 log.info("engine %d: dropped %d stale inflight entries", e, dropped)
+        await self.watch(engines, now)
         lost = await orphans(self.queue, engines)
         self._gateways_gone = {gw: self._gateways_gone.get(gw, now) for gw in lost}
         for gw, held in lost.items():
@@ -247,6 +250,48 @@ class Dispatcher:
                         await self._abort(url, one)
             log.warning("gateway %s lost: ended its %d requests (%d were running)", gw, len(held),
                         sum(e is not None for _, e, _, _ in held))  # fmt: skip
+
+    async def watch(self, engines: list[int], now: float) -> None:
+        """One reading for the stall watchdog (:mod:`router.watchdog`); a stall is logged with the group records
+        and the engines' switching state, so the log says where the requests are held."""
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcard(k.queue)
+        pipe.hmget(k.stats, list(MOVES))
+        for e in engines:
+            pipe.scard(k.inflight(e))
+        queued, moves, *inflight = await pipe.execute()
+        p = Progress(int(queued), dict(zip(engines, map(int, inflight))), sum(int(x or 0) for x in moves))
+        event = self.watchdog.observe(now, p)
+        self.metrics.stalled.set(1 if self.watchdog.stalled else 0)
+        if event is None:
+            return
+        if event.change is Change.STALLED:
+            self.metrics.stalls.inc()
+            log.warning("%s; %s", event, await self._held_where(engines))
+        else:
+            log.warning("%s", event)
+
+    async def _held_where(self, engines: list[int]) -> str:
+        """The group records and each live engine's switching state and load, in one line."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.keys.groups)
+        for e in engines:
+            pipe.get(self.keys.worker(e))
+            pipe.get(self.keys.ready(e))
+        groups, *rows = await pipe.execute()
+        records = [
+            f"epoch {g.epoch} {g.members} {g.reason} {g.state}{' adopt' if g.adopt else ''}"
+            for g in control.decode_groups(groups)
+        ]
+        beats = [live_heartbeat(rows[2 * i], rows[2 * i + 1]) for i in range(len(engines))]
+        states = [
+            f"{hb.engine}: {hb.mode} epoch {hb.epoch} pending {hb.pending} running {hb.running} "
+            f"waiting {hb.waiting} paused {hb.paused}"
+            for hb in beats
+            if hb is not None
+        ]
+        return f"groups [{'; '.join(records)}], engines [{'; '.join(states) or 'none live'}]"
 
     async def _abort(self, url: str, rid: str) -> None:
         if self._http is None:
