@@ -19,7 +19,16 @@ from flying import control
 from flying.breaker import Breakers, BreakerSettings
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
-from flying.messages import Group, QueuedRequest, RouterState, decode, encode, engine_rids, from_hash
+from flying.messages import (
+    Group,
+    Heartbeat,
+    QueuedRequest,
+    RouterState,
+    decode,
+    encode,
+    engine_rids,
+    from_hash,
+)
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
 from flying.workers import live_heartbeat, registered_engines
 from router.breakers import RouterBreakers
@@ -260,31 +269,29 @@ class Dispatcher:
         pipe.hmget(k.stats, list(MOVES))
         for e in engines:
             pipe.scard(k.inflight(e))
-        queued, moves, *inflight = await pipe.execute()
-        p = Progress(int(queued), dict(zip(engines, map(int, inflight))), sum(int(x or 0) for x in moves))
+            pipe.get(k.worker(e))
+            pipe.get(k.ready(e))
+        queued, moves, *rows = await pipe.execute()
+        inflight = {e: int(rows[3 * i]) for i, e in enumerate(engines)}
+        beats = [live_heartbeat(rows[3 * i + 1], rows[3 * i + 2]) for i in range(len(engines))]
+        kv = tuple(hb.free_kv_tokens for hb in beats if hb is not None)
+        p = Progress(int(queued), inflight, sum(int(x or 0) for x in moves), kv)
         event = self.watchdog.observe(now, p)
         self.metrics.stalled.set(1 if self.watchdog.stalled else 0)
         if event is None:
             return
         if event.change is Change.STALLED:
             self.metrics.stalls.inc()
-            log.warning("%s; %s", event, await self._held_where(engines))
+            log.warning("%s; %s", event, await self._held_where(beats))
         else:
             log.warning("%s", event)
 
-    async def _held_where(self, engines: list[int]) -> str:
+    async def _held_where(self, beats: list[Heartbeat | None]) -> str:
         """The group records and each live engine's switching state and load, in one line."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(self.keys.groups)
-        for e in engines:
-            pipe.get(self.keys.worker(e))
-            pipe.get(self.keys.ready(e))
-        groups, *rows = await pipe.execute()
         records = [
             f"epoch {g.epoch} {g.members} {g.reason} {g.state}{' adopt' if g.adopt else ''}"
-            for g in control.decode_groups(groups)
+            for g in await read_groups(self.r, self.keys)
         ]
-        beats = [live_heartbeat(rows[2 * i], rows[2 * i + 1]) for i in range(len(engines))]
         states = [
             f"{hb.engine}: {hb.mode} epoch {hb.epoch} pending {hb.pending} running {hb.running} "
             f"waiting {hb.waiting} paused {hb.paused}"

@@ -1,11 +1,13 @@
 """The router's stall watchdog: requests wait or run, and nothing moves.
 
 Every request in Redis moves through counters of ``flying:stats``: assigned (by a round or the admission fast
-path), then completed, failed or cancelled, or requeued. While requests are queued or in flight, some counter
-moves within seconds on a working cluster; when none has moved for ``stall_s`` the cluster is stalled (nothing
-dispatched, or every assigned request held without progress: a group that never releases, work paused and never
-resumed, every engine's breaker open), and the router says so instead of hanging silently: one WARNING with what it
-sees when the stall begins, one when things move again, and the ``flying_router_stalled`` gauge in between.
+path), then completed, failed or cancelled, or requeued; while it runs, its engine's free KV (heartbeat) changes
+with every prefill chunk and every page of decoded tokens. While requests are queued or in flight, one of them moves
+within seconds on a working cluster, even one running a single long generation; when none has moved for
+``stall_s`` the cluster is stalled (nothing dispatched, or every assigned request held without progress: a group
+that never releases, work paused and never resumed, every engine's breaker open), and the router says so instead of
+hanging silently: one WARNING with what it sees when the stall begins, one when things move again, and the
+``flying_router_stalled`` gauge in between.
 
 :class:`Watchdog` is pure (times and counts are passed in); :mod:`router.dispatcher` reads its input from Redis
 every few seconds while it leads.
@@ -27,12 +29,14 @@ MOVES = (
 
 @dataclass(frozen=True)
 class Progress:
-    """One reading: the requests ``queued`` and ``inflight`` (per engine), and ``moved``, the sum of the
-    :data:`MOVES` counters (it changes whenever a request is assigned, ends or is re-queued)."""
+    """One reading: the requests ``queued`` and ``inflight`` (per engine), ``moved``, the sum of the :data:`MOVES`
+    counters (it changes whenever a request is assigned, ends or is re-queued), and ``kv``, the live engines' free
+    KV tokens (they change while an engine prefills or decodes)."""
 
     queued: int
     inflight: dict[int, int]
     moved: int
+    kv: tuple[int, ...] = ()
 
     @property
     def pending(self) -> int:
@@ -59,7 +63,8 @@ class StallEvent:
             return f"requests move again after a stall of {self.seconds:.0f} s"
         inflight = " ".join(f"{e}:{n}" for e, n in sorted(p.inflight.items()) if n)
         return (
-            f"stalled: no request assigned, finished or re-queued for {self.seconds:.0f} s while "
+            f"stalled: no request assigned, finished or re-queued, and no engine's KV changed, for "
+            f"{self.seconds:.0f} s while "
             f"{p.queued} wait in the queue and {sum(p.inflight.values())} are in flight ({inflight or 'none'})"
         )
 
@@ -69,7 +74,7 @@ class Watchdog:
 
     def __init__(self, stall_s: float) -> None:
         self.stall_s = stall_s
-        self._moved: int | None = None
+        self._marks: tuple[int, tuple[int, ...]] | None = None  # moved and kv when last seen
         self._since = 0.0  # when they last moved, or when requests became pending
         self.stalled = False
 
@@ -77,10 +82,10 @@ class Watchdog:
         """One reading at ``now``: a :class:`StallEvent` when a stall begins or ends, else None."""
         if self.stall_s <= 0:
             return None
-        moved = p.moved != self._moved or p.pending == 0
-        if moved:
+        marks = (p.moved, p.kv)
+        if marks != self._marks or p.pending == 0:
             event = StallEvent(Change.RESUMED, now - self._since, p) if self.stalled else None
-            self._moved, self._since, self.stalled = p.moved, now, False
+            self._marks, self._since, self.stalled = marks, now, False
             return event
         if not self.stalled and now - self._since >= self.stall_s:
             self.stalled = True

@@ -11,8 +11,8 @@ from router.dispatcher import Dispatcher
 from router.watchdog import Change, Progress, Watchdog
 
 
-def reading(moved: int, queued: int = 0, **inflight: int) -> Progress:
-    return Progress(queued, {int(e[1:]): n for e, n in inflight.items()}, moved)
+def reading(moved: int, queued: int = 0, kv: tuple[int, ...] = (), **inflight: int) -> Progress:
+    return Progress(queued, {int(e[1:]): n for e, n in inflight.items()}, moved, kv)
 
 
 def test_a_stall_begins_once_nothing_moved_for_stall_s_while_requests_are_pending():
@@ -22,6 +22,9 @@ def test_a_stall_begins_once_nothing_moved_for_stall_s_while_requests_are_pendin
     event = w.observe(30.0, reading(5, queued=3, e0=2))
     assert event is not None and event.change is Change.STALLED and w.stalled
     assert "for 30 s while 3 wait in the queue and 2 are in flight (0:2)" in str(event)
+    assert str(event).startswith(
+        "stalled: no request assigned, finished or re-queued, and no engine's KV changed"
+    )
     assert w.observe(40.0, reading(5, queued=3)) is None, "said once per stall"
     resumed = w.observe(42.0, reading(6, queued=2))
     assert resumed is not None and resumed.change is Change.RESUMED and not w.stalled
@@ -34,6 +37,12 @@ def test_an_idle_cluster_or_one_that_keeps_moving_is_never_stalled():
     assert w.observe(81.0, reading(5, e1=1)) is None, "the clock starts when requests become pending"
     assert all(w.observe(81.0 + 20 * i, reading(5 + i, e1=1)) is None for i in range(1, 6))
     assert Watchdog(stall_s=0).observe(1e6, reading(5, queued=9)) is None, "off"
+
+
+def test_a_long_generation_alone_is_progress_while_its_engines_kv_changes():
+    w = Watchdog(stall_s=30)
+    assert all(w.observe(20.0 * i, reading(5, kv=(1000 - i, 4096), e0=1)) is None for i in range(6))
+    assert w.observe(130.0, reading(5, kv=(995, 4096), e0=1)) is not None, "its KV stopped changing"
 
 
 async def test_the_dispatcher_logs_where_the_requests_are_held_and_sets_the_gauge(aredis, keys, caplog):
@@ -55,7 +64,9 @@ async def test_the_dispatcher_logs_where_the_requests_are_held_and_sets_the_gaug
     assert not caplog.records and d.metrics.stalled._value.get() == 0
     await d.watch([0, 1], 130.0)
     [warning] = [r.getMessage() for r in caplog.records]
-    assert "stalled: no request assigned, finished or re-queued for 30 s" in warning
+    assert (
+        "stalled: no request assigned, finished or re-queued, and no engine's KV changed, for 30 s" in warning
+    )
     assert "212 are in flight (0:106 1:106)" in warning
     assert "groups [epoch 2 (0, 1) load bound adopt]" in warning
     assert "0: tp epoch 2 pending 0 running 0 waiting 0 paused 106" in warning
