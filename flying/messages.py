@@ -113,6 +113,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     # all_gather), since the group was built
     running: int = 0
     waiting: int = 0
+    paused: int = 0  # DP requests a bind set aside here (hard preemption, or an adoption that could not move
+    # them): neither running nor waiting, they resume at the release
     free_kv_tokens: int = 0
     max_total_tokens: int = 0  # this engine's own KV tokens (also while bound: the group has width x this)
     context_len: int = 0

@@ -198,6 +198,11 @@ class RouterConfig:
     breaker_probe_timeout_s: float = setting(
         5.0, "seconds: an open circuit breaker's health probe that has not answered within this has failed"
     )
+    stall_s: float = setting(
+        30.0,
+        "seconds: warn (and set flying_router_stalled) when requests wait or run and none was assigned, finished "
+        "or re-queued for this long (0: off)",
+    )
 
     def __post_init__(self) -> None:
         _require(

@@ -167,13 +167,16 @@ class RegimeNote:
 
 @dataclass(frozen=True)
 class DistrustNote:
-    """Engines that failed a bind and are left out of binds for ``seconds``."""
+    """Engines that failed a bind and are left out of binds for ``seconds``; ``paused``: the DP requests their
+    bind by adoption paused instead of moving (0: the bind itself failed)."""
 
     engines: tuple[int, ...]
     seconds: float
+    paused: int = 0
 
     def __str__(self) -> str:
-        return f"engines {list(self.engines)} not picked for binds for {self.seconds:g} s"
+        why = f" (their adoption paused {self.paused} DP requests)" if self.paused else ""
+        return f"engines {list(self.engines)} not picked for binds for {self.seconds:g} s{why}"
 
 
 class WaitCause(StrEnum):

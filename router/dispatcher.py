@@ -19,7 +19,16 @@ from flying import control
 from flying.breaker import Breakers, BreakerSettings
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
-from flying.messages import Group, QueuedRequest, RouterState, decode, encode, engine_rids, from_hash
+from flying.messages import (
+    Group,
+    Heartbeat,
+    QueuedRequest,
+    RouterState,
+    decode,
+    encode,
+    engine_rids,
+    from_hash,
+)
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
 from flying.workers import live_heartbeat, registered_engines
 from router.breakers import RouterBreakers
@@ -29,6 +38,7 @@ from router.engine_view import EngineView
 from router.metrics import RouterMetrics
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
+from router.watchdog import MOVES, Change, Progress, Watchdog
 
 log = logging.getLogger("flying.router")
 GATEWAY_GRACE_S = (
@@ -70,6 +80,7 @@ class Dispatcher:
         self.metrics = RouterMetrics()
         probe = BreakerSettings(probe_timeout_s=config.breaker_probe_timeout_s)
         self.breakers = RouterBreakers(Breakers(client, self.keys, probe))  # engines left out while failing
+        self.watchdog = Watchdog(config.stall_s)
 
     async def hold_lease(self) -> bool:
         """Take or renew the lease; a leader renews once per quarter lease, not every round (a round at light
@@ -235,6 +246,7 @@ class Dispatcher:
         for e in engines:
             if dropped := await reap_stale_inflight(self.queue, e):
                 log.info("engine %d: dropped %d stale inflight entries", e, dropped)
+        await self.watch(engines, now)
         lost = await orphans(self.queue, engines)
         self._gateways_gone = {gw: self._gateways_gone.get(gw, now) for gw in lost}
         for gw, held in lost.items():
@@ -247,6 +259,46 @@ class Dispatcher:
                         await self._abort(url, one)
             log.warning("gateway %s lost: ended its %d requests (%d were running)", gw, len(held),
                         sum(e is not None for _, e, _, _ in held))  # fmt: skip
+
+    async def watch(self, engines: list[int], now: float) -> None:
+        """One reading for the stall watchdog (:mod:`router.watchdog`); a stall is logged with the group records
+        and the engines' switching state, so the log says where the requests are held."""
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcard(k.queue)
+        pipe.hmget(k.stats, list(MOVES))
+        for e in engines:
+            pipe.scard(k.inflight(e))
+            pipe.get(k.worker(e))
+            pipe.get(k.ready(e))
+        queued, moves, *rows = await pipe.execute()
+        inflight = {e: int(rows[3 * i]) for i, e in enumerate(engines)}
+        beats = [live_heartbeat(rows[3 * i + 1], rows[3 * i + 2]) for i in range(len(engines))]
+        kv = tuple(hb.free_kv_tokens for hb in beats if hb is not None)
+        p = Progress(int(queued), inflight, sum(int(x or 0) for x in moves), kv)
+        event = self.watchdog.observe(now, p)
+        self.metrics.stalled.set(1 if self.watchdog.stalled else 0)
+        if event is None:
+            return
+        if event.change is Change.STALLED:
+            self.metrics.stalls.inc()
+            log.warning("%s; %s", event, await self._held_where(beats))
+        else:
+            log.warning("%s", event)
+
+    async def _held_where(self, beats: list[Heartbeat | None]) -> str:
+        """The group records and each live engine's switching state and load, in one line."""
+        records = [
+            f"epoch {g.epoch} {g.members} {g.reason} {g.state}{' adopt' if g.adopt else ''}"
+            for g in await read_groups(self.r, self.keys)
+        ]
+        states = [
+            f"{hb.engine}: {hb.mode} epoch {hb.epoch} pending {hb.pending} running {hb.running} "
+            f"waiting {hb.waiting} paused {hb.paused}"
+            for hb in beats
+            if hb is not None
+        ]
+        return f"groups [{'; '.join(records)}], engines [{'; '.join(states) or 'none live'}]"
 
     async def _abort(self, url: str, rid: str) -> None:
         if self._http is None:

@@ -25,6 +25,7 @@ class EngineView:
     launch_id: str = ""  # its server's launch (a restart forgets its prefix cache)
     node: str = ""  # the node it runs on: groups bind engines of one node only
     pool_first: int = 0  # the first engine of its node's pool (spanning num_engines engines)
+    paused: int = 0  # DP requests a bind set aside on it (resumed at the release)
 
     @property
     def pool(self) -> tuple[str, int, int]:
@@ -50,4 +51,5 @@ class EngineView:
             launch_id=hb.launch_id,
             node=hb.node,
             pool_first=hb.pool_first,
+            paused=hb.paused,
         )

@@ -52,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default=d.metrics_host, help=ROUTER_HELP["metrics_host"])
     p.add_argument("--breaker-probe-timeout-s", type=float, default=d.breaker_probe_timeout_s,
                    help=ROUTER_HELP["breaker_probe_timeout_s"])  # fmt: skip
+    p.add_argument("--stall-s", type=float, default=d.stall_s, help=ROUTER_HELP["stall_s"])
     logs.add_argument(p)
     _policy_flags(p)
     return p
@@ -82,6 +83,7 @@ def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:
         metrics_host=a.metrics_host,
         log_format=a.log_format,
         breaker_probe_timeout_s=a.breaker_probe_timeout_s,
+        stall_s=a.stall_s,
     )
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -68,6 +68,11 @@ class RouterMetrics:
             ["kind"], buckets=SWITCH_BUCKETS, registry=r,
         )  # fmt: skip
         self.rounds = Counter("flying_router_rounds", "Policy rounds run while leading", registry=r)
+        self.stalled = Gauge(
+            "flying_router_stalled", "1 while requests wait or run and none has been assigned, finished or "
+            "re-queued for --stall-s (router.watchdog)", registry=r,
+        )  # fmt: skip
+        self.stalls = Counter("flying_router_stalls", "Stalls the watchdog saw begin", registry=r)
         self._release_mode: dict[int, str] = {}
 
     def observe(self, before: list[Group], d: Decision, assigned: int, now: float | None = None) -> None:

@@ -44,14 +44,26 @@ def reconcile(rnd: Round) -> None:
                 distrust(rnd, [b.engine for b in present if b.epoch != g.epoch])
         elif any(b.epoch != g.epoch for b in present):
             rnd.release(g, ReleaseCause.BROKE_UP)
+    distrust_paused(rnd)
 
 
-def distrust(rnd: Round, engines: list[int]) -> None:
+def distrust(rnd: Round, engines: list[int], paused: int = 0) -> None:
     """Members that failed a bind are left out of binds for ``suspect_s`` (retrying at once would stall the
-    requests waiting for a group again); they keep serving DP."""
+    requests waiting for a group again); they keep serving DP. ``paused``: the DP requests their adoption paused."""
     for e in engines:
         rnd.suspect[e] = rnd.now + rnd.cfg.suspect_s
-    rnd.out.events.append(DistrustNote(tuple(engines), rnd.cfg.suspect_s))
+    rnd.out.events.append(DistrustNote(tuple(engines), rnd.cfg.suspect_s, paused))
+
+
+def distrust_paused(rnd: Round) -> None:
+    """A group bound by adoption whose members report paused DP work (the adoption could not move it: the workers
+    bound hard instead) is a hard bind's: released after ``max_defer_s`` (:meth:`Round.paused_dp`). Its members are
+    distrusted, so that the released block does not adopt again at once and pause the same work again."""
+    for g in rnd.groups.values():
+        if g.adopt and g.state == "bound":
+            paused = [m for m in g.members if m in rnd.live and rnd.live[m].paused and m not in rnd.suspect]
+            if paused:
+                distrust(rnd, paused, sum(rnd.live[m].paused for m in paused))
 
 
 def retractable(rnd: Round, g: Group) -> bool:

@@ -144,8 +144,12 @@ class Round:
         return n - self.s.tp_load.get(g.epoch, GroupLoad()).inflight  # (the snapshot's: inflight is too)
 
     def paused_dp(self, g: Group) -> int:
-        """DP requests the bind set aside on its members (none when it adopted them: they run in the group)."""
-        return 0 if g.adopt else self.other_work(g)
+        """DP requests the bind set aside on its members. Bound by adoption, those the members report paused
+        (none when every member's work moved into the group; an adoption that could not move it, a member short of
+        KV for the slices it would receive or holding a request that cannot move, pauses it as a hard bind does)."""
+        if g.adopt:
+            return sum(self.live[m].paused for m in g.members if m in self.live)
+        return self.other_work(g)
 
     def group_n(self, g: Group) -> int:
         """The group's TP requests: those dispatched to it, and those it adopted."""

@@ -111,6 +111,10 @@ class FakeEngine:
     def empty_stash(self) -> tuple[Any, list[Any], Any]:
         return [], [], None
 
+    def stash_size(self, stash: tuple[Any, list[Any], Any]) -> int:
+        running, waiting, _ = stash
+        return len(running) + len(waiting)
+
     def restore_dp_work(self, stash: tuple[Any, list[Any], Any]) -> None:
         running, waiting, _ = stash
         self.running_reqs += running

@@ -153,6 +153,19 @@ def test_an_adoption_a_member_cannot_hold_falls_back_to_a_hard_bind():
     assert [r.rid for r in engine.running_reqs] == ["dp-1"]
 
 
+def test_the_heartbeat_counts_the_dp_work_a_bind_paused_until_the_release_resumes_it():
+    """The router cannot see a stash: an adoption that fell back to a hard bind looks like one that adopted, unless
+    the engine says how many DP requests it set aside (``paused``)."""
+    b, _, group, layout, _ = make(running_reqs=[FakeReq("dp-1", kv_len=4)], waiting_reqs=[FakeReq("dp-2")])
+    layout.available = 0
+    group.others = [AdoptManifest(rank=1, available=0, running=[("x", 8, 0)])]
+    assert b.status()["paused"] == 0
+    b.on_step([Bind(epoch=1, members=(0, 1), adopt=True)])
+    assert b.epoch is not None and b.status()["paused"] == 2  # neither running nor waiting: set aside
+    b.on_step([Release(epoch=1)])
+    assert b.status()["paused"] == 0
+
+
 def test_a_request_that_cannot_move_pauses_the_members_work_and_the_rest_adopts():
     pinned = FakeReq("dp-1", kv_len=4, movable=False)
     b, engine, group, _, _ = make(running_reqs=[pinned])

@@ -533,6 +533,25 @@ def test_a_group_bound_by_adoption_pauses_nothing_so_max_defer_s_does_not_releas
     assert decide(snap(engines=engines, groups=[paused], loads=loads, now=106.0), CFG).commands
 
 
+def test_dp_work_an_adoption_paused_resumes_and_the_block_does_not_adopt_it_again_at_once():
+    """Two engines ending a burst adopt their backlog under light load, but the workers find a member short of KV
+    and bind hard: 212 requests paused, reported in the heartbeats. Counted as the group's adopted requests they
+    kept it busy and never deferred, so they waited forever. Now the group is released after max_defer_s (by
+    scatter) and the block serves its backlog in DP for suspect_s before it may adopt again."""
+    cfg = dataclasses.replace(RATE, adopt_max_inflight=128)  # the default: 106 a member may be adopted
+    light = rate_state(0.0, busy=False, admitted=0)
+    g = msgspec.structs.replace(bound(4, (0, 1), reason="load", since=100.0, last_used=100.0), adopt=True)
+    paused = [tin_epoch(i, 4, n=2, inflight=106, used=4000, paused=106) for i in (0, 1)]
+    d = decide(snap(engines=paused, groups=[g], state=light, now=100.5), cfg)
+    assert not d.commands and set(d.state.suspect) == {0, 1}
+    d = decide(snap(engines=paused, groups=[g], state=d.state, now=105.0), cfg)
+    assert d.commands == [((0, 1), Release(epoch=4, scatter=True))]
+    in_dp = [teng(i, n=2, inflight=106, used=4000) for i in (0, 1)]
+    assert not decide(snap(engines=in_dp, state=d.state, now=106.0), cfg).binds, "distrusted: DP for now"
+    trusted = msgspec.structs.replace(d.state, suspect={})
+    assert [x.adopt for x in decide(snap(engines=in_dp, state=trusted, now=106.0), cfg).binds] == [True]
+
+
 def test_adopted_requests_do_not_take_the_groups_room():
     cfg = dataclasses.replace(RATE, tp_inflight_per_engine=1, sp_inflight_per_engine=1, adopt_max_inflight=4)
     g = msgspec.structs.replace(bound(4, (0, 1), reason="load"), adopt=True)

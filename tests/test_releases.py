@@ -13,10 +13,10 @@ from tests.policy_settings import UNIT_POLICY
 CFG = UNIT_POLICY
 
 
-def eng(i, epoch=0, pending=0, inflight=0, cap=1000, ts=100.0, kvt=False):
+def eng(i, epoch=0, pending=0, inflight=0, cap=1000, ts=100.0, kvt=False, paused=0):
     mode = "tp" if epoch else "dp"
     return EngineView(i, f"e{i}", inflight, cap, cap, mode=mode, epoch=epoch, pending=pending, num_engines=4,
-                      beat_ts=ts, kv_transform=kvt)  # fmt: skip
+                      beat_ts=ts, kv_transform=kvt, paused=paused)  # fmt: skip
 
 
 def group(epoch=5, members=(0, 1), reason="priority", state="bound", since=99.0, **kw):
@@ -112,6 +112,35 @@ def test_deferred_dp_work_releases_the_group_after_max_defer_s():
     r = rnd([group(since=100.0 - CFG.max_defer_s)], members)
     release_groups(r)
     assert causes(r) == [(5, ReleaseCause.DP_DEFERRED, ReleaseMode.RETRACT)]
+
+
+def test_an_adoption_that_paused_dp_work_distrusts_its_members_and_is_released_after_max_defer_s():
+    """The workers bound hard instead of adopting (a member lacked KV for the slices it would receive): the
+    members report the DP work they paused. The group is a hard bind's from then on, and its block does not adopt
+    (and pause the same work) again at once after the release."""
+    light = RouterState(busy=False)
+    members = [
+        eng(0, epoch=5, inflight=106, kvt=True, paused=106),
+        eng(1, epoch=5, inflight=106, kvt=True, paused=106),
+    ]
+    r = rnd([group(reason="load", state="binding", adopt=True)], members, state=light)
+    reconcile(r)
+    assert r.out.put[5].state == "bound" and r.suspect == {0: 100.0 + CFG.suspect_s, 1: 100.0 + CFG.suspect_s}
+    assert DistrustNote((0, 1), CFG.suspect_s, paused=212) in r.out.events
+    assert "adoption paused 212 DP requests" in str(r.out.events[-1])
+    release_groups(r)
+    assert not r.out.commands, "paused for less than max_defer_s"
+    g = group(reason="load", since=100.0 - CFG.max_defer_s, adopt=True)
+    r = rnd([g], members, state=RouterState(busy=False, suspect={0: 105.0, 1: 105.0}))
+    reconcile(r)
+    assert not r.out.events, "distrusted once, not every round"
+    release_groups(r)
+    assert causes(r) == [(5, ReleaseCause.DP_DEFERRED, ReleaseMode.SCATTER)]
+    adopted = [eng(0, epoch=5, inflight=106, kvt=True), eng(1, epoch=5, inflight=106, kvt=True)]
+    r = rnd([g], adopted, state=light)
+    reconcile(r)
+    release_groups(r)
+    assert not r.out.commands and not r.suspect, "the same numbers, adopted: TP requests, nothing paused"
 
 
 def test_making_room_releases_the_idle_groups_of_one_block():

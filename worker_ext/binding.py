@@ -101,6 +101,7 @@ class Binding:
             "mode": "tp" if e else "dp",
             "epoch": e.epoch if e else 0,
             "pending": self.pending.epoch,
+            "paused": self.engine.stash_size(self._stash) if self._stash is not None else 0,
             "group": e.members if e else (),
             "width": e.width if e else 1,
             "bind_ms": round(self.bind_ms, 3),

@@ -54,6 +54,7 @@ class Load(TypedDict, total=False):
     comm_ms: dict[str, float]
     running: int
     waiting: int
+    paused: int
     free_kv_tokens: int
     max_total_tokens: int
     context_len: int

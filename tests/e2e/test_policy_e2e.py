@@ -192,3 +192,34 @@ def test_router_kill_9_mid_burst_with_binds_loses_nothing(policy):
     members = [m for g in records for m in g.members]
     assert len(members) == len(set(members)), f"overlapping groups after the restart: {records}"
     wait_groups_gone(policy)
+
+
+def test_requests_an_adoption_paused_instead_of_moving_resume(policy):
+    """The end of a burst: light load, and the block adopts its engines' DP requests, but a long prompt's KV
+    belongs to the prefix tree (only what follows it frees), so no member can hold the slices it would receive: the
+    workers bind hard and pause them. The router sees them in the heartbeats (``paused``): the group is released
+    after max_defer_s and they finish in DP, instead of waiting forever in a group that counted them as its own."""
+    restart_router(policy, (*LOAD_ADAPTING, "--max-defer-s", "2", "--rate-tau-s", "1"))
+    try:
+        long = long_prompt(policy.config.model_path, 370)
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=90) as client:
+                body = {"model": MODEL, "max_tokens": 120, "ignore_eos": True}
+                longs = [
+                    client.post(
+                        policy.config.gateway_url + "/v1/completions", json=body | {"prompt": f"{i}: {long}"}
+                    )
+                    for i in range(8)  # two an engine: one runs (its KV holds one), one waits
+                ]
+                return await asyncio.wait_for(asyncio.gather(*longs), 60)  # paused for good: never
+
+        longs = asyncio.run(scenario())  # (8 at once: busy, served in DP; then light, and the block adopts)
+        assert [x.status_code for x in longs] == [200] * 8
+        assert all(x.json()["usage"]["completion_tokens"] == 120 for x in longs)
+        log = router_log(policy)
+        assert "(load, adoption," in log and "their adoption paused" in log, "the adoption did not fall back"
+        assert "DP work deferred for 2 s" in log
+    finally:
+        restart_router(policy, POLICY)
+        wait_groups_gone(policy)
