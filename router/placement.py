@@ -57,11 +57,12 @@ def place(rnd: Round, r: QueuedRequest) -> None:
     elif (
         not to_dp(rnd, r)
         and (g := group_for(rnd, r, 1, ("bound",), reasons=("manual", "load", "long"))) is not None
+        and (g.reason == "manual" or not rnd.paused_dp(g))
     ):
         to_group(
             rnd, g, r
-        )  # an operator bound the engines, or a load group serves a long request to its end:
-        # traffic still flows through their groups
+        )  # an operator bound the engines, or a load group serves a long request to its end (never one that
+        # pauses DP work: its release would wait for this request): traffic still flows through their groups
 
 
 def group_for(
@@ -106,6 +107,7 @@ def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
     else it waits for the group to form."""
     n, kv = rnd.tp.get(g.epoch, (0, 0))
     rnd.tp[g.epoch] = (n + 1, kv + r.kv_tokens)
+    rnd.tp_max[g.epoch] = max(rnd.tp_max.get(g.epoch, 0), r.kv_tokens)  # retractable() sees it this round
     if g.state == "bound":
         e = owner(rnd, g)
         rnd.out.dispatches.append(Dispatch(r, e.engine, e.url, g.epoch))

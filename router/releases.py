@@ -97,8 +97,9 @@ def release_groups(rnd: Round) -> None:
     for g in list(rnd.groups.values()):
         if g.state == "releasing" or g.reason == "manual":
             continue
-        if g.reason in ("load", "long") and not retractable(rnd, g):
-            continue  # it serves a long request (router.long_wait): it stays, taking work, until that ends
+        if g.reason in ("load", "long") and not retractable(rnd, g) and not rnd.paused_dp(g):
+            continue  # it serves a long request (router.long_wait): it stays, taking work, until that ends (one
+            # that pauses DP work is released after max_defer_s as any, and ends when the long request does)
         tp_busy = rnd.group_n(g) > 0
         if tp_busy and g.state == "bound" and rnd.now - g.last_used > 0.5:
             g = replace_group(

@@ -467,9 +467,10 @@ def test_adoption_needs_every_member_to_report_kv_transform_and_the_config_to_al
 
 
 def test_adoption_whose_transformation_costs_more_than_adopt_max_ms_drains_instead():
-    """Transformation-aware: a block nearly full of KV would stall its group for its head slices' transfer
-    (here about 100 K tokens x 160 KB / 2 at 360 GB/s = 23 ms + 4 ms fixed); above the budget it drains as before."""
-    engines = [teng(i, inflight=4, used=100_000) for i in range(4)]
+    """Transformation-aware: a block holding much KV would stall its group for its head slices' transfer
+    (here about 100 K tokens x 160 KB / 2 at 360 GB/s = 23 ms + 4 ms fixed); above the budget it drains as before.
+    (Each member has room for the slices it would receive: 300 K tokens free.)"""
+    engines = [teng(i, inflight=4, used=100_000, cap=400_000) for i in range(4)]
     assert all(g.adopt for g in decide(snap(engines=engines, state=LIGHT), CFG).binds)
     tight = dataclasses.replace(CFG, adopt_max_ms=20.0)
     d = decide(snap(engines=engines, state=LIGHT), tight)

@@ -69,7 +69,9 @@ def test_a_repeated_prompt_reports_cached_tokens_and_the_engines_tally_them(clus
     args = ["--redis-url", cluster.redis_url, "--key-prefix", cluster.keys.prefix, "status"]
     assert flyctl(args) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
-    rows = {int(x.split()[0]): x.split() for x in lines if x.split() and x.split()[0].isdigit()}  # (node headers)
+    rows = {
+        int(x.split()[0]): x.split() for x in lines if x.split() and x.split()[0].isdigit()
+    }  # (node headers)
     for e, hb in beats.items():
         shown = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
         assert rows[e][9] == shown
