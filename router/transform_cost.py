@@ -75,23 +75,9 @@ class TransformCost:
         moves = adopt_moves([self.used_kv(m) for m in members])
         return kv_transform_ms(moves, c.kv_bytes_per_token, c.kv_link_gbps, c.kv_transform_fixed_ms)
 
-    def kv_fits(self, members: Sequence[int]) -> bool:
-        """Every member can carve the slices an adoption sends it: at width ``d`` it needs, in ``1/d``-head slots,
-        the other members' DP KV, from ``d`` times its free KV (what the workers check before they move anything;
-        the slots its own requests would free are not counted, since a prompt's KV belongs to the prefix tree and
-        stays). Where one cannot, the workers would bind hard and pause the DP work instead."""
-        used = {m: self.used_kv(m) for m in members}
-        total, d = sum(used.values()), len(members)
-        return all(
-            total - used[m] <= d * max(0, self.live[m].free_kv_tokens - self.dp_kv[m]) for m in members
-        )
-
     def may_adopt(self, members: Sequence[int]) -> bool:
         """Adoption beats draining or pausing the members' DP work when its stall is at most ``adopt_max_ms``
-        (a few decode steps) and the members have room for the slices (:meth:`kv_fits`); otherwise (members full of
-        KV) the block drains or pauses as without it."""
-        return (
-            self.possible(members)
-            and self.adopt_ms(members) <= self.cfg.adopt_max_ms
-            and self.kv_fits(members)
-        )
+        (a few decode steps); a larger one (members full of KV) drains or pauses as without it. (Whether each member
+        has room for the slices it would receive is the workers' check: where one has not, they bind hard and
+        report the paused work, which the round releases after ``max_defer_s``.)"""
+        return self.possible(members) and self.adopt_ms(members) <= self.cfg.adopt_max_ms

@@ -34,16 +34,3 @@ def test_a_round_adopts_only_where_every_member_transforms_and_the_stall_is_smal
     assert kv.used_kv(1) == 30_000 and not kv.may_adopt((0, 1))
     assert not TransformCost(dataclasses.replace(CFG, kv_transform=False), live, dp_kv).possible((0, 1))
 
-
-def test_a_round_does_not_adopt_where_a_member_has_no_room_for_the_slices_it_would_receive():
-    """Two engines of 1,000 KV tokens, each 700 used by its own DP requests: at width 2 each must carve the other's
-    700 tokens in half-head slots, 1,400 of them, from its 300 free tokens' 600; the workers would bind hard and
-    pause both engines' DP work, so the round does not ask them to adopt."""
-    cfg = dataclasses.replace(CFG, adopt_max_ms=1e9)  # the stall is not what refuses it
-    full = TransformCost(cfg, {0: eng(0, used=700), 1: eng(1, used=700)}, {0: 0, 1: 0})
-    assert not full.kv_fits((0, 1)) and not full.may_adopt((0, 1))
-    room = TransformCost(cfg, {0: eng(0, used=300), 1: eng(1, used=300)}, {0: 0, 1: 0})
-    assert room.kv_fits((0, 1)) and room.may_adopt((0, 1))  # 300 <= 2 x 700
-    lopsided = TransformCost(cfg, {0: eng(0, used=900), 1: eng(1, used=300)}, {0: 0, 1: 0})
-    assert not lopsided.kv_fits((0, 1))  # engine 1 carves 900 of its 1,400 slots, engine 0 300 of its 200: no
-    assert TransformCost(cfg, {0: eng(0, used=900), 1: eng(1, used=100)}, {0: 0, 1: 0}).kv_fits((0, 1))
