@@ -28,6 +28,8 @@ BASE = (
     "4",
     "--tp-inflight-per-engine",
     "4",
+    "--sp-inflight-per-engine",
+    "4",
     "--ack-timeout-s",
     "5",
 )
