@@ -33,4 +33,3 @@ def test_a_round_adopts_only_where_every_member_transforms_and_the_stall_is_smal
     dp_kv[1] = 30_000  # the round sends engine 1 more DP work: its KV moves too
     assert kv.used_kv(1) == 30_000 and not kv.may_adopt((0, 1))
     assert not TransformCost(dataclasses.replace(CFG, kv_transform=False), live, dp_kv).possible((0, 1))
-
