@@ -17,8 +17,10 @@ wait in the queue or in an engine), read from the shared ``completed`` counter o
 arrival rates from the shared per-priority ``admitted_<priority>`` counters, so every gateway sees the
 deployment's. While requests wait but too little of that backlog has been seen to measure it (the onset of an
 overload, or engines that serve nothing), the capacity is taken low: what the window saw served, over the whole
-window, and no more, so an overload is refused from its first moments rather than after the first measurement;
-with nothing waiting (cold start, light load) only the count bounds the queue.
+window, and no more, so an overload is refused from its first moments rather than after the first measurement.
+A gateway that has not yet watched a whole window (just started, or Redis lost the counters) cannot tell engines
+that stalled from engines that have not had time to finish anything, so until it has, and with nothing waiting
+(light load), only the count bounds the queue.
 """
 
 from __future__ import annotations
@@ -59,19 +61,26 @@ class ServiceRate:
         self.min_span_s = min_span_s
         self.min_served = min_served
         self.samples: deque[tuple[float, int, bool]] = deque()
+        self.since: float | None = None  # the first sample since start-up or the counter's last reset
 
     def sample(self, now: float, count: int, backlogged: bool = True) -> None:
         if self.samples and count < self.samples[-1][1]:  # the counter was reset (Redis lost it): start over
             self.samples.clear()
+            self.since = None
+        if self.since is None:
+            self.since = now
         self.samples.append((now, count, backlogged))
         while self.samples and now - self.samples[0][0] > self.window_s:
             self.samples.popleft()
 
-    def lower_bound_per_s(self) -> float:
+    def lower_bound_per_s(self) -> float | None:
         """A capacity the deployment surely has, for a backlog too new to measure: the requests served in the
         window (at least ``min_served``) over the whole window, whether they waited or not (at light load the
-        engines serve what comes, which is at most what they can)."""
-        served = self.samples[-1][1] - self.samples[0][1] if self.samples else 0
+        engines serve what comes, which is at most what they can). None until a whole window has been watched:
+        before, nothing served may only mean nothing has had time to finish."""
+        if self.since is None or self.samples[-1][0] - self.since < self.window_s:
+            return None
+        served = self.samples[-1][1] - self.samples[0][1]
         return max(served, self.min_served) / self.window_s
 
     def per_s(self) -> float | None:
@@ -154,7 +163,7 @@ class Backpressure:
 
     def capacity(self) -> float | None:
         """The measured capacity; while requests wait but it cannot be measured yet, the window's lower bound;
-        None with nothing waiting and nothing measured."""
+        None with nothing waiting and nothing measured, or before a whole window has been watched."""
         rate = self.rate.per_s()
         if rate:
             return rate

@@ -234,13 +234,13 @@ def test_a_backlog_too_new_to_measure_is_bounded_by_what_the_window_saw_served()
     from gateway.cluster_view import Tick
 
     bp = Backpressure(max_queue=1000, budgets=BUDGETS)
-    for i in range(8):  # 2 s of light load: 5 served, nothing waits
-        bp.observe(Tick(i * 0.25, assigned=0, depth=0, completed=i * 5 // 7))
+    for i in range(48):  # 12 s of light load: 5 served in the last 10 s, nothing waits
+        bp.observe(Tick(i * 0.25, assigned=0, depth=0, completed=max(0, i - 40) * 5 // 7))
     assert bp.capacity() is None and bp.limits("normal") == Limits(850, 0)
-    bp.observe(Tick(2.0, assigned=0, depth=0, completed=5, engine_waiting=4))  # the engines' slots are full
+    bp.observe(Tick(12.0, assigned=0, depth=0, completed=5, engine_waiting=4))  # the engines' slots are full
     assert bp.rate.per_s() is None and bp.capacity() == pytest.approx(0.5), "5 served in 10 s"
     assert bp.limits("normal") == Limits(850, 6), "0.5/s x 20 s = 10, less the 4 in the engines"
-    bp.observe(Tick(2.25, assigned=0, depth=0, completed=5, engine_waiting=10))
+    bp.observe(Tick(12.25, assigned=0, depth=0, completed=5, engine_waiting=10))
     assert bp.limits("normal").full and not bp.limits("high").full, "10 s x 0.5/s: normal's budget is used up"
     assert bp.wait_retry_after_s("normal", 0) == 2, "11 ahead at 0.5/s: 22 s, 2 s beyond the budget"
 
@@ -264,3 +264,20 @@ def test_requests_on_their_way_to_saturated_engines_count_as_their_backlog():
     assert bp.behind("low") == 25, (
         "the heartbeats' count when it is the larger; the handed ones are in it now"
     )
+
+
+def test_a_gateway_that_has_not_watched_a_whole_window_bounds_a_new_backlog_by_count_only():
+    """Just started (or Redis lost the counters): a burst that fills the engines before anything has finished is
+    not an overload yet. Nothing served in 2 s says nothing of the capacity, so only the count bounds the queue
+    until the gateway has watched a whole window, or the backlog measures the capacity."""
+    from gateway.cluster_view import Tick
+
+    bp = Backpressure(max_queue=1000, budgets=BUDGETS)
+    for i in range(8):  # a burst 2 s after start-up: nothing finished yet, everything waits
+        bp.observe(Tick(i * 0.25, assigned=0, depth=28, completed=0, engine_waiting=2))
+    assert bp.capacity() is None and bp.limits("normal") == Limits(850, 0)
+    for i in range(8, 41):  # the engines stalled: 10 s watched and still nothing served
+        bp.observe(Tick(i * 0.25, assigned=0, depth=28, completed=0, engine_waiting=2))
+    assert bp.capacity() == pytest.approx(0.3) and bp.limits("normal") == Limits(850, 4)
+    bp.rate.sample(10.5, -1)  # the counter went back (Redis lost it): a new start
+    assert bp.rate.lower_bound_per_s() is None
