@@ -309,6 +309,9 @@ class FakeGroup:
         if self.broken:
             raise RuntimeError("Connection closed by peer")
 
+    def close(self) -> None:
+        self.broken = True
+
     def broadcast_object(self, obj: object = None) -> object:
         self._check()
         if self.rank == 0:
@@ -365,6 +368,7 @@ class FakePool:
         self.num_engines = num_engines
         self.first = 0
         self.rebuilds = 0
+        self.resets: list[tuple[tuple[int, ...], int]] = []
         self.store = store
         self.ready = threading.Event()
         self.ready.set()
@@ -373,6 +377,10 @@ class FakePool:
         if members not in self.groups:
             raise KeyError(f"no pooled group for {members}")
         return self.groups[members]
+
+    def reset(self, group: FakeGroup, epoch: int) -> None:
+        group.close()
+        self.resets.append((group.members, epoch))
 
 
 class FakeSub:

@@ -124,11 +124,12 @@ def test_a_bind_over_a_group_the_pool_lacks_is_refused_and_held_work_comes_back(
     assert [r.rid for r in engine.waiting_reqs] == ["dp-1"]
 
 
-def test_an_abort_during_adoption_ends_the_members_requests_as_group_lost():
-    """Nothing has moved when the manifests' all-gather fails, but the group is gone: the requests end with the
-    group-lost abort (the gateway re-dispatches them) and the engine is back in DP."""
+def test_an_adoption_whose_manifests_fail_leaves_the_dp_work_running_and_resets_the_group():
+    """Nothing has moved when the manifests' all-gather fails: the DP requests (their KV still in the engine's
+    own allocator) go on in DP, none is aborted or freed through the group's slots, and the group is reset (its
+    pairs are gone: every member rebuilds it)."""
     running = FakeReq("dp-1", kv_len=4)
-    b, engine, group, _, _ = make(running_reqs=[running], waiting_reqs=[FakeReq("dp-2")])
+    b, engine, group, layout, _ = make(running_reqs=[running], waiting_reqs=[FakeReq("dp-2")])
     real = group.all_gather_object
 
     def gather_fails(obj):
@@ -137,9 +138,30 @@ def test_an_abort_during_adoption_ends_the_members_requests_as_group_lost():
 
     group.all_gather_object = gather_fails  # type: ignore[method-assign]
     b.on_step([Bind(epoch=1, members=(0, 1), adopt=True)])
-    assert b.epoch is None and "aborted" in b.error
-    assert engine.lost == ["dp-1", "dp-2"] and running.finished_reason == "group lost"
-    assert engine.running_reqs == [] and engine.waiting_reqs == [] and engine.width == 1
+    assert b.epoch is None and "aborted before it began" in b.error
+    assert engine.lost == [] and running.finished_reason is None and running.kv_len == 4
+    assert [r.rid for r in engine.running_reqs] == ["dp-1"] and [r.rid for r in engine.waiting_reqs] == [
+        "dp-2"
+    ]
+    assert (engine.width, layout.width, engine.bypassed) == (1, 1, False)
+    assert b.pool.resets == [((0, 1), 1)]
+
+
+def test_an_adopting_follower_whose_handshake_fails_keeps_its_dp_work():
+    running = FakeReq("dp-1", kv_len=6)
+    b, engine, group, layout, _ = make(index=1, running_reqs=[running])
+    group.broken = True
+    b.on_step([Bind(epoch=3, members=(0, 1), adopt=True)])
+    assert b.epoch is None and engine.lost == [] and running.finished_reason is None
+    assert [r.rid for r in engine.running_reqs] == ["dp-1"] and running.kv_len == 6
+    assert b.pool.resets == [((0, 1), 3)]
+
+
+def test_an_epoch_aborted_after_it_began_resets_the_group():
+    b, _, _, _, _ = make(index=1, inbox=[Handshake(2)])
+    b.on_step([Bind(epoch=2, members=(0, 1))])  # bound, then the leader goes silent while it follows
+    assert b.epoch is None and "epoch 2 aborted: " in b.error
+    assert b.pool.resets == [((0, 1), 2)]
 
 
 def test_an_adoption_a_member_cannot_hold_falls_back_to_a_hard_bind():

@@ -1,5 +1,6 @@
 """The communicator pool across real processes (gloo on CPU), no default process group anywhere."""
 
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -169,3 +170,48 @@ def test_a_restarted_member_rejoins_its_groups(restarted):
         cmds[e].put("exit")
     for p in procs.values():
         p.join(30)
+
+
+def _resettable(engine, port, out):
+    """Engine 0 resets (0, 1) as if epoch 5 had failed on it; both then reduce once the group is rebuilt."""
+    pool = CommPool(engine, 2, "127.0.0.1", port, timeout_s=5, watch_s=0.2).start()
+    pool.ready.wait(60)
+    refused = ""
+    if engine == 0:
+        time.sleep(0.5)  # engine 1 is blocked in a collective by now
+        pool.reset(pool.get((0, 1)), 5)
+        try:
+            pool.get((0, 1))
+        except RuntimeError as exc:
+            refused = str(exc)
+    else:  # waits in a collective its peer never joins: fails once the peer closes its side, not at the timeout
+        t0 = time.monotonic()
+        with contextlib.suppress(RuntimeError):
+            pool.get((0, 1)).all_reduce(torch.ones(1))
+        refused = f"{time.monotonic() - t0:.2f}"
+    deadline = time.monotonic() + 30
+    while pool.reset_for.get((0, 1)) != 5:  # rebuilt after the reset (engine 1 learns it from the store)
+        if time.monotonic() > deadline:
+            out.put((engine, "never rebuilt", refused))
+            return
+        time.sleep(0.05)
+    x = torch.tensor([float(engine + 1)])
+    pool.get((0, 1)).all_reduce(x)
+    out.put((engine, (x.item(), pool.rebuilds), refused))
+
+
+@pytest.mark.slow
+def test_a_group_reset_after_a_failed_epoch_is_rebuilt_by_every_member():
+    """A failed epoch leaves the group's pairs closed: the member that reports it refuses the group at once, and
+    both members (the other learns it from the store) rebuild it on a fresh prefix, where it works again."""
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_resettable, args=(e, port, out)) for e in (0, 1)]
+    for p in procs:
+        p.start()
+    got = {e: (res, refused) for e, res, refused in (out.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(30)
+    assert got[0][0] == (3.0, 1) and got[1][0] == (3.0, 1), got
+    assert "being rebuilt (epoch 5 failed on it)" in got[0][1]
+    assert float(got[1][1]) < 3, f"the blocked peer failed after {got[1][1]} s (timeout 5 s)"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker_ext import kv_transform
-from worker_ext.epoch import Epoch
+from worker_ext.epoch import Epoch, NotEntered
 from worker_ext.kv_transform import ExchangeStats, Held
 from worker_ext.ownership import Ownership
 from worker_ext.rank_messages import AdoptManifest
@@ -86,7 +86,10 @@ class Adoption:
             running=[(r.rid, self.engine.kv_length(r), self.engine.shared_len(r)) for r in running],
             states=[self.engine.state_of(r) for r in running + waiting] if rank else [],
         )
-        manifests: list[AdoptManifest] = e.group.all_gather_object(mine)
+        try:
+            manifests: list[AdoptManifest] = e.group.all_gather_object(mine)
+        except RuntimeError as exc:
+            raise NotEntered(f"adoption manifests of epoch {e.epoch}: {exc}") from exc
         held_kv = [Held(rid, m.rank, n, shared) for m in manifests for rid, n, shared in m.running]
         if short := kv_transform.adopt_fits(held_kv, [m.available for m in manifests], d):
             log.warning(

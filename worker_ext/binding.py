@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from flying.messages import Bind, Command, Release
 from worker_ext.adoption import Adoption, Work
-from worker_ext.epoch import Epoch, Leave
+from worker_ext.epoch import Epoch, Leave, NotEntered
 from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import Held
 from worker_ext.member_relay import MemberRelay
@@ -59,7 +59,7 @@ log = logging.getLogger("flying.binding")
 BEAT_S = 0.5  # how often a follower re-publishes its heartbeat (step counts, load) while it follows
 
 
-class HandshakeMismatch(RuntimeError):
+class HandshakeMismatch(NotEntered):
     """A member's first message from its leader is not the handshake of the epoch it bound."""
 
 
@@ -293,6 +293,9 @@ class Binding:
                 self.engine.apply_output_filter(self.ownership.divert)
             if cmd.adopt:
                 self._adopt(e, work)
+        except NotEntered as exc:
+            self._undo_bind(exc)
+            return False
         except RuntimeError as exc:
             self.abort(exc)
             return False
@@ -312,12 +315,27 @@ class Binding:
             raise RuntimeError("bound without the engine's DP limits")
         return self._dp_limits
 
+    def _undo_bind(self, exc: NotEntered) -> None:
+        """The group failed before anything moved into it: back to DP with the DP work as it was (paused work
+        resumed, adoptable work never left), nothing aborted; the group's communicator is reset."""
+        e = self.epoch
+        self.error = (
+            f"epoch {e.epoch if e else '?'} aborted before it began: {type(exc).__name__}: {str(exc)[:200]}"
+        )
+        log.error("engine %d: %s", self.index, self.error)
+        if e is not None:
+            self.pool.reset(e.group, e.epoch)
+            self._unbind("bind undone")
+
     @staticmethod
     def _handshake(e: Epoch) -> None:
-        if e.leader:
-            e.group.broadcast_object(Handshake(e.epoch))
-            return
-        got = e.group.broadcast_object()
+        try:
+            if e.leader:
+                e.group.broadcast_object(Handshake(e.epoch))
+                return
+            got = e.group.broadcast_object()
+        except RuntimeError as exc:
+            raise NotEntered(f"bind handshake of epoch {e.epoch}: {exc}") from exc
         if not (isinstance(got, Handshake) and got.epoch == e.epoch):
             raise HandshakeMismatch(f"bind handshake of epoch {e.epoch} got {got!r}")
 
@@ -391,6 +409,7 @@ class Binding:
         self.error = f"epoch {e.epoch if e else '?'} aborted: {type(exc).__name__}: {str(exc)[:200]}"
         log.error("engine %d: %s", self.index, self.error, exc_info=exc)
         if e is not None:
+            self.pool.reset(e.group, e.epoch)
             self.engine.drop_tp_requests()
             self.engine.end_group_lost(list(self.ownership.take_owned().values()))
             self._unbind("aborted")

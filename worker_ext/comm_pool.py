@@ -39,6 +39,13 @@ def _collectives(backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL) -> dist
     return cast(dist.ProcessGroup, backend)
 
 
+class _Closed:
+    """What a closed group's collectives are: each call fails at once."""
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError("pooled group closed after a failed epoch; it is being rebuilt")
+
+
 @dataclass
 class MergedGroup:
     """One bound group as seen by one member: its rank, a data group (all-reduce) and a control group (step
@@ -61,6 +68,17 @@ class MergedGroup:
     @property
     def leader(self) -> int:
         return self.members[0]
+
+    def close(self) -> None:
+        """End this member's side of the group (its epoch failed): its process groups are released, which closes
+        their connections, so a peer blocked in a collective fails at once instead of after the timeout. Every
+        later collective here raises; the pool rebuilds the group on a fresh prefix."""
+        data, control = self.data, self.control
+        self.data = self.control = cast(dist.ProcessGroup, _Closed())
+        if data is not control:  # NCCL data: abort its communicator
+            with contextlib.suppress(Exception):
+                data.abort()
+        del data, control
 
     def _spent(self, kind: str, t0: float) -> None:
         self.spent_ms[kind] = self.spent_ms.get(kind, 0.0) + (time.perf_counter() - t0) * 1000
@@ -127,7 +145,13 @@ class CommPool:
     comes back with a new launch id, so the survivors' watcher (:meth:`watch`, every ``watch_s``) rebuilds the
     groups it is in, off the serving path, and the restarted engine builds them with the same ids: the two
     rendezvous on a fresh prefix and the member rejoins. A restarted first engine hosts a fresh store: the
-    survivors reconnect and announce again."""
+    survivors reconnect and announce again.
+
+    A group whose epoch failed (a member timed out or left mid-collective) is broken for good: gloo closes its
+    pairs. A member that aborts an epoch resets its group (:meth:`reset`): the epoch is written to the store, every
+    member's watcher sees it and rebuilds the group on a fresh prefix, and until this member has rebuilt it the
+    group is refused (a bind over it fails at once instead of on a dead pair). Members that abort the same epoch
+    write the same value, so a reset is the same for all of them however many report it."""
 
     engine: int
     num_engines: int  # engines of the node's pool
@@ -141,12 +165,19 @@ class CommPool:
     watch_s: float = 1.0
     groups: dict[tuple[int, ...], MergedGroup] = field(default_factory=dict)
     built_for: dict[tuple[int, ...], tuple[str, ...]] = field(default_factory=dict)  # the generation of each
+    reset_for: dict[tuple[int, ...], int] = field(
+        default_factory=dict
+    )  # the failed epoch each was rebuilt after
     rebuilds: int = 0
     host_bytes: int = 0
     build_s: float = 0.0
     error: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
     store: dist.Store | None = None
+    _resets: dict[tuple[int, ...], int] = field(
+        default_factory=dict
+    )  # reported by the serving thread, not built
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if not self.first <= self.engine < self.first + self.num_engines:
@@ -167,7 +198,7 @@ class CommPool:
         try:
             self.store = self._connect()
             for members in self.mine():
-                self._build_group(members, self._launch_ids(members, wait=True))
+                self._build_group(members, self._launch_ids(members, wait=True), self._reset_epoch(members))
         except Exception as exc:  # noqa: BLE001 - reported in the heartbeat, the engine keeps serving DP
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("communicator pool failed: %s", self.error)
@@ -213,10 +244,39 @@ class CommPool:
             raise RuntimeError("not connected to the rendezvous store")
         return self.store
 
-    def _build_group(self, members: tuple[int, ...], ids: tuple[str, ...]) -> None:
+    @staticmethod
+    def _reset_key(members: tuple[int, ...]) -> str:
+        return f"flying/reset/{'-'.join(map(str, members))}"
+
+    def _reset_epoch(self, members: tuple[int, ...]) -> int:
+        """The last failed epoch the store says ``members``' group was reset after (0: never)."""
+        store, key = self._connected(), self._reset_key(members)
+        return int(store.get(key)) if store.check([key]) else 0
+
+    def reset(self, group: MergedGroup, epoch: int) -> None:
+        """Epoch ``epoch`` failed on ``group`` here: close this member's side of it (peers blocked in it fail at
+        once), have every member rebuild it (the watcher writes the epoch to the store), and refuse the group
+        until it is rebuilt. Safe from any thread."""
+        members = group.members
+        group.close()
+        if members not in self.groups:
+            return
+        with self._lock:
+            self._resets[members] = max(epoch, self._resets.get(members, 0))
+        log.warning("communicator pool: %s reset after epoch %d failed; rebuilding", members, epoch)
+
+    def _publish_resets(self) -> None:
+        with self._lock:
+            resets = dict(self._resets)
+        store = self._connected()
+        for members, epoch in resets.items():
+            if epoch > self._reset_epoch(members):
+                store.set(self._reset_key(members), str(epoch))
+
+    def _build_group(self, members: tuple[int, ...], ids: tuple[str, ...], reset: int = 0) -> None:
         store = self._connected()
         rank, size = members.index(self.engine), len(members)
-        gen = hashlib.sha1("/".join(ids).encode()).hexdigest()[:12]
+        gen = hashlib.sha1(("/".join(ids) + f"/{reset}").encode()).hexdigest()[:12]
         name = f"flying/{'-'.join(map(str, members))}/{gen}"
         timeout = timedelta(seconds=self.timeout_s)
         control = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/ctl", store), rank, size, timeout)
@@ -227,6 +287,10 @@ class CommPool:
             )  # (the default options, spelled out)
         self.groups[members] = MergedGroup(members, rank, _collectives(data), _collectives(control))
         self.built_for[members] = ids
+        self.reset_for[members] = reset
+        with self._lock:
+            if self._resets.get(members, 0) <= reset:
+                self._resets.pop(members, None)
 
     def watch(self) -> None:
         """Rebuild the groups whose members' launch ids changed (a member restarted), in the global set order
@@ -234,11 +298,20 @@ class CommPool:
         while True:
             time.sleep(self.watch_s)
             try:
+                self._publish_resets()
                 for members in self.mine():
                     ids = self._launch_ids(members, wait=False)
-                    if ids is not None and ids != self.built_for.get(members):
-                        log.info("communicator pool: rebuilding %s (a member restarted)", members)
-                        self._build_group(members, ids)
+                    reset = self._reset_epoch(members)
+                    if ids is None:
+                        continue
+                    if ids != self.built_for.get(members) or reset != self.reset_for.get(members, 0):
+                        why = (
+                            "a member restarted"
+                            if ids != self.built_for.get(members)
+                            else f"epoch {reset} failed"
+                        )
+                        log.info("communicator pool: rebuilding %s (%s)", members, why)
+                        self._build_group(members, ids, reset)
                         self.rebuilds += 1
                         log.info("communicator pool: %s rebuilt", members)
                 self.error = ""
@@ -268,4 +341,8 @@ class CommPool:
             )
         if members not in self.groups:
             raise KeyError(f"no pooled group for {members}; pooled: {sorted(self.groups)}")
+        with self._lock:
+            failed = self._resets.get(members)
+        if failed is not None:
+            raise RuntimeError(f"pooled group {members} is being rebuilt (epoch {failed} failed on it)")
         return self.groups[members]

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from worker_ext.comm_pool import MergedGroup
 
 
+class NotEntered(RuntimeError):
+    """A bind's collective failed before anything moved into the group (the handshake, or the adoption's
+    manifests): the engine's DP work is where it was, so the bind is undone and nothing is aborted."""
+
+
 class Leave(Enum):
     """How a leader ends its epoch at a clean step boundary."""
 

@@ -4,6 +4,7 @@ end-to-end tests."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -74,3 +75,22 @@ def stock_server(tiny_model, tmp_path_factory):
     server = StockServer(tiny_model, tmp_path_factory.mktemp("stock") / "stock.log").start(timeout_s=240)
     yield server.url
     server.stop()
+
+
+LOG_TAIL_LINES = 40
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """When a test that uses a cluster fails, its report carries the tails of that cluster's process logs (the
+    router's decision log, the gateway's and the workers' errors): what CI shows is all there is to go on."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for cluster in {
+        id(v): v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Cluster)
+    }.values():
+        for path in sorted(cluster.config.log_dir.glob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            report.sections.append((f"{path.name} (last {len(lines)} lines)", "\n".join(lines)))

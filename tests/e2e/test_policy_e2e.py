@@ -201,7 +201,10 @@ def test_requests_an_adoption_paused_instead_of_moving_resume(policy):
     belongs to the prefix tree (only what follows it frees), so no member can hold the slices it would receive: the
     workers bind hard and pause them. The router sees them in the heartbeats (``paused``): the group is released
     after max_defer_s and they finish in DP, instead of waiting forever in a group that counted them as its own."""
-    restart_router(policy, (*LOAD_ADAPTING, "--max-defer-s", "2", "--rate-tau-s", "1"))
+    # two an engine (one runs: its KV holds one; one waits), so that at the adoption every member holds a long
+    # prompt in its tree and none has room for the others' slices
+    args = (*LOAD_ADAPTING, "--max-defer-s", "2", "--rate-tau-s", "1", "--max-inflight-per-worker", "2")
+    restart_router(policy, args)
     try:
         long = long_prompt(policy.config.model_path, 370)
 
@@ -212,7 +215,7 @@ def test_requests_an_adoption_paused_instead_of_moving_resume(policy):
                     client.post(
                         policy.config.gateway_url + "/v1/completions", json=body | {"prompt": f"{i}: {long}"}
                     )
-                    for i in range(8)  # two an engine: one runs (its KV holds one), one waits
+                    for i in range(8)
                 ]
                 return await asyncio.wait_for(asyncio.gather(*longs), 60)  # paused for good: never
 
