@@ -36,7 +36,7 @@ from flying.queue import text
 def render_status(r: redis.Redis, keys: Keys) -> str:
     lines = [
         f"{'engine':>6} {'mode':>4} {'epoch':>5} {'pending':>7} {'group':>9} {'inflight':>8} {'run':>4} "
-        f"{'wait':>4} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10} {'steps sp/tp':>13} {'breaker':>12}  error"
+        f"{'wait':>4} {'paused':>6} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10} {'steps sp/tp':>13} {'breaker':>12}  error"
     ]
     beats = control.status(r, keys)
     breakers = decode_all(r.hgetall(keys.breakers))
@@ -87,7 +87,7 @@ def _engine_row(r: redis.Redis, keys: Keys, e: int, hb: Heartbeat, breaker: Brea
     hit = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
     return (
         f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
-        f"{hb.waiting:>4} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
+        f"{hb.waiting:>4} {hb.paused:>6} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
         f"{f'{hb.steps_sp}/{hb.steps_tp}':>13} {breaker_cell(breaker):>12}  "
         f"{hb.switch_error}"
     )

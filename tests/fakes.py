@@ -301,6 +301,7 @@ class FakeGroup:
         self.inbox = list(inbox or [])
         self.sent: list[Any] = []
         self.others: list[Any] = []
+        self.room: list[int] | None = None
         self.broken = False
         self.data = self
         self.spent_ms: dict[str, float] = {}
@@ -323,7 +324,11 @@ class FakeGroup:
 
     def all_gather_object(self, obj: object) -> list[Any]:
         self._check()
-        return [obj, *self.others] if self.rank == 0 else [*self.others[:1], obj, *self.others[1:]]
+        if isinstance(obj, int):  # the members' KV headroom after a bind: ``room`` answers for the others
+            others: list[Any] = self.room if self.room is not None else [obj] * (len(self.members) - 1)
+        else:
+            others = self.others
+        return [obj, *others] if self.rank == 0 else [*others[:1], obj, *others[1:]]
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check()
@@ -414,7 +419,11 @@ class FakeLayout:
         self.width = self.weights_width = width
         self.rank = rank
         self.sub = FakeSub(width)
+        self.kept_back = 0
         return self.sub
+
+    def keep_back(self, n: int) -> None:
+        self.kept_back = n
 
     def unbind(self) -> None:
         from worker_ext.sequence_parallel import StepMode

@@ -366,3 +366,18 @@ def test_a_leader_sends_members_output_to_them_from_the_bind_on():
     assert engine.divert is not None
     b.on_step([Release(epoch=1)])
     assert engine.divert is None
+
+
+def test_the_leader_keeps_back_the_kv_room_its_tightest_member_lacks():
+    """A follower whose paused DP work holds KV has less room than the leader: the leader's allocator reports that
+    much less, so SGLang retracts or holds back before the follower runs out mid-step."""
+    b, engine, group, layout, _ = make(members=(0, 1, 2))
+    layout.available = 1000
+    group.room = [700, 400]
+    b.on_step([Bind(epoch=1, members=(0, 1, 2))])
+    mine = 1000 + engine.evictable_physical() * 3
+    assert b.epoch is not None and layout.kept_back == mine - 400
+    follower, _, fgroup, flayout, _ = make(index=1, members=(0, 1), inbox=[Handshake(1)])
+    fgroup.room = [10]
+    follower.on_step([Bind(epoch=1, members=(0, 1))])
+    assert flayout.kept_back == 0, "only the leader plans steps"

@@ -31,7 +31,7 @@ def test_bind_and_release_write_every_members_stream(sync_redis, keys, redis_ser
 def test_status_lists_live_engines_only(sync_redis, keys, redis_server, capsys):
     hb = Heartbeat(
         engine=0, url="u", pid=1, model="m", launch_id="L", mode="tp", epoch=4, group=(0, 1), width=2,
-        prompt_tokens=1200, cached_tokens=900,
+        prompt_tokens=1200, cached_tokens=900, paused=3,
     )  # fmt: skip
     sync_redis.set(keys.worker(0), encode(hb))
     sync_redis.set(keys.ready(0), "L")
@@ -42,9 +42,10 @@ def test_status_lists_live_engines_only(sync_redis, keys, redis_server, capsys):
     assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "status"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].split()[:5] == ["0", "tp", "4", "0", "0,1"] and len(out) == 5
-    assert out[0].split()[10:12] == ["cache", "hit"] and out[1].split()[9] == "75.0%", (
+    assert out[0].split()[11:13] == ["cache", "hit"] and out[1].split()[10] == "75.0%", (
         "cached / prompt tokens"
     )
+    assert out[0].split()[8] == "paused" and out[1].split()[8] == "3", "DP requests a bind set aside"
     assert out[2:] == ["router: none holds the lease; no router state", "groups: none", "queue: 0 waiting"]
 
 
@@ -82,7 +83,7 @@ def test_status_shows_no_hit_rate_before_an_engine_finished_a_request(sync_redis
     sync_redis.set(keys.ready(0), "L")
     sync_redis.sadd(keys.workers, 0)
     assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "status"]) == 0
-    assert capsys.readouterr().out.splitlines()[1].split()[9] == "-"
+    assert capsys.readouterr().out.splitlines()[1].split()[10] == "-"
 
 
 async def test_tenants_lists_each_tenants_counters(aredis, sync_redis, keys, redis_server, capsys):

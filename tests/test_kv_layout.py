@@ -65,3 +65,14 @@ def test_slot_written_is_slot_read_for_any_width_sequence(widths, tokens):
         resident.append((w, slots, vals))
         for rw, rs, rv in resident:  # read (attention gathers k_cache[req_to_token[...]])
             assert torch.equal(view(buf, rw)[rs], rv)
+
+
+def test_keep_back_lowers_the_reported_room_but_not_what_can_be_carved():
+    _, base = pool()
+    alloc = SubSlotAllocator(base, 2)
+    assert alloc.available_size() == 2 * SIZE
+    alloc.keep_back(5)
+    assert alloc.available_size() == 2 * SIZE - 5
+    assert alloc.alloc(2 * SIZE) is not None and alloc.available_size() == 0
+    alloc.keep_back(-3)
+    assert alloc.available_size() == 0

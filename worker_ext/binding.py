@@ -293,6 +293,7 @@ class Binding:
                 self.engine.apply_output_filter(self.ownership.divert)
             if cmd.adopt:
                 self._adopt(e, work)
+            self._match_headroom(e)
         except NotEntered as exc:
             self._undo_bind(exc)
             return False
@@ -326,6 +327,15 @@ class Binding:
         if e is not None:
             self.pool.reset(e.group, e.epoch)
             self._unbind("bind undone")
+
+    def _match_headroom(self, e: Epoch) -> None:
+        """Collective: every member's KV headroom (free and evictable, in virtual slots) to all. The leader keeps
+        back what it has beyond the tightest member (a follower's paused DP work or cached prompts can leave it
+        less room), so it retracts or holds back work before a follower runs out of slots mid-step."""
+        mine = self.layout.sub_available() + self.engine.evictable_physical() * e.width
+        room = e.group.all_gather_object(mine)
+        if e.leader:
+            self.layout.keep_back(mine - min(room))
 
     @staticmethod
     def _handshake(e: Epoch) -> None:

@@ -38,9 +38,16 @@ class SubSlotAllocator:
         self.base, self.width = base, width
         self.free_virtual: list[int] = []
         self.used: dict[int, int] = {}  # physical slot -> virtual slots in use
+        self.reserve = 0  # virtual slots kept out of available_size() (see keep_back)
 
     def available_size(self) -> int:
-        return self.base.available_size() * self.width + len(self.free_virtual)
+        return max(0, self.base.available_size() * self.width + len(self.free_virtual) - self.reserve)
+
+    def keep_back(self, n: int) -> None:
+        """Report ``n`` virtual slots fewer than are free: a group's leader keeps back the room its tightest
+        member lacks, so that SGLang's own checks (admission, retraction) plan no step a member cannot carve
+        slots for. Allocation itself is not limited."""
+        self.reserve = max(0, n)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         need = n - len(self.free_virtual)

@@ -105,6 +105,9 @@ class Layout:
             raise RuntimeError("the engine is not bound: no sub-slot allocator")
         return self._sub
 
+    def keep_back(self, n: int) -> None:
+        self.sub_allocator().keep_back(n)
+
     def sub_available(self) -> int:
         return int(self.sub_allocator().available_size())
 
