@@ -177,7 +177,7 @@ async def answer_response(
 
 async def serve_one(
     request: Request, gw: Gateway, req, priority: Priority, t0: float
-) -> tuple[Reply, dict[str, str], asyncio.Task[None]] | Response:
+) -> tuple[Reply, dict[str, str], asyncio.Future[None]] | Response:
     """Admit, queue and forward one request: its reply, the response headers and the disconnect watcher (still
     on for a stream), or the 499 of a client that left."""
     logged = request_info(request.scope)

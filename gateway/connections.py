@@ -172,7 +172,7 @@ class GuardedProtocol(HttpToolsProtocol):
         # the earlier requests' futures, once answered, are no longer watched
         self.watchers = [(c, f) for c, f in self.watchers if not (c.response_complete or f.done())]
         fut = self.loop.create_future()
-        self.scope[DISCONNECTED] = fut  # type: ignore[literal-required]
+        self.scope[DISCONNECTED] = fut
         self.watchers.append((cycle, fut))
 
     def send_400_response(self, msg: str) -> None:

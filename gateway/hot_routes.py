@@ -9,7 +9,7 @@ the endpoint maps its own errors with the app's exception handlers (:class:`Hand
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.applications import Starlette
 from starlette.middleware.errors import ServerErrorMiddleware
@@ -49,7 +49,7 @@ class HotRoutesApp(Starlette):
     exception layer: they run inside the user middleware and the 500 layer, with the app's other exception
     handlers applied by :class:`HandledRoute`. Their ordinary routes stay in ``routes`` (for other methods)."""
 
-    def __init__(self, *, hot: dict[str, Endpoint], **kwargs) -> None:
+    def __init__(self, *, hot: Mapping[str, Endpoint], **kwargs) -> None:
         super().__init__(**kwargs)
         self.hot = hot
 
@@ -59,7 +59,7 @@ class HotRoutesApp(Starlette):
         last_resort = self.exception_handlers.get(500) or self.exception_handlers.get(Exception)
         hot: dict[str, ASGIApp] = {}
         for path, endpoint in self.hot.items():
-            app: ASGIApp = HandledRoute(endpoint, handlers)  # type: ignore[arg-type]
+            app: ASGIApp = HandledRoute(endpoint, handlers)
             for cls, args, kwargs in reversed(self.user_middleware):
                 app = cls(app, *args, **kwargs)
             hot[path] = ServerErrorMiddleware(app, handler=last_resort, debug=self.debug)

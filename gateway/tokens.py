@@ -89,7 +89,7 @@ def _shared_context(template, fixed: dict) -> Callable[..., str] | None:
 
         def render(**variables) -> str:
             context = new_context(env, name, blocks, {**base, **variables}, True, None, None)
-            return env.concat(root(context))  # type: ignore[attr-defined]
+            return env.concat(root(context))
 
         probe = [{"role": "user", "content": "hi"}]
         if render(messages=probe) != template.render(messages=probe, **fixed):
