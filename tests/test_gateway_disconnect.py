@@ -138,3 +138,48 @@ async def test_the_gateways_connections_complete_the_requests_watcher_when_the_c
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_a_real_gateway_mid_request_has_its_request_cancelled(
+    redis_server, tiny_model, tmp_path, stream
+):
+    """A gateway process (its own protocol: the connection's future is the watcher) against a slow engine (50 ms a
+    token): a client that closes its connection mid-answer, streamed or not, has its request ended as cancelled
+    long before the engine would have finished it (10 s)."""
+    import socket
+    import time
+    import uuid
+
+    import redis
+
+    from flying.keys import Keys
+    from loadgen.fake_server import start_process
+    from tests.stack import gateway_process
+
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    engine, engine_url = start_process(tmp_path / "engine.log", itl_ms=50)
+    try:
+        with gateway_process(redis_server.url, keys, tiny_model, tmp_path, engine_url=engine_url) as url:
+            body = (
+                b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, '
+                b'"stream": ' + (b"true" if stream else b"false") + b"}"
+            )
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nx-request-id: leaver-{stream}\r\n"
+            s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
+            s.sendall(
+                f"{head}content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body
+            )
+            if stream:
+                assert s.recv(65536).startswith(b"HTTP/1.1 200"), "the stream began"
+            else:
+                time.sleep(0.5)  # on the engine now, its answer 10 s away
+            s.close()
+            left, r = time.monotonic(), redis.Redis.from_url(redis_server.url)
+            while (state := r.hget(keys.request(f"leaver-{stream}"), "state")) != b"cancelled":
+                assert time.monotonic() - left < 5, f"state {state!r} 5 s after the client left"
+                time.sleep(0.05)
+    finally:
+        engine.kill()
+        engine.wait(10)
