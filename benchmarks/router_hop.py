@@ -17,6 +17,10 @@ round-robin over the same two ``loadgen.fake_server`` engines (their own process
 - At that rate: direct, ours and ``--pace`` (sglang-router) in turn, open loop at ``--pace``'s median saturated
   rate, ``--rounds`` times: TTFT p50/p99 and added p50/p99 (minus direct's in the same round).
 
+With ``--baseline DIR``, a second gateway runs the code of another checkout (``DIR``: its ``gateway`` package and
+what it imports) against the same Redis, router and engines, as the target ``before``: our gateway before and
+after a change, measured in one run.
+
 The client is a lean raw-socket HTTP/1.1 client (one write per request) on uvloop. Every process the benchmark
 starts is stopped on exit.
 """
@@ -295,6 +299,24 @@ def rust_gateways(stack: GatewayStack, skip: set[str]) -> Iterator[tuple[list[Ta
             stop(proc)
 
 
+def baseline_gateway(stack: GatewayStack, checkout: str, args: list[str]) -> tuple[subprocess.Popen, int]:
+    """A gateway process running ``checkout``'s code against ``stack``'s Redis (stopped with the stack's
+    processes: registered in its cleanup below), serving once it answers; (process, port)."""
+    port, model = free_port(), Path(".flying/test-model").resolve()
+    cmd = [sys.executable, "-m", "gateway.main", "--redis-url", stack.server.url, "--model-path", str(model),
+           "--port", str(port), *args]  # fmt: skip
+    root = Path(checkout).resolve()  # (``-m`` puts the working directory first on the path: run it there)
+    with open(stack.tmp / "gateway-before.log", "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    _started.append(proc)
+    ready(proc, port)
+    return proc, port
+
+
+_started: list[subprocess.Popen] = []  # processes main starts beside the stack's, stopped on its way out
+
+
 def report_light(rounds: list[dict[tuple[str, str], list[float]]], names: list[str]) -> None:
     for kind in KINDS:
         print(f" light load, {kind}: p50 per round (ms), added p50 = p50 - direct's p50")
@@ -374,6 +396,11 @@ def main() -> None:
     p.add_argument("--no-light", action="store_true", help="only the saturated part")
     p.add_argument("--no-saturated", action="store_true", help="only the light-load part")
     p.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also a gateway running another checkout's code (target 'before'), on the same Redis and router",
+    )
+    p.add_argument(
         "--pace",
         default="sglang-router",
         choices=[r.name for r in RUST],
@@ -391,13 +418,19 @@ def main() -> None:
     with (
         gateway_stack("router-hop", 2, 1 << 20, router_args, gateway_args) as stack,
         rust_gateways(stack, set(a.skip)) as (rust, notes),
+        contextlib.ExitStack() as cleanup,
     ):
+        cleanup.callback(lambda: [stop(proc) for proc in _started])
         assert stack.server.proc is not None
         engines = {f"engine{e}": proc.pid for e, (proc, _) in enumerate(stack.engines)}
         direct = Target("direct", int(stack.engines[0][1].rsplit(":", 1)[1]))
         ours = Target("ours", stack.port, {"gateway": stack.gateway.pid, "router": stack.router.pid,
                                             "redis": stack.server.proc.pid})  # fmt: skip
         targets = [direct, ours, *rust]
+        if a.baseline:
+            before = baseline_gateway(stack, a.baseline, gateway_args)
+            targets.insert(2, Target("before", before[1], {"gateway": before[0].pid, "router": stack.router.pid,
+                                                             "redis": stack.server.proc.pid}))  # fmt: skip
         names = [t.name for t in targets]
         light_rounds, sat_rounds = [], []
         for i in range(a.rounds):
@@ -418,8 +451,9 @@ def main() -> None:
             sat_rounds and pace is not None
         ):  # open loop at the pace-setter's saturated rate: the p99 added there
             rate = statistics.median(len([x for x in sr[pace.name][0] if x[0] == 200]) / sr[pace.name][1] for sr in sat_rounds)  # fmt: skip
+            paced = [t for t in targets if t.name in ("direct", "ours", "before")] + [pace]
             for _ in range(a.rounds):
-                for t in random.sample([direct, ours, pace], 3):
+                for t in random.sample(paced, len(paced)):
                     at_rate.setdefault(t.name, []).append(run(offered(t.port, rate, a.requests)) + (rate,))
     print(f"router hop: {a.rounds} interleaved rounds on {os.cpu_count()} cores (logs in {stack.tmp})")
     for note in notes:

@@ -188,7 +188,13 @@ class AutoPipeline:
 
 async def _gather(*futures: asyncio.Future[Any]) -> list[Any]:
     """The replies (an error reply as its exception); a shared future (a batch's WAIT) is not cancelled with
-    the caller."""
+    the caller. One future (a call's own reply) is awaited as it is: a caller cancelled meanwhile cancels it, and
+    its reply is read and dropped when it comes (no gather and shield per call)."""
+    if len(futures) == 1:
+        try:
+            return [await futures[0]]
+        except Exception as exc:  # noqa: BLE001 - returned, as gather's return_exceptions does
+            return [exc]
     return await asyncio.gather(*(asyncio.shield(f) for f in futures), return_exceptions=True)
 
 

@@ -30,7 +30,7 @@ from gateway import batch, engine_fields, responses, schemas
 from gateway import tenants as tenancy
 from gateway.auth import InvalidAPIKey, RequireKey
 from gateway.config import GatewayConfig
-from gateway.disconnect import CancelOnDisconnect, ClientGone, watch_disconnect
+from gateway.disconnect import CancelOnDisconnect, ClientGone, watcher
 from gateway.drain import CountRequests, Drain
 from gateway.errors import (
     APIError,
@@ -42,6 +42,7 @@ from gateway.errors import (
     PayloadTooLarge,
     QueueUnavailable,
 )
+from gateway.hot_routes import HotRoutesApp
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.request_log import info as request_info
@@ -176,12 +177,12 @@ async def answer_response(
 
 async def serve_one(
     request: Request, gw: Gateway, req, priority: Priority, t0: float
-) -> tuple[Reply, dict[str, str], asyncio.Task[None]] | Response:
+) -> tuple[Reply, dict[str, str], asyncio.Future[None]] | Response:
     """Admit, queue and forward one request: its reply, the response headers and the disconnect watcher (still
     on for a stream), or the 499 of a client that left."""
     logged = request_info(request.scope)
     adm = await gw.admit(schemas.for_engine(req), priority, logged.request_id)
-    disconnected = asyncio.create_task(watch_disconnect(request.receive))
+    disconnected = watcher(request.scope, request.receive)
     try:
         reply = await gw.serve(adm, disconnected)
         gw.metrics.child(gw.metrics.ttft, priority).observe(time.monotonic() - t0)
@@ -229,7 +230,7 @@ async def answer_batch(
     logged = request_info(request.scope)
     base = logged.request_id or uuid.uuid4().hex
     adms = [await gw.admit(schemas.for_engine(r), priority, f"{base}-{i}") for i, r in enumerate(reqs)]
-    disconnected = asyncio.create_task(watch_disconnect(request.receive))
+    disconnected = watcher(request.scope, request.receive)
     tasks = [asyncio.ensure_future(gw.serve(adm, disconnected)) for adm in adms]
     streaming = False
     try:
@@ -311,19 +312,6 @@ class RelayResponse(StreamingResponse):
             if not self.started:
                 self.unstarted()
             await self.relay.aclose()
-
-
-class CompletionRoute:
-    """A completion endpoint as a plain ASGI app: Starlette wraps a function endpoint in a second
-    exception-handling layer per request, which the hot path skips; its errors still reach the app's handlers
-    (the ExceptionMiddleware around the router)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await completions(Request(scope, receive), self.kind)
-        await response(scope, receive, send)
 
 
 async def models(request: Request) -> Response:
@@ -482,10 +470,13 @@ def create_app(
             if tracing is not None:
                 tracing.shutdown()
 
+    hot = {
+        "/v1/chat/completions": functools.partial(completions, kind="chat"),
+        "/v1/completions": functools.partial(completions, kind="completion"),
+        "/v1/responses": functools.partial(completions, kind="responses"),
+    }
     routes = [
-        Route("/v1/chat/completions", CompletionRoute("chat"), methods=["POST"]),
-        Route("/v1/completions", CompletionRoute("completion"), methods=["POST"]),
-        Route("/v1/responses", CompletionRoute("responses"), methods=["POST"]),
+        *(Route(path, endpoint, methods=["POST"]) for path, endpoint in hot.items()),  # (other methods: 405)
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -497,7 +488,8 @@ def create_app(
         aioredis.RedisError: redis_error,
         Exception: internal_error,
     }
-    app = Starlette(
+    app = HotRoutesApp(
+        hot=hot,  # past Starlette's router and exception layer (gateway.hot_routes)
         routes=routes,
         lifespan=lifespan,
         exception_handlers=handlers,

@@ -17,7 +17,12 @@ read and answered. (A head that has begun arriving gets its 408 on time.)
 
 The refusals are OpenAI-shaped JSON with ``Connection: close``; after one the connection reads and drops what the
 client still sends for a moment (so the client, still writing, gets the answer rather than a reset), then closes.
-The idle keep-alive timeout is uvicorn's ``timeout_keep_alive``, with that guard."""
+The idle keep-alive timeout is uvicorn's ``timeout_keep_alive``, with that guard.
+
+Each request's scope holds the future its connection completes when it closes (:data:`gateway.disconnect
+.DISCONNECTED`): the request's disconnect watcher without a task of its own. (A client that pipelines requests
+has its connection's reading paused while one is answered, as uvicorn does: its leaving is seen when reading
+resumes.)"""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.disconnect import DISCONNECTED
 from gateway.errors import APIError, HeadersTooLarge, HeadTimeout, TooManyConnections, URITooLong
 
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped before closing
@@ -94,6 +100,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self.head_bytes = self.url_bytes = self.field_bytes = self.fields = 0
         self.head_timer: asyncio.TimerHandle | None = None
         self.refusal: APIError | None = None
+        self.watchers: list[tuple[Any, asyncio.Future[None]]] = []  # (request cycle, its disconnect future)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -104,6 +111,10 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+        for _, fut in self.watchers:
+            if not fut.done():
+                fut.set_result(None)
+        self.watchers.clear()
 
     def timeout_keep_alive_handler(self) -> None:
         """uvicorn's idle keep-alive timeout: closes the connection, unless the client has sent more meanwhile."""
@@ -155,6 +166,14 @@ class GuardedProtocol(HttpToolsProtocol):
         self.in_head, self.head_bytes = False, 0
         self._cancel_head_timer()
         super().on_headers_complete()
+        cycle = getattr(self, "cycle", None)
+        if cycle is None or cycle.scope is not self.scope:  # (an upgrade: no request cycle)
+            return
+        # the earlier requests' futures, once answered, are no longer watched
+        self.watchers = [(c, f) for c, f in self.watchers if not (c.response_complete or f.done())]
+        fut = self.loop.create_future()
+        self.scope[DISCONNECTED] = fut
+        self.watchers.append((cycle, fut))
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn answers a parser error (a callback's exception included) here: a refusal is answered as such."""

@@ -1,16 +1,30 @@
-"""A client that leaves: the request's disconnect watcher (:func:`watch_disconnect`, one task per request) and
-:class:`CancelOnDisconnect`, which turns the watcher's completion into a cancel of the task serving the request
+"""A client that leaves: the request's disconnect watcher (:func:`watcher`: the future its connection completes
+when it closes, set in the scope by :class:`gateway.connections.GuardedProtocol`; elsewhere a task per request,
+:func:`watch_disconnect`) and :class:`CancelOnDisconnect`, which turns the watcher's completion into a cancel of the task serving the request
 (no task of its own per awaited step), told apart from any other cancel."""
 
 from __future__ import annotations
 
 import asyncio
 
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
 
 class ClientGone(Exception):
     """The client disconnected while its request waited."""
+
+
+DISCONNECTED = "flying.disconnected"  # the scope key of the connection's future
+
+
+def watcher(scope: Scope, receive: Receive) -> asyncio.Future[None]:
+    """The request's disconnect watcher: a future that completes when the client goes away, and that the request
+    cancels when it ends. The connection's own (no task, no ``receive`` call per request) where the server made
+    one; else a task watching ``receive``."""
+    fut = scope.get(DISCONNECTED)
+    if fut is not None and not fut.cancelled():
+        return fut
+    return asyncio.create_task(watch_disconnect(receive))
 
 
 async def watch_disconnect(receive: Receive) -> None:

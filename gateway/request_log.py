@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("flying.gateway.requests")
 _VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 HEADER = "x-request-id"
+_HEADER = HEADER.encode()
 
 
 def request_id(header: str | None) -> str:
@@ -61,7 +62,7 @@ class RequestLog:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(HEADER.encode())
+        header = next((v for k, v in scope["headers"] if k == _HEADER), None)
         req = RequestInfo(request_id(header.decode("latin-1") if header is not None else None))
         scope.setdefault("state", {})["flying"] = req
         start, status = time.monotonic(), 500
@@ -70,13 +71,23 @@ class RequestLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                MutableHeaders(scope=message)["X-Request-Id"] = req.request_id
+                _set_id(message, req.request_id)
             await send(message)
 
         try:
             await self.app(scope, receive, send_logged)
         finally:
             _log(scope, req, status, (time.monotonic() - start) * 1000)
+
+
+def _set_id(message: Message, rid: str) -> None:
+    """The response head's ``X-Request-Id`` set to ``rid`` (the handler's own replaced)."""
+    headers = message.get("headers")
+    if not isinstance(headers, list):  # (another iterable: Starlette's general way)
+        MutableHeaders(scope=message)["X-Request-Id"] = rid
+        return
+    headers[:] = [h for h in headers if h[0] != _HEADER]
+    headers.append((_HEADER, rid.encode("latin-1")))
 
 
 def _log(scope: Scope, req: RequestInfo, status: int, duration_ms: float) -> None:

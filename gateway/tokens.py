@@ -65,6 +65,35 @@ def _renderer(tok) -> Callable[..., str] | None:
     except (ImportError, ValueError, TypeError, AttributeError):
         return None
     specials = dict(tok.special_tokens_map)
-    return functools.partial(
+    render = functools.partial(
         template.render, tools=None, documents=None, add_generation_prompt=True, **specials
     )
+    return _shared_context(template, render.keywords) or render
+
+
+def _shared_context(template, fixed: dict) -> Callable[..., str] | None:
+    """``template`` rendered into a context whose variables (its globals and ``fixed``, merged once) are passed
+    as they are: ``Template.render`` merges the template's globals (a ``ChainMap``) into a new dict on every call,
+    three quarters of a short conversation's render (~13 us against ~3). The same text as ``Template.render`` on a
+    probe conversation, else None (then that it is)."""
+    try:
+        from jinja2.runtime import new_context
+
+        base = {**template.globals, **fixed}
+        env, name, blocks, root = (
+            template.environment,
+            template.name,
+            template.blocks,
+            template.root_render_func,
+        )
+
+        def render(**variables) -> str:
+            context = new_context(env, name, blocks, {**base, **variables}, True, None, None)
+            return env.concat(root(context))
+
+        probe = [{"role": "user", "content": "hi"}]
+        if render(messages=probe) != template.render(messages=probe, **fixed):
+            return None
+    except Exception:  # noqa: BLE001 - another jinja's internals, or a template that refuses the probe
+        return None
+    return render

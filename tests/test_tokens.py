@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -22,6 +24,7 @@ def tok(tiny_model):
 def counter(tiny_model) -> PromptCounter:
     c = PromptCounter(str(tiny_model))
     assert c.backend is not None, "the test model's tokenizer is a fast one"
+    assert not isinstance(c.render, functools.partial), "the template renders into a shared context here"
     return c
 
 
@@ -52,3 +55,10 @@ def test_a_token_id_outside_the_vocabulary_is_refused(counter):
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         counter.completion(CompletionRequest(model="m", prompt=[5, counter.vocab]))
     assert counter.completion(CompletionRequest(model="m", prompt=[counter.vocab - 1])) == 1
+
+
+def test_a_conversation_of_every_role_renders_as_apply_chat_template_does(tok, counter):
+    messages = [("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("user", "and again")]
+    req = ChatCompletionRequest(model="m", messages=[Message(role=r, content=c) for r, c in messages])
+    rendered = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, tokenize=False)  # fmt: skip
+    assert counter.chat_ids(req) == tok(rendered, add_special_tokens=False).input_ids
