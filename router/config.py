@@ -100,8 +100,8 @@ class PolicyConfig:
     )
     long_wait_s: float = setting(
         180.0,
-        "seconds: a long request of normal or low priority waits up to this long for calm (light admission rate, "
-        "small backlog, no other long request running) before it runs; high priority never waits",
+        "seconds: a long request of normal or low priority waits up to this long for calm (admissions within "
+        "long_calm_rate, small backlog, no other long request running) before it runs; high priority never waits",
     )
     max_defer_s: float = setting(
         5.0, "seconds: a bind pauses DP work at most this long (then released, retracting)"
