@@ -79,20 +79,29 @@ class PolicyConfig:
         "soon as a burst has passed)",
     )
     busy_load: float = setting(0.5, "busy: queued + inflight above this share of the groups' capacity")
-    light_rate: float = setting(0.75, "rate regime: light at most this many admissions per second per engine")
-    busy_rate: float = setting(1.0, "rate regime: busy above this many admissions per second per engine")
+    light_rate: float = setting(
+        1.0,
+        "rate regime: light at most this many admissions per second per engine (well above a quiet period's rate, "
+        "so a burst's end binds the load groups within seconds)",
+    )
+    busy_rate: float = setting(1.25, "rate regime: busy above this many admissions per second per engine")
     rate_tau_s: float = setting(2.5, "seconds: time constant of the admission rate's exponential average")
     busy_wait_s: float = setting(0.1, "seconds: busy once a normal request has waited this long in the queue")
     keep_s: float = setting(
         1.0, "seconds: a priority or long-context group without TP work for this long is released"
+    )
+    long_calm_rate: float = setting(
+        0.75,
+        "rate regime: a long request of normal or low priority waits while admissions exceed this many per second "
+        "per engine (stricter than light_rate: a long prefill started near a burst holds its group into it)",
     )
     long_max_share: float = setting(
         0.5, "long-context groups hold at most this share of the engines (one always allowed)"
     )
     long_wait_s: float = setting(
         180.0,
-        "seconds: a long request of normal or low priority waits up to this long for calm (light admission rate, "
-        "small backlog, no other long request running) before it runs; high priority never waits",
+        "seconds: a long request of normal or low priority waits up to this long for calm (admissions within "
+        "long_calm_rate, small backlog, no other long request running) before it runs; high priority never waits",
     )
     max_defer_s: float = setting(
         5.0, "seconds: a bind pauses DP work at most this long (then released, retracting)"
@@ -154,7 +163,8 @@ class PolicyConfig:
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("light_load", "calm_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        _require(self.long_wait_s >= 0, f"long_wait_s must be >= 0, got {self.long_wait_s}")
+        for name in ("long_wait_s", "long_calm_rate"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("busy_wait_s", "rate_tau_s"):
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _require(

@@ -2,9 +2,9 @@
 
 A request one engine's KV cannot hold needs a group for the whole of its prefill and decode. Bound in a burst, that
 group leaves the burst fewer DP engines. So a long request of normal (or low) priority waits for *calm*
-(:func:`unrest`: the admission rate is light, the engines' backlog is small, and no other long request runs), for
-at most ``long_wait_s``; when the calm comes, or the bound expires, it runs on the widest group there is: the load
-group if one is bound (its SP steps prefill the long prompt over every member while it keeps serving the rest).
+(:func:`unrest`: the admission rate is at most ``long_calm_rate``, the engines' backlog is small, and no other long
+request runs), for at most ``long_wait_s``; when the calm comes, or the bound expires, it runs on the widest group
+there is: the load group if one is bound (its SP steps prefill the long prompt over every member while it keeps serving the rest).
 Otherwise it binds the width its KV needs and no wider: measured in the simulator, a wider dedicated group
 prefills faster but takes engines from the rest's traffic (the rest's low-load P90 TTFT 10x, burst P90 no better). A high-priority long
 request never waits. A load or long group that runs a long request is not released under busy load (it cannot be:
@@ -27,11 +27,11 @@ from router.round import Round
 
 def unrest(rnd: Round, request: str = "") -> WaitCause | None:
     """Why the load is not calm for a long request now (None: it is calm): it is not light by the regime's
-    measure (rate: admissions above ``light_rate`` per engine; inflight: demand above ``light_load`` of the groups'
+    measure (rate: admissions above ``long_calm_rate`` per engine; inflight: demand above ``light_load`` of the groups'
     capacity; either without the regime's hysteresis), more queued and inflight requests than the groups would hold (``tp_inflight_per_engine`` per engine:
     a burst's backlog), or another long request runs (one at a time keeps most of the node serving the rest)."""
     cfg, n = rnd.cfg, len(rnd.live)
-    if cfg.regime == "rate" and rnd.out.state.rate > cfg.light_rate * n:
+    if cfg.regime == "rate" and rnd.out.state.rate > cfg.long_calm_rate * n:
         return WaitCause.BUSY
     if cfg.regime == "inflight" and demand(rnd) > cfg.light_load * cfg.tp_inflight_per_engine * n:
         return WaitCause.BUSY

@@ -28,7 +28,7 @@ The three use cases, each switchable in :class:`PolicyConfig`:
   whose pooled KV holds it, or an idle group (re-labelled), or binds the smallest width that fits
   (``long_preempt``, sequential by default so the members' KV is free; hard only where their free KV holds it, and
   then by adoption where the members transform KV).
-  One of normal priority first waits for calm (light admission rate, small backlog, no other long request
+  One of normal priority first waits for calm (admissions within ``long_calm_rate``, small backlog, no other long request
   running), at most ``long_wait_s``, then runs on the widest group there is (the load group, or a bind as wide as
   the calm allows; :mod:`router.long_wait`); long groups hold at most ``long_max_share`` of the engines (one is
   always allowed). A group running a long request cannot be released: under busy load it keeps taking the work

@@ -55,6 +55,14 @@ def test_calm_is_light_load_a_small_backlog_and_no_other_long_request():
     assert unrest(Round(running, CFG)) is WaitCause.TURN  # the load group runs a long request
 
 
+def test_under_the_rate_regime_calm_is_an_admission_rate_within_long_calm_rate_not_light_rate():
+    cfg = unit_policy(regime="rate", light_rate=1.0, busy_rate=1.25, long_calm_rate=0.75)
+    light = RouterState(busy=False, rate=3.6, rate_ts=100.0)  # 0.9 a second per engine: light, not calm
+    assert unrest(Round(snap([long()], state=light), cfg)) is WaitCause.BUSY
+    calm = RouterState(busy=False, rate=2.8, rate_ts=100.0)  # 0.7 a second per engine
+    assert unrest(Round(snap([long()], state=calm), cfg)) is None
+
+
 def test_a_normal_long_request_waits_while_load_is_not_light_and_the_log_says_why_once():
     d = decide(snap([long()], BUSY_ENGINES), CFG)
     assert not d.binds and not d.dispatches

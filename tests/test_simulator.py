@@ -515,3 +515,19 @@ def test_steady_low_load_keeps_one_group_of_every_engine_bound_with_the_defaults
     binds = [d for d in sim.decisions if d.kind == "bind"]
     assert [(d.members, d.reason) for d in binds] == [(tuple(range(8)), "load")] and binds[0].at < 1.0
     assert not [d for d in sim.decisions if d.kind == "release"]
+
+
+def test_with_the_defaults_a_burst_releases_the_node_and_its_end_binds_it_again_within_seconds():
+    """4 requests/s, a 20 s burst at 20 requests/s, 4 requests/s again (8 engines, the live defaults): the node's
+    load group is released within 3 s of the burst's onset and bound again within 4 s of its end (the rate average
+    falls below light_rate, above a low phase's rate), with no other bind or release until the next burst."""
+    reqs = paper_workload(
+        560, seed=0, low_rate=(4, 4), burst_rate=(20, 20), low_s=20, burst_s=20, high_share=0, long_share=0
+    )
+    sim = Simulator(SimConfig(), reqs, check=True)
+    assert all(r.ok for r in sim.run())
+    seen = [(d.kind, d.members, d.reason) for d in sim.decisions if d.at < 60]
+    node = tuple(range(8))
+    assert seen == [("bind", node, "load"), ("release", node, "load"), ("bind", node, "load")]
+    release, bind_again = (d.at for d in sim.decisions[1:3])
+    assert 20 < release < 23 and 40 < bind_again < 44
