@@ -17,7 +17,8 @@ wait in the queue or in an engine), read from the shared ``completed`` counter o
 arrival rates from the shared per-priority ``admitted_<priority>`` counters, so every gateway sees the
 deployment's. While requests wait but too little of that backlog has been seen to measure it (the onset of an
 overload, or engines that serve nothing), the capacity is taken low: what the window saw served, over the whole
-window, and no more, so an overload is refused from its first moments rather than after the first measurement.
+window, and no more, so an overload of engines too slow to measure is refused within ``min_span_s`` of its
+onset rather than after the first measurement (engines that keep up measure their capacity in that time).
 A gateway that has not yet watched a whole window (just started, or Redis lost the counters) cannot tell engines
 that stalled from engines that have not had time to finish anything, so until it has, and with nothing waiting
 (light load), only the count bounds the queue.
@@ -62,6 +63,7 @@ class ServiceRate:
         self.min_served = min_served
         self.samples: deque[tuple[float, int, bool]] = deque()
         self.since: float | None = None  # the first sample since start-up or the counter's last reset
+        self.backlog_since: float | None = None  # the first sample of the current backlog (None: no backlog)
 
     def sample(self, now: float, count: int, backlogged: bool = True) -> None:
         if self.samples and count < self.samples[-1][1]:  # the counter was reset (Redis lost it): start over
@@ -69,6 +71,10 @@ class ServiceRate:
             self.since = None
         if self.since is None:
             self.since = now
+        if not backlogged:
+            self.backlog_since = None
+        elif self.backlog_since is None:
+            self.backlog_since = now
         self.samples.append((now, count, backlogged))
         while self.samples and now - self.samples[0][0] > self.window_s:
             self.samples.popleft()
@@ -76,9 +82,13 @@ class ServiceRate:
     def lower_bound_per_s(self) -> float | None:
         """A capacity the deployment surely has, for a backlog too new to measure: the requests served in the
         window (at least ``min_served``) over the whole window, whether they waited or not (at light load the
-        engines serve what comes, which is at most what they can). None until a whole window has been watched:
-        before, nothing served may only mean nothing has had time to finish."""
+        engines serve what comes, which is at most what they can). None until a whole window has been watched
+        (before, nothing served may only mean nothing has had time to finish) and until the backlog has lasted
+        ``min_span_s`` (engines that keep up measure their capacity in that time, and a burst they take at once is
+        not refused on the light load before it)."""
         if self.since is None or self.samples[-1][0] - self.since < self.window_s:
+            return None
+        if self.backlog_since is None or self.samples[-1][0] - self.backlog_since < self.min_span_s:
             return None
         served = self.samples[-1][1] - self.samples[0][1]
         return max(served, self.min_served) / self.window_s

@@ -227,10 +227,10 @@ def test_the_engines_backlog_is_work_ahead_of_normal_and_low_priority():
 
 
 def test_a_backlog_too_new_to_measure_is_bounded_by_what_the_window_saw_served():
-    """The onset of an overload: requests wait in the engines, but too few have been served while they waited to
-    measure the capacity. The wait is then predicted from what the last 10 s served (at least 3), over all 10 s:
-    a capacity the deployment surely has, so the overload is refused from its first moments, not after the first
-    measurement. With nothing waiting, as before, only the count bounds the queue."""
+    """The onset of an overload: requests wait in the engines, but after 0.5 s too few have been served while
+    they waited to measure the capacity. The wait is then predicted from what the last 10 s served (at least 3),
+    over all 10 s: a capacity the deployment surely has, so the overload is refused within 0.5 s, not after the
+    first measurement. With nothing waiting, as before, only the count bounds the queue."""
     from gateway.cluster_view import Tick
 
     bp = Backpressure(max_queue=1000, budgets=BUDGETS)
@@ -238,9 +238,12 @@ def test_a_backlog_too_new_to_measure_is_bounded_by_what_the_window_saw_served()
         bp.observe(Tick(i * 0.25, assigned=0, depth=0, completed=max(0, i - 40) * 5 // 7))
     assert bp.capacity() is None and bp.limits("normal") == Limits(850, 0)
     bp.observe(Tick(12.0, assigned=0, depth=0, completed=5, engine_waiting=4))  # the engines' slots are full
+    assert bp.capacity() is None, "a backlog this new: engines that keep up measure their capacity first"
+    bp.observe(Tick(12.25, assigned=0, depth=0, completed=5, engine_waiting=4))
+    bp.observe(Tick(12.5, assigned=0, depth=0, completed=5, engine_waiting=4))  # 0.5 s and nothing served
     assert bp.rate.per_s() is None and bp.capacity() == pytest.approx(0.5), "5 served in 10 s"
     assert bp.limits("normal") == Limits(850, 6), "0.5/s x 20 s = 10, less the 4 in the engines"
-    bp.observe(Tick(12.25, assigned=0, depth=0, completed=5, engine_waiting=10))
+    bp.observe(Tick(12.75, assigned=0, depth=0, completed=5, engine_waiting=10))
     assert bp.limits("normal").full and not bp.limits("high").full, "10 s x 0.5/s: normal's budget is used up"
     assert bp.wait_retry_after_s("normal", 0) == 2, "11 ahead at 0.5/s: 22 s, 2 s beyond the budget"
 
