@@ -52,7 +52,10 @@ class ClusterView:
         self._refresh: asyncio.Future[list[Heartbeat]] | None = None  # the one read in flight
         self.last_live = -1e9  # when a read last found a live engine
         self.no_workers_since: float | None = None
-        self.router_seen = time.monotonic()  # last time a router held the lease (start: a grace period)
+        # the first observation that found no router holding the lease, since the last one that found one (None:
+        # one held it at the last observation); observations, not the clock, so a monitor delayed by a busy
+        # event loop does not read as a missing router
+        self.lease_missing_since: float | None = None
         self.pooled_context = True  # the router binds groups for long requests (from its published state)
 
     async def workers(self, max_age_s: float = 0.25) -> list[Heartbeat]:
@@ -114,7 +117,9 @@ class ClusterView:
     def update(self, now: float, live: bool, lease: bool) -> None:
         """Note what one observation at ``now`` saw: some engine ``live``, a router holding the ``lease``."""
         if lease:
-            self.router_seen = now
+            self.lease_missing_since = None
+        elif self.lease_missing_since is None:
+            self.lease_missing_since = now
         if live:
             self.no_workers_since = None
         elif self.no_workers_since is None:
@@ -125,8 +130,13 @@ class ClusterView:
         return 0.0 if self.no_workers_since is None else now - self.no_workers_since
 
     def router_missing(self) -> bool:
-        """No router has held the lease for ``no_router_grace_s``: nothing would dispatch a new request."""
-        return time.monotonic() - self.router_seen > self.no_router_grace_s
+        """Observations have found no router holding the lease for ``no_router_grace_s``: nothing would dispatch
+        a new request."""
+        return self._lease_missing_for() > self.no_router_grace_s
+
+    def _lease_missing_for(self) -> float:
+        since = self.lease_missing_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def degraded(self) -> list[str]:
         """Why this deployment cannot serve new requests now (empty: it can)."""
@@ -134,7 +144,7 @@ class ClusterView:
         if self.no_workers_since is not None:
             why.append("no live engine")
         if self.router_missing():
-            why.append(f"no router has held the lease for {time.monotonic() - self.router_seen:.0f} s")
+            why.append(f"no router has held the lease for {self._lease_missing_for():.0f} s")
         return why
 
     def limit(self, beats: list[Heartbeat]) -> int:
