@@ -74,7 +74,9 @@ def test_a_repeated_prompt_reports_cached_tokens_and_the_engines_tally_them(clus
     }  # (node headers)
     for e, hb in beats.items():
         shown = "-" if hb.cache_hit_rate is None else f"{hb.cache_hit_rate:.1%}"
-        assert rows[e][9] == shown
+        assert (
+            rows[e][10] == shown
+        )  # (engine, mode, epoch, pending, group, inflight, run, wait, paused, free KV)
     assert any(hb.cache_hit_rate and hb.cache_hit_rate > 0.5 for hb in beats.values())
 
 
