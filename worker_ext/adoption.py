@@ -64,6 +64,11 @@ class Adoption:
             self.index, stats.tokens, stats.ms, stats.peak_bytes / 2**20,
         )  # fmt: skip
 
+    def headroom(self, width: int) -> int:
+        """The virtual slots of ``width`` this member can still carve: free, and evictable from its prefix tree
+        (what a member tells the others at an adoption, and after every bind)."""
+        return int(self.layout.sub_available()) + self.engine.evictable_physical() * width
+
     # --- adopt ----------------------------------------------------------------------------------------------
 
     def adoptable_work(self, held: list[Req]) -> Work | None:
@@ -82,7 +87,7 @@ class Adoption:
         running, waiting = work or ([], [])
         mine = AdoptManifest(
             rank=rank,
-            available=int(self.layout.sub_available()) + self.engine.evictable_physical() * d,
+            available=self.headroom(d),
             running=[(r.rid, self.engine.kv_length(r), self.engine.shared_len(r)) for r in running],
             states=[self.engine.state_of(r) for r in running + waiting] if rank else [],
         )

@@ -332,7 +332,7 @@ class Binding:
         """Collective: every member's KV headroom (free and evictable, in virtual slots) to all. The leader keeps
         back what it has beyond the tightest member (a follower's paused DP work or cached prompts can leave it
         less room), so it retracts or holds back work before a follower runs out of slots mid-step."""
-        mine = self.layout.sub_available() + self.engine.evictable_physical() * e.width
+        mine = self.adoption.headroom(e.width)
         room = e.group.all_gather_object(mine)
         if e.leader:
             self.layout.keep_back(mine - min(room))

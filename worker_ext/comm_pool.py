@@ -165,18 +165,16 @@ class CommPool:
     watch_s: float = 1.0
     groups: dict[tuple[int, ...], MergedGroup] = field(default_factory=dict)
     built_for: dict[tuple[int, ...], tuple[str, ...]] = field(default_factory=dict)  # the generation of each
-    reset_for: dict[tuple[int, ...], int] = field(
-        default_factory=dict
-    )  # the failed epoch each was rebuilt after
+    # the failed epoch each group was rebuilt after (0: none)
+    reset_for: dict[tuple[int, ...], int] = field(default_factory=dict)
     rebuilds: int = 0
     host_bytes: int = 0
     build_s: float = 0.0
     error: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
     store: dist.Store | None = None
-    _resets: dict[tuple[int, ...], int] = field(
-        default_factory=dict
-    )  # reported by the serving thread, not built
+    # failed epochs reported by the serving thread (reset), until the group is rebuilt after them
+    _resets: dict[tuple[int, ...], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -301,15 +299,11 @@ class CommPool:
                 self._publish_resets()
                 for members in self.mine():
                     ids = self._launch_ids(members, wait=False)
-                    reset = self._reset_epoch(members)
                     if ids is None:
                         continue
-                    if ids != self.built_for.get(members) or reset != self.reset_for.get(members, 0):
-                        why = (
-                            "a member restarted"
-                            if ids != self.built_for.get(members)
-                            else f"epoch {reset} failed"
-                        )
+                    reset, restarted = self._reset_epoch(members), ids != self.built_for.get(members)
+                    if restarted or reset != self.reset_for.get(members, 0):
+                        why = "a member restarted" if restarted else f"epoch {reset} failed"
                         log.info("communicator pool: rebuilding %s (%s)", members, why)
                         self._build_group(members, ids, reset)
                         self.rebuilds += 1
