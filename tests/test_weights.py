@@ -12,14 +12,18 @@ from worker_ext.weights import Dims, LayerWeights, WeightsManager, storage_bytes
 
 DIMS = Dims(num_heads=8, num_kv_heads=4, head_dim=4, intermediate=16)  # pieces 4: widths 1, 2, 4
 HIDDEN = 32
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
 
 
-def make_layers(n=2, seed=0, dims=DIMS, hidden=HIDDEN):
+def make_layers(n=2, seed=0, dims=DIMS, hidden=HIDDEN, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     qkv_rows = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim
 
     def p(*shape):
-        return torch.nn.Parameter(torch.randn(*shape, generator=g), requires_grad=False)
+        return torch.nn.Parameter(torch.randn(*shape, generator=g).to(device), requires_grad=False)
 
     return [
         LayerWeights(
@@ -97,14 +101,15 @@ def test_each_rank_sees_exactly_its_megatron_shard(width):
                 assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [1, 3, 8, 64])
-def test_dp_mode_gemms_are_bit_identical_to_stock(tokens):
-    layers = make_layers()
+def test_dp_mode_gemms_are_bit_identical_to_stock(tokens, device):
+    layers = make_layers(device=device)
     stock = snapshot(layers)
     m = WeightsManager(layers, DIMS)
     assert not torch.equal(layers[0].qkv.data, stock[0][0])  # the resident layout is not the checkpoint order
     x, x_attn, x_mlp = (
-        torch.randn(tokens, n) for n in (HIDDEN, DIMS.num_heads * DIMS.head_dim, DIMS.intermediate)
+        torch.randn(tokens, n).to(device) for n in (HIDDEN, DIMS.num_heads * DIMS.head_dim, DIMS.intermediate)
     )
     for lw, (qkv, o, gu, down) in zip(layers, stock):
         want = (F.linear(x, qkv), F.linear(x_attn, o), F.linear(x, gu), F.linear(x_mlp, down))
@@ -112,16 +117,21 @@ def test_dp_mode_gemms_are_bit_identical_to_stock(tokens):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("width", [2, 4])
-def test_rank_gemms_are_bit_identical_to_stock_tp_shards(width):
-    layers = make_layers(1)
+def test_rank_gemms_are_bit_identical_to_stock_tp_shards(width, device):
+    layers = make_layers(1, device=device)
     stock = snapshot(layers)[0]
     m = WeightsManager(layers, DIMS)
-    x = torch.randn(8, HIDDEN)
+    x = torch.randn(8, HIDDEN).to(device)
     for rank in range(width):
         m.activate(width, rank)
         qkv, _, gu, _ = megatron_shard(stock, width, rank)
-        ours = projections(m, layers[0], x, torch.randn(8, DIMS.q_rows // width), torch.randn(8, 16 // width))
+        x_attn, x_mlp = (
+            torch.randn(8, DIMS.q_rows // width).to(device),
+            torch.randn(8, 16 // width).to(device),
+        )
+        ours = projections(m, layers[0], x, x_attn, x_mlp)
         assert torch.equal(ours[0], F.linear(x, qkv)) and torch.equal(ours[2], F.linear(x, gu))
 
 
@@ -171,8 +181,9 @@ def test_switches_copy_or_permute_nothing_and_any_width_sequence_stays_right():
             assert torch.equal(a, b)
 
 
-def test_shards_are_views_of_the_resident_weights():
-    layers = make_layers()
+@pytest.mark.parametrize("device", DEVICES)
+def test_shards_are_views_of_the_resident_weights(device):
+    layers = make_layers(device=device)
     m = WeightsManager(layers, DIMS)
     for width, rank in ((2, 1), (4, 2)):
         m.activate(width, rank)
@@ -182,17 +193,21 @@ def test_shards_are_views_of_the_resident_weights():
         assert all(lw.qkv.data.is_contiguous() and lw.gate_up.data.is_contiguous() for lw in layers)
 
 
-def test_no_parameter_memory_growth_over_100_cycles():
-    layers = make_layers()
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_parameter_memory_growth_over_100_cycles(device):
+    layers = make_layers(device=device)
     params = lambda: [t for lw in layers for t in (lw.qkv.data, lw.o.data, lw.gate_up.data, lw.down.data)]  # noqa: E731
     before, ptrs = storage_bytes(params()), {t.untyped_storage().data_ptr() for t in params()}
     m = WeightsManager(layers, DIMS)
     assert storage_bytes(params()) == before  # the load-time reorder is in place
+    held = torch.cuda.memory_allocated() if device == "cuda" else 0
     for width, rank in itertools.islice(itertools.cycle([(2, 0), (4, 3), (2, 1)]), 100):
         m.activate(width, rank)
         assert storage_bytes(params()) == before
         m.release()
     assert {t.untyped_storage().data_ptr() for t in params()} == ptrs
+    if device == "cuda":  # nothing allocated on the device by a switch, not even transiently kept
+        assert torch.cuda.memory_allocated() == held
 
 
 def test_a_width_3_model_shards_at_every_divisor_of_its_pieces():

@@ -160,7 +160,7 @@ class CommPool:
     first: int = 0  # the node's first engine (it hosts the store)
     sets: list[tuple[int, ...]] = field(default_factory=list)
     timeout_s: float = 10.0
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu" (gloo only), or "cuda" / "cuda:N" (NCCL data groups on that device)
     launch_id: str = ""
     watch_s: float = 1.0
     groups: dict[tuple[int, ...], MergedGroup] = field(default_factory=dict)
@@ -168,6 +168,8 @@ class CommPool:
     # the failed epoch each group was rebuilt after (0: none)
     reset_for: dict[tuple[int, ...], int] = field(default_factory=dict)
     rebuilds: int = 0
+    # how long each NCCL communicator took to create (at build, off the serving path)
+    connect_ms: dict[tuple[int, ...], float] = field(default_factory=dict)
     host_bytes: int = 0
     build_s: float = 0.0
     error: str = ""
@@ -279,16 +281,30 @@ class CommPool:
         timeout = timedelta(seconds=self.timeout_s)
         control = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/ctl", store), rank, size, timeout)
         data: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = control
-        if self.device == "cuda":
+        if self.device.startswith("cuda"):
             data = dist.ProcessGroupNCCL(
                 dist.PrefixStore(f"{name}/nccl", store), rank, size, dist.ProcessGroupNCCL.Options()
             )  # (the default options, spelled out)
+            self._connect_nccl(members, data)
         self.groups[members] = MergedGroup(members, rank, _collectives(data), _collectives(control))
         self.built_for[members] = ids
         self.reset_for[members] = reset
         with self._lock:
             if self._resets.get(members, 0) <= reset:
                 self._resets.pop(members, None)
+
+    def _connect_nccl(self, members: tuple[int, ...], data: dist.ProcessGroupNCCL) -> None:
+        """Create the NCCL communicator now, off the serving path: ProcessGroupNCCL makes it lazily, at the first
+        collective, which would otherwise be the first bound step (hundreds of ms). One all-reduce of one element
+        on this engine's device; every member builds the same groups in the same order, so the calls pair up."""
+        t0 = time.perf_counter()
+        device = torch.device(self.device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        one = torch.zeros(1, device=device)
+        _collectives(data).allreduce([one]).wait()
+        torch.cuda.synchronize(device)
+        self.connect_ms[members] = (time.perf_counter() - t0) * 1000
 
     def watch(self) -> None:
         """Rebuild the groups whose members' launch ids changed (a member restarted), in the global set order

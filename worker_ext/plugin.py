@@ -96,7 +96,11 @@ def _start_switching(scheduler, config: HeartbeatConfig) -> None:
     port = os.environ.get(settings.COMM_PORT)
     if num_engines < 2 or not port:
         return
-    device = "cuda" if os.environ.get(settings.DEVICE, "cpu") == "cuda" else "cpu"
+    device = "cpu"  # or the scheduler's own device: the pool's thread has no current device of its own
+    if os.environ.get(settings.DEVICE, "cpu") == "cuda":
+        import torch
+
+        device = f"cuda:{torch.cuda.current_device()}"
     host = os.environ.get(settings.COMM_HOST, "127.0.0.1")
     first = int(os.environ.get(settings.FIRST_ENGINE, "0"))
     pool = CommPool(
