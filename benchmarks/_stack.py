@@ -47,9 +47,11 @@ def gateway_stack(
     max_total_tokens: int = 65536,
     router_args: Sequence[str] = (),
     gateway_args: Sequence[str] = (),
+    ttft_ms: float = 0,
 ) -> Iterator[GatewayStack]:
     """The stack, its gateway healthy, with ``engines`` fake engines of ``max_total_tokens`` KV each (a pool of
-    that many engines); logs in a fresh ``/tmp/{name}-*`` directory. Everything is stopped on exit."""
+    that many engines) answering after ``ttft_ms``; logs in a fresh ``/tmp/{name}-*`` directory. Everything is
+    stopped on exit."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     model = ensure(Path(".flying/test-model"), seed=0)
     server = RedisServer(data_dir=tmp / "redis").start()
@@ -59,7 +61,7 @@ def gateway_stack(
     try:
         fakes = []
         for e in range(engines):
-            proc, url = start_process(tmp / f"engine{e}.log", ttft_ms=0, itl_ms=0)
+            proc, url = start_process(tmp / f"engine{e}.log", ttft_ms=ttft_ms, itl_ms=0)
             procs.append(proc)
             fakes.append((proc, url))
             hb = HeartbeatPublisher(HeartbeatConfig(engine=e, url=url, model="tiny-llama", redis_url=server.url, launch_id="L"))  # fmt: skip

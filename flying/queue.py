@@ -36,7 +36,7 @@ _ADMIT = """
 -- KEYS: queue, seq, request hash, wake, stats, fast-path targets, tenant counters, tenant request bucket, tenant
 -- token bucket, tenant names, virtual clocks ; ARGV: id, class, max_queue, max_ahead, kv tokens, now, inflight key prefix, has a
 -- prefix chain (1/0), tenant name ('' none), its requests/s (0 none), its tokens/min (0 none), the request's
--- tokens, then field/value pairs.
+-- tokens, the engine the gateway sent it to already (-1 none: see below), then field/value pairs.
 -- A tenant's limits are token buckets (HASH t = tokens left, ts = when; Redis's clock): requests/s holds a
 -- second's worth (at least 1), tokens/min a minute's; a request takes 1 and its tokens (at most a full bucket).
 -- Over one: {-4, limit (1 requests/s, 2 tokens/min), ms until it would fit}, nothing taken.
@@ -45,7 +45,26 @@ _ADMIT = """
 -- empty, normal or low priority, a target the router published has a free slot and KV for it, and is not an
 -- affinity target while the request has a prefix chain): assigned at once to the least loaded such target,
 -- returns {seq, engine, url, epoch} (the reply is the gateway's assignment: nothing is published).
+-- Early dispatch (ARGV[13] an engine): the gateway sent the request to that engine while this script ran; it
+-- is assigned there by the fast path if that engine is a fast-path target for it now, else {-5} and nothing
+-- is written (the gateway takes it back and admits it again, without).
+local function fits(t)
+  return tonumber(ARGV[5]) <= t.max_kv and not (t.affinity and ARGV[8] == '1')
+    and redis.call('SCARD', ARGV[7] .. t.engine) < t.cap
+end
+local function fast_targets(depth)
+  local raw = depth == 0 and tonumber(ARGV[2]) > 0 and redis.call('GET', KEYS[6])
+  return raw and cjson.decode(raw) or {}
+end
 local depth = redis.call('ZCARD', KEYS[1])
+local sent = tonumber(ARGV[13])
+local early = nil
+if sent >= 0 then
+  for _, t in ipairs(fast_targets(depth)) do
+    if t.engine == sent and fits(t) then early = t end
+  end
+  if not early then return {-5} end
+end
 if tonumber(ARGV[3]) > 0 and depth >= tonumber(ARGV[3]) then return {-1, depth} end
 -- Fair sharing inside a class (start-time fair queuing): a tenant's request starts at the later of the class's
 -- virtual clock (the position of the last request assigned in it, kept by the assign script) and its tenant's
@@ -97,16 +116,15 @@ if ARGV[9] ~= '' then
 end
 local seq = redis.call('INCR', KEYS[2])
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[7], 'finish:' .. ARGV[2], pos + 1) end
-redis.call('HSET', KEYS[3], unpack(ARGV, 13))
+redis.call('HSET', KEYS[3], unpack(ARGV, 14))
 redis.call('HINCRBY', KEYS[5], 'admitted', 1)
 redis.call('HINCRBY', KEYS[5], ({'admitted_high', 'admitted_normal', 'admitted_low'})[tonumber(ARGV[2]) + 1], 1)
-local raw = depth == 0 and tonumber(ARGV[2]) > 0 and redis.call('GET', KEYS[6])
-if raw then
-  local best, best_n = nil, 0
-  for _, t in ipairs(cjson.decode(raw)) do
-    if tonumber(ARGV[5]) <= t.max_kv and not (t.affinity and ARGV[8] == '1') then
+do
+  local best, best_n = early, 0
+  if not best then
+    for _, t in ipairs(fast_targets(depth)) do
       local n = redis.call('SCARD', ARGV[7] .. t.engine)
-      if n < t.cap and (best == nil or n < best_n) then best, best_n = t, n end
+      if fits(t) and (best == nil or n < best_n) then best, best_n = t, n end
     end
   end
   if best then
@@ -199,6 +217,12 @@ class DuplicateId(Exception):
     """A request record with this id exists already (in flight, or finished within ``FINISHED_TTL_S``)."""
 
 
+class EarlyDeclined(Exception):
+    """The admission did not take a request the gateway had sent to an engine early: that engine is not a fast-path
+    target for it now (the queue is not empty, the engine is full, or the router no longer lists it). Nothing was
+    written."""
+
+
 class QueueFull(Exception):
     """The global queue holds ``max_queue`` requests already (``reason`` "depth"), or ``max_ahead`` requests of
     the same or higher priority (``reason`` "wait"); ``count`` is that number."""
@@ -250,12 +274,19 @@ class RequestQueue:
         self.retry_s = redis_conn.FAILOVER_WINDOW_S if target.sentinel else 0.0
 
     async def admit(
-        self, req: QueuedRequest, max_queue: int = 0, max_ahead: int = 0, charge: Charge | None = None
+        self,
+        req: QueuedRequest,
+        max_queue: int = 0,
+        max_ahead: int = 0,
+        charge: Charge | None = None,
+        sent_to: int | None = None,
     ) -> Assignment | None:
         """Insert ``req``. Raises QueueFull when the queue is at ``max_queue``, or when ``max_ahead`` requests of
         its priority class or higher wait already (0: no such bound), and TenantLimited when ``charge`` does not fit
         its tenant's buckets (then nothing is taken). Returns None (queued: the router assigns it) or, on the fast
-        path (the queue empty and a target the router published free), its assignment."""
+        path (the queue empty and a target the router published free), its assignment. ``sent_to``: the engine the
+        gateway already sent it to (early dispatch): assigned there by the fast path, else EarlyDeclined and
+        nothing written."""
         k = self.keys
         fields = [x for kv in to_hash(req).items() for x in kv if kv[0] != "seq"]
         c = charge or Charge("")
@@ -266,8 +297,10 @@ class RequestQueue:
                   k.vclock],
             args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
                   k.inflight_prefix, 1 if req.prefix else 0, c.tenant, c.requests_per_s, c.tokens_per_min,
-                  c.tokens, *fields],
+                  c.tokens, -1 if sent_to is None else sent_to, *fields],
         )  # fmt: skip
+        if isinstance(out, list) and len(out) == 1:
+            raise EarlyDeclined(f"engine {sent_to} is not a fast-path target for request {req.id} now")
         if isinstance(out, list) and len(out) == 3:
             limit = TenantLimit.REQUESTS_PER_S if int(out[1]) == 1 else TenantLimit.TOKENS_PER_MIN
             raise TenantLimited(limit, int(out[2]) / 1000)

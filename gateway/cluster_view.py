@@ -9,11 +9,12 @@ import asyncio
 import time
 from typing import NamedTuple
 
+import msgspec
 import redis.asyncio as aioredis
 
 from flying.groups import pool_sets
 from flying.keys import Keys
-from flying.messages import PRIORITY_CLASS, Heartbeat, RouterState, decode
+from flying.messages import PRIORITY_CLASS, FastTarget, Heartbeat, RouterState, decode
 from flying.workers import live_workers
 from gateway.config import GatewayConfig
 
@@ -38,6 +39,14 @@ class Tick(NamedTuple):
     engine_running: int = 0  # requests the live engines run now (heartbeats)
 
 
+def _fast_targets(raw: bytes | None) -> list[FastTarget]:
+    """The router's fast-path targets as published (none if absent or unreadable: then nothing goes early)."""
+    try:
+        return msgspec.json.decode(raw, type=list[FastTarget]) if raw else []
+    except msgspec.DecodeError:
+        return []
+
+
 class ClusterView:
     """The cluster as this gateway sees it. The engines' heartbeats are read at most every ``max_age_s`` and
     concurrent callers share one read; the router's lease and the engines' absence are tracked per
@@ -57,6 +66,11 @@ class ClusterView:
         # event loop does not read as a missing router
         self.lease_missing_since: float | None = None
         self.pooled_context = True  # the router binds groups for long requests (from its published state)
+        # at the last observation: the router's fast-path targets, the queue's depth, each live engine's inflight
+        self.fast: list[FastTarget] = []
+        self.depth = 0
+        self.held: dict[int, int] = {}
+        self.observed_at = -1e9
 
     async def workers(self, max_age_s: float = 0.25) -> list[Heartbeat]:
         """The live engines, as read at most ``max_age_s`` ago; concurrent callers share one refresh."""
@@ -95,19 +109,22 @@ class ClusterView:
 
     async def observe(self) -> Tick:
         """Re-read the engines, renew the liveness key, and read the router's lease, the ``assigned``,
-        ``completed`` and per-class ``admitted`` counters, the queue's depth and the live engines' inflight sets'
-        sizes (one pipeline)."""
+        ``completed`` and per-class ``admitted`` counters, the queue's depth, the router's fast-path targets and
+        the live engines' inflight sets' sizes (one pipeline)."""
         beats = await self.workers(max_age_s=0)
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.gateway(self.gateway_id), self.gateway_id, px=GATEWAY_TTL_MS)
         pipe.hmget(self.keys.stats, ["assigned", "completed", *(f"admitted_{p}" for p in PRIORITIES)])
         pipe.exists(self.keys.router_lease)
         pipe.zcard(self.keys.queue)
+        pipe.get(self.keys.fast_path)
         for hb in beats:
             pipe.scard(self.keys.inflight(hb.engine))
-        _, (assigned, completed, *admitted), lease, depth, *held = await pipe.execute()
+        _, (assigned, completed, *admitted), lease, depth, fast, *held = await pipe.execute()
         now = time.monotonic()
         self.update(now, live=bool(beats), lease=bool(lease))
+        self.fast = _fast_targets(fast)
+        self.depth, self.held, self.observed_at = depth, {hb.engine: n for hb, n in zip(beats, held)}, now
         admitted_n = tuple(int(a or 0) for a in admitted)
         waiting, running = sum(hb.waiting for hb in beats), sum(hb.running for hb in beats)
         return Tick(

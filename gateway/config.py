@@ -67,6 +67,8 @@ class GatewayConfig:
     metrics_require_key: bool = False  # /metrics needs a key too
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
     raw_engine_fields: bool = False  # keep SGLang's fields beyond OpenAI's in answers (gateway.engine_fields)
+    # at light load, send a request to its engine while its admission runs (gateway.early_dispatch)
+    early_dispatch: bool = True
     otlp_endpoint: str | None = (
         None  # OpenTelemetry traces to this OTLP/HTTP collector (gateway.tracing); None: off
     )

@@ -118,6 +118,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     p.add_argument(
+        "--no-early-dispatch",
+        dest="early_dispatch",
+        action="store_false",
+        help="send a request to its engine only after its admission (default: at light load, while it runs)",
+    )
+    p.add_argument(
         "--raw-engine-fields",
         action="store_true",
         help="keep SGLang's fields beyond OpenAI's in answers (metadata, matched_stop, ...); default: removed",
@@ -178,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             metrics_require_key=a.metrics_require_key,
             log_format=a.log_format,
             raw_engine_fields=a.raw_engine_fields,
+            early_dispatch=a.early_dispatch,
             otlp_endpoint=a.otlp_endpoint or None,
             otel_service_name=a.otel_service_name,
         )

@@ -36,6 +36,10 @@ class GatewayMetrics:
             "flying_gateway_redispatched", "Requests sent back to the queue because their engine failed or gave "
             "up: before its first event (re-dispatched) or mid-stream (resumed elsewhere)", ["cause"], registry=r,
         )  # fmt: skip
+        self.early = Counter(
+            "flying_gateway_early_dispatch", "Requests sent to their engine while their admission ran (sent), and "
+            "those the admission declined, taken back and admitted again (declined)", ["outcome"], registry=r,
+        )  # fmt: skip
         self.engine_failures = Counter(
             "flying_gateway_engine_failures", "Requests that failed on their engine (refused, reset, timed out, "
             "5xx), by engine: what its circuit breaker counts", ["engine"], registry=r,

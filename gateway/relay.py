@@ -25,7 +25,7 @@ from gateway.admission import Admitted
 from gateway.background import Background
 from gateway.disconnect import CancelOnDisconnect, ClientGone
 from gateway.errors import WorkerFailed
-from gateway.upstream import StreamBroken, Upstream, WorkerUnavailable
+from gateway.upstream import StreamBroken, StreamResponse, Upstream, WorkerUnavailable
 from gateway.waiting import WaitingRoom
 
 log = logging.getLogger("flying.gateway")
@@ -51,9 +51,17 @@ class Relay:
         self.queue: RequestQueue = waiting.queue
         self.background = background
 
-    async def forward(self, adm: Admitted, a: Assignment, disconnected: asyncio.Future[None]):
-        """Non-streaming: the engine's (status, JSON body). Raises WorkerUnavailable or ClientGone."""
-        resp = await self._unless_gone(adm, a, self.upstream.post(a.url, adm.path, adm.body), disconnected)
+    async def forward(
+        self,
+        adm: Admitted,
+        a: Assignment,
+        disconnected: asyncio.Future[None],
+        sent: Awaitable[StreamResponse] | None = None,
+    ):
+        """Non-streaming: the engine's (status, JSON body); ``sent``: its answer on the way already (early
+        dispatch). Raises WorkerUnavailable or ClientGone."""
+        call = sent if sent is not None else self.upstream.post(a.url, adm.path, adm.body)
+        resp = await self._unless_gone(adm, a, call, disconnected)
         if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
             raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}")
         if resp.status_code >= 500:

@@ -21,12 +21,13 @@ import redis.asyncio as aioredis
 from flying.cancel import reraise_if_cancelled, stop_task
 from flying.keys import Keys
 from flying.messages import Assignment
-from flying.queue import DuplicateId
+from flying.queue import DuplicateId, EarlyDeclined
 from gateway.admission import Admission, Admitted
 from gateway.background import Background
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
+from gateway.early_dispatch import Early, EarlyDispatch
 from gateway.errors import NoLiveWorkers
 from gateway.metrics import GatewayMetrics
 from gateway.relay import DONE, Relay
@@ -75,6 +76,9 @@ class Gateway:
         self.waiting = WaitingRoom(config, client, self.keys, self.metrics, self.background)
         self.upstream = Upstream(config.request_timeout_s)
         self.relay = Relay(self.upstream, self.waiting, self.background, config.raw_engine_fields)
+        self.early = EarlyDispatch(
+            self.cluster, self.upstream, self.background, self.metrics, config.early_dispatch
+        )
         self.queue, self.waiter = self.waiting.queue, self.waiting.waiter
         self.admit = self.admission.admit
         self.enqueue = self.waiting.enqueue
@@ -127,6 +131,13 @@ class Gateway:
             log.warning("no live workers for %.0f s: %d waiting requests ended with 503", grace, n)
 
     # -- the request's path ----------------------------------------------------------------------------------
+    def _send_early(self, adm: Admitted) -> Early | None:
+        """``adm`` sent to an engine before its admission, where the queue would assign it at once
+        (:mod:`gateway.early_dispatch`)."""
+        if adm.stream:
+            return self.early.send(adm.record, lambda url: self.upstream.open_stream(url, adm.path, adm.body))
+        return self.early.send(adm.record, lambda url: self.upstream.post(url, adm.path, adm.body))
+
     async def serve(self, adm: Admitted, disconnected: asyncio.Future[None]) -> Reply:
         """Queue ``adm``, wait for its assignment and forward it; an engine that fails before answering (or, for
         a stream, before its first event) sends it back to the queue, within ``max_attempts``. Raises ClientGone
@@ -135,22 +146,36 @@ class Gateway:
         ``assignment.id`` is the id it ran under."""
         waiting, relay = self.waiting, self.relay
         base = adm.record.id
+        early = self._send_early(adm)
         while True:
             try:
-                fut = await waiting.enqueue(adm)
+                fut = await waiting.enqueue(adm, sent_to=early.engine if early is not None else None)
                 break
-            except DuplicateId:
+            except (DuplicateId, EarlyDeclined) as exc:  # (an early request's id may still run on its engine)
+                self.early.take_back(early, adm.record, declined=isinstance(exc, EarlyDeclined))
+                early = None
                 adm = adm.renamed(f"{base}-{uuid.uuid4().hex[:8]}")
+            except BaseException:
+                self.early.take_back(early, adm.record)
+                raise
         while True:
-            a = await waiting.wait_assignment(adm, fut, disconnected)
+            try:
+                a = await waiting.wait_assignment(adm, fut, disconnected)
+            except BaseException:
+                self.early.take_back(early, adm.record)
+                raise
             self.metrics.child(self.metrics.queue_time, adm.record.priority).observe(
                 max(0.0, time.time() - adm.record.enqueued_at)
             )
+            sent = early.answer if early is not None and early.engine == a.engine else None
+            if sent is None:
+                self.early.take_back(early, adm.record)
+            early = None  # (a re-dispatch sends anew)
             try:
                 if not adm.stream:
-                    status, payload = await relay.forward(adm, a, disconnected)
+                    status, payload = await relay.forward(adm, a, disconnected, sent)
                     return Reply(status, a, body=payload)
-                resp = await self.upstream.open_stream(a.url, adm.path, adm.body)
+                resp = await (sent or self.upstream.open_stream(a.url, adm.path, adm.body))
                 if resp.status_code == 200:  # nothing goes to the client before the engine's first event
                     events = await relay.first_event(adm, a, resp, disconnected)
             except WorkerUnavailable as exc:

@@ -86,6 +86,8 @@ class Tracing:
         self.propagator = TraceContextTextMapPropagator()
         self._context, self._trace = context, trace
         self._flights: dict[str, _Flight] = {}
+        # streams sent early (gateway.early_dispatch) whose answer came before their queue wait was traced
+        self._early: dict[str, Span] = {}
 
     @classmethod
     def from_config(cls, endpoint: str | None, service_name: str = DEFAULT_SERVICE_NAME) -> Tracing | None:
@@ -141,6 +143,7 @@ class Tracing:
         upstream.post = self._relayed(upstream.post, stream=False)  # type: ignore[method-assign]
         queue.finish = self._finished(queue.finish)  # type: ignore[method-assign]
         queue.finish_nowait = self._finished_nowait(queue.finish_nowait)  # type: ignore[method-assign]
+        gw.early.take_back = self._taken_back(gw.early.take_back)  # type: ignore[method-assign]
 
     def _admission(self, admit: Callable) -> Callable:
         @functools.wraps(admit)
@@ -170,6 +173,7 @@ class Tracing:
                 return await wait_assignment(adm, fut, disconnected)
             if flight is None:  # its first wait (enqueued): followed until its end is recorded
                 flight = self._flights[rec.id] = _Flight(_ns(rec.enqueued_at))
+                flight.relay = self._early.pop(rec.id, None)  # (a stream sent early, answering already)
                 self._bound()
             attrs = {
                 "flying.request_id": rec.id,
@@ -239,11 +243,27 @@ class Tracing:
             flight = self._flights.get(rid)
             if stream and flight is not None:
                 flight.relay = span
+            elif stream and rid:  # sent early: its queue wait is traced next, or it is taken back
+                self._early[rid] = span
+                while len(self._early) > MAX_OPEN:
+                    self._early.pop(next(iter(self._early))).end()
             else:
                 if resp.status_code >= 400:
                     span.set_status(self._trace.StatusCode.ERROR)
                 span.end()
             return resp
+
+        return traced
+
+    def _taken_back(self, take_back: Callable) -> Callable:
+        """An early request the admission declined: its stream's relay span ends as ``taken_back``."""
+
+        @functools.wraps(take_back)
+        def traced(early, rec, declined: bool = False):
+            if early is not None and (span := self._early.pop(rec.id, None)) is not None:
+                span.set_attribute("flying.outcome", "taken_back")
+                span.end()
+            return take_back(early, rec, declined)
 
         return traced
 

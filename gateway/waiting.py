@@ -22,7 +22,7 @@ from flying.breaker import Breakers
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
 from flying.messages import Assignment, Priority, QueuedRequest
-from flying.queue import DuplicateId, QueueFull, RequestQueue, TenantLimit, TenantLimited
+from flying.queue import DuplicateId, EarlyDeclined, QueueFull, RequestQueue, TenantLimit, TenantLimited
 from gateway import tenants
 from gateway.admission import Admitted
 from gateway.assignments import AssignmentWaiter
@@ -66,8 +66,9 @@ class WaitingRoom:
         ] = {}  # waiting requests' records, to re-admit if Redis lost them
         self.readmitted = 0
 
-    async def enqueue(self, adm: Admitted) -> asyncio.Future[Assignment]:
-        """Admit to the global queue, within the backpressure limits for its priority (else 429)."""
+    async def enqueue(self, adm: Admitted, sent_to: int | None = None) -> asyncio.Future[Assignment]:
+        """Admit to the global queue, within the backpressure limits for its priority (else 429). ``sent_to``: the
+        engine it went to early (gateway.early_dispatch): assigned there, else EarlyDeclined."""
         rid, rec = adm.record.id, adm.record
         limits = self.backpressure.limits(rec.priority)
         if limits.full:  # the engines' backlog alone is beyond the class's budget: no need to ask the queue
@@ -76,13 +77,16 @@ class WaitingRoom:
         charge = tenant.charge(rec.prompt_tokens + rec.max_tokens) if tenant is not None else None
         fut = self.waiter.expect(rid)
         try:
-            fast = await self.queue.admit(rec, limits.max_depth, limits.max_ahead, charge)
+            fast = await self.queue.admit(rec, limits.max_depth, limits.max_ahead, charge, sent_to)
         except QueueFull as exc:
             self.waiter.forget(rid)
             raise self._refusal(rec.priority, exc, limits) from None
         except TenantLimited as exc:
             self.waiter.forget(rid)
             raise self._tenant_refusal(tenant, exc) from None
+        except EarlyDeclined:  # nothing was written or taken
+            self.waiter.forget(rid)
+            raise
         except BaseException:
             self.waiter.forget(rid)
             raise

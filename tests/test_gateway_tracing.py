@@ -93,7 +93,10 @@ def test_a_requests_steps_are_spans_under_the_clients_traceparent(traced, engine
     assert relay.kind is SpanKind.CLIENT
     assert relay.attributes is not None and relay.attributes["flying.request_id"] == r.headers["x-request-id"]
     assert admission.start_time <= queue.start_time <= queue.end_time == dispatch.start_time
-    assert dispatch.end_time <= relay.start_time <= relay.end_time
+    # sent early (gateway.early_dispatch), the relay overlaps the queue's admission; never the admission step
+    assert admission.end_time <= relay.start_time <= relay.end_time
+    if stream:  # a stream's relay span lasts until its end is recorded (sent early too)
+        assert relay.attributes["flying.outcome"] == "done"
     assert engine.traceparents == [f"00-{TRACE_ID}-{span_id(relay)}-01"]
 
 
@@ -163,7 +166,13 @@ class _Steps:
         self.waiting = self
         self.upstream = self
         self.queue = self
+        self.early = self
         self.finished: list[tuple[str, str]] = []
+        self.taken_back: list[str] = []
+
+    def take_back(self, early, rec, declined=False):
+        if early is not None:
+            self.taken_back.append(rec.id)
 
     async def admit(self, req, priority, request_id=None):
         record = QueuedRequest(id=request_id, priority=priority, model="m", prompt_tokens=1, max_tokens=1,
@@ -257,3 +266,30 @@ async def test_a_request_ended_without_awaiting_its_record_ends_its_relay_span()
         assert "flying.relay" not in [s.name for s in exporter.get_finished_spans()], "open while it streams"
         steps.queue.finish_nowait("r1", "done")
     assert [s.name for s in exporter.get_finished_spans()].count("flying.relay") == 1
+
+
+async def test_a_stream_sent_early_keeps_its_relay_span_open_until_its_end_or_its_take_back():
+    """Sent early (gateway.early_dispatch), a stream's answer can come before its queue wait is traced: its relay
+    span still ends when the request's end is recorded; one the admission declined ends as ``taken_back``."""
+    exporter, steps, traced = instrumented_steps()
+    with traced.tracer.start_as_current_span("request"):
+        used = await steps.admit(None, "normal", "used")
+        await steps.upstream.open_stream("http://e3", used.path, used.body)  # before its admission's reply
+        await steps.waiting.wait_assignment(used, None, None)
+        declined = await steps.admit(None, "normal", "declined")
+        await steps.upstream.open_stream("http://e3", declined.path, declined.body)
+        steps.early.take_back(object(), declined.record, declined=True)
+    assert steps.taken_back == ["declined"]
+    relays = {
+        s.attributes["flying.request_id"]: s
+        for s in exporter.get_finished_spans()
+        if s.name == "flying.relay"
+    }
+    assert list(relays) == ["declined"] and relays["declined"].attributes["flying.outcome"] == "taken_back"
+    steps.queue.finish_nowait("used", "done")
+    relays = [s for s in exporter.get_finished_spans() if s.name == "flying.relay"]
+    assert [(s.attributes["flying.request_id"], s.attributes["flying.outcome"]) for s in relays] == [
+        ("declined", "taken_back"),
+        ("used", "done"),
+    ]
+    assert not traced._early and not traced._flights

@@ -14,7 +14,7 @@ from devstack.redis_server import RedisServer
 from flying import redis_conn
 from flying.autopipeline import AutoPipeline
 from flying.messages import Assignment, QueuedRequest, decode
-from flying.queue import DuplicateId, QueueFull, RequestQueue, reap_stale_inflight
+from flying.queue import DuplicateId, EarlyDeclined, QueueFull, RequestQueue, reap_stale_inflight
 
 
 @pytest.fixture(params=["pool", "autopipeline"])
@@ -187,6 +187,41 @@ async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, k
     stats = await aredis.hgetall(keys.stats)
     assert stats[b"fast"] == b"4" and stats[b"assigned"] == b"4"
     await pubsub.aclose()
+
+
+async def test_a_request_sent_early_is_assigned_to_its_engine_or_declined_with_nothing_written(
+    aredis, keys, queue
+):
+    """Early dispatch: a request the gateway sent to an engine already is assigned there when that engine is a
+    fast-path target for it (even if not the least loaded); otherwise (the queue not empty, the engine full or not
+    listed, high priority, too much KV) the admission declines it and writes nothing, not even its counters."""
+    from flying.messages import FastTarget, encode
+
+    q = queue
+    targets = [FastTarget(engine=0, url="http://e0", cap=2, max_kv=100), FastTarget(engine=1, url="http://e1", cap=1, max_kv=100)]  # fmt: skip
+    await aredis.set(keys.fast_path, encode(targets))
+    assert (await q.admit(mk("a"), sent_to=0)).engine == 0
+    a = await q.admit(mk("b"), sent_to=0)
+    assert (a.engine, a.url) == (0, "http://e0"), "its engine, not the least loaded (engine 1)"
+    assert await aredis.smembers(keys.inflight(0)) == {b"a", b"b"}
+    before = await aredis.hgetall(keys.stats)
+
+    async def declined(req: QueuedRequest, engine: int) -> None:
+        with pytest.raises(EarlyDeclined):
+            await q.admit(req, sent_to=engine)
+        assert await q.get(req.id) == {}, "nothing written"
+
+    await declined(mk("full"), 0)  # engine 0 holds its cap
+    await declined(mk("unlisted"), 7)
+    await declined(mk("high", "high"), 1)
+    big = QueuedRequest(id="big", priority="normal", model="m", prompt_tokens=90, max_tokens=20, gateway="g", enqueued_at=0)  # fmt: skip
+    await declined(big, 1)
+    assert await aredis.hgetall(keys.stats) == before
+    assert await q.admit(mk("q")) == Assignment(id="q", engine=1, url="http://e1", queue_ms=0.0)
+    assert await q.admit(mk("waits")) is None  # every target full: queued
+    await q.finish("q", "done")
+    await declined(mk("behind"), 1)  # engine 1 has room again, but a request waits
+    assert await aredis.zcard(keys.queue) == 1
 
 
 async def test_a_prefix_chain_round_trips_through_the_record(aredis, keys, queue):

@@ -1,0 +1,111 @@
+"""Early dispatch: at light load a request goes to its engine while its admission runs, not after it.
+
+With the queue empty, the admission script assigns a normal or low priority request at once to a fast-path target
+the router published (:class:`flying.messages.FastTarget`), so the gateway's path was two round trips in a row: to
+Redis, then to the engine. When the gateway's last look at the cluster (:class:`gateway.cluster_view.ClusterView`,
+every ``monitor_s``) saw an empty queue and a target with room for the request, it sends the request to that
+target first and admits it naming that engine (``RequestQueue.admit(sent_to=...)``); the two round trips overlap.
+The script assigns the request there only if that engine is a fast-path target for it at that moment; otherwise it
+writes nothing and the gateway takes the early request back (closed and aborted on the engine) and admits it again
+under a fresh id, the usual way. A request still enters the queue (its record, its inflight slot, its end) and the
+queue keeps its order and priorities: only a request the queue would have assigned at once goes early.
+
+After a declined one the gateway sends nothing early for ``backoff_s`` (its view was stale: the queue is filling),
+so a saturated gateway does not pay for requests sent twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from flying.messages import Assignment, FastTarget, QueuedRequest
+from gateway.background import Background
+from gateway.cluster_view import ClusterView
+from gateway.metrics import GatewayMetrics
+from gateway.upstream import StreamResponse, Upstream
+
+FRESH_S = 1.0  # the router's targets key lives 1 s: an observation older than this says nothing of them
+
+
+@dataclass
+class Early:
+    """One request sent early: where, and the engine's answer (its response head for a stream) on its way."""
+
+    engine: int
+    url: str
+    answer: asyncio.Task[StreamResponse]
+
+    def assignment(self, rid: str) -> Assignment:
+        return Assignment(id=rid, engine=self.engine, url=self.url, queue_ms=0.0)
+
+
+@dataclass
+class EarlyDispatch:
+    """Decides which requests go early and where (the target with the fewest requests held, counting those this
+    gateway sent since its last look), and takes back those the admission declined."""
+
+    cluster: ClusterView
+    upstream: Upstream
+    background: Background
+    metrics: GatewayMetrics
+    enabled: bool = True
+    backoff_s: float = 1.0
+    sent: int = 0  # requests sent early
+    declined: int = 0  # ... that the admission declined (sent twice)
+    _declined_at: float = -1e9
+    _since: dict[int, int] = field(default_factory=dict)  # sent per engine since the last observation
+    _seen_at: float = -1e9
+
+    def target(self, rec: QueuedRequest) -> FastTarget | None:
+        """Where ``rec`` may go early, if anywhere: the queue was empty at the last look (at most ``FRESH_S``
+        ago), no early request was declined within ``backoff_s``, and a target fits it as the script checks
+        (KV, prefix affinity; high priority never takes the fast path)."""
+        c, now = self.cluster, time.monotonic()
+        if not self.enabled or rec.priority == "high" or c.depth or now - c.observed_at > FRESH_S:
+            return None
+        if now - self._declined_at < self.backoff_s:
+            return None
+        if c.observed_at != self._seen_at:
+            self._since, self._seen_at = {}, c.observed_at
+        fits = [
+            t
+            for t in c.fast
+            if rec.kv_tokens <= t.max_kv
+            and not (t.affinity and rec.prefix)
+            and c.held.get(t.engine, 0) + self._since.get(t.engine, 0) < t.cap
+        ]
+        if not fits:
+            return None
+        return min(fits, key=lambda t: c.held.get(t.engine, 0) + self._since.get(t.engine, 0))
+
+    def send(self, rec: QueuedRequest, call: Callable[[str], Awaitable[StreamResponse]]) -> Early | None:
+        """Start ``call(url)`` (the engine request) towards ``rec``'s early target, if it has one."""
+        t = self.target(rec)
+        if t is None:
+            return None
+        self._since[t.engine] = self._since.get(t.engine, 0) + 1
+        self.sent += 1
+        self.metrics.child(self.metrics.early, "sent").inc()
+        return Early(t.engine, t.url, asyncio.ensure_future(call(t.url)))
+
+    def take_back(self, early: Early | None, rec: QueuedRequest, declined: bool = False) -> None:
+        """``early`` will not be used (declined, or its admission failed): stop it on the engine and close its
+        answer, in the background. A decline starts the back-off."""
+        if early is None:
+            return
+        if declined:
+            self.declined += 1
+            self.metrics.child(self.metrics.early, "declined").inc()
+            self._declined_at = time.monotonic()
+        early.answer.cancel()
+        self.background.spawn(self._stop(early, rec.engine_rids()))
+
+    async def _stop(self, early: Early, rids: list[str]) -> None:
+        await asyncio.wait([early.answer])  # (its outcome, whatever it is, without raising it)
+        if not early.answer.cancelled() and early.answer.exception() is None:
+            with contextlib.suppress(Exception):
+                await early.answer.result().aclose()
+        await self.upstream.abort(early.url, *rids)

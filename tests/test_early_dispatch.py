@@ -1,0 +1,113 @@
+"""Early dispatch (gateway.early_dispatch) against a real Redis and the real router: at light load a request goes
+to its engine while its admission runs; one the admission declines is taken back (aborted on that engine) and
+served the usual way under a fresh id; a declined one stops early dispatch for a while."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+
+from flying.messages import FastTarget, QueuedRequest
+from gateway.service import Gateway
+from tests.test_gateway_service import EVENTS, chat_chunks, serve_chat, sse, stream_through
+from tests.test_gateway_service import gateway as gateway  # noqa: PLC0414 - the fixture, used by name
+
+OK = {"choices": [{"index": 0, "message": {"content": "one two"}}]}
+
+
+async def observed_targets(gw: Gateway, aredis, keys) -> None:
+    """Until the gateway's view holds the router's fast-path targets (the router publishes them in its rounds)."""
+    for _ in range(200):
+        if await aredis.exists(keys.fast_path):
+            await gw.observe()
+            if gw.cluster.fast:
+                return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the router never published fast-path targets")
+
+
+def recording(calls: list[tuple[str, dict]]):
+    def engine(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        calls.append((request.url.path, body))
+        return httpx.Response(200, json={} if request.url.path == "/abort_request" else OK)
+
+    return engine
+
+
+async def test_a_request_goes_early_and_is_served_once(gateway, aredis, keys):
+    await observed_targets(gateway, aredis, keys)
+    calls: list[tuple[str, dict]] = []
+    reply = await serve_chat(gateway, recording(calls))
+    assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
+    assert (gateway.early.sent, gateway.early.declined) == (1, 0)
+    assert [path for path, _ in calls] == ["/v1/chat/completions"], "one engine request, nothing aborted"
+    assert calls[0][1]["rid"] == reply.assignment.id
+    for _ in range(100):  # its end is recorded after the answer
+        if await aredis.hget(keys.request(reply.assignment.id), "state") == b"done":
+            break
+        await asyncio.sleep(0.02)
+    assert await aredis.hget(keys.request(reply.assignment.id), "state") == b"done"
+    assert await aredis.scard(keys.inflight(0)) == 0
+
+
+async def test_a_stream_goes_early(gateway, aredis, keys):
+    await observed_targets(gateway, aredis, keys)
+    events, calls = await stream_through(gateway, [sse(EVENTS)])
+    assert events == chat_chunks() and len(calls) == 1
+    assert gateway.early.sent == 1
+
+
+async def test_a_declined_request_is_taken_back_and_served_under_a_fresh_id(gateway, aredis, keys):
+    """The gateway's view is stale (it names an engine the router does not list): the admission declines, the
+    early request is aborted on that engine, and the request is admitted again as ``<id>-<8 hex>`` and served
+    once. For a while after, nothing goes early."""
+    await observed_targets(gateway, aredis, keys)
+    url = gateway.cluster.fast[0].url
+    gateway.cluster.fast = [FastTarget(engine=5, url=url, cap=8, max_kv=10_000)]
+    gateway.cluster.observed_at = time.monotonic()
+    calls: list[tuple[str, dict]] = []
+    reply = await serve_chat(gateway, recording(calls), request_id="mine")
+    assert reply.status == 200 and re.fullmatch(r"mine-[0-9a-f]{8}", reply.assignment.id)
+    for _ in range(100):  # the abort is sent in the background
+        if len(calls) == 3:
+            break
+        await asyncio.sleep(0.02)
+    by_path = sorted((path, body["rid"]) for path, body in calls)
+    assert by_path == [
+        ("/abort_request", "mine"),
+        ("/v1/chat/completions", "mine"),
+        ("/v1/chat/completions", reply.assignment.id),
+    ]
+    assert (gateway.early.sent, gateway.early.declined) == (1, 1)
+    assert await aredis.exists(keys.request("mine")) == 0, "the declined admission wrote nothing"
+    assert await aredis.hget(keys.stats, "admitted") == b"1"
+    await serve_chat(gateway, recording(calls))
+    assert gateway.early.sent == 1, "backing off after a decline"
+
+
+async def test_only_what_the_fast_path_would_take_goes_early(gateway, aredis, keys):
+    """High priority, a request too large for any target, a non-empty queue, a stale view: nothing goes early."""
+    await observed_targets(gateway, aredis, keys)
+    early, cluster = gateway.early, gateway.cluster
+    short = QueuedRequest(
+        id="s", priority="normal", model="m", prompt_tokens=4, max_tokens=4, gateway="g", enqueued_at=0
+    )
+    assert early.target(short) is not None
+    assert early.target(QueuedRequest(**{**_fields(short), "priority": "high"})) is None
+    huge = QueuedRequest(**{**_fields(short), "prompt_tokens": 10**7})
+    assert early.target(huge) is None
+    cluster.depth = 3
+    assert early.target(short) is None
+    cluster.depth, cluster.observed_at = 0, time.monotonic() - 5
+    assert early.target(short) is None
+    early.enabled, cluster.observed_at = False, time.monotonic()
+    assert early.target(short) is None
+
+
+def _fields(rec: QueuedRequest) -> dict:
+    return {f: getattr(rec, f) for f in rec.__struct_fields__}
