@@ -59,6 +59,7 @@ end
 local depth = redis.call('ZCARD', KEYS[1])
 local sent = tonumber(ARGV[13])
 local early = nil
+if sent >= 0 and redis.call('EXISTS', KEYS[3]) == 1 then return -2 end  -- (a retry whose first run landed)
 if sent >= 0 then
   for _, t in ipairs(fast_targets(depth)) do
     if t.engine == sent and fits(t) then early = t end
@@ -124,7 +125,7 @@ do
   if not best then
     for _, t in ipairs(fast_targets(depth)) do
       local n = redis.call('SCARD', ARGV[7] .. t.engine)
-      if fits(t) and (best == nil or n < best_n) then best, best_n = t, n end
+      if n < t.cap and fits(t) and (best == nil or n < best_n) then best, best_n = t, n end
     end
   end
   if best then
@@ -299,7 +300,7 @@ class RequestQueue:
                   k.inflight_prefix, 1 if req.prefix else 0, c.tenant, c.requests_per_s, c.tokens_per_min,
                   c.tokens, -1 if sent_to is None else sent_to, *fields],
         )  # fmt: skip
-        if isinstance(out, list) and len(out) == 1:
+        if isinstance(out, list) and int(out[0]) == -5:
             raise EarlyDeclined(f"engine {sent_to} is not a fast-path target for request {req.id} now")
         if isinstance(out, list) and len(out) == 3:
             limit = TenantLimit.REQUESTS_PER_S if int(out[1]) == 1 else TenantLimit.TOKENS_PER_MIN

@@ -184,7 +184,8 @@ async def serve_one(
     adm = await gw.admit(schemas.for_engine(req), priority, logged.request_id)
     disconnected = watcher(request.scope, request.receive)
     try:
-        reply = await gw.serve(adm, disconnected)
+        # a client's own id is never sent early: it may still run on an engine (reused), and a decline renames it
+        reply = await gw.serve(adm, disconnected, early=not logged.client_id)
         gw.metrics.child(gw.metrics.ttft, priority).observe(time.monotonic() - t0)
     except ClientGone:
         disconnected.cancel()
@@ -231,7 +232,8 @@ async def answer_batch(
     base = logged.request_id or uuid.uuid4().hex
     adms = [await gw.admit(schemas.for_engine(r), priority, f"{base}-{i}") for i, r in enumerate(reqs)]
     disconnected = watcher(request.scope, request.receive)
-    tasks = [asyncio.ensure_future(gw.serve(adm, disconnected)) for adm in adms]
+    early = not logged.client_id  # (the prompts' ids derive from it)
+    tasks = [asyncio.ensure_future(gw.serve(adm, disconnected, early)) for adm in adms]
     streaming = False
     try:
         replies = await asyncio.gather(*tasks)

@@ -65,6 +65,10 @@ class AssignmentWaiter:
         self.admitted.discard(rid)
         return fut
 
+    def expects(self, rid: str) -> bool:
+        """Whether a request of this gateway waits under ``rid`` already."""
+        return rid in self.pending
+
     def mark_admitted(self, rid: str) -> None:
         if rid in self.pending:
             self.admitted.add(rid)

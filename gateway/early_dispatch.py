@@ -10,8 +10,10 @@ writes nothing and the gateway takes the early request back (closed and aborted 
 under a fresh id, the usual way. A request still enters the queue (its record, its inflight slot, its end) and the
 queue keeps its order and priorities: only a request the queue would have assigned at once goes early.
 
-After a declined one the gateway sends nothing early for ``backoff_s`` (its view was stale: the queue is filling),
-so a saturated gateway does not pay for requests sent twice."""
+After a declined or refused one the gateway sends nothing early for ``backoff_s`` (its view was stale: the queue is
+filling), so a saturated gateway pays for few requests sent twice: those it sent before the first decline came
+back, at most the free room its last look saw. A client's own request id, a request whose class the backlog
+already refuses, and a request of a tenant with rate limits never go early."""
 
 from __future__ import annotations
 
@@ -22,12 +24,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from flying.messages import Assignment, FastTarget, QueuedRequest
+from gateway import tenants
 from gateway.background import Background
 from gateway.cluster_view import ClusterView
 from gateway.metrics import GatewayMetrics
 from gateway.upstream import StreamResponse, Upstream
 
 FRESH_S = 1.0  # the router's targets key lives 1 s: an observation older than this says nothing of them
+ABORT_AGAIN_S = 0.5
 
 
 @dataclass
@@ -38,8 +42,9 @@ class Early:
     url: str
     answer: asyncio.Task[StreamResponse]
 
-    def assignment(self, rid: str) -> Assignment:
-        return Assignment(id=rid, engine=self.engine, url=self.url, queue_ms=0.0)
+    def went_to(self, a: Assignment) -> bool:
+        """Whether ``a`` assigns the request where it was sent."""
+        return (a.engine, a.url) == (self.engine, self.url)
 
 
 @dataclass
@@ -53,11 +58,11 @@ class EarlyDispatch:
     metrics: GatewayMetrics
     enabled: bool = True
     backoff_s: float = 1.0
-    sent: int = 0  # requests sent early
-    declined: int = 0  # ... that the admission declined (sent twice)
-    _declined_at: float = -1e9
-    _since: dict[int, int] = field(default_factory=dict)  # sent per engine since the last observation
-    _seen_at: float = -1e9
+    sent: int = field(default=0, init=False)  # requests sent early
+    declined: int = field(default=0, init=False)  # ... that the admission declined or refused
+    _declined_at: float = field(default=-1e9, init=False)
+    _since: dict[int, int] = field(default_factory=dict, init=False)  # sent per engine since the last look
+    _seen_at: float = field(default=-1e9, init=False)
 
     def target(self, rec: QueuedRequest) -> FastTarget | None:
         """Where ``rec`` may go early, if anywhere: the queue was empty at the last look (at most ``FRESH_S``
@@ -66,6 +71,8 @@ class EarlyDispatch:
         c, now = self.cluster, time.monotonic()
         if not self.enabled or rec.priority == "high" or c.depth or now - c.observed_at > FRESH_S:
             return None
+        if (tenant := tenants.current.get()) is not None and (tenant.requests_per_s or tenant.tokens_per_min):
+            return None  # a tenant over its limit would be refused by the script: not sent first
         if now - self._declined_at < self.backoff_s:
             return None
         if c.observed_at != self._seen_at:
@@ -91,9 +98,18 @@ class EarlyDispatch:
         self.metrics.child(self.metrics.early, "sent").inc()
         return Early(t.engine, t.url, asyncio.ensure_future(call(t.url)))
 
+    async def answer(self, early: Early, rec: QueuedRequest) -> StreamResponse:
+        """``early``'s answer (a stream's head) for the request it went early for; if the caller is cancelled
+        meanwhile, taken back (a response that arrived is closed, not dropped)."""
+        try:
+            return await early.answer
+        except asyncio.CancelledError:
+            self.take_back(early, rec)
+            raise
+
     def take_back(self, early: Early | None, rec: QueuedRequest, declined: bool = False) -> None:
-        """``early`` will not be used (declined, or its admission failed): stop it on the engine and close its
-        answer, in the background. A decline starts the back-off."""
+        """``early`` will not be used (declined or refused, or its admission failed): stop it on the engine and
+        close its answer, in the background. A decline or refusal (``declined``) starts the back-off."""
         if early is None:
             return
         if declined:
@@ -104,8 +120,12 @@ class EarlyDispatch:
         self.background.spawn(self._stop(early, rec.engine_rids()))
 
     async def _stop(self, early: Early, rids: list[str]) -> None:
+        """Close its connection, then abort it on the engine, and once more a moment later: an abort that arrives
+        before the engine has registered the request (still templating it) does nothing."""
         await asyncio.wait([early.answer])  # (its outcome, whatever it is, without raising it)
         if not early.answer.cancelled() and early.answer.exception() is None:
             with contextlib.suppress(Exception):
                 await early.answer.result().aclose()
+        await self.upstream.abort(early.url, *rids)
+        await asyncio.sleep(ABORT_AGAIN_S)
         await self.upstream.abort(early.url, *rids)

@@ -122,6 +122,8 @@ class Relay:
             watch.close()
             if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                 coro.close()  # never started (the client had left already)
+            elif isinstance(coro, asyncio.Future) and not coro.done():
+                coro.cancel()  # an answer sent for early, never awaited (the client had left already)
 
     async def relay(
         self, adm: Admitted, a: Assignment, resp, first: list[str]

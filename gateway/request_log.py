@@ -38,6 +38,7 @@ class RequestInfo:
     """What the request's log line says, filled in by the handler as it learns it (``scope["state"]``)."""
 
     request_id: str
+    client_id: bool = False  # the id is the client's (X-Request-Id), not one the gateway made
     priority: str = "-"  # the priority it runs at
     requested_priority: str | None = None  # the one asked for, when its tenant's limit lowered it
     engine: int | None = None
@@ -63,7 +64,8 @@ class RequestLog:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope["headers"] if k == _HEADER), None)
-        req = RequestInfo(request_id(header.decode("latin-1") if header is not None else None))
+        asked = header.decode("latin-1") if header is not None else None
+        req = RequestInfo(rid := request_id(asked), client_id=rid == asked)
         scope.setdefault("state", {})["flying"] = req
         start, status = time.monotonic(), 500
 

@@ -28,7 +28,7 @@ from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
 from gateway.early_dispatch import Early, EarlyDispatch
-from gateway.errors import NoLiveWorkers
+from gateway.errors import NoLiveWorkers, QueueFullError
 from gateway.metrics import GatewayMetrics
 from gateway.relay import DONE, Relay
 from gateway.upstream import Upstream, WorkerUnavailable
@@ -133,49 +133,59 @@ class Gateway:
     # -- the request's path ----------------------------------------------------------------------------------
     def _send_early(self, adm: Admitted) -> Early | None:
         """``adm`` sent to an engine before its admission, where the queue would assign it at once
-        (:mod:`gateway.early_dispatch`)."""
+        (:mod:`gateway.early_dispatch`); not when its class's backlog alone refuses it."""
+        if self.waiting.backpressure.limits(adm.record.priority).full:
+            return None
         if adm.stream:
             return self.early.send(adm.record, lambda url: self.upstream.open_stream(url, adm.path, adm.body))
         return self.early.send(adm.record, lambda url: self.upstream.post(url, adm.path, adm.body))
 
-    async def serve(self, adm: Admitted, disconnected: asyncio.Future[None]) -> Reply:
+    async def serve(self, adm: Admitted, disconnected: asyncio.Future[None], early: bool = True) -> Reply:
         """Queue ``adm``, wait for its assignment and forward it; an engine that fails before answering (or, for
         a stream, before its first event) sends it back to the queue, within ``max_attempts``. Raises ClientGone
         when ``disconnected`` completes first, and the API errors of the steps (429, 503, 504). An id a record
         already holds (a client's ``X-Request-Id`` reused) is made unique: ``<id>-<8 hex>``; the reply's
-        ``assignment.id`` is the id it ran under."""
+        ``assignment.id`` is the id it ran under. ``early``: it may go to its engine while its admission runs
+        (:mod:`gateway.early_dispatch`; not for a client's own id: one the admission declines runs under a new
+        id)."""
         waiting, relay = self.waiting, self.relay
         base = adm.record.id
-        early = self._send_early(adm)
+        sent_early = self._send_early(adm) if early else None
         while True:
             try:
-                fut = await waiting.enqueue(adm, sent_to=early.engine if early is not None else None)
+                fut = await waiting.enqueue(
+                    adm, sent_to=sent_early.engine if sent_early is not None else None
+                )
                 break
             except (DuplicateId, EarlyDeclined) as exc:  # (an early request's id may still run on its engine)
-                self.early.take_back(early, adm.record, declined=isinstance(exc, EarlyDeclined))
-                early = None
+                self.early.take_back(sent_early, adm.record, declined=isinstance(exc, EarlyDeclined))
+                sent_early = None
                 adm = adm.renamed(f"{base}-{uuid.uuid4().hex[:8]}")
-            except BaseException:
-                self.early.take_back(early, adm.record)
+            except BaseException as exc:  # refused (429: a filling queue, a tenant's limit), Redis away, ...
+                self.early.take_back(sent_early, adm.record, declined=isinstance(exc, QueueFullError))
                 raise
         while True:
             try:
                 a = await waiting.wait_assignment(adm, fut, disconnected)
             except BaseException:
-                self.early.take_back(early, adm.record)
+                self.early.take_back(sent_early, adm.record)
                 raise
             self.metrics.child(self.metrics.queue_time, adm.record.priority).observe(
                 max(0.0, time.time() - adm.record.enqueued_at)
             )
-            sent = early.answer if early is not None and early.engine == a.engine else None
-            if sent is None:
-                self.early.take_back(early, adm.record)
-            early = None  # (a re-dispatch sends anew)
+            used = sent_early if sent_early is not None and sent_early.went_to(a) else None
+            if used is None:
+                self.early.take_back(sent_early, adm.record)
+            sent_early = None  # (a re-dispatch sends anew)
             try:
                 if not adm.stream:
+                    sent = used.answer if used is not None else None
                     status, payload = await relay.forward(adm, a, disconnected, sent)
                     return Reply(status, a, body=payload)
-                resp = await (sent or self.upstream.open_stream(a.url, adm.path, adm.body))
+                if used is not None:
+                    resp = await self.early.answer(used, adm.record)
+                else:
+                    resp = await self.upstream.open_stream(a.url, adm.path, adm.body)
                 if resp.status_code == 200:  # nothing goes to the client before the engine's first event
                     events = await relay.first_event(adm, a, resp, disconnected)
             except WorkerUnavailable as exc:

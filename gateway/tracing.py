@@ -86,7 +86,9 @@ class Tracing:
         self.propagator = TraceContextTextMapPropagator()
         self._context, self._trace = context, trace
         self._flights: dict[str, _Flight] = {}
-        # streams sent early (gateway.early_dispatch) whose answer came before their queue wait was traced
+        # streams sent early (gateway.early_dispatch): their ids, and the relay spans of those whose answer came
+        # before their queue wait was traced
+        self._sent_early: set[str] = set()
         self._early: dict[str, Span] = {}
 
     @classmethod
@@ -144,6 +146,7 @@ class Tracing:
         queue.finish = self._finished(queue.finish)  # type: ignore[method-assign]
         queue.finish_nowait = self._finished_nowait(queue.finish_nowait)  # type: ignore[method-assign]
         gw.early.take_back = self._taken_back(gw.early.take_back)  # type: ignore[method-assign]
+        gw.early.send = self._sending_early(gw.early.send)  # type: ignore[method-assign]
 
     def _admission(self, admit: Callable) -> Callable:
         @functools.wraps(admit)
@@ -241,9 +244,13 @@ class Tracing:
                 raise
             span.set_attribute("http.response.status_code", resp.status_code)
             flight = self._flights.get(rid)
+            early = rid in self._sent_early
+            self._sent_early.discard(rid)
             if stream and flight is not None:
+                if flight.relay is not None:  # an early stream's, not used: this one replaces it
+                    self._end_relay(flight, "taken_back", "")
                 flight.relay = span
-            elif stream and rid:  # sent early: its queue wait is traced next, or it is taken back
+            elif stream and early:  # its queue wait is traced next (or it is taken back)
                 self._early[rid] = span
                 while len(self._early) > MAX_OPEN:
                     self._early.pop(next(iter(self._early))).end()
@@ -255,14 +262,28 @@ class Tracing:
 
         return traced
 
+    def _sending_early(self, send: Callable) -> Callable:
+        @functools.wraps(send)
+        def traced(rec, call):
+            early = send(rec, call)
+            if early is not None and self._recording():
+                self._sent_early.add(rec.id)
+                while len(self._sent_early) > MAX_OPEN:
+                    self._sent_early.pop()
+            return early
+
+        return traced
+
     def _taken_back(self, take_back: Callable) -> Callable:
         """An early request the admission declined: its stream's relay span ends as ``taken_back``."""
 
         @functools.wraps(take_back)
         def traced(early, rec, declined: bool = False):
-            if early is not None and (span := self._early.pop(rec.id, None)) is not None:
-                span.set_attribute("flying.outcome", "taken_back")
-                span.end()
+            if early is not None:
+                self._sent_early.discard(rec.id)
+                if (span := self._early.pop(rec.id, None)) is not None:
+                    span.set_attribute("flying.outcome", "taken_back")
+                    span.end()
             return take_back(early, rec, declined)
 
         return traced

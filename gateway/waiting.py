@@ -22,7 +22,7 @@ from flying.breaker import Breakers
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
 from flying.messages import Assignment, Priority, QueuedRequest
-from flying.queue import DuplicateId, EarlyDeclined, QueueFull, RequestQueue, TenantLimit, TenantLimited
+from flying.queue import DuplicateId, QueueFull, RequestQueue, TenantLimit, TenantLimited
 from gateway import tenants
 from gateway.admission import Admitted
 from gateway.assignments import AssignmentWaiter
@@ -73,6 +73,8 @@ class WaitingRoom:
         limits = self.backpressure.limits(rec.priority)
         if limits.full:  # the engines' backlog alone is beyond the class's budget: no need to ask the queue
             raise self._refusal(rec.priority, QueueFull("the engines' backlog", "wait", 0), limits)
+        if self.waiter.expects(rid):  # (a client's id, reused while its first request waits here)
+            raise DuplicateId(f"a request with id {rid} waits at this gateway already")
         tenant = tenants.current.get()
         charge = tenant.charge(rec.prompt_tokens + rec.max_tokens) if tenant is not None else None
         fut = self.waiter.expect(rid)
@@ -84,9 +86,6 @@ class WaitingRoom:
         except TenantLimited as exc:
             self.waiter.forget(rid)
             raise self._tenant_refusal(tenant, exc) from None
-        except EarlyDeclined:  # nothing was written or taken
-            self.waiter.forget(rid)
-            raise
         except BaseException:
             self.waiter.forget(rid)
             raise

@@ -10,8 +10,11 @@ import re
 import time
 
 import httpx
+import pytest
 
 from flying.messages import FastTarget, QueuedRequest
+from gateway.disconnect import ClientGone
+from gateway.schemas import ChatCompletionRequest, decode
 from gateway.service import Gateway
 from tests.test_gateway_service import EVENTS, chat_chunks, serve_chat, sse, stream_through
 from tests.test_gateway_service import gateway as gateway  # noqa: PLC0414 - the fixture, used by name
@@ -111,3 +114,45 @@ async def test_only_what_the_fast_path_would_take_goes_early(gateway, aredis, ke
 
 def _fields(rec: QueuedRequest) -> dict:
     return {f: getattr(rec, f) for f in rec.__struct_fields__}
+
+
+async def test_a_client_that_leaves_during_the_admission_has_its_early_request_stopped(gateway, aredis, keys):
+    await observed_targets(gateway, aredis, keys)
+    calls: list[tuple[str, dict]] = []
+    gateway.engine.answer = recording(calls)
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
+    left = asyncio.get_running_loop().create_future()
+    left.set_result(None)
+    with pytest.raises(ClientGone):
+        await gateway.serve(adm, left)
+    assert gateway.early.sent == 1
+    rid = adm.record.id
+    for _ in range(100):
+        if ("/abort_request", {"rid": rid}) in calls and await aredis.scard(keys.inflight(0)) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert ("/abort_request", {"rid": rid}) in calls, calls
+    assert await aredis.hget(keys.request(rid), "state") == b"cancelled"
+    assert await aredis.scard(keys.inflight(0)) == 0
+
+
+async def test_a_declined_stream_is_taken_back_and_streamed_once(gateway, aredis, keys):
+    await observed_targets(gateway, aredis, keys)
+    url = gateway.cluster.fast[0].url
+    gateway.cluster.fast = [FastTarget(engine=5, url=url, cap=8, max_kv=10_000)]
+    gateway.cluster.observed_at = time.monotonic()
+    events, calls = await stream_through(gateway, [sse(EVENTS), sse(EVENTS), sse(EVENTS), sse(EVENTS)])
+    assert events == chat_chunks()
+    for _ in range(100):
+        if sum(path == "/abort_request" for path, _ in calls) >= 1:
+            break
+        await asyncio.sleep(0.02)
+    streams = [body["rid"] for path, body in calls if path == "/v1/completions"]
+    aborted = [body["rid"] for path, body in calls if path == "/abort_request"]
+    assert (
+        len(streams) == 2
+        and aborted[0] == streams[0]
+        and re.fullmatch(rf"{streams[0]}-[0-9a-f]{{8}}", streams[1])
+    )
+    assert (gateway.early.sent, gateway.early.declined) == (1, 1)

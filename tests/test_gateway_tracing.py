@@ -75,9 +75,11 @@ def parent_id(span: ReadableSpan) -> str | None:
     return format(span.parent.span_id, "016x") if span.parent is not None else None
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["after-admission", "early-allowed"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_a_requests_steps_are_spans_under_the_clients_traceparent(traced, engine, stream):
+def test_a_requests_steps_are_spans_under_the_clients_traceparent(traced, engine, stream, early):
     http, exporter = traced
+    http.app.state.gateway.early.enabled = early
     r = http.post(
         "/v1/chat/completions", json=CHAT | {"stream": stream}, headers={"traceparent": TRACEPARENT}
     )
@@ -93,8 +95,12 @@ def test_a_requests_steps_are_spans_under_the_clients_traceparent(traced, engine
     assert relay.kind is SpanKind.CLIENT
     assert relay.attributes is not None and relay.attributes["flying.request_id"] == r.headers["x-request-id"]
     assert admission.start_time <= queue.start_time <= queue.end_time == dispatch.start_time
-    # sent early (gateway.early_dispatch), the relay overlaps the queue's admission; never the admission step
-    assert admission.end_time <= relay.start_time <= relay.end_time
+    if (
+        early
+    ):  # sent early (gateway.early_dispatch), the relay overlaps the queue's admission, never the admission
+        assert admission.end_time <= relay.start_time <= relay.end_time
+    else:
+        assert dispatch.end_time <= relay.start_time <= relay.end_time
     if stream:  # a stream's relay span lasts until its end is recorded (sent early too)
         assert relay.attributes["flying.outcome"] == "done"
     assert engine.traceparents == [f"00-{TRACE_ID}-{span_id(relay)}-01"]
@@ -173,6 +179,9 @@ class _Steps:
     def take_back(self, early, rec, declined=False):
         if early is not None:
             self.taken_back.append(rec.id)
+
+    def send(self, rec, call):
+        return object()  # (sent early: the test then calls open_stream itself)
 
     async def admit(self, req, priority, request_id=None):
         record = QueuedRequest(id=request_id, priority=priority, model="m", prompt_tokens=1, max_tokens=1,
@@ -274,9 +283,11 @@ async def test_a_stream_sent_early_keeps_its_relay_span_open_until_its_end_or_it
     exporter, steps, traced = instrumented_steps()
     with traced.tracer.start_as_current_span("request"):
         used = await steps.admit(None, "normal", "used")
+        steps.early.send(used.record, None)
         await steps.upstream.open_stream("http://e3", used.path, used.body)  # before its admission's reply
         await steps.waiting.wait_assignment(used, None, None)
         declined = await steps.admit(None, "normal", "declined")
+        steps.early.send(declined.record, None)
         await steps.upstream.open_stream("http://e3", declined.path, declined.body)
         steps.early.take_back(object(), declined.record, declined=True)
     assert steps.taken_back == ["declined"]
@@ -292,4 +303,4 @@ async def test_a_stream_sent_early_keeps_its_relay_span_open_until_its_end_or_it
         ("declined", "taken_back"),
         ("used", "done"),
     ]
-    assert not traced._early and not traced._flights
+    assert not traced._early and not traced._flights and not traced._sent_early

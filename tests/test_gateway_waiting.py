@@ -178,3 +178,17 @@ async def test_waiting_requests_redis_lost_are_admitted_again(room, aredis, keys
     await aredis.delete(keys.request("a"), keys.queue)  # a Redis restart without persistence
     await r.readmit(["a", "unknown"])
     assert r.readmitted == 1 and await aredis.zscore(keys.queue, "a") is not None
+
+
+async def test_an_id_that_waits_here_already_is_a_duplicate_and_the_first_keeps_its_wait(room):
+    """A client's id reused while its first request still waits at this gateway: the second is refused as a
+    duplicate before it touches the first's wait (which its assignment still ends)."""
+    from flying.queue import DuplicateId
+
+    r = room()
+    first = await r.enqueue(admitted("same"))
+    with pytest.raises(DuplicateId):
+        await r.enqueue(admitted("same"))
+    assert not first.done()
+    r.waiter.resolve(Assignment(id="same", engine=0, url="http://e0", queue_ms=1.0))
+    assert first.result().engine == 0
