@@ -158,7 +158,10 @@ def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
     load = sum(rnd.dp_inflight[m] for m in set(block) - grouped) + sum(
         rnd.group_n(x) for x in inside.values()
     )
-    return block if load <= rnd.cfg.tp_inflight_per_engine * width else None
+    per = max(
+        rnd.cfg.tp_inflight_per_engine, rnd.cfg.drain_inflight
+    )  # (a backlog it would not adopt: drains)
+    return block if load <= per * width else None
 
 
 def release_idle_blocking(rnd: Round, width: int) -> None:
