@@ -138,6 +138,11 @@ class PolicyConfig:
         "peak throughput rises and low-load latency with it: docs/benchmarks.md)",
     )
     drain_width: int = setting(4, "engines of the narrow load group bound while a burst's backlog drains")
+    drain_s: float = setting(
+        0.0,
+        "seconds: drain_inflight holds a block back at most this long after load turned light; then it adopts its "
+        "backlog, widening the narrow group (0: until the backlog has drained)",
+    )
     kv_bytes_per_token: int = setting(
         163_840, "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)"
     )
@@ -170,7 +175,7 @@ class PolicyConfig:
             _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")
         for name in ("max_inflight_per_worker", "tp_inflight_per_engine", "sp_inflight_per_engine"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("light_load", "calm_s", "drain_inflight"):
+        for name in ("light_load", "calm_s", "drain_inflight", "drain_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("long_wait_s", "long_calm_rate"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")

@@ -175,8 +175,11 @@ def load_binds(rnd: Round) -> None:
 
 def holds_backlog(rnd: Round, ms: tuple[int, ...]) -> bool:
     """Block ``ms`` is wider than ``drain_width`` and its members hold more than ``drain_inflight`` DP requests
-    each (0: never): a burst's backlog, which its engines decode faster in DP than bound."""
+    each (0: never): a burst's backlog, which its engines decode faster in DP than bound; at most ``drain_s``
+    after load turned light (0: no limit)."""
     cfg = rnd.cfg
+    if cfg.drain_s and rnd.now - rnd.out.state.changed_at >= cfg.drain_s:
+        return False  # waited drain_s since load turned light: the block adopts its backlog now
     return (
         bool(cfg.drain_inflight)
         and len(ms) > cfg.drain_width

@@ -195,3 +195,15 @@ def test_no_narrower_load_group_binds_beside_a_group_being_released():
     )
     load_binds(r)
     assert [g.members for g in r.out.binds] == [(2, 3)], "(0, 1) no longer in a record: the rest binds"
+
+
+def test_the_backlog_is_waited_for_at_most_drain_s_after_load_turned_light():
+    """``drain_s``: load turned light 6 s ago, more than the 5 s the backlog may be waited for: the block adopts it
+    whole; 3 s ago it still decodes it in DP beside the narrow pair."""
+    loads = (10, 10, 12, 12)
+    cfg = unit_policy(light_width=4, drain_width=2, drain_inflight=5, drain_s=5.0)
+    for changed_at, members in ((94.0, (0, 1, 2, 3)), (97.0, (0, 1))):
+        state = RouterState(busy=False, changed_at=changed_at)
+        r = rnd([eng(i, inflight=n, kvt=True) for i, n in enumerate(loads)], state=state, cfg=cfg)
+        load_binds(r)
+        assert [g.members for g in r.out.binds] == [members], changed_at

@@ -169,3 +169,13 @@ def test_a_narrow_load_group_is_widened_once_the_backlog_beside_it_has_drained()
         r = rnd([group(reason="load")], es, state=light, loads={5: GroupLoad(4, 40)}, cfg=cfg)
         release_groups(r)
         assert causes(r) == ([(5, ReleaseCause.WIDENING, ReleaseMode.SCATTER)] if widened else []), other
+
+
+def test_a_narrow_load_group_is_widened_drain_s_after_load_turned_light_whatever_the_backlog():
+    cfg = dataclasses.replace(CFG, light_width=4, drain_inflight=5, drain_s=5.0)
+    es = [eng(0, epoch=5, inflight=2, kvt=True), eng(1, epoch=5, inflight=2, kvt=True), eng(2, inflight=20, kvt=True), eng(3, inflight=20, kvt=True)]  # fmt: skip
+    for changed_at, widened in ((94.0, True), (97.0, False)):
+        state = RouterState(busy=False, changed_at=changed_at)
+        r = rnd([group(reason="load")], es, state=state, loads={5: GroupLoad(4, 40)}, cfg=cfg)
+        release_groups(r)
+        assert causes(r) == ([(5, ReleaseCause.WIDENING, ReleaseMode.SCATTER)] if widened else []), changed_at

@@ -55,6 +55,7 @@ def scenarios(draw):
         light_width=draw(st.sampled_from([2, 4])),
         drain_inflight=draw(st.sampled_from([0, 1])),  # (width 4: a loaded block leaves one pair bound)
         drain_width=2,
+        drain_s=draw(st.sampled_from([0.0, 1.0])),
         regime=draw(st.sampled_from(["inflight", "rate"])),
         light_rate=draw(st.sampled_from([0.5, 2.0])),
         busy_rate=2.0,
