@@ -129,6 +129,20 @@ class PolicyConfig:
         "costly to adopt whole binds narrower groups, whose SP prefill is slower until they widen)",
     )
     adopt_max_inflight: int = setting(128, "adopt only if each member holds at most this many DP requests")
+    drain_inflight: int = setting(
+        0,
+        "light load: a load block wider than drain_width whose members hold more than this many DP requests each "
+        "(a burst's backlog, which DP decodes faster than a bound group) stays in DP while the least loaded "
+        "drain_width block of its node binds for the new requests; it binds whole (widening the narrow group) "
+        "once it holds at most this many a member (0: off, a block binds whole up to adopt_max_inflight; on, "
+        "peak throughput rises and low-load latency with it: docs/benchmarks.md)",
+    )
+    drain_width: int = setting(4, "engines of the narrow load group bound while a burst's backlog drains")
+    drain_s: float = setting(
+        0.0,
+        "seconds: drain_inflight holds a block back at most this long after load turned light; then it adopts its "
+        "backlog, widening the narrow group (0: until the backlog has drained)",
+    )
     kv_bytes_per_token: int = setting(
         163_840, "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)"
     )
@@ -156,12 +170,12 @@ class PolicyConfig:
     balance_rel_threshold: float = setting(1.5, "... and max exceeds this times min (then least loaded)")
 
     def __post_init__(self) -> None:
-        for name in ("light_width", "priority_width"):
+        for name in ("light_width", "priority_width", "drain_width"):
             w = getattr(self, name)
             _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")
         for name in ("max_inflight_per_worker", "tp_inflight_per_engine", "sp_inflight_per_engine"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("light_load", "calm_s"):
+        for name in ("light_load", "calm_s", "drain_inflight", "drain_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("long_wait_s", "long_calm_rate"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")

@@ -15,7 +15,10 @@ The three use cases, each switchable in :class:`PolicyConfig`:
   once by *adoption* where every member transforms KV (``kv_transform``) and the transformation is cheap
   (``adopt_max_ms``; members holding at most ``adopt_max_inflight`` requests each, a larger backlog stays in DP);
   otherwise it drains first (sequential: it gets no new work, at most half of the blocks still in DP drain at a
-  time), so nothing is paused or recomputed. Under *pressure* (a normal request waited ``busy_wait_s``, or demand or
+  time), so nothing is paused or recomputed. With ``drain_inflight`` set, a block whose members hold more than that
+  many requests each (a burst's backlog) stays in DP, which decodes it faster, while one ``drain_width`` block of
+  its node binds for the new requests and is widened once the backlog has drained, or ``drain_s`` after load
+  turned light. Under *pressure* (a normal request waited ``busy_wait_s``, or demand or
   rate above the busy threshold) load groups are released at once, by *scatter* (each TP request continues in DP on
   the engine that owns it, KV moved, no recompute) where the members transform KV, else by retraction (recomputed
   in DP on the leader), and everything runs DP until load is light again;

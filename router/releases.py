@@ -158,7 +158,11 @@ def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
     load = sum(rnd.dp_inflight[m] for m in set(block) - grouped) + sum(
         rnd.group_n(x) for x in inside.values()
     )
-    return block if load <= rnd.cfg.tp_inflight_per_engine * width else None
+    cfg = rnd.cfg
+    per = max(cfg.tp_inflight_per_engine, cfg.drain_inflight)  # a backlog it would not adopt drains first ...
+    if cfg.drain_inflight and cfg.drain_s and rnd.now - rnd.out.state.changed_at >= cfg.drain_s:
+        per = max(per, cfg.adopt_max_inflight)  # ... for at most drain_s after load turned light
+    return block if load <= per * width else None
 
 
 def release_idle_blocking(rnd: Round, width: int) -> None:

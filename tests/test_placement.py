@@ -151,3 +151,59 @@ def test_fast_targets_of_a_spread_group_are_its_members_sharing_its_room():
     targets = fast_targets(r)
     assert [(t.engine, t.url, t.epoch) for t in targets] == [(0, "e0", 4), (1, "e1", 4)]
     assert [t.cap for t in targets] == [2 + (room + 1) // 2, 1 + room // 2]
+
+
+DRAIN = unit_policy(light_width=4, drain_width=2, drain_inflight=5)  # (the default narrow width is 4)
+
+
+def test_a_block_holding_a_backlog_decodes_it_in_dp_while_one_narrow_block_binds_for_new_requests():
+    """``drain_inflight``: the width-4 block holds 44 DP requests, more than 5 a member, so it is not adopted
+    whole; the least loaded pair of its node is, only that one, and it takes the new requests."""
+    loads = (10, 10, 12, 12)
+    r = rnd([eng(i, inflight=n, kvt=True) for i, n in enumerate(loads)], state=LIGHT, cfg=DRAIN)
+    load_binds(r)
+    assert [(g.members, g.reason, g.adopt) for g in r.out.binds] == [((0, 1), "load", True)]
+    r = rnd(
+        [eng(i, inflight=n, kvt=True) for i, n in enumerate(loads)],
+        state=LIGHT,
+        cfg=unit_policy(light_width=4),
+    )
+    load_binds(r)
+    assert [(g.members, g.adopt) for g in r.out.binds] == [((0, 1, 2, 3), True)], "off: the block binds whole"
+
+
+def test_a_block_whose_backlog_has_drained_binds_whole():
+    r = rnd([eng(i, inflight=n, kvt=True) for i, n in enumerate((5, 5, 5, 5))], state=LIGHT, cfg=DRAIN)
+    load_binds(r)
+    assert [(g.members, g.adopt) for g in r.out.binds] == [((0, 1, 2, 3), True)]
+    r = rnd([eng(i, kvt=True) for i in range(4)], state=LIGHT, cfg=DRAIN)
+    load_binds(r)
+    assert [(g.members, g.preempt) for g in r.out.binds] == [((0, 1, 2, 3), "hard")], "idle: at once"
+
+
+def test_no_narrower_load_group_binds_beside_a_group_being_released():
+    """A group released so that its block binds whole (widening): the rest of the block waits for that release
+    instead of binding narrower groups that the next round would widen again."""
+    g = Group(epoch=4, members=(0, 1), reason="priority", state="releasing")
+    r = rnd(
+        [eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [g], state=LIGHT, cfg=unit_policy(light_width=4)
+    )
+    load_binds(r)
+    assert not r.out.binds
+    r = rnd(
+        [eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [], state=LIGHT, cfg=unit_policy(light_width=4)
+    )
+    load_binds(r)
+    assert [g.members for g in r.out.binds] == [(2, 3)], "(0, 1) no longer in a record: the rest binds"
+
+
+def test_the_backlog_is_waited_for_at_most_drain_s_after_load_turned_light():
+    """``drain_s``: load turned light 6 s ago, more than the 5 s the backlog may be waited for: the block adopts it
+    whole; 3 s ago it still decodes it in DP beside the narrow pair."""
+    loads = (10, 10, 12, 12)
+    cfg = unit_policy(light_width=4, drain_width=2, drain_inflight=5, drain_s=5.0)
+    for changed_at, members in ((94.0, (0, 1, 2, 3)), (97.0, (0, 1))):
+        state = RouterState(busy=False, changed_at=changed_at)
+        r = rnd([eng(i, inflight=n, kvt=True) for i, n in enumerate(loads)], state=state, cfg=cfg)
+        load_binds(r)
+        assert [g.members for g in r.out.binds] == [members], changed_at

@@ -398,6 +398,9 @@ def test_bind_command_carries_the_records_epoch():
     [
         (dict(light_width=3), "light_width must be a power of two >= 2, got 3"),
         (dict(priority_width=1), "priority_width must be a power of two >= 2, got 1"),
+        (dict(drain_width=6), "drain_width must be a power of two >= 2, got 6"),
+        (dict(drain_inflight=-1), "drain_inflight must be >= 0, got -1"),
+        (dict(drain_s=-1.0), "drain_s must be >= 0, got -1.0"),
         (dict(ack_timeout_s=0), "need 0 < ack_timeout_s <= bind_timeout_s"),
         (dict(cache_threshold=1.5), "cache_threshold 1.5 not in"),
         (dict(balance_rel_threshold=0.5), "balance_rel_threshold must be >= 1, got 0.5"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from flying.messages import Group, QueuedRequest, Release, RouterState
 from router.decision import DistrustNote, ReleaseCause, ReleaseMode
 from router.engine_view import EngineView
@@ -154,3 +156,26 @@ def test_making_room_releases_the_idle_groups_of_one_block():
     r = rnd(groups, [eng(0, epoch=5), eng(1, epoch=5), eng(2, epoch=6), eng(3, epoch=6)], loads={6: GroupLoad(1, 10, 10)})  # fmt: skip
     release_idle_blocking(r, 4)
     assert not r.out.commands, "one of them is busy"
+
+
+def test_a_narrow_load_group_is_widened_once_the_backlog_beside_it_has_drained():
+    """``drain_inflight``: the pair bound while its node's block held a backlog is released by scatter (then the
+    block binds whole) once the block holds at most ``drain_inflight`` requests a member (here 4 + 2 x 8 = 20), not
+    before."""
+    cfg = dataclasses.replace(CFG, light_width=4, drain_inflight=5)
+    light = RouterState(busy=False)
+    for other, widened in ((8, True), (9, False)):
+        es = [eng(0, epoch=5, inflight=2, kvt=True), eng(1, epoch=5, inflight=2, kvt=True), eng(2, inflight=other, kvt=True), eng(3, inflight=other, kvt=True)]  # fmt: skip
+        r = rnd([group(reason="load")], es, state=light, loads={5: GroupLoad(4, 40)}, cfg=cfg)
+        release_groups(r)
+        assert causes(r) == ([(5, ReleaseCause.WIDENING, ReleaseMode.SCATTER)] if widened else []), other
+
+
+def test_a_narrow_load_group_is_widened_drain_s_after_load_turned_light_whatever_the_backlog():
+    cfg = dataclasses.replace(CFG, light_width=4, drain_inflight=5, drain_s=5.0)
+    es = [eng(0, epoch=5, inflight=2, kvt=True), eng(1, epoch=5, inflight=2, kvt=True), eng(2, inflight=20, kvt=True), eng(3, inflight=20, kvt=True)]  # fmt: skip
+    for changed_at, widened in ((94.0, True), (97.0, False)):
+        state = RouterState(busy=False, changed_at=changed_at)
+        r = rnd([group(reason="load")], es, state=state, loads={5: GroupLoad(4, 40)}, cfg=cfg)
+        release_groups(r)
+        assert causes(r) == ([(5, ReleaseCause.WIDENING, ReleaseMode.SCATTER)] if widened else []), changed_at

@@ -52,6 +52,10 @@ def scenarios(draw):
         bind_timeout_s=draw(st.sampled_from([1.0, 60.0])),
         adopt_max_ms=draw(st.sampled_from([0.0, 100.0])),  # 0: never adopt (the fixed cost is above it)
         adopt_max_inflight=draw(st.sampled_from([2, 64])),
+        light_width=draw(st.sampled_from([2, 4])),
+        drain_inflight=draw(st.sampled_from([0, 1])),  # (width 4: a loaded block leaves one pair bound)
+        drain_width=2,
+        drain_s=draw(st.sampled_from([0.0, 1.0])),
         regime=draw(st.sampled_from(["inflight", "rate"])),
         light_rate=draw(st.sampled_from([0.5, 2.0])),
         busy_rate=2.0,
