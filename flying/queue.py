@@ -48,9 +48,11 @@ _ADMIT = """
 -- Early dispatch (ARGV[13] an engine): the gateway sent the request to that engine while this script ran; it
 -- is assigned there by the fast path if that engine is a fast-path target for it now, else {-5} and nothing
 -- is written (the gateway takes it back and admits it again, without).
-local function fits(t)
+local function takes(t)  -- the request's KV fits the target, and the target takes requests without a prefix chain
   return tonumber(ARGV[5]) <= t.max_kv and not (t.affinity and ARGV[8] == '1')
-    and redis.call('SCARD', ARGV[7] .. t.engine) < t.cap
+end
+local function held(t)
+  return redis.call('SCARD', ARGV[7] .. t.engine)
 end
 local function fast_targets(depth)
   local raw = depth == 0 and tonumber(ARGV[2]) > 0 and redis.call('GET', KEYS[6])
@@ -59,10 +61,10 @@ end
 local depth = redis.call('ZCARD', KEYS[1])
 local sent = tonumber(ARGV[13])
 local early = nil
-if sent >= 0 and redis.call('EXISTS', KEYS[3]) == 1 then return -2 end  -- (a retry whose first run landed)
 if sent >= 0 then
+  if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end  -- (a retry whose first run landed)
   for _, t in ipairs(fast_targets(depth)) do
-    if t.engine == sent and fits(t) then early = t end
+    if t.engine == sent and takes(t) and held(t) < t.cap then early = t end
   end
   if not early then return {-5} end
 end
@@ -124,8 +126,8 @@ do
   local best, best_n = early, 0
   if not best then
     for _, t in ipairs(fast_targets(depth)) do
-      local n = redis.call('SCARD', ARGV[7] .. t.engine)
-      if n < t.cap and fits(t) and (best == nil or n < best_n) then best, best_n = t, n end
+      local n = held(t)
+      if n < t.cap and takes(t) and (best == nil or n < best_n) then best, best_n = t, n end
     end
   end
   if best then

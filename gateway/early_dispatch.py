@@ -77,16 +77,16 @@ class EarlyDispatch:
             return None
         if c.observed_at != self._seen_at:
             self._since, self._seen_at = {}, c.observed_at
+
+        def load(t: FastTarget) -> int:
+            return c.held.get(t.engine, 0) + self._since.get(t.engine, 0)
+
         fits = [
             t
             for t in c.fast
-            if rec.kv_tokens <= t.max_kv
-            and not (t.affinity and rec.prefix)
-            and c.held.get(t.engine, 0) + self._since.get(t.engine, 0) < t.cap
+            if rec.kv_tokens <= t.max_kv and not (t.affinity and rec.prefix) and load(t) < t.cap
         ]
-        if not fits:
-            return None
-        return min(fits, key=lambda t: c.held.get(t.engine, 0) + self._since.get(t.engine, 0))
+        return min(fits, key=load, default=None)
 
     def send(self, rec: QueuedRequest, call: Callable[[str], Awaitable[StreamResponse]]) -> Early | None:
         """Start ``call(url)`` (the engine request) towards ``rec``'s early target, if it has one."""

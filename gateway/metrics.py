@@ -38,7 +38,7 @@ class GatewayMetrics:
         )  # fmt: skip
         self.early = Counter(
             "flying_gateway_early_dispatch", "Requests sent to their engine while their admission ran (sent), and "
-            "those the admission declined, taken back and admitted again (declined)", ["outcome"], registry=r,
+            "those the admission declined or refused, taken back from the engine (declined)", ["outcome"], registry=r,
         )  # fmt: skip
         self.engine_failures = Counter(
             "flying_gateway_engine_failures", "Requests that failed on their engine (refused, reset, timed out, "
