@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from _stack import GatewayStack, gateway_stack
 
 from flying.procs import NotReady, free_port, spawn, stop
@@ -299,19 +300,38 @@ def rust_gateways(stack: GatewayStack, skip: set[str]) -> Iterator[tuple[list[Ta
             stop(proc)
 
 
-def baseline_gateway(stack: GatewayStack, checkout: str, args: list[str]) -> tuple[subprocess.Popen, int]:
-    """A gateway process running ``checkout``'s code against ``stack``'s Redis (stopped with the stack's
-    processes: registered in its cleanup below), serving once it answers; (process, port)."""
+def extra_gateway(stack: GatewayStack, name: str, args: list[str], checkout: str = ".") -> Target:
+    """A gateway process (``--workers 2``: a supervisor and its workers) running ``checkout``'s code against
+    ``stack``'s Redis and router, serving once it answers (stopped with the stack's processes: registered in
+    main's cleanup); its CPU is its workers' with several."""
     port, model = free_port(), Path(".flying/test-model").resolve()
     cmd = [sys.executable, "-m", "gateway.main", "--redis-url", stack.server.url, "--model-path", str(model),
            "--port", str(port), *args]  # fmt: skip
     root = Path(checkout).resolve()  # (``-m`` puts the working directory first on the path: run it there)
-    with open(stack.tmp / "gateway-before.log", "ab") as log:
+    with open(stack.tmp / f"gateway-{name.replace(' ', '-')}.log", "ab") as log:
         proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     _started.append(proc)
     ready(proc, port)
-    return proc, port
+    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    every_worker_serves(port, len(workers))
+    gateways = {f"gateway{i}": pid for i, pid in enumerate(sorted(workers))} or {"gateway": proc.pid}
+    assert stack.server.proc is not None
+    return Target(name, port, gateways | {"router": stack.router.pid, "redis": stack.server.proc.pid})
+
+
+def every_worker_serves(port: int, workers: int, timeout_s: float = 60) -> None:
+    """Until ``workers`` distinct gateway ids have answered /health on fresh connections (the kernel spreads them
+    among the workers listening; one still starting would get none of the benchmark's connections)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < workers:
+        if time.monotonic() > deadline:
+            raise NotReady(
+                f"{len(seen)} of {workers} gateway workers on port {port} serve after {timeout_s:.0f} s"
+            )
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            seen.add(httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["gateway_id"])
 
 
 _started: list[subprocess.Popen] = []  # processes main starts beside the stack's, stopped on its way out
@@ -356,8 +376,11 @@ def report_saturated(rounds: list[dict[str, tuple]], names: list[str], clients: 
     print("  medians over rounds:")
     for n in names:
         m = statistics.median(rates[n])
-        ratio = [o / x for o, x in zip(rates["ours"], rates[n])] if n != "ours" else []
-        extra = f"; ours / {n} per round: {', '.join(f'{x:.2f}' for x in ratio)}" if ratio else ""
+        extra = "".join(
+            f"; {o} / {n} per round: {', '.join(f'{a / b:.2f}' for a, b in zip(rates[o], rates[n]))}"
+            for o in names
+            if o.startswith("ours") and not n.startswith("ours") and n != "direct"
+        )
         print(
             f"   {n:14s} {m:7.1f} req/s, added p50 {statistics.median(a for a, _ in adds[n]):6.2f} ms, "
             f"p99 {statistics.median(b for _, b in adds[n]):6.2f} ms{extra}"
@@ -401,6 +424,11 @@ def main() -> None:
         help="also a gateway running another checkout's code (target 'before'), on the same Redis and router",
     )
     p.add_argument(
+        "--workers",
+        default="1,2",
+        help="ours with these gateway worker counts (flying-gateway --workers), each a target ('ours', 'ours x2')",
+    )
+    p.add_argument(
         "--pace",
         default="sglang-router",
         choices=[r.name for r in RUST],
@@ -426,11 +454,14 @@ def main() -> None:
         direct = Target("direct", int(stack.engines[0][1].rsplit(":", 1)[1]))
         ours = Target("ours", stack.port, {"gateway": stack.gateway.pid, "router": stack.router.pid,
                                             "redis": stack.server.proc.pid})  # fmt: skip
-        targets = [direct, ours, *rust]
+        counts = [int(n) for n in a.workers.split(",")]
+        targets = [direct, *([ours] if 1 in counts else [])]
+        targets += [
+            extra_gateway(stack, f"ours x{n}", [*gateway_args, "--workers", str(n)]) for n in counts if n > 1
+        ]
         if a.baseline:
-            before = baseline_gateway(stack, a.baseline, gateway_args)
-            targets.insert(2, Target("before", before[1], {"gateway": before[0].pid, "router": stack.router.pid,
-                                                             "redis": stack.server.proc.pid}))  # fmt: skip
+            targets.append(extra_gateway(stack, "before", gateway_args, a.baseline))
+        targets += rust
         names = [t.name for t in targets]
         light_rounds, sat_rounds = [], []
         for i in range(a.rounds):
@@ -451,7 +482,10 @@ def main() -> None:
             sat_rounds and pace is not None
         ):  # open loop at the pace-setter's saturated rate: the p99 added there
             rate = statistics.median(len([x for x in sr[pace.name][0] if x[0] == 200]) / sr[pace.name][1] for sr in sat_rounds)  # fmt: skip
-            paced = [t for t in targets if t.name in ("direct", "ours", "before")] + [pace]
+            paced = [
+                t for t in targets if t.name == "direct" or t.name.startswith("ours") or t.name == "before"
+            ]
+            paced.append(pace)
             for _ in range(a.rounds):
                 for t in random.sample(paced, len(paced)):
                     at_rate.setdefault(t.name, []).append(run(offered(t.port, rate, a.requests)) + (rate,))

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 import redis.asyncio as aioredis
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.applications import Starlette
@@ -346,7 +346,7 @@ async def model_card(gw: Gateway) -> dict:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(gw.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def health(request: Request) -> Response:

@@ -16,6 +16,8 @@ class GatewayConfig:
     served_model_name: str = "tiny-llama"
     host: str = "127.0.0.1"
     port: int = 8000
+    workers: int = 1  # gateway processes on the port (gateway.workers); each is a whole gateway
+    reuse_port: bool = False  # bind with SO_REUSEPORT, so several gateway processes share the port
     ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS with this certificate (chain), PEM
     ssl_keyfile: str | None = None  # the certificate's private key, PEM
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -76,6 +78,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _at_least("max_queue", self.max_queue, 1)
+        _at_least("workers", self.workers, 1)
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError(
                 "ssl_certfile and ssl_keyfile go together: HTTPS needs the certificate and its key"

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import signal
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -19,6 +20,7 @@ from gateway.cork import corked
 from gateway.drain import Drain, DrainingServer
 from gateway.tenants import Tenants
 from gateway.tracing import endpoint_from_env, service_name_from_env
+from gateway.workers import PortTaken, Supervisor, reuse_port_socket, worker_command
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,6 +34,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=d.served_model_name, help="the model name clients ask for")
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=d.workers,
+        help="gateway processes sharing the port (SO_REUSEPORT): one serves about 2,000 requests/s on one core; "
+        "each is a whole gateway, and /metrics on any of them counts all",
+    )
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind the port with SO_REUSEPORT, so that other gateway processes can share it",
+    )
     p.add_argument(
         "--ssl-certfile",
         help="serve HTTPS with this certificate (PEM, the chain after it); needs --ssl-keyfile",
@@ -154,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             served_model_name=a.served_model_name,
             host=a.host,
             port=a.port,
+            workers=a.workers,
+            reuse_port=a.reuse_port,
             ssl_certfile=a.ssl_certfile,
             ssl_keyfile=a.ssl_keyfile,
             redis_url=cli.redis_url(a),
@@ -207,8 +223,19 @@ def load_tenants(config: GatewayConfig) -> Tenants:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     config = parse_args(argv)
     logs.setup(config.log_format)
+    if config.workers > 1:
+        if config.port == 0:
+            raise SystemExit(
+                "flying-gateway: --workers needs a fixed --port (with 0 each worker would get its own)"
+            )
+        try:
+            reuse_port_socket(config.host, config.port).close()
+        except PortTaken as exc:
+            raise SystemExit(f"flying-gateway: {exc}") from None
+        sys.exit(Supervisor(worker_command(argv), config.workers, grace_s=config.drain_grace_s).run())
     # The request log writes a line per request: no caller lookup (a walk up the stack) and no thread or process
     # names per record, which neither format prints (logging's documented optimisations).
     logging._srcfile = None
@@ -228,7 +255,13 @@ def main(argv: list[str] | None = None) -> None:
         http=corked(guarded_protocol(config.connection_limits)),  # a response's head and body in one write
         timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn accepts a float
     )
-    DrainingServer(server_config, drain, config.drain_grace_s).run()
+    sockets = None
+    if config.reuse_port:
+        try:
+            sockets = [reuse_port_socket(config.host, config.port)]
+        except PortTaken as exc:
+            raise SystemExit(f"flying-gateway: {exc}") from None
+    DrainingServer(server_config, drain, config.drain_grace_s).run(sockets=sockets)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,21 @@
 """The gateway's Prometheus metrics (``GET /metrics``), all prefixed ``flying_gateway_``. Times are observed at the
 gateway: queue time from admission to the router's assignment, TTFT from the request's arrival to its first event
-(a stream) or its whole answer."""
+(a stream) or its whole answer.
+
+With several gateway processes on one port (``flying-gateway --workers N``), each writes its values to the shared
+Prometheus multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``, set by ``gateway.workers``) and
+:meth:`GatewayMetrics.exposition` reads all of them: a scrape that reaches any worker counts every worker's
+requests, and ``flying_gateway_requests_in_flight`` is the sum over the live ones."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own variable: the workers' shared directory
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -23,6 +31,7 @@ class GatewayMetrics:
             "flying_gateway_requests_in_flight",
             "HTTP requests in progress (streams to their last byte)",
             registry=r,
+            multiprocess_mode="livesum",  # several workers: the sum over the live ones
         )
         self.queue_time = Histogram(
             "flying_gateway_queue_time_seconds", "Admission to the global queue -> the router's assignment",
@@ -74,6 +83,14 @@ class GatewayMetrics:
             "highest and run at that one instead", ["tenant", "requested", "granted"], registry=r,
         )  # fmt: skip
         self._children: dict[tuple, Any] = {}
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus's text format: this process's, or every worker's with several."""
+        if path := os.environ.get(MULTIPROC_ENV):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
 
     def child(self, metric: Counter | Histogram, *labels: str):
         """``metric.labels(*labels)``, looked up once per label set (``labels`` takes a lock and builds a key on
