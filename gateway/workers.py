@@ -63,6 +63,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+_prctl: Callable[..., int] | None
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl  # Linux
 except (OSError, AttributeError):
@@ -73,12 +74,16 @@ PR_SET_PDEATHSIG = 1
 def _dies_with(parent: int) -> Callable[[], None] | None:
     """What a worker runs between fork and exec: SIGTERM to it when ``parent`` dies (at once if it already has)."""
 
+    prctl = _prctl
+    if prctl is None:
+        return None
+
     def preexec() -> None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:  # the supervisor died before the call above
             os._exit(1)
 
-    return preexec if _prctl is not None else None
+    return preexec
 
 
 @dataclass
