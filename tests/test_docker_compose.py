@@ -1,9 +1,12 @@
 """docker-compose.yml cannot run here (no Docker engine, no GPU); check it parses and names real commands."""
 
+import re
 import tomllib
 from pathlib import Path
 
 import yaml
+
+from gateway import main as gateway_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +26,16 @@ def test_compose_services_and_commands_exist():
         [dev] = w["deploy"]["resources"]["reservations"]["devices"]
         assert dev["device_ids"] == [str(i)] and "gpu" in dev["capabilities"]
         assert "${MODEL_PATH}" in w["command"]
+
+
+def test_the_gateway_command_parses():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    argv = [
+        re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a).replace("${MODEL_PATH}", "/models/m")
+        for a in compose["services"]["gateway"]["command"][1:]
+    ]
+    config = gateway_main.parse_args(argv)
+    assert (config.host, config.port, config.workers) == ("0.0.0.0", 8000, 2)
 
 
 def exported_metrics() -> set[str]:
