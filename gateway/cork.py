@@ -7,8 +7,8 @@ itself.
 :func:`corked` makes a uvicorn protocol class whose transport is a :class:`CorkedTransport`: the first write of a
 loop turn is held and a flush scheduled at the turn's end (one ``call_soon``); the turn's later writes join it,
 and a response's completion flushes at once (its last bytes do not wait for the turn's other work). A stream's
-events that arrive in separate turns still leave in separate sends, so nothing waits for later events. Closes see held bytes out first, aborts drop them; everything else is the real
-transport's.
+events that arrive in separate turns still leave in separate sends, so nothing waits for later events. Closes see
+held bytes out first, aborts drop them; everything else is the real transport's.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -231,10 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(
                 "flying-gateway: --workers needs a fixed --port (with 0 each worker would get its own)"
             )
-        try:
-            reuse_port_socket(config.host, config.port).close()
-        except PortTaken as exc:
-            raise SystemExit(f"flying-gateway: {exc}") from None
+        bound(config).close()  # the port is free for the workers
         sys.exit(Supervisor(worker_command(argv), config.workers, grace_s=config.drain_grace_s).run())
     # The request log writes a line per request: no caller lookup (a walk up the stack) and no thread or process
     # names per record, which neither format prints (logging's documented optimisations).
@@ -255,13 +253,16 @@ def main(argv: list[str] | None = None) -> None:
         http=corked(guarded_protocol(config.connection_limits)),  # a response's head and body in one write
         timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn accepts a float
     )
-    sockets = None
-    if config.reuse_port:
-        try:
-            sockets = [reuse_port_socket(config.host, config.port)]
-        except PortTaken as exc:
-            raise SystemExit(f"flying-gateway: {exc}") from None
+    sockets = [bound(config)] if config.reuse_port else None
     DrainingServer(server_config, drain, config.drain_grace_s).run(sockets=sockets)
+
+
+def bound(config: GatewayConfig) -> socket.socket:
+    """A socket bound to the gateway's host and port with ``SO_REUSEPORT``; exits with why it cannot be."""
+    try:
+        return reuse_port_socket(config.host, config.port)
+    except PortTaken as exc:
+        raise SystemExit(f"flying-gateway: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
+from prometheus_client import multiprocess
+
 from gateway.metrics import MULTIPROC_ENV
 
 log = logging.getLogger("flying.gateway.workers")
@@ -109,7 +111,6 @@ class Supervisor:
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     workers: list[Worker] = field(init=False)
     stopping: int = field(init=False, default=0)  # stop signals received
-    _metrics_dir: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.count < 2:
@@ -120,21 +121,19 @@ class Supervisor:
         previous = {
             s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         }
-        self._metrics_dir = tempfile.mkdtemp(
-            prefix="flying-gateway-metrics-"
-        )  # fresh: no earlier run's counts
-        self.env[MULTIPROC_ENV] = self._metrics_dir
+        # a fresh directory: no earlier run's counts
+        metrics_dir = self.env[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="flying-gateway-metrics-")
         try:
             for w in self.workers:
                 self._start(w)
-            log.info("gateway: %d workers on one port (pids %s)", self.count, [w.proc.pid for w in self.workers if w.proc])  # fmt: skip
+            pids = [w.proc.pid for w in self.workers if w.proc]
+            log.info("gateway: %d workers on one port (pids %s)", self.count, pids)
             return self._watch()
         finally:
             self._stop_all()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            if self._metrics_dir:
-                shutil.rmtree(self._metrics_dir, ignore_errors=True)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
     def _start(self, w: Worker) -> None:
         w.proc = subprocess.Popen(
@@ -213,8 +212,6 @@ class Supervisor:
     def _mark_dead(self, pid: int) -> None:
         """Drops a dead worker's live gauges (``flying_gateway_requests_in_flight``) from the shared metrics."""
         if path := self.env.get(MULTIPROC_ENV):
-            from prometheus_client import multiprocess
-
             multiprocess.mark_process_dead(pid, path)
 
 
