@@ -215,3 +215,44 @@ def test_a_group_reset_after_a_failed_epoch_is_rebuilt_by_every_member():
     assert got[0][0] == (3.0, 1) and got[1][0] == (3.0, 1), got
     assert "being rebuilt (epoch 5 failed on it)" in got[0][1]
     assert float(got[1][1]) < 3, f"the blocked peer failed after {got[1][1]} s (timeout 5 s)"
+
+
+def test_members_that_keep_missing_each_other_still_build_the_group():
+    """Both members retry their build of (0, 1) like the watcher (a 1 s pause after each failed try, timeout 1 s),
+    engine 0 starting while engine 1 pauses after its first try. gloo leaves a rank's address under the prefix it
+    built on: retries on one prefix would send each member to the address its peer just gave up on, in step,
+    forever. The group must be built within a few tries."""
+    import threading
+
+    port = free_port()
+    pools = [CommPool(e, 2, "127.0.0.1", port, timeout_s=1) for e in (0, 1)]
+    for pool in pools:
+        pool.store = pool._connect()
+    ids = pools[0]._launch_ids((0, 1), wait=True)
+    tries = {0: 0, 1: 0}
+
+    def build(pool: CommPool, delay: float) -> None:
+        time.sleep(delay)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            tries[pool.engine] += 1
+            try:
+                pool._build_group((0, 1), ids)
+                return
+            except Exception:  # noqa: BLE001 - retried like the watcher
+                time.sleep(1.0)
+
+    threads = [threading.Thread(target=build, args=(p, d)) for p, d in zip(pools, (1.3, 0.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all((0, 1) in p.groups for p in pools), f"never built (tries {tries})"
+    assert max(tries.values()) <= 4, tries
+    sums = [torch.tensor([float(e + 1)]) for e in (0, 1)]
+    reducers = [threading.Thread(target=p.groups[(0, 1)].all_reduce, args=(x,)) for p, x in zip(pools, sums)]
+    for t in reducers:
+        t.start()
+    for t in reducers:
+        t.join(10)
+    assert [x.item() for x in sums] == [3.0, 3.0]

@@ -19,6 +19,7 @@ import logging
 import pickle
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal, cast, overload
@@ -273,11 +274,54 @@ class CommPool:
             if epoch > self._reset_epoch(members):
                 store.set(self._reset_key(members), str(epoch))
 
+    def _rendezvous(self, name: str, members: tuple[int, ...], ids: tuple[str, ...]) -> str:
+        """A store prefix for one build of ``members``' group, agreed by all of them while all of them are there.
+
+        gloo leaves each rank's address under its prefix, so a prefix that one member gave up on (its peer came too
+        late) would send a later member to a closed socket, and two members retrying on one prefix can keep
+        missing each other. So a build never reuses a prefix: the leader (``members[0]``) opens a numbered round
+        and waits ``timeout_s`` for every other member to answer it with a token; then it writes the tokens it got
+        (go) and all build on that round's prefix. A member answers the newest round it sees and builds only on a
+        go that names its token; a round the leader gave up on is never built on. Either side stops early when a
+        member's launch id changes (a newer generation supersedes this one)."""
+        store, rank = self._connected(), members.index(self.engine)
+        counter, token = f"{name}/round", uuid.uuid4().hex[:12]
+        waited, checked = time.monotonic(), time.monotonic()
+
+        def superseded() -> bool:
+            nonlocal checked
+            if time.monotonic() - checked < 0.5:
+                return False
+            checked = time.monotonic()
+            return self._launch_ids(members, wait=False) != ids
+
+        if rank == 0:
+            n = store.add(counter, 1)
+            answers = [f"{name}/{n}/here/{r}" for r in range(1, len(members))]
+            while not store.check(answers):
+                if time.monotonic() - waited > self.timeout_s or superseded():
+                    raise TimeoutError(f"{members}: not every member answered round {n} of {name}")
+                time.sleep(0.02)
+            store.set(f"{name}/{n}/go", ",".join(store.get(k).decode() for k in answers))
+            return f"{name}/{n}"
+        seen = 0
+        while True:
+            n = store.add(counter, 0)  # (reads the counter, 0 while no round was opened)
+            if n > seen:  # a newer round: answer it
+                store.set(f"{name}/{n}/here/{rank}", token)
+                seen, waited = n, time.monotonic()
+            go = f"{name}/{seen}/go"
+            if seen and store.check([go]) and token in store.get(go).decode().split(","):
+                return f"{name}/{seen}"
+            if time.monotonic() - waited > 3 * self.timeout_s or superseded():
+                raise TimeoutError(f"{members}: the leader opened no round of {name} this member could join")
+            time.sleep(0.02)
+
     def _build_group(self, members: tuple[int, ...], ids: tuple[str, ...], reset: int = 0) -> None:
         store = self._connected()
         rank, size = members.index(self.engine), len(members)
         gen = hashlib.sha1(("/".join(ids) + f"/{reset}").encode()).hexdigest()[:12]
-        name = f"flying/{'-'.join(map(str, members))}/{gen}"
+        name = self._rendezvous(f"flying/{'-'.join(map(str, members))}/{gen}", members, ids)
         timeout = timedelta(seconds=self.timeout_s)
         control = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/ctl", store), rank, size, timeout)
         data: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = control
