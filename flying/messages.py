@@ -96,6 +96,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     comm_rebuilds: int = 0  # groups rebuilt because a member restarted
     num_engines: int = 1  # engines the pool was built for (merge sets); 1: this engine cannot bind
     kv_transform: bool = False  # applies Bind.adopt / Release.scatter (moves KV head slices within a group)
+    mixed_steps: bool = False  # applies Bind.keep: bound, it runs its own DP requests in the group's steps
     transform_ms: float = 0.0  # last KV transformation (adopt or scatter) on this engine: exchange time
     transform_tokens: int = 0  # token head-slices it sent to other members
     transform_peak_bytes: int = (
@@ -150,12 +151,16 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
 
     ``adopt``: at the next clean step boundary every member's running and waiting DP requests become the group's
     TP requests, their KV transformed in place (each member keeps its own head slice and sends the others to
-    their ranks; no recompute). Without it, ``preempt`` says what happens to the members' DP work."""
+    their ranks; no recompute). ``keep``: the members' DP requests stay theirs and keep running, in DP, beside the
+    group's: each member runs its own DP batch and its slice of the group's tokens in one (sequence-parallel) step,
+    with its full weights, until its DP work has finished (engines whose heartbeat reports ``mixed_steps``).
+    Without either, ``preempt`` says what happens to the members' DP work."""
 
     epoch: int
     members: tuple[int, ...]
     preempt: Preempt = "hard"
     adopt: bool = False
+    keep: bool = False
     sp_threshold: int | None = (
         None  # steps of at least this many batched tokens run sequence-parallel (0: never;
     )
@@ -198,6 +203,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     last_used: float = 0.0  # last TP dispatch to it (or its creation)
     kv_cap: int = 0  # KV tokens its TP requests may use (hard: what the members had free; 0: all of their KV)
     adopt: bool = False  # bound by adoption (Bind.adopt): the members' DP requests became its TP requests
+    keep: bool = False  # bound with the members' DP requests kept running beside its steps (Bind.keep)
 
     @property
     def width(self) -> int:

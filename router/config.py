@@ -129,6 +129,11 @@ class PolicyConfig:
         "costly to adopt whole binds narrower groups, whose SP prefill is slower until they widen)",
     )
     adopt_max_inflight: int = setting(128, "adopt only if each member holds at most this many DP requests")
+    mixed_steps: bool = setting(
+        True,
+        "light load: a busy block binds at once with its members' DP requests kept running beside the group's steps "
+        "(Bind.keep), where every member reports mixed_steps; otherwise it adopts or drains",
+    )
     drain_inflight: int = setting(
         0,
         "light load: a load block wider than drain_width whose members hold more than this many DP requests each "

@@ -43,10 +43,11 @@ class BindMode(StrEnum):
     SEQUENTIAL = "sequential"  # drained first
     SOFT = "soft"
     ADOPT = "adopt"  # becomes the group's (KV transformed)
+    KEEP = "keep"  # keeps running beside the group's steps (mixed steps)
 
     @classmethod
     def of(cls, g: Group) -> BindMode:
-        return cls.ADOPT if g.adopt else cls(g.preempt)
+        return cls.ADOPT if g.adopt else cls.KEEP if g.keep else cls(g.preempt)
 
 
 class ReleaseMode(StrEnum):
@@ -141,9 +142,12 @@ class BindNote:
         return f"SP steps from {at}, TP below"
 
     def __str__(self) -> str:
-        how = (
-            f"adoption, {self.adopt_ms:.0f} ms" if self.mode is BindMode.ADOPT else f"{self.mode} preemption"
-        )
+        if self.mode is BindMode.ADOPT:
+            how = f"adoption, {self.adopt_ms:.0f} ms"
+        elif self.mode is BindMode.KEEP:
+            how = "DP work kept running beside it"
+        else:
+            how = f"{self.mode} preemption"
         of = f" of {self.engines} engines" if self.engines else ""
         return f"bind {self.members} ({self.reason}, {how}; width {len(self.members)}{of}: {self.steps})"
 
@@ -256,7 +260,12 @@ class Decision:
 
     def bind_command(self, g: Group) -> tuple[tuple[int, ...], Command]:
         bind = Bind(
-            epoch=g.epoch, members=g.members, preempt=g.preempt, adopt=g.adopt, sp_threshold=self.sp_threshold
+            epoch=g.epoch,
+            members=g.members,
+            preempt=g.preempt,
+            adopt=g.adopt,
+            keep=g.keep,
+            sp_threshold=self.sp_threshold,
         )
         return g.members, bind
 

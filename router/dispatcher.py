@@ -289,7 +289,7 @@ class Dispatcher:
     async def _held_where(self, beats: list[Heartbeat | None]) -> str:
         """The group records and each live engine's switching state and load, in one line."""
         records = [
-            f"epoch {g.epoch} {g.members} {g.reason} {g.state}{' adopt' if g.adopt else ''}"
+            f"epoch {g.epoch} {g.members} {g.reason} {g.state}{' adopt' if g.adopt else ' keep' if g.keep else ''}"
             for g in await read_groups(self.r, self.keys)
         ]
         states = [

@@ -22,6 +22,7 @@ class EngineView:
     num_engines: int = 1  # engines its communicator pool spans (1: cannot bind)
     beat_ts: float = 0.0
     kv_transform: bool = False  # it applies Bind.adopt / Release.scatter
+    mixed_steps: bool = False  # it applies Bind.keep (runs its DP requests in the group's steps)
     launch_id: str = ""  # its server's launch (a restart forgets its prefix cache)
     node: str = ""  # the node it runs on: groups bind engines of one node only
     pool_first: int = 0  # the first engine of its node's pool (spanning num_engines engines)
@@ -48,6 +49,7 @@ class EngineView:
             num_engines=hb.num_engines,
             beat_ts=hb.ts,
             kv_transform=hb.kv_transform,
+            mixed_steps=hb.mixed_steps,
             launch_id=hb.launch_id,
             node=hb.node,
             pool_first=hb.pool_first,

@@ -137,6 +137,12 @@ def sent_to(rnd: Round, engine: int) -> int:
     return sum(1 for x in rnd.out.dispatches if x.engine == engine)
 
 
+def may_keep(rnd: Round, ms: tuple[int, ...]) -> bool:
+    """Block ``ms`` may bind with its members' DP work kept running beside the group's steps (``mixed_steps`` on,
+    every member reporting it): nothing paused, moved or drained first, and the backlog decodes at DP's rate."""
+    return rnd.cfg.mixed_steps and all(m in rnd.live and rnd.live[m].mixed_steps for m in ms)
+
+
 def adopt_fits(rnd: Round, ms: tuple[int, ...]) -> float:
     """The most DP requests a block adopts (``adopt_max_inflight`` per member). A block holding more serves
     them in DP while new work goes to the groups."""
@@ -147,7 +153,8 @@ def load_binds(rnd: Round) -> None:
     """Light load: blocks bind one after another, as wide as ``light_width`` (up to all engines: a group's
     prefill runs sequence-parallel over its members, so it scales with the width), narrower where no wide block
     can bind (its engines are held by other groups, or its backlog must drain in DP first). A block whose engines
-    are idle binds at once; a busy one binds at once by adoption where its members transform KV and the
+    are idle binds at once; a busy one binds at once with its DP work kept running beside the group's steps where
+    its members run mixed steps (:func:`may_keep`), else by adoption where its members transform KV and the
     transformation is cheap (``adopt_max_ms``), otherwise it drains first (sequential: its engines get no new work
     while the rest of the cluster takes it), so no request is paused or recomputed. At most half of the blocks
     still in DP drain at the same time. Per node: a node whose load groups of this light period are chosen binds
@@ -203,7 +210,8 @@ def bind_blocks(
     narrow: set[tuple[str, int, int]] = set()  # held nodes whose drain_width block binds this round
     for ms in sets:  # least loaded first
         pool = rnd.live[ms[0]].pool
-        if holds_backlog(rnd, ms):
+        keep = bool(rnd.block_load(ms)) and may_keep(rnd, ms)
+        if not keep and holds_backlog(rnd, ms):
             held.add(pool)
             continue  # it decodes its backlog in DP; a narrow block of its node takes the new requests
         if pool in narrow:
@@ -212,6 +220,8 @@ def bind_blocks(
             narrow.add(pool)  # (its least loaded block: if that one cannot bind now, none of the node's does)
         if not rnd.block_load(ms):
             rnd.bind(ms, "load", "hard")
+        elif keep:  # its backlog runs on beside the group's steps, at DP's rate
+            rnd.bind(ms, "load", "hard", keep=True)
         elif rnd.kv.possible(ms) and rnd.block_load(ms) > adopt_fits(rnd, ms):
             continue  # it serves its backlog in DP (new work goes to the groups) and adopts once it fits
         elif rnd.kv.may_adopt(ms):
@@ -237,12 +247,14 @@ def place_priority(rnd: Round, r: QueuedRequest) -> bool:
     for ms in rnd.free_sets(rnd.cfg.priority_width):
         dp_left = any(e.mode == "dp" and e.engine not in taken and e.engine not in ms for e in rnd.s.engines)
         if dp_left and (light or not rnd.block_load(ms)):
-            adopt = False
-            if rnd.block_load(ms) and rnd.kv.possible(ms):
+            adopt = keep = False
+            if rnd.block_load(ms) and may_keep(rnd, ms):
+                keep = True  # its DP requests run on beside the group's steps
+            elif rnd.block_load(ms) and rnd.kv.possible(ms):
                 if rnd.block_load(ms) > adopt_fits(rnd, ms) or not rnd.kv.may_adopt(ms):
                     break  # a backlog: it would run in TP at lower throughput (the least loaded block first)
                 adopt = True
-            rnd.bind(ms, "priority", rnd.cfg.priority_preempt, adopt=adopt)
+            rnd.bind(ms, "priority", rnd.cfg.priority_preempt, adopt=adopt, keep=keep)
             return True  # it waits for the group (the next round finds it binding)
     return False
 

@@ -12,7 +12,8 @@ The three use cases, each switchable in :class:`PolicyConfig`:
   ``light_load`` / ``busy_load`` of the groups' capacity, ``tp_inflight_per_engine`` per engine) or by the admission
   rate per engine (``light_rate`` / ``busy_rate``, an exponential average over ``rate_tau_s``), which sees a burst
   begin and end at once while demand lags behind its backlog. An idle block binds at once. A busy one binds at
-  once by *adoption* where every member transforms KV (``kv_transform``) and the transformation is cheap
+  once with its DP work *kept* running beside the group's steps where every member runs mixed steps
+  (``mixed_steps``; no live worker does yet, the simulator models it), else by *adoption* where every member transforms KV (``kv_transform``) and the transformation is cheap
   (``adopt_max_ms``; members holding at most ``adopt_max_inflight`` requests each, a larger backlog stays in DP);
   otherwise it drains first (sequential: it gets no new work, at most half of the blocks still in DP drain at a
   time), so nothing is paused or recomputed. With ``drain_inflight`` set, a block whose members hold more than that

@@ -105,24 +105,32 @@ class Round:
         self.out.release(ReleaseNote(g.epoch, g.members, g.reason, mode, cause, seconds, engines, width))
 
     def bind(
-        self, members: tuple[int, ...], reason: GroupReason, preempt: Preempt, adopt: bool = False
+        self,
+        members: tuple[int, ...],
+        reason: GroupReason,
+        preempt: Preempt,
+        adopt: bool = False,
+        keep: bool = False,
     ) -> Group:
         """A new group record; ``adopt``: by adoption (the members' DP requests become its TP requests, their KV
-        transformed; it forms at the members' next step boundary, like a hard bind, and pauses nothing)."""
+        transformed; it forms at the members' next step boundary, like a hard bind, and pauses nothing); ``keep``:
+        the members' DP requests keep running beside its steps (it forms at their next step boundary too, and its
+        TP requests get the KV the members have free)."""
         g = Group(
             epoch=0,
             members=members,
             reason=reason,
-            preempt="hard" if adopt else preempt,
+            preempt="hard" if adopt or keep else preempt,
             since=self.now,
             last_used=self.now,
-            kv_cap=self.hard_cap(members) if preempt == "hard" or adopt else 0,
+            kv_cap=self.hard_cap(members) if preempt == "hard" or adopt or keep else 0,
             adopt=adopt,
+            keep=keep,
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
         self._taken = None
-        mode = BindMode.ADOPT if adopt else BindMode(preempt)
+        mode = BindMode.ADOPT if adopt else BindMode.KEEP if keep else BindMode(preempt)
         adopt_ms = self.kv.adopt_ms(members) if adopt else 0.0
         self.out.events.append(
             BindNote(members, reason, mode, adopt_ms, self.cfg.sp_threshold, self.engines_n())
@@ -139,15 +147,17 @@ class Round:
 
     def other_work(self, g: Group) -> int:
         """Requests on the members that were not dispatched to the group (their inflight, less its TP requests):
-        the DP work its bind set aside, or, bound by adoption, the DP requests it adopted."""
+        the DP work its bind set aside, or, bound by adoption, the DP requests it adopted, or, bound with the
+        members' DP work kept, the DP requests still running beside it."""
         n = sum(self.live[m].inflight for m in g.members if m in self.live)
         return n - self.s.tp_load.get(g.epoch, GroupLoad()).inflight  # (the snapshot's: inflight is too)
 
     def paused_dp(self, g: Group) -> int:
         """DP requests the bind set aside on its members. Bound by adoption, those the members report paused
         (none when every member's work moved into the group; an adoption that could not move it, a member short of
-        KV for the slices it would receive or holding a request that cannot move, pauses it as a hard bind does)."""
-        if g.adopt:
+        KV for the slices it would receive or holding a request that cannot move, pauses it as a hard bind does).
+        Bound with the members' DP work kept, likewise: that work runs beside the group, nothing is set aside."""
+        if g.adopt or g.keep:
             return sum(self.live[m].paused for m in g.members if m in self.live)
         return self.other_work(g)
 

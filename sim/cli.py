@@ -5,6 +5,7 @@ steps, latency and throughput of every system; ``sim/plots.py``).
 
 flying-sim --requests 4000 --out sim-out               the paper's two-level workload on 8 simulated H200s
 flying-sim --no-kv-transform --out sim-before          the same, engines without KV transformation (adopt/scatter)
+flying-sim --mixed-steps --out sim-mixed                engines that run their DP work in a bound group's steps
 flying-sim --policy regime=inflight --policy calm_s=3   override the simulator's PolicyConfig fields
 flying-sim --trace my.csv --preset burstgpt --out o    your own trace (a BurstGPT or Azure CSV, or loadgen's format)
 flying-sim --preset azure --out o                       SYNTHETIC, shaped like the Azure 2023 trace (azure-code, burstgpt)
@@ -293,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the engines apply Bind.adopt / Release.scatter (off: the 'before' table)",
     )
     p.add_argument(
+        "--mixed-steps",
+        action=argparse.BooleanOptionalAction,
+        default=d.mixed_steps,
+        help="the engines apply Bind.keep: bound, a member runs its own DP requests in the group's steps (the "
+        "live workers do not yet: a projection)",
+    )
+    p.add_argument(
         "--spread-ownership",
         action=argparse.BooleanOptionalAction,
         default=d.policy.spread_ownership,
@@ -343,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes=a.nodes,
         tp_width=a.tp_width,
         kv_transform=a.kv_transform,
+        mixed_steps=a.mixed_steps,
         shift_threshold=a.shift_threshold,
     )
     policy = {"spread_ownership": a.spread_ownership, **policy_overrides(a.policy)}

@@ -38,6 +38,11 @@ class SimConfig:
         True  # the engines apply Bind.adopt / Release.scatter (and say so in their heartbeats) ...
     )
     no_kv_transform: tuple[int, ...] = ()  # ... except these (an older worker build)
+    # the engines apply Bind.keep (mixed steps: bound, a member runs its own DP requests in the group's steps, and
+    # say so in their heartbeats). The live workers do not yet: off by default, a projection when on
+    mixed_steps: bool = False
+    # ... and a group with only decode work joins every n-th of its members' own steps meanwhile (prefills: at once)
+    mixed_decode_every: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):

@@ -106,6 +106,19 @@ class CostModel:
         comm = self.sp_alltoall_ms + per_gpu * self.allreduce_ms_per_token
         return self.overhead_ms + body + host + comm
 
+    def mixed_step_ms(self, sp: int, local: tuple[int, int, int], group: tuple[int, int, int]) -> float:
+        """One member's share of a bound group's *mixed* step: its own DP work ``local`` (prefill tokens, decoding
+        sequences, their context) and its slice of the group's ``group`` in sequence parallelism, in one pass over
+        its full weights; the all-to-alls carry the group's tokens only (the member's own attend to its own KV)."""
+        lp, ld, lctx = local
+        gp, gd, gctx = group
+        per_gpu = -(-(gp + gd) // sp)  # its slice of the group's tokens, padded
+        body = max(self.weight_read_ms, (lp + ld + per_gpu) * self.prefill_ms_per_token)
+        body += lctx / 1000 * self.kv_ms_per_1k_tokens + gctx / 1000 * self.kv_ms_per_1k_tokens / sp
+        host = ld * self.decode_ms_per_seq + gd * (self.decode_ms_per_seq / sp + self.sp_host_ms_per_seq)
+        comm = self.sp_alltoall_ms + per_gpu * self.allreduce_ms_per_token
+        return self.overhead_ms + body + host + comm
+
     def shift_step_ms(
         self, sp: int, threshold: int, prefill_tokens: int, decode_seqs: int, context_tokens: int
     ) -> tuple[float, bool]:

@@ -106,7 +106,9 @@ class Unit:
     def has_work(self) -> bool:
         return bool(self.running or (self.queue and self.admit))
 
-    def step(self) -> None:
+    def select(self) -> tuple[list[tuple[Req, int]], list[Req], int, int] | None:
+        """Admit what fits, then the next step's work: (prefill chunks, decoding requests, prefill tokens, decode
+        context tokens); None if nothing runs (idle, or the head does not fit yet)."""
         now = self.sim.now
         while (
             self.admit
@@ -121,7 +123,7 @@ class Unit:
             if self.cache is not None and r.prefilled == r.generated == 0:
                 r.cached = r.prefilled = min(self.cache.hit(r.spec.prompt_blocks) * BLOCK, r.spec.prompt - 1)
         if not self.running:
-            return  # idle (or the head does not fit yet); the next dispatch or finish pokes it
+            return None  # idle (or the head does not fit yet); the next dispatch or finish pokes it
         budget, prefill, decode = self.chunk_tokens, [], []
         for r in self.running:
             if r.prefilled < r.spec.prompt:
@@ -132,9 +134,16 @@ class Unit:
             else:
                 decode.append(r)
         ctx = sum(r.prefilled + r.generated for r in decode)
-        ms = self.step_ms(self.chunk_tokens - budget, len(decode), ctx)
+        return prefill, decode, self.chunk_tokens - budget, ctx
+
+    def step(self) -> None:
+        work = self.select()
+        if work is None:
+            return
+        prefill, decode, tokens, ctx = work
+        ms = self.step_ms(tokens, len(decode), ctx)
         self.stepping = True
-        self.sim.at(now + ms / 1000, self.end_step, prefill, decode)
+        self.sim.at(self.sim.now + ms / 1000, self.end_step, prefill, decode)
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, ctx: int) -> float:
         cost = self.sim.cfg.cost
@@ -226,6 +235,11 @@ class Engine:
     def transforms(self) -> bool:
         return self.sim.cfg.kv_transform and self.idx not in self.sim.cfg.no_kv_transform
 
+    @property
+    def mixed(self) -> bool:
+        """It applies Bind.keep: bound, it runs its own DP requests in the group's steps."""
+        return self.sim.cfg.mixed_steps
+
     def heartbeat(self) -> Heartbeat:
         """What a worker would publish now (the fields the router reads)."""
         g, kv = self.group, self.sim.kv_per_engine
@@ -241,6 +255,7 @@ class Engine:
             node=f"node{self.sim.cfg.node_of(self.idx)}" if self.sim.cfg.nodes > 1 else "",
             pool_first=self.sim.cfg.node_of(self.idx) * self.sim.cfg.per_node,
             kv_transform=self.transforms,
+            mixed_steps=self.mixed,
             free_kv_tokens=kv - self.dp.kv_used,
             max_total_tokens=kv,
             ts=self.beat_ts,
@@ -292,28 +307,43 @@ class Engine:
             return
         g = self.group
         if g is not None:
-            if g.leader == self.idx and g.formed:
+            if g.formed and (g.leader == self.idx or g.mixed):
                 g.boundary()
+            self.local_step()
             return
         b = self.pending
+        keep = b is not None and b.keep and self.mixed
         if b is not None and not self.arrived:
             # hard: at once (its DP work pauses, KV kept); sequential/soft: once its DP work (running and queued;
             # the router sends no more) has finished. (The worker holds queued, unstarted DP requests with the
             # paused work instead of running them first: a slightly earlier bind there.)
             adopt = b.adopt and self.transforms  # (an engine without it reads the bind as hard)
-            ready = b.preempt == "hard" or adopt or not (self.dp.running or self.dp.queue)
+            ready = b.preempt == "hard" or adopt or keep or not (self.dp.running or self.dp.queue)
             if ready:
                 if adopt:  # they become the group's when it forms; their KV stays here until then
                     self.adopted = (self.dp.running, self.dp.queue)
-                else:
+                    self.dp.running, self.dp.queue = [], []
+                elif not keep:  # (kept: they run on, beside the group's steps)
                     self.paused_running, self.paused_queue = self.dp.running, self.dp.queue
-                self.dp.running, self.dp.queue = [], []
+                    self.dp.running, self.dp.queue = [], []
                 self.arrived = b.epoch
                 self.sim.arrive(b, self.idx)
-                return
-        if self.arrived:
+                if not keep:
+                    return
+        if self.arrived and not keep:
             return
         if self.dp.has_work():
+            self.dp.step()
+
+    def local_step(self) -> None:
+        """Bound in a group of members that run mixed steps, with DP work of its own (kept at the bind, or sent to
+        it since): its DP requests step on their own unless the group waits for its next mixed step, which runs
+        them (:meth:`SimGroup.waits_for`)."""
+        g = self.group
+        if g is None or not g.mixed or self.dp.stepping or g.unit.stepping or g.waits_for(self.idx):
+            return
+        if self.dp.has_work():
+            g.since_mixed[self.idx] += 1
             self.dp.step()
 
     def resume(self) -> None:
@@ -333,6 +363,14 @@ class SimGroup:
         self.leader = bind.members[0]
         engines = [sim.engines[m] for m in self.members]
         self.adopt = bind.adopt and all(e.transforms for e in engines)
+        # the members' DP requests run on beside the group's steps (mixed steps), their KV their own
+        self.mixed = all(e.mixed for e in engines)  # its members run their own DP work in its steps ...
+        self.keep = (
+            bind.keep and not self.adopt and self.mixed
+        )  # ... from the bind on, what they ran then too
+        self.since_mixed = dict.fromkeys(
+            self.members, 0
+        )  # each member's own DP steps since the last mixed step
         paused_kv = 0 if self.adopt else sum(e.dp.kv_used for e in engines)
         cap = len(self.members) * sim.kv_per_engine - paused_kv
         threshold = sim.cfg.sp_threshold if bind.sp_threshold is None else bind.sp_threshold
@@ -359,6 +397,14 @@ class SimGroup:
     def boundary(self) -> None:
         if self.unit.stepping or not self.formed:
             return
+        members = [self.sim.engines[m] for m in self.members]
+        if self.mixed:
+            if any(e.dp.stepping for e in members):
+                return  # a member's own DP step runs: the next mixed step waits for it
+            kv, share = self.sim.kv_per_engine, -(-self.unit.kv_used // len(members))
+            self.unit.kv_cap = len(members) * kv - sum(e.dp.kv_used for e in members)
+            for e in members:  # its own requests get what the group's share of its KV leaves
+                e.dp.kv_cap = kv - share
         delay = 0.0
         if self.release_asked and (self.retract or self.scatter) and (self.unit.running or self.unit.queue):
             delay = self.move_out()
@@ -367,8 +413,68 @@ class SimGroup:
             self.formed = False
             self.sim.at(self.sim.now + self.sim.cfg.cost.switch_ms / 1000 + delay, self.sim.dissolve, self)
         elif self.unit.has_work():
-            self.unit.step()
+            if self.mixed and any(e.dp.has_work() for e in members):
+                if all(self.waits_for(e.idx) or not e.dp.has_work() for e in members):
+                    self.mixed_step(members)
+                else:  # decode only: the members' own steps first
+                    for e in members:
+                        e.local_step()
+            else:
+                self.unit.step()
             self.trim_caches()
+
+    def waits_for(self, m: int) -> bool:
+        """Member ``m`` (bound with its DP work kept) waits for the group's next mixed step instead of stepping on
+        its own: the group has a prefill to run (a new request's first token comes first), or decode work and
+        ``m`` ran ``mixed_decode_every - 1`` steps of its own since the last mixed step (the group's decoding
+        requests join every n-th of its steps: each mixed step costs every member the all-to-alls' latency and the
+        wait for the slowest member). A member without DP work of its own never holds the group back."""
+        unit = self.unit
+        if not unit.has_work():
+            return False
+        if unit.queue or any(r.prefilled < r.spec.prompt for r in unit.running):
+            return True
+        busy = [n for e, n in self.since_mixed.items() if self.sim.engines[e].dp.has_work()]
+        return min(busy, default=0) >= self.sim.cfg.mixed_decode_every - 1
+
+    def mixed_step(self, members: list[Engine]) -> None:
+        """One step of the group that also runs each member's own DP batch: the group's tokens in SP, a slice on
+        every member, beside the member's DP tokens, all through its full weights; as slow as its busiest member."""
+        work = self.unit.select()
+        if work is None:  # (the group's head does not fit yet): the members step on their own
+            for e in members:
+                e.local_step()
+            return
+        prefill, decode, tokens, ctx = work
+        local = {e.idx: e.dp.select() for e in members}
+        cost, w = self.sim.cfg.cost, len(members)
+        ms = max(
+            cost.mixed_step_ms(
+                w, (mine[2], len(mine[1]), mine[3]) if mine else (0, 0, 0), (tokens, len(decode), ctx)
+            )
+            for mine in local.values()
+        )
+        self.sim.stats["mixed_steps"] += 1
+        self.since_mixed = dict.fromkeys(self.members, 0)
+        self.unit.stepping = True
+        for e in members:
+            e.dp.stepping = local[e.idx] is not None
+        self.sim.at(self.sim.now + ms / 1000, self.end_mixed_step, members, prefill, decode, local)
+
+    def end_mixed_step(
+        self,
+        members: list[Engine],
+        prefill: list[tuple[Req, int]],
+        decode: list[Req],
+        local: dict[int, tuple[list[tuple[Req, int]], list[Req], int, int] | None],
+    ) -> None:
+        for e in members:
+            mine = local[e.idx]
+            if mine is not None:
+                e.dp.end_step(mine[0], mine[1])  # (its boundary waits: the group is still stepping)
+        self.unit.end_step(prefill, decode)  # the group's boundary: the next (mixed) step
+        for e in members:
+            e.local_step()
 
     def trim_caches(self) -> None:
         """The members keep their prefix caches through the epoch (TP requests bypass them), but the group's KV

@@ -324,7 +324,7 @@ class Simulator:
         for m in g.members:
             e = self.engines[m]
             e.group, e.beat_ts = None, self.now
-            e.dp.admit = True
+            e.dp.admit, e.dp.kv_cap = True, self.kv_per_engine
             e.resume()
         for m in g.members:
             self.engines[m].boundary()

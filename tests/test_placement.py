@@ -23,9 +23,9 @@ CFG = UNIT_POLICY
 LIGHT, BUSY = RouterState(busy=False), RouterState(busy=True)
 
 
-def eng(i, inflight=0, cap=1000, epoch=0, kvt=False):
+def eng(i, inflight=0, cap=1000, epoch=0, kvt=False, mixed=False):
     return EngineView(i, f"e{i}", inflight, cap, cap, mode="tp" if epoch else "dp", epoch=epoch, num_engines=4,
-                      beat_ts=100.0, kv_transform=kvt)  # fmt: skip
+                      beat_ts=100.0, kv_transform=kvt, mixed_steps=mixed)  # fmt: skip
 
 
 def req(i="r", prompt=10, priority="normal"):
@@ -78,6 +78,34 @@ def test_light_load_adopts_a_busy_block_whose_members_transform_kv():
         ((0, 1), "hard", True),
     ]
     assert r.out.events[1] == BindNote((0, 1), "load", BindMode.ADOPT, r.kv.adopt_ms((0, 1)), engines=4)
+
+
+def test_light_load_binds_a_busy_block_keeping_its_dp_work_where_its_members_run_mixed_steps():
+    """Members that run mixed steps keep their DP requests running beside the group: the block binds at once, a
+    backlog and all (no adoption limit, no drain, no narrow block first); ``mixed_steps`` off: as before."""
+    loads = (40, 40, 44, 44)  # above adopt_max_inflight and drain_inflight
+    cfg = unit_policy(light_width=4, drain_width=2, drain_inflight=5, adopt_max_inflight=8)
+    r = rnd([eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)], state=LIGHT, cfg=cfg)
+    load_binds(r)
+    assert [(g.members, g.preempt, g.adopt, g.keep) for g in r.out.binds] == [
+        ((0, 1, 2, 3), "hard", False, True)
+    ]
+    assert r.out.events[0] == BindNote((0, 1, 2, 3), "load", BindMode.KEEP, engines=4)
+    assert "DP work kept running beside it" in str(r.out.events[0])
+    assert BindMode.of(r.out.binds[0]) is BindMode.KEEP
+    r = rnd([eng(i, inflight=n, kvt=True, mixed=i != 3) for i, n in enumerate(loads)], state=LIGHT, cfg=cfg)
+    load_binds(r)
+    assert [(g.members, g.keep) for g in r.out.binds] == [((0, 1), True)], "not the block of engine 3"
+    off = unit_policy(light_width=4, drain_width=2, drain_inflight=5, adopt_max_inflight=8, mixed_steps=False)
+    r = rnd([eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)], state=LIGHT, cfg=off)
+    load_binds(r)
+    assert not any(g.keep for g in r.out.binds), "mixed_steps off: no keep"
+
+
+def test_a_high_priority_request_binds_a_busy_block_keeping_its_dp_work():
+    r = rnd([eng(i, inflight=3, mixed=True) for i in range(4)], state=LIGHT)
+    assert place_priority(r, req(priority="high"))
+    assert [(g.members, g.reason, g.keep) for g in r.out.binds] == [((0, 1), "priority", True)]
 
 
 def test_group_for_prefers_the_narrowest_bound_group_with_room():

@@ -81,6 +81,8 @@ def scenarios(draw):
         horizon_s=2000.0,
         kv_transform=draw(st.booleans()),
         no_kv_transform=tuple(draw(st.sets(st.integers(0, engines - 1), max_size=1))),
+        mixed_steps=draw(st.booleans()),
+        mixed_decode_every=draw(st.sampled_from([1, 4])),
     )
     return cfg, reqs
 
@@ -169,14 +171,16 @@ def test_dp_work_paused_by_a_priority_bind_resumes_within_max_defer_s():
 MANUAL = unit_policy(load_adaptation=False, priority=False, long_context=False)
 
 
-def operator(sim: Simulator, at: float, members: tuple[int, ...], adopt: bool) -> int:
+def operator(sim: Simulator, at: float, members: tuple[int, ...], adopt: bool, keep: bool = False) -> int:
     """flyctl bind [--adopt] at ``at``: a manual record, then the commands."""
     epoch = next(sim.epochs)
 
     def go():
-        sim.records[epoch] = Group(epoch=epoch, members=members, reason="manual", since=sim.now, adopt=adopt)
+        sim.records[epoch] = Group(
+            epoch=epoch, members=members, reason="manual", since=sim.now, adopt=adopt, keep=keep
+        )
         for m in members:
-            sim.engines[m].command(Bind(epoch=epoch, members=members, adopt=adopt))
+            sim.engines[m].command(Bind(epoch=epoch, members=members, adopt=adopt, keep=keep))
 
     sim.at(at, go)
     return epoch
@@ -227,6 +231,46 @@ def test_adoption_and_scatter_move_requests_without_pause_or_recompute_and_keep_
     assert sim.stats["scattered"] == 3 and sim.stats["retracted"] == 0
     assert [k for _, k, _, n in sim.transforms] == ["adopt", "scatter"]
     assert max(gaps(r) for r in records) < 0.2, "no request paused across the bind or the release"
+
+
+def test_a_bind_that_keeps_dp_work_runs_it_beside_the_groups_steps():
+    """Mixed steps: two engines decode a DP request each; a bind with ``keep`` forms without pausing, moving or
+    draining them, they keep decoding in DP on their engines (in the group's steps while it has work), a request
+    sent to the group runs in it, and the release ends nothing; workers without mixed steps read the same bind
+    as a hard one (the DP requests pause)."""
+    reqs = [
+        SimRequest(0.0, "normal", 200, 300),
+        SimRequest(0.0, "normal", 300, 300),
+        SimRequest(1.0, "normal", 100, 200),
+    ]
+    for mixed in (True, False):
+        cfg = SimConfig(engines=2, cost=SMALL, policy=MANUAL, mixed_steps=mixed, kv_transform=False)
+        sim = Simulator(cfg, reqs, check=True)
+        ep = operator(sim, 0.5, (0, 1), adopt=False, keep=True)
+        release(sim, 4.0, ep, (0, 1))
+        seen = {}
+        sim.at(1.5, lambda sim=sim, seen=seen: seen.update({i: where(sim, i) for i in range(3)}))
+        records = sim.run()
+        assert all(r.ok and r.output_tokens == s.output for r, s in zip(records, reqs))
+        assert seen[2] == f"tp{ep}"
+        if mixed:
+            assert (seen[0], seen[1]) == ("dp0", "dp1") and not sim.engines[0].paused
+            assert max(gaps(r) for r in records[:2]) < 0.2, "no DP request paused across the bind"
+            assert sim.stats["mixed_steps"] > 0 and not sim.transforms
+        else:
+            assert max(gaps(r) for r in records[:2]) > 1.0, "read as a hard bind: paused"
+            assert sim.stats["mixed_steps"] == 0
+
+
+def test_a_mixed_step_costs_its_busiest_member_its_own_step_and_the_groups_slice():
+    """One pass over the full weights for the member's own tokens and its slice of the group's: cheaper than the
+    two steps apart, dearer than its own step alone (the all-to-alls' latency at least)."""
+    m = CostModel()
+    ctx, gctx = 64 * 1500, 8 * 1500
+    own = m.step_ms(1, 0, 64, ctx, merged=False)
+    mixed = m.mixed_step_ms(8, (0, 64, ctx), (0, 8, gctx))
+    assert own + m.sp_alltoall_ms <= mixed < own + m.sp_step_ms(8, 0, 8, gctx)
+    assert m.mixed_step_ms(8, (0, 0, 0), (0, 64, ctx)) == pytest.approx(m.sp_step_ms(8, 0, 64, ctx), rel=0.05)
 
 
 def test_without_kv_transform_the_same_commands_pause_and_retract():

@@ -113,10 +113,11 @@ def test_bind_by_adoption_continues_busy_engines_requests_in_tp(cluster, stock_t
 def test_release_by_scatter_returns_tp_requests_to_dp_on_their_owners(cluster):
     """Adopt one request per engine, add a TP request of the group's own (on the leader), then scatter: each goes
     back to DP on the engine it arrived on, mid-decode, with its KV."""
-    urls, n = [worker_url(cluster, i) for i in (0, 1)], 300
+    urls, n = [worker_url(cluster, i) for i in (0, 1)], 400
     jobs = [(urls[0], PROMPTS[0]), (urls[1], PROMPTS[1]), (urls[0], PROMPTS[1][:100])]
     refs = [generate(u, p, n) for u, p in jobs]
-    half = decode_time(urls[0], n) * 0.25
+    half = decode_time(urls[0], n) * 0.15  # (the bind and the waits for each mode take time too: a busy
+    # machine's can take a third of the decode)
     run = Running(jobs[:2], n)
     time.sleep(half)
     r = cluster.client()
