@@ -256,3 +256,40 @@ def test_members_that_keep_missing_each_other_still_build_the_group():
     for t in reducers:
         t.join(10)
     assert [x.item() for x in sums] == [3.0, 3.0]
+
+
+def test_a_member_waiting_on_a_group_with_a_dead_member_gives_up_in_bounded_time():
+    """Engine 2 of (0, 1, 2) is gone: the leader keeps opening rounds (its watcher, every second) that never
+    complete. Engine 1 must still give up within three timeouts, not wait for ever on round after round, or it
+    would never come back to rebuild its other groups."""
+    import threading
+
+    port = free_port()
+    pools = [CommPool(e, 3, "127.0.0.1", port, timeout_s=1) for e in (0, 1)]
+    for pool in pools:
+        pool.store = pool._connect()
+    pools[0]._connected().set("flying/launch/2", "gone")
+    ids = pools[0]._launch_ids((0, 1, 2), wait=True)
+    stop = threading.Event()
+
+    def leader() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                pools[0]._rendezvous("g", (0, 1, 2), ids)
+
+    got: list[BaseException] = []
+
+    def follower() -> None:
+        try:
+            pools[1]._rendezvous("g", (0, 1, 2), ids)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            got.append(exc)
+
+    threads = [threading.Thread(target=leader), threading.Thread(target=follower, daemon=True)]
+    for t in threads:
+        t.start()
+    threads[1].join(8)
+    stop.set()
+    threads[0].join(10)
+    assert not threads[1].is_alive(), "engine 1 still waits on rounds that never complete"
+    assert len(got) == 1 and isinstance(got[0], TimeoutError) and "no round of g completed" in str(got[0])

@@ -282,8 +282,10 @@ class CommPool:
         missing each other. So a build never reuses a prefix: the leader (``members[0]``) opens a numbered round
         and waits ``timeout_s`` for every other member to answer it with a token; then it writes the tokens it got
         (go) and all build on that round's prefix. A member answers the newest round it sees and builds only on a
-        go that names its token; a round the leader gave up on is never built on. Either side stops early when a
-        member's launch id changes (a newer generation supersedes this one)."""
+        go that names its token; a round the leader gave up on is never built on. Either side gives up after a
+        bounded wait (the leader ``timeout_s``, the others three times that, however many rounds open meanwhile, so
+        that a dead member of one group holds up no other), and early when a member's launch id changes (a newer
+        generation supersedes this one)."""
         store, rank = self._connected(), members.index(self.engine)
         counter, token = f"{name}/round", uuid.uuid4().hex[:12]
         waited, checked = time.monotonic(), time.monotonic()
@@ -309,12 +311,15 @@ class CommPool:
             n = store.add(counter, 0)  # (reads the counter, 0 while no round was opened)
             if n > seen:  # a newer round: answer it
                 store.set(f"{name}/{n}/here/{rank}", token)
-                seen, waited = n, time.monotonic()
+                seen = n
             go = f"{name}/{seen}/go"
             if seen and store.check([go]) and token in store.get(go).decode().split(","):
                 return f"{name}/{seen}"
-            if time.monotonic() - waited > 3 * self.timeout_s or superseded():
-                raise TimeoutError(f"{members}: the leader opened no round of {name} this member could join")
+            if (
+                time.monotonic() - waited > 3 * self.timeout_s or superseded()
+            ):  # (from the call's start: rounds
+                # that never complete, a third member gone, must not keep this member from its other groups)
+                raise TimeoutError(f"{members}: no round of {name} completed with this member in it")
             time.sleep(0.02)
 
     def _build_group(self, members: tuple[int, ...], ids: tuple[str, ...], reset: int = 0) -> None:
