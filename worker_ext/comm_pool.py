@@ -288,7 +288,8 @@ class CommPool:
         generation supersedes this one)."""
         store, rank = self._connected(), members.index(self.engine)
         counter, token = f"{name}/round", uuid.uuid4().hex[:12]
-        waited, checked = time.monotonic(), time.monotonic()
+        checked = time.monotonic()
+        deadline = checked + (self.timeout_s if rank == 0 else 3 * self.timeout_s)
 
         def superseded() -> bool:
             nonlocal checked
@@ -301,7 +302,7 @@ class CommPool:
             n = store.add(counter, 1)
             answers = [f"{name}/{n}/here/{r}" for r in range(1, len(members))]
             while not store.check(answers):
-                if time.monotonic() - waited > self.timeout_s or superseded():
+                if time.monotonic() > deadline or superseded():
                     raise TimeoutError(f"{members}: not every member answered round {n} of {name}")
                 time.sleep(0.02)
             store.set(f"{name}/{n}/go", ",".join(store.get(k).decode() for k in answers))
@@ -315,10 +316,7 @@ class CommPool:
             go = f"{name}/{seen}/go"
             if seen and store.check([go]) and token in store.get(go).decode().split(","):
                 return f"{name}/{seen}"
-            if (
-                time.monotonic() - waited > 3 * self.timeout_s or superseded()
-            ):  # (from the call's start: rounds
-                # that never complete, a third member gone, must not keep this member from its other groups)
+            if time.monotonic() > deadline or superseded():
                 raise TimeoutError(f"{members}: no round of {name} completed with this member in it")
             time.sleep(0.02)
 
