@@ -335,12 +335,14 @@ class Engine:
         if self.dp.has_work():
             self.dp.step()
 
-    def local_step(self) -> None:
-        """Bound in a group of members that run mixed steps, with DP work of its own (kept at the bind, or sent to
-        it since): its DP requests step on their own unless the group waits for its next mixed step, which runs
-        them (:meth:`SimGroup.waits_for`)."""
+    def local_step(self, force: bool = False) -> None:
+        """Bound in a group of members that run mixed steps, with DP work of its own (kept at the bind): its DP
+        requests step on their own unless the group waits for its next mixed step, which runs them
+        (:meth:`SimGroup.waits`); ``force``: they step anyway (the group has nothing it can run yet)."""
         g = self.group
-        if g is None or not g.mixed or self.dp.stepping or g.unit.stepping or g.waits_for(self.idx):
+        if g is None or not g.mixed or self.dp.stepping or g.unit.stepping:
+            return
+        if g.waits() and not force:
             return
         if self.dp.has_work():
             g.since_mixed[self.idx] += 1
@@ -363,11 +365,10 @@ class SimGroup:
         self.leader = bind.members[0]
         engines = [sim.engines[m] for m in self.members]
         self.adopt = bind.adopt and all(e.transforms for e in engines)
-        # the members' DP requests run on beside the group's steps (mixed steps), their KV their own
-        self.mixed = all(e.mixed for e in engines)  # its members run their own DP work in its steps ...
-        self.keep = (
-            bind.keep and not self.adopt and self.mixed
-        )  # ... from the bind on, what they ran then too
+        # mixed: its members run their own DP work in its steps (their KV their own); keep: from the bind on, the
+        # DP work they ran then too
+        self.mixed = all(e.mixed for e in engines)
+        self.keep = bind.keep and not self.adopt and self.mixed
         self.since_mixed = dict.fromkeys(
             self.members, 0
         )  # each member's own DP steps since the last mixed step
@@ -414,7 +415,7 @@ class SimGroup:
             self.sim.at(self.sim.now + self.sim.cfg.cost.switch_ms / 1000 + delay, self.sim.dissolve, self)
         elif self.unit.has_work():
             if self.mixed and any(e.dp.has_work() for e in members):
-                if all(self.waits_for(e.idx) or not e.dp.has_work() for e in members):
+                if self.waits():
                     self.mixed_step(members)
                 else:  # decode only: the members' own steps first
                     for e in members:
@@ -423,12 +424,12 @@ class SimGroup:
                 self.unit.step()
             self.trim_caches()
 
-    def waits_for(self, m: int) -> bool:
-        """Member ``m`` (bound with its DP work kept) waits for the group's next mixed step instead of stepping on
-        its own: the group has a prefill to run (a new request's first token comes first), or decode work and
-        ``m`` ran ``mixed_decode_every - 1`` steps of its own since the last mixed step (the group's decoding
-        requests join every n-th of its steps: each mixed step costs every member the all-to-alls' latency and the
-        wait for the slowest member). A member without DP work of its own never holds the group back."""
+    def waits(self) -> bool:
+        """The members (with DP work kept) wait for the group's next mixed step instead of stepping on their own:
+        the group has a prefill to run (a new request's first token comes first), or decode work and every member
+        with DP work of its own ran ``mixed_decode_every - 1`` steps of it since the last mixed step (the group's
+        decoding requests join every n-th of their steps: each mixed step costs every member the all-to-alls'
+        latency and the wait for the slowest member)."""
         unit = self.unit
         if not unit.has_work():
             return False
@@ -441,9 +442,9 @@ class SimGroup:
         """One step of the group that also runs each member's own DP batch: the group's tokens in SP, a slice on
         every member, beside the member's DP tokens, all through its full weights; as slow as its busiest member."""
         work = self.unit.select()
-        if work is None:  # (the group's head does not fit yet): the members step on their own
+        if work is None:  # (the group's head does not fit yet: the members' own work must free KV first)
             for e in members:
-                e.local_step()
+                e.local_step(force=True)
             return
         prefill, decode, tokens, ctx = work
         local = {e.idx: e.dp.select() for e in members}

@@ -262,6 +262,35 @@ def test_a_bind_that_keeps_dp_work_runs_it_beside_the_groups_steps():
             assert sim.stats["mixed_steps"] == 0
 
 
+def test_a_kept_group_whose_request_waits_for_kv_lets_its_members_own_work_free_it():
+    """The members' kept DP requests hold most of their KV, so the group's request cannot start yet: the members
+    keep stepping their own work (no mixed step can run) until it finishes and frees the KV, then the group's
+    request runs. Nothing stalls."""
+    reqs = [SimRequest(0.0, "normal", 3000, 300), SimRequest(0.0, "normal", 3000, 300)]
+    reqs.append(SimRequest(1e6, "normal", 1900, 100))  # (never arrives by itself: sent to the group below)
+    cfg = SimConfig(
+        engines=2, cost=SMALL, policy=MANUAL, mixed_steps=True, kv_transform=False, horizon_s=120.0
+    )
+    sim = Simulator(cfg, reqs)
+    ep = operator(sim, 0.5, (0, 1), adopt=False, keep=True)
+
+    def to_group() -> None:
+        r, g = sim.reqs[2], sim.groups[ep]
+        r.engine, r.epoch = 0, ep
+        sim.engines[0].assigned += 1
+        sim.tp_load[ep] = [1, r.kv]
+        assert g.unit.kv_used + r.kv > len(g.members) * sim.kv_per_engine - 6600, "it must not fit yet"
+        g.unit.queue.append(r)
+        g.boundary()
+
+    sim.at(1.0, to_group)
+    records = sim.run()
+    assert all(r.ok and r.output_tokens == s.output for r, s in zip(records, reqs)), [
+        r.error for r in records
+    ]
+    assert records[2].event_times[0] > max(records[0].ended_at, records[1].ended_at) - 1.0
+
+
 def test_a_mixed_step_costs_its_busiest_member_its_own_step_and_the_groups_slice():
     """One pass over the full weights for the member's own tokens and its slice of the group's: cheaper than the
     two steps apart, dearer than its own step alone (the all-to-alls' latency at least)."""
