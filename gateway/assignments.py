@@ -1,7 +1,11 @@
 """Waiting for the router's assignments, at a cost that does not grow with the queue: one pub/sub subscription per
 gateway resolves a future per request, and one reconciliation every ``reconcile_s`` reads the state of all of this
 gateway's waiting requests in a single round trip (one Lua call) in case a message was missed, e.g. across a
-Redis reconnect. No request polls Redis on its own."""
+Redis reconnect. No request polls Redis on its own.
+
+The reconciliation also watches the subscription: a listener task that ended, or a channel Redis counts no
+subscriber on, is a subscription lost without an error to say so (the waits would then go at one reconciliation
+per ``reconcile_s``); it is reported and subscribed again."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import redis.asyncio as aioredis
 
 from flying.cancel import reraise_if_cancelled, stop_task
@@ -38,25 +43,26 @@ class AssignmentWaiter:
         self.pending: dict[str, asyncio.Future[Assignment]] = {}
         self.admitted: set[str] = set()  # pending ids known to be in Redis (so a missing record means lost)
         self.reconciled = 0  # assignments found by reconciliation rather than by message
-        self._tasks: list[asyncio.Task] = []
-        self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)  # connects at its first subscribe
+        self.resubscribed = 0  # subscriptions found lost by the reconciliation and made again
+        self._pubsub: aioredis.client.PubSub | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._reconciler: asyncio.Task[None] | None = None
+        self._reconcile_now = asyncio.Event()  # set when messages may have been missed (a new subscription)
         self._stopping = False
 
     async def start(self) -> None:
-        await self._pubsub.subscribe(self.channel)
-        self._tasks = [
-            asyncio.create_task(self._listen(), name="assignment-listener"),
-            asyncio.create_task(self._reconcile_loop(), name="assignment-reconciler"),
-        ]
+        """Subscribe (before the gateway admits anything, so no assignment can be published unheard), then
+        listen and reconcile in the background."""
+        await self._subscribe()
+        self._listener = asyncio.create_task(self._listen(), name="assignment-listener")
+        self._reconciler = asyncio.create_task(self._reconcile_loop(), name="assignment-reconciler")
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._tasks:
+        for task in (self._listener, self._reconciler):
             if not await stop_task(task):
-                log.warning("%s did not end when cancelled; left behind", task.get_name())
-        if self._pubsub:
-            with contextlib.suppress(aioredis.RedisError):
-                await self._pubsub.aclose()
+                log.warning("%s did not end when cancelled; left behind", task.get_name() if task else "")
+        await self._drop_pubsub()
 
     def expect(self, rid: str) -> asyncio.Future[Assignment]:
         """Register interest before admitting the request, so the assignment cannot race past us."""
@@ -109,12 +115,37 @@ class AssignmentWaiter:
             await self.on_missing(missing)
         return len(assigned)
 
+    async def check_subscription(self) -> bool:
+        """True if the subscription is live: the listener runs and Redis counts a subscriber on the channel.
+        Otherwise report why, subscribe again on a fresh connection and return False."""
+        if self._listener is not None and self._listener.done():
+            exc = None if self._listener.cancelled() else self._listener.exception()
+            why = f"the listener ended ({exc!r})"
+        else:
+            [(_, subscribers)] = await self.r.pubsub_numsub(self.channel)
+            if subscribers:
+                return True
+            why = "Redis counts no subscriber on the channel"
+        log.error("assignment subscription lost: %s; subscribing again", why)
+        self.resubscribed += 1
+        if not await stop_task(self._listener):
+            log.warning("assignment-listener did not end when cancelled; left behind")
+        await self._drop_pubsub()
+        try:
+            await self._subscribe()  # here, so that the next check sees it (else the new listener subscribes)
+        finally:
+            self._listener = asyncio.create_task(self._listen(), name="assignment-listener")
+        return False
+
     async def _reconcile_loop(self) -> None:
         while not self._stopping:
-            await asyncio.sleep(self.reconcile_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reconcile_now.wait(), self.reconcile_s)
+            self._reconcile_now.clear()
             try:
                 if n := await self.reconcile():
                     log.info("reconciliation found %d assignments whose message was missed", n)
+                await self.check_subscription()
             except aioredis.RedisError as exc:
                 reraise_if_cancelled()
                 log.warning("reconciliation failed: %r", exc)
@@ -122,25 +153,53 @@ class AssignmentWaiter:
                 reraise_if_cancelled()
                 log.exception("reconciliation round failed")
 
+    async def _subscribe(self) -> aioredis.client.PubSub:
+        pubsub = self.r.pubsub(ignore_subscribe_messages=True)  # connects at its first subscribe
+        try:
+            await pubsub.subscribe(self.channel)
+        except BaseException:
+            with contextlib.suppress(aioredis.RedisError, RuntimeError):
+                await pubsub.aclose()
+            raise
+        self._pubsub = pubsub
+        return pubsub
+
+    async def _drop_pubsub(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(aioredis.RedisError, RuntimeError):
+                await pubsub.aclose()
+
     async def _listen(self) -> None:
-        """Relay messages to futures; when the connection breaks, subscribe again on a fresh connection (with
-        backoff while Redis is away), then reconcile: messages published meanwhile are gone."""
+        """Relay messages to futures. When the subscription breaks (or anything else goes wrong), subscribe
+        again on a fresh connection, with backoff while Redis is away, and have the reconciliation run at once:
+        messages published meanwhile are gone. Nothing here waits on anything but Redis."""
         backoff = 0.1
         while not self._stopping:
             try:
-                async for msg in self._pubsub.listen():
+                pubsub = self._pubsub
+                if pubsub is None:
+                    pubsub = await self._subscribe()
+                    self._reconcile_now.set()
+                async for msg in pubsub.listen():
                     backoff = 0.1
                     if msg.get("type") == "message":
-                        self.resolve(decode(msg["data"], Assignment))
+                        self._deliver(msg["data"])
                 raise aioredis.ConnectionError("subscription ended")
-            except aioredis.RedisError as exc:
+            except Exception as exc:  # noqa: BLE001 - the listener must outlive any one failure
                 reraise_if_cancelled()
-                log.warning("assignment subscription lost (%r); resubscribing in %.1f s", exc, backoff)
+                if isinstance(exc, aioredis.RedisError):
+                    log.warning("assignment subscription lost (%r); resubscribing in %.1f s", exc, backoff)
+                else:
+                    log.exception("assignment listener failed; resubscribing in %.1f s", backoff)
+                await self._drop_pubsub()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-                with contextlib.suppress(aioredis.RedisError):
-                    await self._pubsub.aclose()
-                self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-                with contextlib.suppress(aioredis.RedisError):
-                    await self._pubsub.subscribe(self.channel)
-                    await self.reconcile()
+
+    def _deliver(self, data: bytes) -> None:
+        try:
+            a = decode(data, Assignment)
+        except msgspec.DecodeError as exc:  # (ValidationError included) not ours, or another version's
+            log.warning("ignored a message on %s that is not an assignment: %s", self.channel, exc)
+            return
+        self.resolve(a)
