@@ -61,7 +61,9 @@ async def test_a_published_assignment_resolves_the_wait(waiter, aredis, keys):
     assert await w.check_subscription() and w.resubscribed == 0
 
 
-async def test_a_subscription_redis_dropped_silently_is_made_again_by_the_reconciliation(waiter, aredis, keys):
+async def test_a_subscription_redis_dropped_silently_is_made_again_by_the_reconciliation(
+    waiter, aredis, keys
+):
     w = await waiter(reconcile_s=0.2)
     await drop_server_side(w)
     lost = w.expect("lost")
@@ -97,7 +99,9 @@ async def test_a_message_that_is_not_an_assignment_is_skipped_and_the_next_one_a
     w = await waiter()
     fut = w.expect("r3")
     await aredis.publish(keys.gateway_channel("g1"), b"not msgpack \xff")
-    await aredis.publish(keys.gateway_channel("g1"), encode(Assignment(id="r3", engine=0, url="u", queue_ms=0)))
+    await aredis.publish(
+        keys.gateway_channel("g1"), encode(Assignment(id="r3", engine=0, url="u", queue_ms=0))
+    )
     assert await arrives(fut) is not None
     assert w._listener is not None and not w._listener.done()
 
@@ -105,7 +109,9 @@ async def test_a_message_that_is_not_an_assignment_is_skipped_and_the_next_one_a
 async def test_an_assignment_whose_message_was_missed_is_found_by_the_reconciliation(waiter, aredis, keys):
     w = await waiter()
     fut = w.expect("r4")
-    await aredis.hset(keys.request("r4"), mapping={"state": "assigned", "engine": 0, "url": "http://e0", "queue_ms": 1})
+    await aredis.hset(
+        keys.request("r4"), mapping={"state": "assigned", "engine": 0, "url": "http://e0", "queue_ms": 1}
+    )
     w.mark_admitted("r4")
     assert await w.reconcile() == 1
     assert fut.done() and fut.result().url == "http://e0" and w.reconciled == 1
