@@ -142,16 +142,24 @@ class AssignmentWaiter:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reconcile_now.wait(), self.reconcile_s)
             self._reconcile_now.clear()
-            try:
-                if n := await self.reconcile():
-                    log.info("reconciliation found %d assignments whose message was missed", n)
-                await self.check_subscription()
+            try:  # bounded: a round that hung would leave a lost subscription unnoticed
+                await asyncio.wait_for(self._round(), max(10.0, 5 * self.reconcile_s))
+            except TimeoutError:
+                reraise_if_cancelled()
+                log.error(
+                    "a reconciliation round took over %.0f s; abandoned", max(10.0, 5 * self.reconcile_s)
+                )
             except aioredis.RedisError as exc:
                 reraise_if_cancelled()
                 log.warning("reconciliation failed: %r", exc)
             except Exception:  # noqa: BLE001 - the loop must outlive any one round
                 reraise_if_cancelled()
                 log.exception("reconciliation round failed")
+
+    async def _round(self) -> None:
+        if n := await self.reconcile():
+            log.info("reconciliation found %d assignments whose message was missed", n)
+        await self.check_subscription()
 
     async def _subscribe(self) -> aioredis.client.PubSub:
         pubsub = self.r.pubsub(ignore_subscribe_messages=True)  # connects at its first subscribe

@@ -115,3 +115,30 @@ async def test_an_assignment_whose_message_was_missed_is_found_by_the_reconcilia
     w.mark_admitted("r4")
     assert await w.reconcile() == 1
     assert fut.done() and fut.result().url == "http://e0" and w.reconciled == 1
+
+
+async def test_messages_keep_arriving_while_a_reconciliation_hangs_on_a_lost_request(aredis, keys):
+    """Re-admitting what Redis lost runs in the reconciliation, never in the listener: a re-admission that hangs
+    (here forever) holds up no assignment that arrives by message after the subscription is made again."""
+    hung = asyncio.Event()
+
+    async def hang(rids: list[str]) -> None:
+        hung.set()
+        await asyncio.Event().wait()
+
+    w = AssignmentWaiter(aredis, keys, "g1", reconcile_s=1000.0, on_missing=hang)
+    await w.start()
+    try:
+        w.expect("gone")
+        w.mark_admitted("gone")  # admitted, but Redis has no record of it: lost
+        # the listener resubscribes, then the reconciliation runs
+        await aredis.client_kill_filter(_type="pubsub")
+        await asyncio.wait_for(hung.wait(), 5)
+        fut = w.expect("next")
+        for _ in range(40):
+            await publish(aredis, keys, "next")
+            if await arrives(fut, 0.1) is not None:
+                break
+        assert fut.done() and fut.result().id == "next"
+    finally:
+        await w.stop()
