@@ -19,7 +19,6 @@ with ``SO_REUSEPORT``, so the kernel spreads new connections among them. It
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -29,12 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
 from prometheus_client import multiprocess
 
+from flying.parent_death import dies_with
 from gateway.metrics import MULTIPROC_ENV
 
 log = logging.getLogger("flying.gateway.workers")
@@ -63,29 +62,6 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise PortTaken(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
     return sock
-
-
-_prctl: Callable[..., int] | None
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # Linux
-except (OSError, AttributeError):
-    _prctl = None
-PR_SET_PDEATHSIG = 1
-
-
-def _dies_with(parent: int) -> Callable[[], None] | None:
-    """What a worker runs between fork and exec: SIGTERM to it when ``parent`` dies (at once if it already has)."""
-
-    prctl = _prctl
-    if prctl is None:
-        return None
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the supervisor died before the call above
-            os._exit(1)
-
-    return preexec
 
 
 @dataclass
@@ -140,7 +116,7 @@ class Supervisor:
             self.command,
             env=self.env,
             start_new_session=True,
-            preexec_fn=_dies_with(os.getpid()),
+            preexec_fn=dies_with(os.getpid()),
             stdin=subprocess.DEVNULL,
         )
         w.started = time.monotonic()

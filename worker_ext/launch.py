@@ -32,6 +32,7 @@ import redis
 from flying import cli, logs, redis_conn, settings
 from flying.keys import Keys
 from flying.logs import LogFormat
+from flying.parent_death import dies_with
 from flying.procs import NotReady, wait_healthy
 from worker_ext import sglang_patches
 from worker_ext.cpu_compat import SGLANG_CPU_ARGS, on_cpu_host, sglang_cpu_env
@@ -214,8 +215,11 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
     with contextlib.suppress(redis.RedisError):
         r.delete(keys.ready(cfg.engine))
     launch_id = uuid.uuid4().hex[:12]
-    # Same process group as this launcher: whoever kills the worker's group kills the server with it.
-    proc = subprocess.Popen(sglang_command(cfg), env=sglang_env(cfg, launch_id))
+    # Same process group as this launcher: whoever kills the worker's group kills the server with it; and the
+    # server gets SIGTERM when the launcher dies alone (kill -9), so a restarted launcher finds its port free.
+    proc = subprocess.Popen(
+        sglang_command(cfg), env=sglang_env(cfg, launch_id), preexec_fn=dies_with(os.getpid())
+    )
     draining = threading.Event()
     ready = threading.Event()
 

@@ -1,0 +1,34 @@
+"""A child process that dies with its parent: Linux's ``PR_SET_PDEATHSIG``, set between fork and exec, has the
+kernel send the child SIGTERM when the parent dies, even by ``kill -9`` (which runs none of the parent's own
+cleanup). A gateway supervisor's workers and a ``flying-worker``'s SGLang server use it, so that killing the parent
+never leaves a child holding its port, its memory and (a worker) its heartbeat."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from collections.abc import Callable
+
+_prctl: Callable[..., int] | None
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # Linux
+except (OSError, AttributeError):
+    _prctl = None
+PR_SET_PDEATHSIG = 1
+
+
+def dies_with(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: SIGTERM to the child when ``parent`` dies (at once if it already
+    has). None where the platform has no ``prctl``."""
+
+    prctl = _prctl
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the call above
+            os._exit(1)
+
+    return preexec
