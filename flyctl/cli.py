@@ -45,6 +45,11 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
         if node or len(nodes) > 1:  # (engines that announce no node: one unnamed node, shown as before)
             lines.append(node_header(node, engines))
         lines += [_engine_row(r, keys, e, hb, breakers.get(e)) for e, hb in engines.items()]
+    registered = sorted(int(x) for x in r.smembers(keys.workers))
+    for e in (e for e in registered if e not in beats):  # registered once, no live heartbeat now
+        lines.append(
+            f"{e:>6} down: no live heartbeat (stopped, or its worker died); breaker {breaker_cell(breakers.get(e))}"
+        )
     if not beats:
         lines.append("no live engines")
     raw = r.get(keys.router_state)
@@ -70,6 +75,19 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     parts = ", ".join(f"{name} {n} (oldest {age:.2f} s)" for name, (n, age) in depths.items() if n)
     lines.append(f"queue: {total} waiting" + (f": {parts}" if parts else ""))
     return "\n".join(lines)
+
+
+def unknown_group(r: redis.Redis, keys: Keys, epoch: int, members: tuple[int, ...]) -> str:
+    """Why ``flyctl release EPOCH MEMBERS`` names no group ('' if it does): no group record has that epoch and
+    no live engine reports it, or the record's members are others."""
+    record = next((g for g in control.groups(r, keys) if g.epoch == epoch), None)
+    if record is None:
+        if any(hb.epoch == epoch for hb in control.status(r, keys).values()):
+            return ""  # bound without a record (e.g. by hand with the router's record gone)
+        return "no group has that epoch (flyctl status lists the groups)"
+    if set(record.members) != set(members):
+        return f"its group is {list(record.members)}, not {list(members)}"
+    return ""
 
 
 def breaker_cell(b: Breaker | None) -> str:
@@ -179,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"flyctl: {exc}", file=sys.stderr)
                 return 2
         elif a.cmd == "release":
+            if why := unknown_group(r, keys, a.epoch, tuple(sorted(set(a.members)))):
+                print(f"flyctl: cannot release epoch {a.epoch}: {why}", file=sys.stderr)
+                return 2
             control.release(r, keys, tuple(a.members), a.epoch, a.retract, scatter=a.scatter)
         elif a.cmd == "tenants":
             print(render_tenants(r, keys))

@@ -19,7 +19,9 @@ def by_node(beats: Mapping[int, Heartbeat]) -> dict[str, dict[int, Heartbeat]]:
 def node_header(node: str, beats: Mapping[int, Heartbeat]) -> str:
     """One node's line above its engines: its name and its pool's span as the heartbeats report it."""
     pools = sorted({(hb.pool_first, hb.num_engines) for hb in beats.values()})
-    spans = ", ".join(f"{f}..{f + n - 1}" if n > 1 else "none (cannot bind)" for f, n in pools)
+    spans = ", ".join(
+        f"{f}..{f + n - 1}" if n > 1 else "none (cannot bind: no --comm-port)" for f, n in pools
+    )
     return f"node {node or '(unnamed)'}: {len(beats)} live, pool engines {spans}"
 
 
@@ -34,6 +36,11 @@ def cross_node(beats: Mapping[int, Heartbeat], members: tuple[int, ...]) -> str:
         return f"engines {where}: a group binds engines of one node only"
     for m, hb in live.items():
         first, n = hb.pool_first, hb.num_engines
+        if n <= 1 and len(members) > 1:
+            return (
+                f"engine {m} has no communicator pool: its flying-worker was started without --comm-port (give "
+                "every engine of the node the same --comm-port and --num-engines to let them bind)"
+            )
         if outside := [x for x in members if not first <= x < first + n]:
             return (
                 f"engines {outside} are not in engine {m}'s pool on node {hb.node or '(unnamed)'} "

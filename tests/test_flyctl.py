@@ -28,6 +28,36 @@ def test_bind_and_release_write_every_members_stream(sync_redis, keys, redis_ser
     assert main([*args, "bind", "1"]) == 2  # a group of one is refused
 
 
+def test_release_refuses_an_epoch_no_group_has_and_other_members(sync_redis, keys, redis_server, capsys):
+    args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    assert main([*args, "release", "999", "0", "1"]) == 2
+    assert "cannot release epoch 999: no group has that epoch" in capsys.readouterr().err
+    assert sync_redis.xlen(keys.commands(0)) == 0, "nothing sent"
+    assert main([*args, "bind", "0", "1"]) == 0
+    epoch = int(capsys.readouterr().out)
+    assert main([*args, "release", str(epoch), "0", "2"]) == 2
+    assert "its group is [0, 1], not [0, 2]" in capsys.readouterr().err
+    assert sync_redis.xlen(keys.commands(2)) == 0
+    sync_redis.hdel(
+        keys.groups, str(epoch)
+    )  # the record gone, but an engine still reports the epoch: allowed
+    hb = Heartbeat(engine=0, url="u", pid=1, model="m", launch_id="L", mode="tp", epoch=epoch, group=(0, 1))
+    sync_redis.set(keys.worker(0), encode(hb))
+    sync_redis.set(keys.ready(0), "L")
+    sync_redis.sadd(keys.workers, 0)
+    assert main([*args, "release", str(epoch), "0", "1"]) == 0
+
+
+def test_bind_of_engines_started_without_a_comm_port_says_so(sync_redis, keys, redis_server, capsys):
+    args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    for e in (0, 1):
+        _beat(sync_redis, keys, e, "a", e, n=1)  # what a worker without --comm-port reports: a pool of one
+    assert main([*args, "status"]) == 0
+    assert "pool engines none (cannot bind: no --comm-port)" in capsys.readouterr().out
+    assert main([*args, "bind", "0", "1"]) == 2
+    assert "started without --comm-port" in capsys.readouterr().err
+
+
 def test_status_lists_live_engines_only(sync_redis, keys, redis_server, capsys):
     hb = Heartbeat(
         engine=0, url="u", pid=1, model="m", launch_id="L", mode="tp", epoch=4, group=(0, 1), width=2,
@@ -41,12 +71,15 @@ def test_status_lists_live_engines_only(sync_redis, keys, redis_server, capsys):
     assert list(control.status(sync_redis, keys)) == [0]
     assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "status"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split()[:5] == ["0", "tp", "4", "0", "0,1"] and len(out) == 5
+    assert out[1].split()[:5] == ["0", "tp", "4", "0", "0,1"] and len(out) == 6
+    assert out[2].split()[:2] == ["1", "down:"] and out[2].endswith("breaker closed"), (
+        "a registered engine not live"
+    )
     assert out[0].split()[11:13] == ["cache", "hit"] and out[1].split()[10] == "75.0%", (
         "cached / prompt tokens"
     )
     assert out[0].split()[8] == "paused" and out[1].split()[8] == "3", "DP requests a bind set aside"
-    assert out[2:] == ["router: none holds the lease; no router state", "groups: none", "queue: 0 waiting"]
+    assert out[3:] == ["router: none holds the lease; no router state", "groups: none", "queue: 0 waiting"]
 
 
 def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redis_server, capsys):
