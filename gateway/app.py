@@ -34,6 +34,7 @@ from gateway.disconnect import CancelOnDisconnect, ClientGone, watcher
 from gateway.drain import CountRequests, Drain
 from gateway.errors import (
     APIError,
+    ContextTooLong,
     Draining,
     InvalidRequest,
     MethodNotAllowed,
@@ -98,7 +99,10 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
     if kind == "responses":
         asked = responses.decode(body)
         chat = responses.to_chat(asked)
-        return await answer_response(request, gw, asked, chat, prioritise(request, chat, seen), t0)
+        try:
+            return await answer_response(request, gw, asked, chat, prioritise(request, chat, seen), t0)
+        except (InvalidRequest, ContextTooLong) as exc:  # from the admission, in the chat's terms
+            raise responses.in_client_terms(exc) from None
     req = parse(body, kind)
     priority = prioritise(request, req, seen)
     if isinstance(req, schemas.CompletionRequest):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.errors import InvalidRequest
+from gateway.errors import APIError, InvalidRequest
 from gateway.schemas import (
     ChatCompletionRequest,
     Message,
@@ -128,10 +128,26 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     )
     try:
         check_chat(chat)
-    except InvalidRequest as exc:  # the chat's parameter names are not the client's
-        param = {"messages": "input", "max_tokens": "max_output_tokens"}.get(exc.param or "", exc.param)
-        raise InvalidRequest(exc.message.replace("messages", "input"), param=param) from None
+    except InvalidRequest as exc:
+        raise in_client_terms(exc) from None
     return chat
+
+
+CLIENT_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+}  # the chat's parameter -> the client's
+
+
+def in_client_terms(exc: APIError) -> APIError:
+    """``exc`` (raised for the chat completion that answers a Responses request) with the client's parameter
+    names in its message and ``param``."""
+    message = exc.message
+    for chat_name, name in CLIENT_NAMES.items():
+        message = message.replace(chat_name, name)
+    renamed = type(exc)(message, param=CLIENT_NAMES.get(exc.param or "", exc.param), code=exc.code)
+    renamed.retry_after_s = exc.retry_after_s
+    return renamed
 
 
 def _messages(items: str | list[Any]) -> list[Message]:

@@ -107,6 +107,8 @@ def test_the_priority_header_and_service_tier_apply(client, engine):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]", "text"),
         ({"input": ""}, "input", "empty"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format", "json_schema"),
+        ({"max_output_tokens": -3}, "max_output_tokens", "max_output_tokens must be at least 1"),
+        ({"input": "w " * 5000}, "input", "maximum context length"),
     ],
 )  # fmt: skip
 def test_what_a_stateless_text_gateway_cannot_do_is_a_clear_400(client, extra, param, words):
