@@ -81,15 +81,24 @@ def openai_error(raw: bytes) -> bytes:
     return raw if error is None else _encode(error)
 
 
+OPENAI_ERROR_TYPES = frozenset(
+    {"invalid_request_error", "authentication_error", "permission_error", "not_found_error", "rate_limit_error",
+     "server_error"}
+)  # fmt: skip
+
+
 def openai_error_doc(doc: Any) -> dict | None:
     """SGLang's error object (``{"object": "error", "message", "type", "param", "code": 400}``) as OpenAI's
     ``{"error": {...}}``; None when ``doc`` is not one."""
     if not isinstance(doc, dict) or doc.get("object") != "error" or "message" not in doc:
         return None
     code = doc.get("code")
+    kind = doc.get("type")
+    if kind not in OPENAI_ERROR_TYPES:  # SGLang's own (a Python exception's name: BadRequestError, ...)
+        kind = "server_error" if isinstance(code, int) and code >= 500 else "invalid_request_error"
     error = {
         "message": doc["message"],
-        "type": doc.get("type") or "invalid_request_error",
+        "type": kind,
         "param": doc.get("param"),
         "code": code if isinstance(code, str) else None,
     }

@@ -220,11 +220,47 @@ def check_sampling(req: _Sampling) -> None:
         v = getattr(req, name)
         if v is not None and not -2 <= v <= 2:
             raise InvalidRequest(f"{name} must be between -2 and 2", param=name)
+    _check_extensions(req)
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4:
         raise InvalidRequest("at most 4 stop sequences are allowed", param="stop")
     if not req.model:
         raise InvalidRequest("model must be a non-empty string", param="model")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _check_extensions(req: _Sampling) -> None:
+    """``logit_bias`` and SGLang's numeric sampling extensions, checked here: the engine refuses bad ones with a
+    Python exception's text, after the request has waited its turn."""
+    if req.logit_bias is not None:
+        if not isinstance(req.logit_bias, dict):
+            raise InvalidRequest("logit_bias must map token ids to biases", param="logit_bias")
+        for key, bias in req.logit_bias.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise InvalidRequest(f"logit_bias keys must be token ids; got {key!r}", param="logit_bias")
+            if not _number(bias) or not -100 <= bias <= 100:
+                raise InvalidRequest(
+                    f"logit_bias values must be between -100 and 100; got {bias!r} for {key}",
+                    param="logit_bias",
+                )
+    if req.top_k is not None and not (
+        isinstance(req.top_k, int) and not isinstance(req.top_k, bool) and (req.top_k == -1 or req.top_k >= 1)
+    ):
+        raise InvalidRequest(
+            f"top_k must be -1 (off) or a positive integer; got {req.top_k!r}", param="top_k"
+        )
+    if req.min_p is not None and not (_number(req.min_p) and 0 <= req.min_p <= 1):
+        raise InvalidRequest(f"min_p must be between 0 and 1; got {req.min_p!r}", param="min_p")
+    if req.repetition_penalty is not None and not (
+        _number(req.repetition_penalty) and 0 < req.repetition_penalty <= 2
+    ):
+        raise InvalidRequest(
+            f"repetition_penalty must be in (0, 2]; got {req.repetition_penalty!r}",
+            param="repetition_penalty",
+        )
 
 
 def check_chat(req: ChatCompletionRequest) -> None:

@@ -293,10 +293,12 @@ def test_cleaning_moves_reasoning_tokens_and_keeps_reasoning_text():
 def test_an_engines_error_body_becomes_openais_shape():
     raw = b'{"object":"error","message":"bad","type":"BadRequestError","param":null,"code":400}'
     assert httpx.Response(200, content=engine_fields.openai_error(raw)).json() == {
-        "error": {"message": "bad", "type": "BadRequestError", "param": None, "code": None}
-    }
+        "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}
+    }  # (SGLang's type is a Python exception's name; OpenAI's clients read type as one of theirs)
     assert engine_fields.openai_error(b"not json") == b"not json"
-    assert engine_fields.openai_error_doc({"object": "error", "message": "m", "type": "t", "code": 400}) == {
-        "error": {"message": "m", "type": "t", "param": None, "code": None}
+    assert engine_fields.openai_error_doc({"object": "error", "message": "m", "type": "t", "code": 503}) == {
+        "error": {"message": "m", "type": "server_error", "param": None, "code": None}
     }
+    kept = {"object": "error", "message": "m", "type": "rate_limit_error", "code": 429}
+    assert engine_fields.openai_error_doc(kept)["error"]["type"] == "rate_limit_error"
     assert engine_fields.openai_error_doc({"choices": []}) is None

@@ -45,6 +45,16 @@ def test_type_errors_name_the_parameter(body, param):
         ('"presence_penalty": 9', "presence_penalty"),
         ('"stop": ["a", "b", "c", "d", "e"]', "stop"),
         ('"top_logprobs": 50', "top_logprobs"),
+        ('"logit_bias": {"abc": 5}', "logit_bias"),
+        ('"logit_bias": {"-3": 5}', "logit_bias"),
+        ('"logit_bias": {"12": 500}', "logit_bias"),
+        ('"logit_bias": [1, 2]', "logit_bias"),
+        ('"top_k": -5', "top_k"),
+        ('"top_k": 0', "top_k"),
+        ('"top_k": 2.5', "top_k"),
+        ('"min_p": 1.5', "min_p"),
+        ('"repetition_penalty": -1', "repetition_penalty"),
+        ('"repetition_penalty": "x"', "repetition_penalty"),
     ],
 )
 def test_value_errors_name_the_parameter(extra, param):
@@ -146,3 +156,9 @@ def test_prompt_forms_and_the_fields_not_forwarded():
     with pytest.raises(InvalidRequest) as exc:
         schemas.prompts([1, True])
     assert exc.value.param == "prompt[1]"
+
+
+def test_good_sampling_extensions_pass():
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"12": -100, "7": 2.5},'
+    req = chat(body + b' "top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1}')
+    assert req.top_k == -1 and req.logit_bias == {"12": -100, "7": 2.5}
