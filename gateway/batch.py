@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.engine_fields import StreamId
 from gateway.relay import DONE
 
 COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -62,6 +63,7 @@ async def merge_streams(
 
     pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     tails: list[dict] = []
+    stream_id = StreamId()  # one id for the merged stream (each prompt's stream has its own)
     try:
         left = len(streams)
         while left:
@@ -69,7 +71,7 @@ async def merge_streams(
             if chunk is None:
                 left -= 1
                 continue
-            out = b"".join(_renumbered(chunk, i, n, tails))
+            out = b"".join(_renumbered(chunk, i, n, tails, stream_id))
             if out:
                 yield out
         if include_usage and tails:
@@ -84,9 +86,9 @@ async def merge_streams(
             await asyncio.gather(*pumps, return_exceptions=True)
 
 
-def _renumbered(chunk: bytes, i: int, n: int, tails: list[dict]) -> list[bytes]:
-    """One stream's events with prompt ``i``'s choices renumbered; its usage-only chunk kept aside in ``tails``
-    (summed at the end); its ``[DONE]`` dropped (the merged stream has one)."""
+def _renumbered(chunk: bytes, i: int, n: int, tails: list[dict], stream_id: StreamId) -> list[bytes]:
+    """One stream's events with prompt ``i``'s choices renumbered and the merged stream's id; its usage-only
+    chunk kept aside in ``tails`` (summed at the end); its ``[DONE]`` dropped (the merged stream has one)."""
     out = []
     for event in chunk.split(b"\n\n"):
         if not event.startswith(b"data:"):
@@ -99,6 +101,7 @@ def _renumbered(chunk: bytes, i: int, n: int, tails: list[dict]) -> list[bytes]:
         except msgspec.DecodeError:
             out.append(event + b"\n\n")
             continue
+        stream_id.apply(doc)
         if isinstance(doc, dict) and isinstance(doc.get("choices"), list):
             if not doc["choices"] and doc.get("usage") is not None:
                 tails.append(doc)

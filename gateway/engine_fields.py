@@ -61,13 +61,32 @@ def strip(doc: Any) -> bool:
     return changed
 
 
-def clean_sse(line: str) -> tuple[bytes, Any]:
-    """An engine's SSE ``data:`` line as the client gets it (with its blank line), cleaned, and its decoded event
-    (None if it is not JSON: then it goes as it came)."""
+class StreamId:
+    """The one id every chunk of a stream carries, as OpenAI's do: its first chunk's (SGLang streams each of
+    ``n`` choices under an id of its own)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+    def apply(self, event: Any) -> None:
+        if isinstance(event, dict) and "id" in event:
+            if self.value is None:
+                self.value = event["id"]
+            else:
+                event["id"] = self.value
+
+
+def clean_sse(line: str, stream_id: StreamId | None = None) -> tuple[bytes, Any]:
+    """An engine's SSE ``data:`` line as the client gets it (with its blank line), cleaned (and carrying
+    ``stream_id``'s id), and its decoded event (None if it is not JSON: then it goes as it came)."""
     try:
         event = _decode(line[5:])
     except msgspec.DecodeError:
         return (line + "\n\n").encode(), None
+    if stream_id is not None:
+        stream_id.apply(event)
     return b"data: " + _encode(clean(event)) + b"\n\n", event
 
 

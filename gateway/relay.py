@@ -135,11 +135,12 @@ class Relay:
         ``max_attempts``); any other broken stream ends with an error event. One generator, reading ``resp``
         through coroutines: the hot path has no generator per layer."""
         state, error, batch = "cancelled", "client disconnected", first
+        stream_id = engine_fields.StreamId()
         try:
             while True:
                 try:
                     while True:
-                        out, done, why = self._convert(adm, batch)
+                        out, done, why = self._convert(adm, batch, stream_id)
                         if out:
                             yield out
                         if why:
@@ -184,7 +185,9 @@ class Relay:
             raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
         return batch
 
-    def _convert(self, adm: Admitted, batch: list[str]) -> tuple[bytes, bool, str]:
+    def _convert(
+        self, adm: Admitted, batch: list[str], stream_id: engine_fields.StreamId
+    ) -> tuple[bytes, bool, str]:
         """One batch of the engine's lines as the client gets them: (the bytes to write, whether the stream ended
         (``[DONE]``), why the engine gave up on the request ('' if it did not): then the bytes are what came
         before)."""
@@ -197,7 +200,7 @@ class Relay:
                 return b"".join(out), True, ""
             if adm.resume is None:
                 if self.clean:
-                    chunk, event = engine_fields.clean_sse(line)
+                    chunk, event = engine_fields.clean_sse(line, stream_id)
                     why = engine_gave_up(event)
                 else:
                     chunk, why = (line + "\n\n").encode(), unavailable(line)

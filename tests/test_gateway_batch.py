@@ -31,6 +31,7 @@ async def test_streams_merge_renumbered_with_one_usage_and_one_done():
     docs = [json.loads(e[5:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
     assert sorted(c["index"] for d in docs for c in d["choices"]) == [0, 2]
     assert docs[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert len({d["id"] for d in docs}) == 1, "one id for every chunk of the merged stream, as OpenAI's"
     assert sorted(closed) == [0, 1]
 
 

@@ -5,6 +5,8 @@ router in a thread; the engine answers as SGLang does, extra fields included (te
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -288,6 +290,13 @@ def test_cleaning_moves_reasoning_tokens_and_keeps_reasoning_text():
                                 "finish_reason": "stop"}],
                    "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
                              "completion_tokens_details": {"reasoning_tokens": 1}}}  # fmt: skip
+
+
+def test_every_chunk_of_a_stream_carries_its_first_chunks_id():
+    stream_id = engine_fields.StreamId()
+    lines = ['data: {"id": "a", "choices": [{"index": 0}]}', 'data: {"id": "b", "choices": [{"index": 1}]}']
+    ids = [json.loads(engine_fields.clean_sse(line, stream_id)[0][6:])["id"] for line in lines]
+    assert ids == ["a", "a"]  # (SGLang streams each of n choices under an id of its own)
 
 
 def test_an_engines_error_body_becomes_openais_shape():
