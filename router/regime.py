@@ -3,8 +3,8 @@
 ``inflight``: demand (queued + inflight) against the groups' capacity (``light_load`` / ``busy_load`` of
 ``tp_inflight_per_engine`` per engine). ``rate``: the admission rate per engine (``light_rate`` / ``busy_rate``,
 an exponential average over ``rate_tau_s``), which sees a burst begin and end at once, where demand lags behind
-the backlog. Either way a normal request that waited ``busy_wait_s`` is *pressure*, and light must last
-``calm_s``. A queue that only waits for load groups forming at their members' next step boundary is not pressure.
+the backlog. Either way a normal request that waited ``busy_wait_s`` is *pressure*, light needs none (while
+servable requests wait, groups would only take capacity away), and light must last ``calm_s``. A queue that only waits for load groups forming at their members' next step boundary is not pressure.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def judge(s: Snapshot, state: RouterState, cfg: PolicyConfig, groups_forming: bo
         return Regime(replace(st, busy=True, calm_since=0.0), pressure)
     if st.busy:
         calm = (st.calm_since or s.now) if light else 0.0
-        if light and s.now - calm >= cfg.calm_s:
+        if light and not pressure and s.now - calm >= cfg.calm_s:
             note = RegimeNote(busy=False, demand=demand, rate=rate, engines=n)
             return Regime(replace(st, busy=False, calm_since=calm, changed_at=s.now), pressure, note)
         return Regime(replace(st, busy=True, calm_since=calm), pressure)

@@ -82,3 +82,19 @@ def test_the_rate_regime_reads_admissions_per_engine():
     st = RouterState(busy=False, rate_ts=99.0, admitted=0)
     assert judge(snap(admitted=5), st, cfg, False).pressure, "5 per second on 4 engines is above 1 per engine"
     assert not judge(snap(admitted=3), st, cfg, False).pressure
+
+
+def test_light_load_while_servable_requests_wait_stays_busy_and_does_not_flap():
+    """Few admissions, but a normal request waits beyond busy_wait_s (an engine lost, the rest full): load is
+    not light, round after round (turning light there only to turn busy again at the next round flapped the
+    regime and its decision log at every round)."""
+    cfg = PolicyConfig(regime="rate", calm_s=0.0, busy_wait_s=0.1)
+    st, changes = RouterState(busy=True), 0
+    for k in range(20):
+        now = 100.0 + 0.05 * k
+        verdict = judge(snap(now=now, waiting=[req(at=99.0)], queued=1), st, cfg, groups_forming=False)
+        changes += verdict.note is not None
+        st = verdict.state
+    assert st.busy and changes == 0
+    verdict = judge(snap(now=102.0), st, cfg, groups_forming=False)  # served: nothing waits any more
+    assert not verdict.state.busy and verdict.note is not None
