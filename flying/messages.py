@@ -285,10 +285,18 @@ class GroupLost(msgspec.Struct, frozen=True, kw_only=True):
 GROUP_LOST = GroupLost()
 
 
-def engine_gave_up(event: object) -> str:
-    """Why an engine's SSE event (decoded JSON) says it gave up on the request, '' if it does not: an error event
-    with the GROUP_LOST status, or any abort finish (SGLang's end of a TP request whose group lost a member, or of
-    one aborted on the engine)."""
+class GaveUp(msgspec.Struct, frozen=True):
+    """An engine gave up on a request: why, and whether because its TP group lost a member (the engine itself is
+    fine: not a failure of its own)."""
+
+    why: str
+    group_lost: bool = False
+
+
+def engine_gave_up(event: object) -> GaveUp | None:
+    """Whether an engine's SSE event (decoded JSON) says it gave up on the request: an error event with the
+    GROUP_LOST status (its group lost a member), or any abort finish (SGLang's end of a request aborted on the
+    engine); None if it does not."""
     if isinstance(event, dict):
         err = event.get("error")
         if isinstance(err, dict) and err.get("code") in (
@@ -296,7 +304,7 @@ def engine_gave_up(event: object) -> str:
             str(GROUP_LOST.status),
             "SERVICE_UNAVAILABLE",
         ):
-            return str(err.get("message", GROUP_LOST.status))
+            return GaveUp(str(err.get("message", GROUP_LOST.status)), group_lost=True)
         if any(c.get("finish_reason") == "abort" for c in event.get("choices") or ()):
-            return "aborted"
-    return ""
+            return GaveUp("aborted")
+    return None

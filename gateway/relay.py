@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, Awaitable
 import httpx
 import msgspec
 
-from flying.messages import GROUP_LOST, Assignment, engine_gave_up
+from flying.messages import GROUP_LOST, Assignment, GaveUp, engine_gave_up
 from flying.queue import RequestQueue
 from gateway import engine_fields
 from gateway.admission import Admitted
@@ -63,7 +63,7 @@ class Relay:
         call = sent if sent is not None else self.upstream.post(a.url, adm.path, adm.body)
         resp = await self._unless_gone(adm, a, call, disconnected)
         if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
-            raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}")
+            raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}", engine_fault=False)
         if resp.status_code >= 500:
             self.waiting.engine_failed(a.engine, f"answered {resp.status_code}")
         try:
@@ -96,8 +96,11 @@ class Relay:
 
         try:
             first = await self._unless_gone(adm, a, read(), disconnected)
-            if why := unavailable(first[0]):
-                raise WorkerUnavailable(f"engine {a.engine} ended the stream before a token: {why}")
+            if gave := unavailable(first[0]):
+                raise WorkerUnavailable(
+                    f"engine {a.engine} ended the stream before a token: {gave.why}",
+                    engine_fault=not gave.group_lost,
+                )
         except BaseException:
             with contextlib.suppress(Exception):
                 await resp.aclose()
@@ -140,11 +143,14 @@ class Relay:
             while True:
                 try:
                     while True:
-                        out, done, why = self._convert(adm, batch, stream_id)
+                        out, done, gave = self._convert(adm, batch, stream_id)
                         if out:
                             yield out
-                        if why:
-                            raise WorkerUnavailable(f"engine {a.engine} ended the stream: {why}")
+                        if gave:
+                            raise WorkerUnavailable(
+                                f"engine {a.engine} ended the stream: {gave.why}",
+                                engine_fault=not gave.group_lost,
+                            )
                         if done:
                             break
                         batch = await self._next(a, resp)
@@ -159,7 +165,7 @@ class Relay:
                         yield DONE
                         state, error = "done", ""
                         break
-                    a, resp, batch = await self._resume(adm, a, str(exc))
+                    a, resp, batch = await self._resume(adm, a, exc)
         except Exception as exc:  # noqa: BLE001 - any upstream failure that cannot be resumed: an error event
             state, error = "failed", f"engine {a.engine} failed mid-stream: {exc!r}"
             yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error)) + DONE
@@ -187,33 +193,32 @@ class Relay:
 
     def _convert(
         self, adm: Admitted, batch: list[str], stream_id: engine_fields.StreamId
-    ) -> tuple[bytes, bool, str]:
+    ) -> tuple[bytes, bool, GaveUp | None]:
         """One batch of the engine's lines as the client gets them: (the bytes to write, whether the stream ended
-        (``[DONE]``), why the engine gave up on the request ('' if it did not): then the bytes are what came
-        before)."""
+        (``[DONE]``), whether and why the engine gave up on the request: then the bytes are what came before)."""
         out: list[bytes] = []
         for line in batch:
             if not line.startswith("data:"):
                 continue
             if line.strip() == "data: [DONE]":
                 out.append(DONE)
-                return b"".join(out), True, ""
+                return b"".join(out), True, None
             if adm.resume is None:
                 if self.clean:
                     chunk, event = engine_fields.clean_sse(line, stream_id)
-                    why = engine_gave_up(event)
+                    gave = engine_gave_up(event)
                 else:
-                    chunk, why = (line + "\n\n").encode(), unavailable(line)
+                    chunk, gave = (line + "\n\n").encode(), unavailable(line)
                 out.append(chunk)
-                if why:
-                    return b"".join(out), False, why
+                if gave:
+                    return b"".join(out), False, gave
                 continue
             event, data = adm.resume.event(line[5:].strip())
-            if why := engine_gave_up(event):
-                return b"".join(out), False, why
+            if gave := engine_gave_up(event):
+                return b"".join(out), False, gave
             if data is not None:
                 out += (b"data: ", self._cleaned(event, data), b"\n\n")
-        return b"".join(out), False, ""
+        return b"".join(out), False, None
 
     def _cleaned(self, event, data: bytes) -> bytes:
         """A resumable stream's event as the client gets it: encoded again only if SGLang's fields were in it."""
@@ -221,14 +226,16 @@ class Relay:
             return _encode(event)
         return data
 
-    async def _resume(self, adm: Admitted, a: Assignment, why: str):
+    async def _resume(self, adm: Admitted, a: Assignment, exc: WorkerUnavailable):
         """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),
         then the remaining tokens from a new engine. Returns (assignment, response, first batch)."""
         assert adm.resume is not None, "only a resumable stream is resumed"
         body = adm.resume.continuation()
-        log.warning("request %s: %s; resuming after %d tokens", adm.record.id, why, len(adm.resume.generated),
+        log.warning("request %s: %s; resuming after %d tokens", adm.record.id, exc, len(adm.resume.generated),
                     extra={"request_id": adm.record.id})  # fmt: skip
-        fut = await self.waiting.retry_or_fail(adm, a, why, cause="mid_stream")
+        fut = await self.waiting.retry_or_fail(
+            adm, a, str(exc), cause="mid_stream", engine_fault=exc.engine_fault
+        )
         never = asyncio.get_running_loop().create_future()  # a client that leaves cancels this generator
         a = await self.waiting.wait_assignment(adm, fut, never)
         resp = await self.upstream.open_stream(a.url, adm.path, body)
@@ -253,11 +260,11 @@ class Relay:
         self.background.spawn(self._abandon(adm, a, "client disconnected before its stream started"))
 
 
-def unavailable(line: str) -> str:
-    """Why an SSE line says the engine gave up on the request ('' if it does not): see engine_gave_up."""
+def unavailable(line: str) -> GaveUp | None:
+    """Whether and why an SSE line says the engine gave up on the request: see engine_gave_up."""
     with contextlib.suppress(ValueError):  # (msgspec.DecodeError is one)
         return engine_gave_up(msgspec.json.decode(line[5:]))
-    return ""
+    return None
 
 
 def sse_error(err) -> bytes:

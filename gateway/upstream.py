@@ -30,7 +30,12 @@ _decode = msgspec.json.Decoder().decode
 
 
 class WorkerUnavailable(Exception):
-    """The assigned engine could not be reached or died before answering."""
+    """The assigned engine could not be reached or died before answering; ``engine_fault`` False: it is fine, but
+    could not serve the request (its TP group lost a member), so its circuit breaker does not count it."""
+
+    def __init__(self, message: str, engine_fault: bool = True) -> None:
+        super().__init__(message)
+        self.engine_fault = engine_fault
 
 
 class StreamBroken(Exception):

@@ -173,10 +173,17 @@ class WaitingRoom:
             raise
 
     async def retry_or_fail(
-        self, adm: Admitted, a: Assignment, why: str, cause: str = "before_first_event"
+        self,
+        adm: Admitted,
+        a: Assignment,
+        why: str,
+        cause: str = "before_first_event",
+        engine_fault: bool = True,
     ) -> asyncio.Future[Assignment]:
-        """The engine died before answering: put the request back in the queue (bounded) or fail it."""
-        self.engine_failed(a.engine, why)
+        """The engine died before answering: put the request back in the queue (bounded) or fail it.
+        ``engine_fault`` False: the engine is fine (its TP group lost a member), so its breaker does not count it."""
+        if engine_fault:
+            self.engine_failed(a.engine, why)
         rec = await self.queue.get(adm.record.id)
         attempts = int(rec.get("attempts", 0)) + 1
         if attempts >= self.config.max_attempts:

@@ -167,17 +167,26 @@ ERROR_503 = {"error": {"message": GROUP_LOST, "type": "SERVICE_UNAVAILABLE", "pa
 
 
 @pytest.mark.parametrize(
-    "broken",
-    [lambda: sse(EVENTS, fail_after=0), empty, lambda: sse([ABORTED]), lambda: sse([ERROR_503])],
+    "broken, engine_fault",
+    [
+        (lambda: sse(EVENTS, fail_after=0), True),
+        (empty, True),
+        (lambda: sse([ABORTED]), True),
+        (lambda: sse([ERROR_503]), False),  # its TP group lost a member: the engine itself is fine
+    ],
     ids=["reset", "closed", "aborted", "503"],
 )
-async def test_a_stream_that_breaks_before_its_first_event_is_redispatched(gateway, aredis, keys, broken):
+async def test_a_stream_that_breaks_before_its_first_event_is_redispatched(
+    gateway, aredis, keys, broken, engine_fault
+):
     events, calls = await stream_through(gateway, [broken(), sse(EVENTS)])
     assert events == chat_chunks(), "the client sees the second engine's stream only, whole"
     assert len(calls) == 2
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
     await asyncio.sleep(0.1)  # the finish is recorded in the background
     assert await aredis.scard(keys.inflight(0)) == 0
+    counted = await aredis.hget(keys.breakers, "0") is not None
+    assert counted == engine_fault, "a lost group is no failure of the engine's own (its breaker)"
 
 
 def resumed_events(after: int) -> list[dict]:
@@ -267,6 +276,8 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
     assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
     assert len(calls) == 2
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
+    await asyncio.sleep(0.1)
+    assert await aredis.hget(keys.breakers, "0") is None, "a lost group is no failure of the engine's own"
 
 
 async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(gateway, aredis, keys):

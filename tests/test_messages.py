@@ -33,15 +33,15 @@ def test_the_gateway_knows_how_a_worker_ends_a_request_whose_group_was_lost():
     server as a stream's error event, is what the gateway re-dispatches on; a normal event is not."""
     from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 
-    from flying.messages import engine_gave_up
+    from flying.messages import GaveUp, engine_gave_up
     from worker_ext.sglang_patches import group_lost
 
     reason = group_lost().to_json()
     code = reason["status_code"]
     event = OpenAIServingBase.create_streaming_error_response(None, reason["message"], code.name, code.value)
-    assert engine_gave_up(json.loads(event)) == GROUP_LOST.message
-    assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "abort"}]}) == "aborted"
-    assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "length"}]}) == ""
+    assert engine_gave_up(json.loads(event)) == GaveUp(GROUP_LOST.message, group_lost=True)
+    assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "abort"}]}) == GaveUp("aborted")
+    assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "length"}]}) is None
 
 
 def test_n_choices_hold_kv_each_and_are_known_to_sglang_by_suffixed_ids():
