@@ -28,7 +28,7 @@ from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
 from gateway.early_dispatch import Early, EarlyDispatch
-from gateway.errors import NoLiveWorkers, QueueFullError
+from gateway.errors import NoLiveWorkers, NoRouter, QueueFullError
 from gateway.metrics import GatewayMetrics
 from gateway.relay import DONE, Relay
 from gateway.upstream import Upstream, WorkerUnavailable
@@ -111,7 +111,9 @@ class Gateway:
     # -- the monitor -------------------------------------------------------------------------------------------
     async def _watch(self) -> None:
         """Once per ``monitor_s``, whatever the load: refresh the cluster view, sample the service rate, and end
-        the waiting requests when no engine has been live for ``no_worker_grace_s``."""
+        the waiting requests when no engine has been live for ``no_worker_grace_s`` or no router has held the lease
+        for ``no_router_grace_s`` (503 with Retry-After, as new requests then get, rather than a 504 at the end of
+        the wait budget)."""
         while not self._stopping:
             try:
                 await self.observe()
@@ -129,6 +131,14 @@ class Gateway:
                 lambda: NoLiveWorkers(f"no live workers for {grace:.0f} s; request dropped")
             )
             log.warning("no live workers for %.0f s: %d waiting requests ended with 503", grace, n)
+        elif self.cluster.router_missing() and self.waiter.pending:
+            grace = self.config.no_router_grace_s
+            n = self.waiter.fail_all(
+                lambda: NoRouter(
+                    f"no router has dispatched for {grace:.0f} s (none holds the lease); try again later"
+                )
+            )
+            log.warning("no router for %.0f s: %d waiting requests ended with 503", grace, n)
 
     # -- the request's path ----------------------------------------------------------------------------------
     def _send_early(self, adm: Admitted) -> Early | None:

@@ -18,6 +18,7 @@ from flying.messages import GROUP_LOST as LOST
 from flying.messages import Heartbeat, encode
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
+from gateway.errors import NoRouter
 from gateway.schemas import ChatCompletionRequest, decode
 from gateway.service import Gateway
 from router.config import RouterConfig
@@ -389,3 +390,31 @@ async def test_a_client_that_leaves_before_the_first_event_is_gone_and_its_reque
     assert calls[1][1] == {"rid": adm.record.id}
     assert await aredis.hget(keys.request(adm.record.id), "state") == b"cancelled"
     assert await aredis.scard(keys.inflight(0)) == 0
+
+
+async def test_requests_waiting_when_the_router_is_gone_end_with_503_no_router(redis_server, aredis, keys):
+    """No router holds the lease (none runs): a waiting request ends with 503 no_router and Retry-After once the
+    grace is over, as a new request would, not with a 504 at the end of its wait budget."""
+    hb = Heartbeat(engine=0, url="http://127.0.0.1:9", pid=1, model="tiny-llama", launch_id="L", context_len=4096,
+                   max_total_tokens=4096, free_kv_tokens=4096, ts=time.time())  # fmt: skip
+    await aredis.set(keys.worker(0), encode(hb), px=60_000)
+    await aredis.sadd(keys.workers, 0)
+    await aredis.set(keys.ready(0), "L")
+    await aredis.set(keys.router_lease, "r1", px=300)  # a router held the lease: the request is admitted
+    cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix,
+                        no_router_grace_s=0.5, monitor_s=0.1, early_dispatch=False)  # fmt: skip
+    gw = Gateway(cfg, aredis, CountWords())
+    await gw.start()
+    try:
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+        adm = await gw.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
+        connected = asyncio.create_task(asyncio.Event().wait())
+        t0 = time.monotonic()
+        with pytest.raises(NoRouter) as exc:
+            await asyncio.wait_for(gw.serve(adm, connected), 10)
+        connected.cancel()
+        assert exc.value.retry_after_s and time.monotonic() - t0 < 3
+        await asyncio.sleep(0.1)
+        assert await aredis.zcard(keys.queue) == 0, "its record left the queue"
+    finally:
+        await gw.stop()
