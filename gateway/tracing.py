@@ -210,7 +210,7 @@ class Tracing:
             if flight is not None:
                 self._end_relay(flight, "failed", f"re-dispatched: {why}")
                 flight.since_ns, flight.attempt = time.time_ns(), flight.attempt + 1
-            return await retry_or_fail(adm, a, why, cause, engine_fault)
+            return await retry_or_fail(adm, a, why, cause, engine_fault=engine_fault)
 
         return traced
 
