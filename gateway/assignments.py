@@ -135,6 +135,7 @@ class AssignmentWaiter:
             await self._subscribe()  # here, so that the next check sees it (else the new listener subscribes)
         finally:
             self._listener = asyncio.create_task(self._listen(), name="assignment-listener")
+            self._reconcile_now.set()  # what was published while unheard: at once, not a period later
         return False
 
     async def _reconcile_loop(self) -> None:
