@@ -21,6 +21,7 @@ from flying.cancel import reraise_if_cancelled, stop_task
 from flying.keys import Keys
 from flying.messages import Assignment, decode
 from flying.queue import RequestQueue
+from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("flying.gateway")
 
@@ -33,6 +34,7 @@ class AssignmentWaiter:
         gateway_id: str,
         reconcile_s: float = 2.0,
         on_missing: Callable[[list[str]], Awaitable[None]] | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.r = client
         self.keys = keys
@@ -44,6 +46,8 @@ class AssignmentWaiter:
         self.admitted: set[str] = set()  # pending ids known to be in Redis (so a missing record means lost)
         self.reconciled = 0  # assignments found by reconciliation rather than by message
         self.resubscribed = 0  # subscriptions found lost by the reconciliation and made again
+        self.metrics = metrics or GatewayMetrics()
+        self._by_message = self.metrics.assignments.labels("message")
         self._pubsub: aioredis.client.PubSub | None = None
         self._listener: asyncio.Task[None] | None = None
         self._reconciler: asyncio.Task[None] | None = None
@@ -85,11 +89,14 @@ class AssignmentWaiter:
         if fut and not fut.done():
             fut.cancel()
 
-    def resolve(self, a: Assignment) -> None:
+    def resolve(self, a: Assignment) -> bool:
+        """End ``a.id``'s wait with ``a``; whether one was waiting."""
         self.admitted.discard(a.id)
         fut = self.pending.pop(a.id, None)
         if fut and not fut.done():
             fut.set_result(a)
+            return True
+        return False
 
     def fail_all(self, make_error: Callable[[], BaseException]) -> int:
         """End every waiting request with ``make_error()`` (e.g. no live engine for too long)."""
@@ -110,6 +117,8 @@ class AssignmentWaiter:
         for a in assigned:
             self.resolve(a)
         self.reconciled += len(assigned)
+        if assigned:
+            self.metrics.assignments.labels("reconciliation").inc(len(assigned))
         missing = [rid for rid in missing if rid in self.admitted]
         if missing and self.on_missing is not None:
             await self.on_missing(missing)
@@ -128,6 +137,7 @@ class AssignmentWaiter:
             why = "Redis counts no subscriber on the channel"
         log.error("assignment subscription lost: %s; subscribing again", why)
         self.resubscribed += 1
+        self.metrics.subscription_lost.inc()
         if not await stop_task(self._listener):
             log.warning("assignment-listener did not end when cancelled; left behind")
         await self._drop_pubsub()
@@ -211,4 +221,5 @@ class AssignmentWaiter:
         except msgspec.DecodeError as exc:  # (ValidationError included) not ours, or another version's
             log.warning("ignored a message on %s that is not an assignment: %s", self.channel, exc)
             return
-        self.resolve(a)
+        if self.resolve(a):
+            self._by_message.inc()

@@ -49,6 +49,15 @@ class GatewayMetrics:
             "flying_gateway_early_dispatch", "Requests sent to their engine while their admission ran (sent), and "
             "those the admission declined or refused, taken back from the engine (declined)", ["outcome"], registry=r,
         )  # fmt: skip
+        self.assignments = Counter(
+            "flying_gateway_assignments", "Assignments of this gateway's requests, by how they came: admission "
+            "(assigned by the admission itself, the queue empty), message (the router's, over the subscription) or "
+            "reconciliation (a missed message, found in Redis)", ["by"], registry=r,
+        )  # fmt: skip
+        self.subscription_lost = Counter(
+            "flying_gateway_assignment_subscription_lost", "Times the assignment subscription was found lost "
+            "without an error (its listener ended, or Redis counted no subscriber) and made again", registry=r,
+        )  # fmt: skip
         self.engine_failures = Counter(
             "flying_gateway_engine_failures", "Requests that failed on their engine (refused, reset, timed out, "
             "5xx), by engine: what its circuit breaker counts", ["engine"], registry=r,

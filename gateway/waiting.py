@@ -56,7 +56,7 @@ class WaitingRoom:
         self.background = background
         self.queue = RequestQueue(client, keys, pipe=autopipeline(client))
         self.waiter = AssignmentWaiter(
-            client, keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit
+            client, keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit, metrics=metrics
         )
         budgets = {p: config.wait_budget_s(p) for p in PRIORITIES}
         self.backpressure = Backpressure(config.max_queue, {p: b for p, b in budgets.items() if b})
@@ -96,6 +96,7 @@ class WaitingRoom:
             )
         if fast is not None:  # assigned at admission (the queue was empty): no wait for the router's round
             self.backpressure.handed_to_engine()
+            self.metrics.assignments.labels("admission").inc()
             self.waiter.resolve(fast)
             return fut
         self.waiter.mark_admitted(rid)

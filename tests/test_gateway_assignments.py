@@ -81,6 +81,8 @@ async def test_a_subscription_redis_dropped_silently_is_made_again_by_the_reconc
             break
     assert fut.done() and fut.result().id == "later"
     assert w.reconciled == 0  # by message, not found by a reconciliation
+    assert w.metrics.subscription_lost._value.get() == 1
+    assert w.metrics.assignments.labels("message")._value.get() == 1
 
 
 async def test_a_listener_that_ended_is_reported_and_started_again(waiter, aredis, keys):
@@ -115,6 +117,7 @@ async def test_an_assignment_whose_message_was_missed_is_found_by_the_reconcilia
     w.mark_admitted("r4")
     assert await w.reconcile() == 1
     assert fut.done() and fut.result().url == "http://e0" and w.reconciled == 1
+    assert w.metrics.assignments.labels("reconciliation")._value.get() == 1
 
 
 async def test_messages_keep_arriving_while_a_reconciliation_hangs_on_a_lost_request(aredis, keys):
