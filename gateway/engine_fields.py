@@ -71,11 +71,12 @@ class StreamId:
         self.value: Any = None
 
     def apply(self, event: Any) -> None:
+        """Give ``event`` the stream's id (the first non-empty one seen is the stream's)."""
         if isinstance(event, dict) and "id" in event:
-            if self.value is None:
-                self.value = event["id"]
-            else:
+            if self.value:
                 event["id"] = self.value
+            else:
+                self.value = event["id"]
 
 
 def clean_sse(line: str, stream_id: StreamId | None = None) -> tuple[bytes, Any]:

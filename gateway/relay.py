@@ -97,10 +97,7 @@ class Relay:
         try:
             first = await self._unless_gone(adm, a, read(), disconnected)
             if gave := unavailable(first[0]):
-                raise WorkerUnavailable(
-                    f"engine {a.engine} ended the stream before a token: {gave.why}",
-                    engine_fault=not gave.group_lost,
-                )
+                raise gave_up(a, gave, "ended the stream before a token")
         except BaseException:
             with contextlib.suppress(Exception):
                 await resp.aclose()
@@ -147,10 +144,7 @@ class Relay:
                         if out:
                             yield out
                         if gave:
-                            raise WorkerUnavailable(
-                                f"engine {a.engine} ended the stream: {gave.why}",
-                                engine_fault=not gave.group_lost,
-                            )
+                            raise gave_up(a, gave, "ended the stream")
                         if done:
                             break
                         batch = await self._next(a, resp)
@@ -258,6 +252,11 @@ class Relay:
         slot (what the relay does when it ends)."""
         self.background.spawn(resp.aclose())
         self.background.spawn(self._abandon(adm, a, "client disconnected before its stream started"))
+
+
+def gave_up(a: Assignment, gave: GaveUp, what: str) -> WorkerUnavailable:
+    """The re-dispatch an engine's giving up calls for: no fault of the engine's when its group lost a member."""
+    return WorkerUnavailable(f"engine {a.engine} {what}: {gave.why}", engine_fault=not gave.group_lost)
 
 
 def unavailable(line: str) -> GaveUp | None:

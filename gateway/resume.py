@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from gateway.engine_fields import StreamId
+
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
@@ -29,7 +31,7 @@ class Resumable:
     prompt_ids: list[int] | None = None  # None until the engine's first chunk says (a text prompt)
     generated: list[int] = field(default_factory=list)
     resumed: int = 0  # tokens generated before the current attempt
-    stream_id: str = ""  # the id every event of this stream carries (the first attempt's)
+    stream_id: StreamId = field(default_factory=StreamId)  # every event carries the first attempt's id
     role_sent: bool = False
 
     def event(self, data: bytes | str) -> tuple[dict, bytes | None]:
@@ -37,9 +39,7 @@ class Resumable:
         event = _decoder.decode(data)
         if not isinstance(event, dict) or "error" in event:
             return event, data.encode() if isinstance(data, str) else data
-        self.stream_id = self.stream_id or str(event.get("id", ""))
-        if self.stream_id:
-            event["id"] = self.stream_id
+        self.stream_id.apply(event)
         for choice in event.get("choices") or ():
             prompt = choice.pop("prompt_token_ids", None)
             if prompt and self.prompt_ids is None:

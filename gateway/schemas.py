@@ -246,9 +246,7 @@ def _check_extensions(req: _Sampling) -> None:
                     f"logit_bias values must be between -100 and 100; got {bias!r} for {key}",
                     param="logit_bias",
                 )
-    if req.top_k is not None and not (
-        isinstance(req.top_k, int) and not isinstance(req.top_k, bool) and (req.top_k == -1 or req.top_k >= 1)
-    ):
+    if req.top_k is not None and not (_is_int(req.top_k) and (req.top_k == -1 or req.top_k >= 1)):
         raise InvalidRequest(
             f"top_k must be -1 (off) or a positive integer; got {req.top_k!r}", param="top_k"
         )
