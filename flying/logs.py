@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import logging
 import sys
+import time
 from typing import Any, Literal
 
 LogFormat = Literal["text", "json"]
@@ -48,9 +50,88 @@ def formatter(fmt: LogFormat) -> logging.Formatter:
     return JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT)
 
 
-def handler(fmt: LogFormat, stream: Any = None) -> logging.Handler:
-    h = logging.StreamHandler(stream or sys.stderr)
-    h.setFormatter(formatter(fmt))
+class LogHandler(logging.StreamHandler):
+    """A flying process's handler: log records in ``fmt``, and a hot logger's INFO lines (:meth:`line`, one per
+    request) formatted here the same way without a LogRecord; both leave in their order, and lines of one
+    event-loop turn leave in one write."""
+
+    def __init__(self, fmt: LogFormat, stream: Any = None) -> None:
+        super().__init__(stream or sys.stderr)
+        self.setFormatter(formatter(fmt))
+        self.fmt = fmt
+        self._pending: list[str] = []
+        self._second = -1  # the second ``_stamp`` is of
+        self._stamp = ""
+
+    def line(self, name: str, msg: str, fields: dict[str, Any]) -> None:
+        """What ``logging.getLogger(name).info(msg, extra=fields)`` writes through this handler."""
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            if self.fmt == "json":
+                self._stamp = datetime.datetime.fromtimestamp(second, datetime.UTC).isoformat()[:19]
+            else:
+                self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
+        ms = int((now - second) * 1000)
+        if self.fmt == "json":
+            doc = {
+                "ts": f"{self._stamp}.{ms:03d}+00:00",
+                "level": "INFO",
+                "logger": name,
+                "msg": msg,
+                **fields,
+            }
+            text = json.dumps(doc, default=str, ensure_ascii=False)
+        else:
+            text = f"{self._stamp},{ms:03d} {name} INFO {msg}"
+        self._pending.append(text + self.terminator)
+        if len(self._pending) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no event loop: at once
+                self.flush()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._pending:
+            self.flush()  # the lines before it first
+        super().emit(record)
+
+    def flush(self) -> None:
+        if self._pending:
+            text, self._pending = "".join(self._pending), []
+            self.acquire()
+            try:
+                self.stream.write(text)
+            except Exception:  # noqa: BLE001 - as logging does: a log line never fails its caller
+                if logging.raiseExceptions:
+                    sys.stderr.write("--- flying.logs: a log write failed\n")
+            finally:
+                self.release()
+        super().flush()
+
+
+def handler(fmt: LogFormat, stream: Any = None) -> LogHandler:
+    return LogHandler(fmt, stream)
+
+
+def direct(log: logging.Logger) -> LogHandler | None:
+    """The handler to give ``log``'s INFO lines to directly (:meth:`LogHandler.line`): where the record would
+    reach only the root's one :class:`LogHandler` (set by :func:`setup`), with no filter on the way. None
+    otherwise (another handler, a filter, a level that drops INFO: then log as usual)."""
+    if not log.isEnabledFor(logging.INFO):
+        return None
+    node: logging.Logger | None = log
+    while node is not None and node is not logging.root:
+        if node.handlers or node.filters or not node.propagate:
+            return None
+        node = node.parent
+    root = logging.root
+    if root.filters or len(root.handlers) != 1:
+        return None
+    h = root.handlers[0]
+    if type(h) is not LogHandler or h.filters or h.level > logging.INFO:
+        return None
     return h
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from flying import logs
+
 log = logging.getLogger("flying.gateway.requests")
 _VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 HEADER = "x-request-id"
@@ -100,8 +102,11 @@ def _log(scope: Scope, req: RequestInfo, status: int, duration_ms: float) -> Non
              "queue_ms": req.queue_ms, "duration_ms": round(duration_ms, 1)}  # fmt: skip
     if req.requested_priority is not None:
         extra["requested_priority"] = req.requested_priority
-    log.info(
-        "request %s %s %s status=%d priority=%s%s engine=%s queue_ms=%s duration_ms=%.1f",
-        req.request_id, scope["method"], scope["path"], status, req.priority, asked, engine, queue, duration_ms,
-        extra=extra,
-    )  # fmt: skip
+    msg = (
+        f"request {req.request_id} {scope['method']} {scope['path']} status={status} priority={req.priority}"
+        f"{asked} engine={engine} queue_ms={queue} duration_ms={duration_ms:.1f}"
+    )
+    if (direct := logs.direct(log)) is not None:  # a line per request: no LogRecord (~8 % of a request's CPU)
+        direct.line(log.name, msg, extra)
+    else:
+        log.info("%s", msg, extra=extra)

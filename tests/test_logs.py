@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
 import logging
+import re
+from datetime import datetime
 
 import pytest
 
@@ -92,3 +96,74 @@ def test_setup_replaces_the_root_handler_and_quiets_httpx():
     finally:
         root.handlers, root.level = saved
         logging.getLogger("httpx").setLevel(logging.NOTSET)
+
+
+@contextlib.contextmanager
+def root_handler(fmt: str):
+    """The root's one handler a LogHandler on a StringIO, as ``setup`` leaves it; the root restored after."""
+    root, out = logging.getLogger(), io.StringIO()
+    saved = root.handlers[:], root.level
+    root.handlers, root.level = [logs.handler(fmt, out)], logging.INFO
+    try:
+        yield out
+    finally:
+        root.handlers, root.level = saved
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_direct_line_is_what_logging_writes(fmt):
+    """LogHandler.line writes what the logger's info(msg, extra=...) writes through the same handler, time aside."""
+    log = logging.getLogger("flying.test_logs.direct")
+    fields = {"request_id": "r-3", "status": 200, "engine": None, "queue_ms": 0.5}
+    with root_handler(fmt) as out:
+        direct = logs.direct(log)
+        assert direct is not None
+        log.info("request %s done", "r-3", extra=fields)
+        direct.line(log.name, "request r-3 done", fields)
+    via_logging, via_line = out.getvalue().splitlines()
+    if fmt == "json":
+        a, b = json.loads(via_logging), json.loads(via_line)
+        assert (
+            abs(datetime.fromisoformat(a.pop("ts")) - datetime.fromisoformat(b.pop("ts"))).total_seconds() < 1
+        )
+        assert list(a.items()) == list(b.items())
+    else:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", via_line[:24])
+        assert via_logging[24:] == via_line[24:] == "flying.test_logs.direct INFO request r-3 done"
+
+
+def test_direct_lines_of_one_loop_turn_leave_together_and_before_later_records():
+    log = logging.getLogger("flying.test_logs.turn")
+
+    async def turn(out: io.StringIO) -> tuple[str, str]:
+        direct = logs.direct(log)
+        assert direct is not None
+        direct.line(log.name, "first", {})
+        direct.line(log.name, "second", {})
+        held = out.getvalue()  # not written yet: the turn's lines leave at its end
+        log.warning("third")  # a record through the handler: the lines before it go first
+        await asyncio.sleep(0)
+        return held, out.getvalue()
+
+    with root_handler("text") as out:
+        held, written = asyncio.run(turn(out))
+    assert held == ""
+    assert [line.split(" ", 4)[-1] for line in written.splitlines()] == ["first", "second", "third"]
+
+
+def test_no_direct_lines_where_a_record_would_go_elsewhere():
+    """A handler or filter on the way, a level that drops INFO, or a root handler of another kind: log as usual."""
+    log = logging.getLogger("flying.test_logs.elsewhere")
+    with root_handler("text"):
+        assert logs.direct(log) is not None
+        log.addFilter(lambda r: True)
+        assert logs.direct(log) is None
+        log.filters.clear()
+        logging.getLogger("flying.test_logs").addHandler(extra := logging.NullHandler())
+        assert logs.direct(log) is None
+        logging.getLogger("flying.test_logs").removeHandler(extra)
+        log.setLevel(logging.WARNING)
+        assert logs.direct(log) is None
+        log.setLevel(logging.NOTSET)
+        logging.getLogger().handlers.append(logging.NullHandler())  # pytest's caplog adds its own like this
+        assert logs.direct(log) is None
