@@ -50,7 +50,7 @@ def formatter(fmt: LogFormat) -> logging.Formatter:
     return JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT)
 
 
-class LogHandler(logging.StreamHandler):
+class LogHandler(logging.StreamHandler[Any]):
     """A flying process's handler: log records in ``fmt``, and a hot logger's INFO lines (:meth:`line`, one per
     request) formatted here the same way without a LogRecord; both leave in their order, and lines of one
     event-loop turn leave in one write."""

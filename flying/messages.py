@@ -42,8 +42,24 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
         return self.prompt_tokens + self.n * self.max_tokens
 
     def engine_rids(self) -> list[str]:
-        """The request ids SGLang knows it by (what an abort names)."""
-        return engine_rids(self.id, self.n)
+        """The request ids SGLang knows its current attempt by (what an abort names)."""
+        return engine_rids(engine_rid(self.id, self.attempts), self.n)
+
+
+def engine_rid(request_id: str, attempt: int = 0) -> str:
+    """The SGLang rid of a request's ``attempt``-th dispatch (0: the first; each re-dispatch after an engine
+    failed counts one): ``<id>~<attempt>``. SGLang's abort of a rid also ends every rid that begins with it; ``~``
+    is in no request id, so no other request's rid begins with this one (a reused client id's ``<id>-<hex>``
+    included), nor, below ten attempts, another attempt's."""
+    return f"{request_id}~{attempt}"
+
+
+def split_engine_rid(rid: str) -> tuple[str, int | None]:
+    """An SGLang rid -> (the request id, the attempt); a rid not made by :func:`engine_rid` -> (rid, None)."""
+    base, sep, attempt = rid.rpartition("~")
+    if sep and attempt.isdigit():
+        return base, int(attempt)
+    return rid, None
 
 
 def engine_rids(rid: str, n: int = 1) -> list[str]:

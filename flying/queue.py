@@ -27,7 +27,16 @@ from redis.exceptions import ConnectionError
 from flying import redis_conn
 from flying.autopipeline import AutoPipeline
 from flying.keys import Keys
-from flying.messages import PRIORITY_CLASS, Assignment, QueuedRequest, encode, from_hash, to_hash
+from flying.messages import (
+    PRIORITY_CLASS,
+    Assignment,
+    QueuedRequest,
+    encode,
+    engine_rid,
+    engine_rids,
+    from_hash,
+    to_hash,
+)
 
 CLASS_WEIGHT = 1e12  # score = class * CLASS_WEIGHT + seq: exact in a double for 10^12 arrivals per class
 FINISHED_TTL_S = 3600
@@ -488,9 +497,9 @@ async def reap_stale_inflight(q: RequestQueue, engine: int) -> int:
 
 async def orphans(
     q: RequestQueue, engines: Sequence[int]
-) -> dict[str, list[tuple[str, int | None, str, int]]]:
+) -> dict[str, list[tuple[str, int | None, str, list[str]]]]:
     """Waiting and assigned requests by gateway id, for the gateways whose liveness key is gone: gateway ->
-    [(request id, engine or None while queued, engine url, choices n)]."""
+    [(request id, engine or None while queued, engine url, the SGLang rids of its current attempt)]."""
     k = q.keys
     pipe = q.r.pipeline(transaction=False)
     pipe.zrange(k.queue, 0, -1)
@@ -503,12 +512,13 @@ async def orphans(
         return {}
     pipe = q.r.pipeline(transaction=False)
     for rid, _ in held:
-        pipe.hmget(k.request(rid), ["gateway", "url", "n"])
+        pipe.hmget(k.request(rid), ["gateway", "url", "n", "attempts"])
     records = await pipe.execute()
-    by_gateway: dict[str, list[tuple[str, int | None, str, int]]] = {}
-    for (rid, engine), (gw, url, n) in zip(held, records):
+    by_gateway: dict[str, list[tuple[str, int | None, str, list[str]]]] = {}
+    for (rid, engine), (gw, url, n, attempts) in zip(held, records):
         if gw:
-            by_gateway.setdefault(text(gw), []).append((rid, engine, text(url or b""), int(n or 1)))
+            rids = engine_rids(engine_rid(rid, int(attempts or 0)), int(n or 1))
+            by_gateway.setdefault(text(gw), []).append((rid, engine, text(url or b""), rids))
     names = list(by_gateway)
     pipe = q.r.pipeline(transaction=False)
     for gw in names:

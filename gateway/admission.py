@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from flying.messages import Priority, QueuedRequest
+from flying.messages import Priority, QueuedRequest, engine_rid, engine_rids
 from flying.prefix import block_hashes, encode_chain
 from gateway import tenants
 from gateway.cluster_view import ClusterView
@@ -38,9 +38,19 @@ class Admitted:
     resume: Resumable | None = None  # a stream that can continue on another engine (see gateway.resume)
 
     def renamed(self, rid: str) -> Admitted:
-        """The same request under id ``rid`` (record and SGLang rid)."""
-        self.body["rid"] = rid  # the one body dict, shared with ``resume``
+        """The same request under id ``rid`` (its record; SGLang runs it as ``<rid>~0``)."""
+        self.body["rid"] = engine_rid(rid)  # the one body dict, shared with ``resume``
         return dataclasses.replace(self, record=msgspec.structs.replace(self.record, id=rid))
+
+    def next_attempt(self, attempt: int) -> None:
+        """The request goes to an engine again (its ``attempt``-th re-dispatch), under an SGLang rid of its own
+        (:func:`flying.messages.engine_rid`): whatever is still aimed at an earlier attempt on the same engine
+        (SGLang aborts the rid of a stream whose connection closed, seconds later) ends nothing of this one."""
+        self.body["rid"] = engine_rid(self.record.id, attempt)
+
+    def engine_rids(self) -> list[str]:
+        """The ids SGLang runs the current attempt under (what an abort names)."""
+        return engine_rids(self.body["rid"], self.record.n)
 
 
 class Admission:
@@ -91,7 +101,7 @@ class Admission:
         key = body.pop("prompt_cache_key", None)  # an affinity key for the router, not the engine's
         tokens = ids if isinstance(ids, list) else req.prompt
         chain = block_hashes(tokens, key=key)  # for cache-aware dispatch
-        body.update(max_tokens=max_tokens, rid=rid, priority=SGLANG_PRIORITY[priority])
+        body.update(max_tokens=max_tokens, rid=engine_rid(rid), priority=SGLANG_PRIORITY[priority])
         record = QueuedRequest(
             id=rid,
             priority=priority,

@@ -41,6 +41,7 @@ class Early:
     engine: int
     url: str
     answer: asyncio.Task[StreamResponse]
+    rids: list[str]  # the ids it runs under there (what an abort names)
 
     def went_to(self, a: Assignment) -> bool:
         """Whether ``a`` assigns the request where it was sent."""
@@ -96,7 +97,7 @@ class EarlyDispatch:
         self._since[t.engine] = self._since.get(t.engine, 0) + 1
         self.sent += 1
         self.metrics.child(self.metrics.early, "sent").inc()
-        return Early(t.engine, t.url, asyncio.ensure_future(call(t.url)))
+        return Early(t.engine, t.url, asyncio.ensure_future(call(t.url)), rec.engine_rids())
 
     async def answer(self, early: Early, rec: QueuedRequest) -> StreamResponse:
         """``early``'s answer (a stream's head) for the request it went early for; if the caller is cancelled
@@ -117,15 +118,15 @@ class EarlyDispatch:
             self.metrics.child(self.metrics.early, "declined").inc()
             self._declined_at = time.monotonic()
         early.answer.cancel()
-        self.background.spawn(self._stop(early, rec.engine_rids()))
+        self.background.spawn(self._stop(early))
 
-    async def _stop(self, early: Early, rids: list[str]) -> None:
+    async def _stop(self, early: Early) -> None:
         """Close its connection, then abort it on the engine, and once more a moment later: an abort that arrives
         before the engine has registered the request (still templating it) does nothing."""
         await asyncio.wait([early.answer])  # (its outcome, whatever it is, without raising it)
         if not early.answer.cancelled() and early.answer.exception() is None:
             with contextlib.suppress(Exception):
                 await early.answer.result().aclose()
-        await self.upstream.abort(early.url, *rids)
+        await self.upstream.abort(early.url, *early.rids)
         await asyncio.sleep(ABORT_AGAIN_S)
-        await self.upstream.abort(early.url, *rids)
+        await self.upstream.abort(early.url, *early.rids)

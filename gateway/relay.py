@@ -224,7 +224,6 @@ class Relay:
         """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),
         then the remaining tokens from a new engine. Returns (assignment, response, first batch)."""
         assert adm.resume is not None, "only a resumable stream is resumed"
-        body = adm.resume.continuation()
         log.warning("request %s: %s; resuming after %d tokens", adm.record.id, exc, len(adm.resume.generated),
                     extra={"request_id": adm.record.id})  # fmt: skip
         fut = await self.waiting.retry_or_fail(
@@ -232,6 +231,7 @@ class Relay:
         )
         never = asyncio.get_running_loop().create_future()  # a client that leaves cancels this generator
         a = await self.waiting.wait_assignment(adm, fut, never)
+        body = adm.resume.continuation()  # (under the attempt's rid, set by retry_or_fail)
         resp = await self.upstream.open_stream(a.url, adm.path, body)
         if resp.status_code != 200:
             await resp.aread()
@@ -243,7 +243,7 @@ class Relay:
         """The client left: free its slot in Redis and stop it on the engine, both at once (an engine busy with
         many aborts must not hold the slot)."""
         await asyncio.gather(
-            self.upstream.abort(a.url, *adm.record.engine_rids()),
+            self.upstream.abort(a.url, *adm.engine_rids()),
             self.waiting.finish_surely(adm.record.id, "cancelled", why),
         )
 

@@ -2,8 +2,8 @@
 (a stream at its last byte).
 
 The id: a client's ``X-Request-Id`` when it is 1..128 characters of ``[A-Za-z0-9._:-]``, otherwise (absent or not
-valid) a fresh one (32 hex digits). The same id is the request's Redis record, the router's assignment line and the
-engine's SGLang ``rid``, and is echoed in the response's ``X-Request-Id`` (errors included). A client's id that a
+valid) a fresh one (32 hex digits). The same id is the request's Redis record and the router's assignment line, the
+engine's SGLang ``rid`` is ``<id>~<attempt>`` (flying.messages.engine_rid), and the id is echoed in the response's ``X-Request-Id`` (errors included). A client's id that a
 record already holds (a request in flight, or one finished within the record's TTL) is not reused: the request
 runs as ``<id>-<8 hex digits>`` (see :meth:`gateway.service.Gateway.serve`), which is echoed, and a grep for the
 client's id still finds it.

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from flying.messages import split_engine_rid
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
@@ -224,12 +226,13 @@ class Tracing:
             if not self._recording():  # not sampled: the engine still joins the trace
                 self.propagator.inject(carrier)
                 return await call(url, path, body, headers=carrier)
-            rid = str(body.get("rid", ""))
+            rid, attempt = split_engine_rid(str(body.get("rid", "")))
             span = self.tracer.start_span(
                 "flying.relay",
                 kind=self._trace.SpanKind.CLIENT,
                 attributes={
                     "flying.request_id": rid,
+                    "flying.attempt": attempt or 0,
                     "server.address": url,
                     "url.path": path,
                     "http.request.method": "POST",

@@ -193,6 +193,7 @@ class WaitingRoom:
         log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why,
                     extra={"request_id": adm.record.id})  # fmt: skip
         self.metrics.redispatched.labels(cause).inc()
+        adm.next_attempt(attempts)
         await asyncio.sleep(self.redispatch_delay_s(attempts))
         fut = self.waiter.expect(adm.record.id)
         await self.queue.requeue(adm.record, a.engine, why)

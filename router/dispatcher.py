@@ -26,7 +26,6 @@ from flying.messages import (
     RouterState,
     decode,
     encode,
-    engine_rids,
     from_hash,
 )
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
@@ -252,10 +251,10 @@ class Dispatcher:
         for gw, held in lost.items():
             if now - self._gateways_gone[gw] < GATEWAY_GRACE_S:
                 continue
-            for rid, engine, url, n in held:
+            for rid, engine, url, rids in held:
                 await self.queue.finish(rid, "cancelled", f"gateway {gw} lost")
                 if engine is not None and url:
-                    for one in engine_rids(rid, n):
+                    for one in rids:
                         await self._abort(url, one)
             log.warning("gateway %s lost: ended its %d requests (%d were running)", gw, len(held),
                         sum(e is not None for _, e, _, _ in held))  # fmt: skip

@@ -49,7 +49,7 @@ async def test_a_request_goes_early_and_is_served_once(gateway, aredis, keys):
     assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
     assert (gateway.early.sent, gateway.early.declined) == (1, 0)
     assert [path for path, _ in calls] == ["/v1/chat/completions"], "one engine request, nothing aborted"
-    assert calls[0][1]["rid"] == reply.assignment.id
+    assert calls[0][1]["rid"] == f"{reply.assignment.id}~0"
     for _ in range(100):  # its end is recorded after the answer
         if await aredis.hget(keys.request(reply.assignment.id), "state") == b"done":
             break
@@ -81,11 +81,15 @@ async def test_a_declined_request_is_taken_back_and_served_under_a_fresh_id(gate
             break
         await asyncio.sleep(0.02)
     by_path = sorted((path, body["rid"]) for path, body in calls)
-    assert by_path == [
-        ("/abort_request", "mine"),
-        ("/v1/chat/completions", "mine"),
-        ("/v1/chat/completions", reply.assignment.id),
-    ]
+    assert by_path == sorted(
+        [
+            ("/abort_request", "mine~0"),
+            ("/v1/chat/completions", "mine~0"),
+            ("/v1/chat/completions", f"{reply.assignment.id}~0"),
+        ]
+    )
+    # SGLang's abort also ends every rid that begins with the one it names: not the request admitted again
+    assert not f"{reply.assignment.id}~0".startswith("mine~0")
     assert (gateway.early.sent, gateway.early.declined) == (1, 1)
     assert await aredis.exists(keys.request("mine")) == 0, "the declined admission wrote nothing"
     assert await aredis.hget(keys.stats, "admitted") == b"1"
@@ -129,10 +133,10 @@ async def test_a_client_that_leaves_during_the_admission_has_its_early_request_s
     assert gateway.early.sent == 1
     rid = adm.record.id
     for _ in range(100):
-        if ("/abort_request", {"rid": rid}) in calls and await aredis.scard(keys.inflight(0)) == 0:
+        if ("/abort_request", {"rid": f"{rid}~0"}) in calls and await aredis.scard(keys.inflight(0)) == 0:
             break
         await asyncio.sleep(0.02)
-    assert ("/abort_request", {"rid": rid}) in calls, calls
+    assert ("/abort_request", {"rid": f"{rid}~0"}) in calls, calls
     assert await aredis.hget(keys.request(rid), "state") == b"cancelled"
     assert await aredis.scard(keys.inflight(0)) == 0
 
@@ -150,9 +154,10 @@ async def test_a_declined_stream_is_taken_back_and_streamed_once(gateway, aredis
         await asyncio.sleep(0.02)
     streams = [body["rid"] for path, body in calls if path == "/v1/completions"]
     aborted = [body["rid"] for path, body in calls if path == "/abort_request"]
-    assert (
-        len(streams) == 2
-        and aborted[0] == streams[0]
-        and re.fullmatch(rf"{streams[0]}-[0-9a-f]{{8}}", streams[1])
+    first = streams[0].removesuffix("~0")
+    assert len(streams) == 2 and aborted[0] == streams[0] and streams[0] == f"{first}~0"
+    assert re.fullmatch(rf"{first}-[0-9a-f]{{8}}~0", streams[1])
+    assert not streams[1].startswith(aborted[0]), (
+        "the abort (a prefix in SGLang) does not reach the new stream"
     )
     assert (gateway.early.sent, gateway.early.declined) == (1, 1)

@@ -71,7 +71,7 @@ async def test_a_chat_request_is_made_into_its_record_and_the_engines_chat_body(
     adm = await admission().admit(chat(max_tokens=8), "high", "rid-1")
     assert isinstance(adm, Admitted) and adm.path == "/v1/chat/completions" and not adm.stream
     assert adm.resume is None
-    assert adm.body["rid"] == "rid-1" and adm.body["priority"] == 2 and adm.body["max_tokens"] == 8
+    assert adm.body["rid"] == "rid-1~0" and adm.body["priority"] == 2 and adm.body["max_tokens"] == 8
     rec = adm.record
     assert (rec.id, rec.priority, rec.prompt_tokens, rec.max_tokens) == ("rid-1", "high", 5, 8)
 

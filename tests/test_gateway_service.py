@@ -216,6 +216,9 @@ async def test_a_stream_that_breaks_after_tokens_continues_on_another_engine(gat
     assert first["prompt"] == PROMPT and first["return_token_ids"] and "messages" not in first
     assert second["prompt"] == PROMPT + [10, 11]
     assert second["max_tokens"] == first["max_tokens"] - 2
+    assert first["rid"].endswith("~0") and second["rid"] == first["rid"].removesuffix("~0") + "~1", (
+        "a rid of its own: a late abort of the first ends nothing here"
+    )
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
     await asyncio.sleep(0.1)
     assert await aredis.hget(keys.stats, "completed") == b"1" and not await aredis.hget(keys.stats, "failed")
@@ -276,6 +279,8 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
     reply = await serve_chat(gateway, engine)
     assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
     assert len(calls) == 2
+    first, second = (json.loads(c.content)["rid"] for c in calls)
+    assert (first, second) == (f"{reply.assignment.id}~0", f"{reply.assignment.id}~1")
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
     await asyncio.sleep(0.1)
     assert await aredis.hget(keys.breakers, "0") is None, "a lost group is no failure of the engine's own"
@@ -292,7 +297,7 @@ async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(ga
 
     served = [(await serve_chat(gateway, engine, "high", "client-1")).assignment.id for _ in range(2)]
     assert served[0] == "client-1" and re.fullmatch(r"client-1-[0-9a-f]{8}", served[1]), served
-    assert rids == served
+    assert rids == [f"{rid}~0" for rid in served]
     assert await aredis.hget(keys.request(served[1]), "state") == b"done"
 
 
@@ -387,7 +392,7 @@ async def test_a_client_that_leaves_before_the_first_event_is_gone_and_its_reque
             break
         await asyncio.sleep(0.02)
     assert [path for path, _ in calls] == ["/v1/completions", "/abort_request"]
-    assert calls[1][1] == {"rid": adm.record.id}
+    assert calls[1][1] == {"rid": f"{adm.record.id}~0"}
     assert await aredis.hget(keys.request(adm.record.id), "state") == b"cancelled"
     assert await aredis.scard(keys.inflight(0)) == 0
 

@@ -165,6 +165,7 @@ async def test_a_failed_engine_sends_the_request_back_until_its_attempts_are_use
     a = Assignment(id="a", engine=0, url="http://e0", queue_ms=0.0)
     fut = await r.retry_or_fail(adm, a, "connection refused")
     assert not fut.done() and "a" in r.holding and await aredis.zscore(keys.queue, "a") is not None
+    assert adm.record.id == "a" and adm.body["rid"] == "a~1" and adm.engine_rids() == ["a~1"]
     assert r.metrics.redispatched.labels("before_first_event")._value.get() == 1
     assert await r.queue.assign(adm.record, 0, "http://e0")
     with pytest.raises(WorkerFailed, match="engine 0 failed and 2 attempts are used up: reset"):

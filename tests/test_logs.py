@@ -79,11 +79,13 @@ def test_sglang_json_request_lines_become_ours():
         log_utils.log_json(
             target, "request.finished", {"rid": "abc", "out": {"meta_info": {"e2e_latency": 0.1}}}
         )
+        log_utils.log_json(target, "request.received", {"rid": "abc~1"})  # the gateway's second dispatch
     finally:
         log.handlers, log.filters, log.propagate = saved[0], saved[1], saved[2]
-    rec = json.loads(out.getvalue())
-    assert rec["request_id"] == "abc" and rec["msg"] == "request.finished abc"
+    rec, again = (json.loads(line) for line in out.getvalue().splitlines())
+    assert rec["request_id"] == "abc" and rec["msg"] == "request.finished abc" and "attempt" not in rec
     assert rec["sglang"]["out"]["meta_info"]["e2e_latency"] == 0.1
+    assert (again["request_id"], again["attempt"], again["msg"]) == ("abc", 1, "request.received abc~1")
 
 
 def test_setup_replaces_the_root_handler_and_quiets_httpx():

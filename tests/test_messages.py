@@ -1,8 +1,19 @@
 import json
 
+import msgspec
 import pytest
 
-from flying.messages import GROUP_LOST, Heartbeat, QueuedRequest, decode, encode, from_hash, to_hash
+from flying.messages import (
+    GROUP_LOST,
+    Heartbeat,
+    QueuedRequest,
+    decode,
+    encode,
+    engine_rid,
+    from_hash,
+    split_engine_rid,
+    to_hash,
+)
 
 
 def test_request_round_trips_through_a_redis_hash():
@@ -48,7 +59,22 @@ def test_n_choices_hold_kv_each_and_are_known_to_sglang_by_suffixed_ids():
     one = QueuedRequest(id="r", model="m", prompt_tokens=5, max_tokens=7, gateway="g", enqueued_at=0)
     two = QueuedRequest(id="r", model="m", prompt_tokens=5, max_tokens=7, gateway="g", enqueued_at=0, n=2)
     assert (one.kv_tokens, two.kv_tokens) == (12, 19)
-    assert one.engine_rids() == ["r"] and two.engine_rids() == ["r_0", "r_1"]
+    assert one.engine_rids() == ["r~0"] and two.engine_rids() == ["r~0_0", "r~0_1"]
+    again = msgspec.structs.replace(one, attempts=2)
+    assert again.engine_rids() == ["r~2"], "its second re-dispatch runs under a rid of its own"
+
+
+def test_no_engine_rid_begins_with_another_requests_or_attempts():
+    """SGLang's abort of a rid also ends every rid that begins with it: a reused client id's ``<id>-<hex>``, an
+    id that extends another, and a later attempt each get a rid that no other one begins."""
+    rids = [engine_rid(i, a) for i in ("abc", "abc-1f2e3d4c", "abcd", "ab.c") for a in range(3)]
+    assert not [(x, y) for x in rids for y in rids if x != y and y.startswith(x)]
+    assert [split_engine_rid(r) for r in ("abc~2", "abc-1f2e3d4c~0", "plain", "a~b")] == [
+        ("abc", 2),
+        ("abc-1f2e3d4c", 0),
+        ("plain", None),
+        ("a~b", None),
+    ]
 
 
 def test_a_heartbeat_without_a_node_decodes_as_one_nodes_engine():

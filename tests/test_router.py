@@ -196,7 +196,7 @@ async def test_a_lost_gateways_requests_are_ended_and_aborted(aredis, keys, monk
         monkeypatch.setattr(mod, "GATEWAY_GRACE_S", 0.0)
         d._last_reap = 0.0
         await d.maintenance()
-        assert engine.aborted == ["normal0"]
+        assert engine.aborted == ["normal0~0"]
     assert [r.id for r in await q.peek(10)] == ["kept"]
     assert await aredis.scard(keys.inflight(0)) == 0
     for rid in ("normal0", "normal1"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from flying.messages import GROUP_LOST
+from flying.messages import GROUP_LOST, split_engine_rid
 
 if TYPE_CHECKING:
     from worker_ext.heartbeat import Load
@@ -59,7 +59,8 @@ REQUEST_LOGGER = "sglang.srt.utils.request_logger.stdout"  # where --log-request
 def apply_request_log_handler(handler: logging.Handler) -> None:
     """SGLang's request lines (``--log-requests``) through ``handler``: its stdout request logger is made here,
     before SGLang's RequestLogger, which gives a handler of its own only to a logger that has none. A line in
-    SGLang's JSON request format becomes ``msg`` "<event> <rid>", ``request_id`` and ``sglang`` (the rest)."""
+    SGLang's JSON request format becomes ``msg`` "<event> <rid>", ``request_id`` and ``sglang`` (the rest); a rid
+    the gateway made (``<id>~<attempt>``, flying.messages.engine_rid) gives ``request_id`` the id and ``attempt``."""
     log = logging.getLogger(REQUEST_LOGGER)
     require(not log.handlers, f"{REQUEST_LOGGER} was set up before the plugin")
     log.addHandler(handler)
@@ -76,6 +77,8 @@ def _lift_rid(record: logging.LogRecord) -> bool:
             rid = data.pop("rid", None)
             record.msg, record.args = f"{data.pop('event', 'request')} {rid}", None
             record.request_id, record.sglang = rid, data
+            if isinstance(rid, str) and (split := split_engine_rid(rid))[1] is not None:
+                record.request_id, record.attempt = split  # the gateway's request id, and which dispatch
     return True
 
 
