@@ -72,6 +72,8 @@ class Relay:
             error = f"engine {a.engine} answered {resp.status_code} with a body that is not JSON: {resp.text[:120]!r}"
             await self.queue.finish(adm.record.id, "failed", error)
             raise WorkerFailed(error) from None
+        if resp.status_code == 200 and (gave := engine_gave_up(payload)):  # SGLang's answer to an abort there
+            raise gave_up(a, gave, "ended the request")
         state = "done" if resp.status_code == 200 else "failed"
         self.waiting.finish_soon(adm.record.id, state, "" if state == "done" else resp.text[:200])
         return resp.status_code, payload

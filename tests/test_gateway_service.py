@@ -286,6 +286,26 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
     assert await aredis.hget(keys.breakers, "0") is None, "a lost group is no failure of the engine's own"
 
 
+async def test_a_non_streaming_answer_the_engine_aborted_is_redispatched(gateway, aredis, keys):
+    """An abort on the engine (no status: SGLang's graceful abort) ends a non-streaming request as a 200 whose
+    finish reason is ``abort``, with part of the answer: nothing reached the client, so it goes to an engine again,
+    as a stream that ends so before its first token does."""
+    aborted = {"choices": [{"index": 0, "message": {"content": "one"}, "finish_reason": "abort"}]}
+    answers = [
+        httpx.Response(200, json=aborted),
+        httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "one two"}}]}),
+    ]
+    calls = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return answers[len(calls) - 1]
+
+    reply = await serve_chat(gateway, engine)
+    assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
+    assert len(calls) == 2 and int(await aredis.hget(keys.stats, "requeued")) == 1
+
+
 async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(gateway, aredis, keys):
     """The client's id is the record's and the engine's rid; sent again while its record exists, the request runs
     as ``<id>-<8 hex>`` (gateway.request_log)."""
