@@ -263,11 +263,22 @@ async def serve_chat(gateway, engine, priority: str = "normal", request_id: str 
         connected.cancel()
 
 
-async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, aredis, keys):
-    """A TP group that loses a member aborts its requests with 503 (worker_ext.sglang_patches): nothing reached
-    the client yet, so the request goes to another engine instead of failing."""
+@pytest.mark.parametrize(
+    "first, engine_fault",
+    [
+        (httpx.Response(503, json={"object": "error", "message": GROUP_LOST, "code": 503}), False),
+        (httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "one"}, "finish_reason": "abort"}]}), True),
+    ],
+    ids=["group-lost-503", "aborted-200"],
+)  # fmt: skip
+async def test_a_non_streaming_request_the_engine_gave_up_on_is_redispatched(
+    gateway, aredis, keys, first, engine_fault
+):
+    """A TP group that loses a member aborts its requests with 503 (worker_ext.sglang_patches); an abort on the
+    engine (no status: SGLang's graceful abort) ends one as a 200 whose finish reason is ``abort``, with part of
+    the answer. Nothing reached the client yet, so the request goes to an engine again, under a rid of its own."""
     answers = [
-        httpx.Response(503, json={"object": "error", "message": GROUP_LOST, "code": 503}),
+        first,
         httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "one two"}}]}),
     ]
     calls = []
@@ -279,31 +290,12 @@ async def test_a_non_streaming_request_answered_503_is_redispatched(gateway, are
     reply = await serve_chat(gateway, engine)
     assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
     assert len(calls) == 2
-    first, second = (json.loads(c.content)["rid"] for c in calls)
-    assert (first, second) == (f"{reply.assignment.id}~0", f"{reply.assignment.id}~1")
+    rids = [json.loads(c.content)["rid"] for c in calls]
+    assert rids == [f"{reply.assignment.id}~0", f"{reply.assignment.id}~1"]
     assert int(await aredis.hget(keys.stats, "requeued")) == 1
     await asyncio.sleep(0.1)
-    assert await aredis.hget(keys.breakers, "0") is None, "a lost group is no failure of the engine's own"
-
-
-async def test_a_non_streaming_answer_the_engine_aborted_is_redispatched(gateway, aredis, keys):
-    """An abort on the engine (no status: SGLang's graceful abort) ends a non-streaming request as a 200 whose
-    finish reason is ``abort``, with part of the answer: nothing reached the client, so it goes to an engine again,
-    as a stream that ends so before its first token does."""
-    aborted = {"choices": [{"index": 0, "message": {"content": "one"}, "finish_reason": "abort"}]}
-    answers = [
-        httpx.Response(200, json=aborted),
-        httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "one two"}}]}),
-    ]
-    calls = []
-
-    def engine(request: httpx.Request) -> httpx.Response:
-        calls.append(request)
-        return answers[len(calls) - 1]
-
-    reply = await serve_chat(gateway, engine)
-    assert reply.status == 200 and reply.body["choices"][0]["message"]["content"] == "one two"
-    assert len(calls) == 2 and int(await aredis.hget(keys.stats, "requeued")) == 1
+    counted = await aredis.hget(keys.breakers, "0") is not None
+    assert counted == engine_fault, "a lost group is no failure of the engine's own (its breaker)"
 
 
 async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(gateway, aredis, keys):
