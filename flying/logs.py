@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
@@ -85,8 +86,10 @@ class LogHandler(logging.StreamHandler[Any]):
             text = json.dumps(doc, default=str, ensure_ascii=False)
         else:
             text = f"{self._stamp},{ms:03d} {name} INFO {msg}"
-        self._pending.append(text + self.terminator)
-        if len(self._pending) == 1:
+        with self.lock or contextlib.nullcontext():  # (records may come from other threads)
+            self._pending.append(text + self.terminator)
+            first = len(self._pending) == 1
+        if first:
             try:
                 asyncio.get_running_loop().call_soon(self.flush)
             except RuntimeError:  # no event loop: at once
@@ -98,17 +101,17 @@ class LogHandler(logging.StreamHandler[Any]):
         super().emit(record)
 
     def flush(self) -> None:
-        if self._pending:
-            text, self._pending = "".join(self._pending), []
-            self.acquire()
-            try:
-                self.stream.write(text)
-            except Exception:  # noqa: BLE001 - as logging does: a log line never fails its caller
-                if logging.raiseExceptions:
-                    sys.stderr.write("--- flying.logs: a log write failed\n")
-            finally:
-                self.release()
-        super().flush()
+        with self.lock or contextlib.nullcontext():  # (an RLock: emit holds it already)
+            if self._pending:
+                text = "".join(self._pending)
+                self._pending.clear()
+                try:
+                    self.stream.write(text)
+                except Exception:  # noqa: BLE001 - as logging does: a log line never fails its caller
+                    if logging.raiseExceptions:
+                        with contextlib.suppress(Exception):
+                            sys.stderr.write("--- flying.logs: a log write failed\n")
+            super().flush()
 
 
 def handler(fmt: LogFormat, stream: Any = None) -> LogHandler:

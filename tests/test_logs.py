@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import re
+import threading
 from datetime import datetime
 
 import pytest
@@ -169,3 +170,28 @@ def test_no_direct_lines_where_a_record_would_go_elsewhere():
         log.setLevel(logging.NOTSET)
         logging.getLogger().handlers.append(logging.NullHandler())  # pytest's caplog adds its own like this
         assert logs.direct(log) is None
+
+
+def test_direct_lines_and_records_from_many_threads_are_all_written_whole():
+    log = logging.getLogger("flying.test_logs.threads")
+
+    def write(i: int) -> None:
+        direct = logs.direct(log)
+        assert direct is not None
+        for k in range(300):
+            direct.line(log.name, f"line {i} {k}", {})
+            log.warning("record %d %d", i, k)
+
+    with root_handler("text") as out:
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    got = [line.split(" ", 4)[-1] for line in out.getvalue().splitlines()]
+    assert sorted(got) == sorted(
+        f"{kind} {i} {k}" for kind in ("line", "record") for i in range(4) for k in range(300)
+    )
+    for i in range(4):  # one thread's lines and records in the order it wrote them
+        mine = [g for g in got if g.split()[1] == str(i)]
+        assert mine == [f"{kind} {i} {k}" for k in range(300) for kind in ("line", "record")]
