@@ -3,6 +3,7 @@ SGLang's scheduler structures they read."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -29,3 +30,27 @@ def test_dropping_a_leaders_tp_requests_ends_them_group_lost_through_its_output_
     assert streamed == [["a", "b"]]
     assert scheduler.waiting_queue == [] and scheduler.running_batch.reqs == []
     assert GROUP_LOST.message in str(sglang_patches.group_lost().to_json())
+
+
+def test_a_groups_request_limits_reach_sglangs_pool_statistics():
+    """Bound, the scheduler budgets the group's pooled KV; SGLang's pool statistics (``--enable-metrics``, load
+    reports) divide the free KV by their own copy of the capacity, and a stale one gave a negative usage that
+    SGLang asserts against: the leader's scheduler died on its first bound prefill."""
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
+
+    fields = dict.fromkeys(f.name for f in dataclasses.fields(SchedulerPoolStatsObserver))
+    observer = SchedulerPoolStatsObserver(**fields | {"max_total_num_tokens": 4096})
+    scheduler = SimpleNamespace(
+        pool_stats_observer=observer,
+        kv_shard_widening=1,
+        model_config=SimpleNamespace(context_len=8192),
+        max_total_num_tokens=4096,
+        max_req_len=4095,
+        max_req_input_len=4090,
+    )
+    dp = sglang_patches.RequestLimits(4095, 4090, 4096)
+    sglang_patches.set_request_limits(scheduler, dp, 2)
+    assert scheduler.max_total_num_tokens == observer.max_total_num_tokens == 8192
+    assert scheduler.pool_stats_observer is observer, "changed in place: other holders see the same capacity"
+    sglang_patches.set_request_limits(scheduler, dp, 1)
+    assert scheduler.max_total_num_tokens == observer.max_total_num_tokens == 4096

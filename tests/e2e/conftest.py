@@ -22,6 +22,9 @@ def cluster(tiny_model, tmp_path_factory):
         max_total_tokens=4096,
         router_args=("--max-inflight-per-worker", "4", "--manual"),  # switching tests drive binds by hand
         log_format="json",  # test_logs_e2e follows one request through the three processes' JSON lines
+        worker_args=(
+            "--enable-metrics",
+        ),  # as docker-compose runs them: SGLang's pool statistics while bound
     )
     with Cluster(config, progress=print) as c:
         yield c

@@ -426,5 +426,12 @@ def set_request_limits(scheduler: Any, dp: RequestLimits, width: int) -> None:
     context = int(scheduler.model_config.context_len)
     max_req_len = dp.max_req_len if width == 1 else min(context - 1, kv_capacity - 1)
     scheduler.max_total_num_tokens = kv_capacity  # the admission budget: KV tokens at this width
+    if (observer := getattr(scheduler, "pool_stats_observer", None)) is not None:
+        # SGLang's pool statistics (--enable-metrics, load reports) divide by their own copy of the capacity,
+        # taken at start; with the group's pooled KV free they would read a negative usage, which SGLang asserts
+        # against (the scheduler dies). The observer is frozen and shared by reference (the load inquirer and
+        # the invariant checker hold it too), so its one field is set in place.
+        widening = int(getattr(scheduler, "kv_shard_widening", 1))
+        object.__setattr__(observer, "max_total_num_tokens", kv_capacity * widening)
     scheduler.max_req_len = max_req_len
     scheduler.max_req_input_len = max_req_len - (dp.max_req_len - dp.max_req_input_len)
