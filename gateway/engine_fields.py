@@ -22,6 +22,8 @@ from typing import Any
 
 import msgspec
 
+from flying.messages import split_engine_rid
+
 TOP = ("metadata", "sglext")
 CHOICE = ("matched_stop", "hidden_states", "token_ids", "prompt_token_ids", "response_token_ids", "meta_info")
 _NONE = object()
@@ -30,9 +32,19 @@ _encode = msgspec.json.Encoder().encode
 
 
 def clean(doc: Any) -> Any:
-    """``doc`` (a decoded response or chunk) without SGLang's fields, changed in place; returned."""
+    """``doc`` (a decoded response or chunk) without SGLang's fields and with the request's id, changed in place;
+    returned."""
     strip(doc)
+    if isinstance(doc, dict) and "id" in doc:
+        doc["id"] = public_id(doc["id"])
     return doc
+
+
+def public_id(value: Any) -> Any:
+    """An answer's id as the client gets it: SGLang names an answer after the rid it ran under,
+    ``<id>~<attempt>`` (flying.messages.engine_rid); the client gets the request's id, whichever attempt
+    answered."""
+    return split_engine_rid(value)[0] if isinstance(value, str) else value
 
 
 def strip(doc: Any) -> bool:
@@ -71,12 +83,11 @@ class StreamId:
         self.value: Any = None
 
     def apply(self, event: Any) -> None:
-        """Give ``event`` the stream's id (the first non-empty one seen is the stream's)."""
+        """Give ``event`` the stream's id (the first non-empty one seen is the stream's, as :func:`public_id`)."""
         if isinstance(event, dict) and "id" in event:
-            if self.value:
-                event["id"] = self.value
-            else:
-                self.value = event["id"]
+            if not self.value:
+                self.value = public_id(event["id"])
+            event["id"] = self.value
 
 
 def clean_sse(line: str, stream_id: StreamId | None = None) -> tuple[bytes, Any]:

@@ -130,7 +130,8 @@ class _Conn(asyncio.Protocol):
             self.state.running.discard(rid)
 
     async def complete(self, t: asyncio.Transport, req: dict, chat: bool) -> None:
-        """A non-streaming answer: ``n`` choices of ``max_tokens`` tokens " tok", after the time a stream takes."""
+        """A non-streaming answer: ``n`` choices of ``max_tokens`` tokens " tok", after the time a stream takes;
+        its id is the request's rid, as SGLang's is."""
         n, k = int(req.get("max_tokens") or 16), int(req.get("n") or 1)
         await asyncio.sleep(self.ttft + self.itl * (n - 1))
         words = prompt_words(req)
@@ -145,7 +146,7 @@ class _Conn(asyncio.Protocol):
         usage = {"prompt_tokens": p, "completion_tokens": n * k, "total_tokens": p + n * k,
                  "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
         kind = "chat.completion" if chat else "text_completion"
-        doc = json.dumps({"id": "x", "object": kind, "created": int(time.time()), "model": MODEL,
+        doc = json.dumps({"id": str(req.get("rid") or "x"), "object": kind, "created": int(time.time()), "model": MODEL,
                           "choices": choices, "usage": usage}).encode()  # fmt: skip
         t.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
@@ -178,7 +179,7 @@ class _Conn(asyncio.Protocol):
                     choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else list(range(p))
             if i == n - 1:
                 choice["finish_reason"] = "length"
-            event: dict = {"id": "x", "created": int(time.time()), "model": MODEL, "choices": [choice]}
+            event: dict = {"id": rid, "created": int(time.time()), "model": MODEL, "choices": [choice]}
             if every:
                 event["usage"] = {"prompt_tokens": p, "completion_tokens": i + 1, "total_tokens": p + i + 1,
                                   "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
@@ -194,7 +195,7 @@ class _Conn(asyncio.Protocol):
         self.state.insert(words + out)
         usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
                  "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
-        tail = {"id": "x", "model": MODEL, "choices": [], "usage": usage}
+        tail = {"id": rid, "model": MODEL, "choices": [], "usage": usage}
         t.write(_chunk(b"data: " + json.dumps(tail).encode() + b"\n\ndata: [DONE]\n\n") + b"0\r\n\r\n")
 
 

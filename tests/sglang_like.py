@@ -60,7 +60,7 @@ class SGLangLike:
              "tool_calls": None}, "logprobs": None, "finish_reason": self.finish(body), "matched_stop": None}
             for i in range(int(body.get("n") or 1))
         ]  # fmt: skip
-        return JSONResponse({"id": "c1", "object": "chat.completion", "created": int(time.time()),
+        return JSONResponse({"id": body.get("rid", "c1"), "object": "chat.completion", "created": int(time.time()),
                              "model": body["model"], "choices": choices, "usage": usage(p, len(toks) * len(choices)),
                              "metadata": {"weight_version": "default"}})  # fmt: skip
 
@@ -70,10 +70,10 @@ class SGLangLike:
             last = i == len(toks) - 1
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish(body) if last else None,
                       "matched_stop": None}  # fmt: skip
-            yield sse({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
+            yield sse({"id": body.get("rid", "c1"), "object": "chat.completion.chunk", "created": 1, "model": body["model"],
                        "choices": [choice], "usage": None})  # fmt: skip
         if (body.get("stream_options") or {}).get("include_usage"):
-            yield sse({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
+            yield sse({"id": body.get("rid", "c1"), "object": "chat.completion.chunk", "created": 1, "model": body["model"],
                        "choices": [], "usage": usage(p, len(toks))})  # fmt: skip
         yield "data: [DONE]\n\n"
 
@@ -94,7 +94,7 @@ class SGLangLike:
             }
             for i in range(int(body.get("n") or 1))
         ]
-        return JSONResponse({"id": "t1", "object": "text_completion", "created": int(time.time()),
+        return JSONResponse({"id": body.get("rid", "t1"), "object": "text_completion", "created": int(time.time()),
                              "model": body["model"], "choices": choices, "usage": usage(p, len(toks) * len(choices)),
                              "metadata": {"weight_version": "default"}})  # fmt: skip
 
@@ -111,10 +111,10 @@ class SGLangLike:
                     choice["token_ids"] = [100 + i]
                     if i == 0:
                         choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else list(range(p))
-                yield sse({"id": "t1", "object": "text_completion", "created": 1, "model": body["model"],
+                yield sse({"id": body.get("rid", "t1"), "object": "text_completion", "created": 1, "model": body["model"],
                            "choices": [choice], "usage": None})  # fmt: skip
         if (body.get("stream_options") or {}).get("include_usage"):
-            yield sse({"id": "t1", "object": "text_completion", "created": 1, "model": body["model"],
+            yield sse({"id": body.get("rid", "t1"), "object": "text_completion", "created": 1, "model": body["model"],
                        "choices": [], "usage": usage(p, len(toks) * n)})  # fmt: skip
         yield "data: [DONE]\n\n"
 

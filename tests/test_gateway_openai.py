@@ -292,11 +292,39 @@ def test_cleaning_moves_reasoning_tokens_and_keeps_reasoning_text():
                              "completion_tokens_details": {"reasoning_tokens": 1}}}  # fmt: skip
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answers_id_is_the_request_id_not_the_engines_rid(client, stream):
+    """SGLang names an answer after the rid it ran under (``<id>~<attempt>``): the client gets the request's id,
+    the one ``X-Request-Id`` echoes, for chat and completions, streamed or not."""
+    chat = client.chat.completions.with_raw_response.create(
+        **CHAT, stream=stream, extra_headers={"X-Request-Id": f"chat-{stream}"}
+    )
+    text = client.completions.with_raw_response.create(
+        model="tiny-llama",
+        prompt="hi",
+        max_tokens=3,
+        stream=stream,
+        extra_headers={"X-Request-Id": f"text-{stream}"},
+    )
+    for raw, rid in ((chat, f"chat-{stream}"), (text, f"text-{stream}")):
+        assert raw.headers["x-request-id"] == rid
+        parsed = raw.parse()
+        ids = {chunk.id for chunk in parsed} if stream else {parsed.id}
+        assert ids == {rid}
+
+
 def test_every_chunk_of_a_stream_carries_its_first_chunks_id():
     stream_id = engine_fields.StreamId()
     lines = ['data: {"id": "a", "choices": [{"index": 0}]}', 'data: {"id": "b", "choices": [{"index": 1}]}']
     ids = [json.loads(engine_fields.clean_sse(line, stream_id)[0][6:])["id"] for line in lines]
     assert ids == ["a", "a"]  # (SGLang streams each of n choices under an id of its own)
+    resumed = engine_fields.StreamId()  # an attempt's rid names its chunks: the request's id is the stream's
+    for line in ['data: {"id": "r-1~0", "choices": []}', 'data: {"id": "r-1~1", "choices": []}']:
+        assert json.loads(engine_fields.clean_sse(line, resumed)[0][6:])["id"] == "r-1"
+    assert (
+        engine_fields.clean({"id": "r-1~2"})["id"] == "r-1"
+        and engine_fields.clean({"id": "9f0e"})["id"] == "9f0e"
+    )
 
 
 def test_an_engines_error_body_becomes_openais_shape():
