@@ -81,12 +81,14 @@ def test_sglang_json_request_lines_become_ours():
             target, "request.finished", {"rid": "abc", "out": {"meta_info": {"e2e_latency": 0.1}}}
         )
         log_utils.log_json(target, "request.received", {"rid": "abc~1"})  # the gateway's second dispatch
+        log_utils.log_json(target, "request.received", {"rid": ["n2~0_0", "n2~0_1"]})  # n choices
     finally:
         log.handlers, log.filters, log.propagate = saved[0], saved[1], saved[2]
-    rec, again = (json.loads(line) for line in out.getvalue().splitlines())
+    rec, again, choices = (json.loads(line) for line in out.getvalue().splitlines())
     assert rec["request_id"] == "abc" and rec["msg"] == "request.finished abc" and "attempt" not in rec
     assert rec["sglang"]["out"]["meta_info"]["e2e_latency"] == 0.1
     assert (again["request_id"], again["attempt"], again["msg"]) == ("abc", 1, "request.received abc~1")
+    assert (choices["request_id"], choices["attempt"]) == ("n2", 0)
 
 
 def test_setup_replaces_the_root_handler_and_quiets_httpx():

@@ -54,3 +54,10 @@ def test_a_groups_request_limits_reach_sglangs_pool_statistics():
     assert scheduler.pool_stats_observer is observer, "changed in place: other holders see the same capacity"
     sglang_patches.set_request_limits(scheduler, dp, 1)
     assert scheduler.max_total_num_tokens == observer.max_total_num_tokens == 4096
+
+
+def test_an_sglang_rid_names_the_gateways_request_and_attempt():
+    assert sglang_patches.request_of("r-1~2") == ("r-1", 2)
+    assert sglang_patches.request_of(["r-1~0_0", "r-1~0_1"]) == ("r-1", 0)  # a request's n choices
+    assert sglang_patches.request_of("HEALTH_CHECK_9f") is None  # a rid the gateway did not make
+    assert sglang_patches.request_of(["a~0_0", "b~0_1"]) is None and sglang_patches.request_of(None) is None

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from flying.messages import split_engine_rid
 from worker_ext.epoch import Epoch
 from worker_ext.ownership import Ownership
 from worker_ext.sglang_patches.requests import ReqState
@@ -79,7 +80,8 @@ class MemberRelay:
             log.warning("engine %d: could not post to the leader: %s", self.index, exc)
             return
         if mine:
-            log.info("engine %d: client aborted %s; the leader aborts its copy", self.index, mine)
+            log.info("engine %d: client aborted %s; the leader aborts its copy", self.index, mine,
+                     extra={"request_ids": [split_engine_rid(rid)[0] for rid in mine]})  # fmt: skip
         if got.new:
             log.info("engine %d: %d new requests go to the group's leader", self.index, len(got.new))
 
@@ -107,7 +109,8 @@ class MemberRelay:
                 new.append(req)
             else:
                 self.engine.abort(post.aborted)
-                log.info("engine %d: aborted %s for its owner", self.index, post.aborted)
+                log.info("engine %d: aborted %s for its owner", self.index, post.aborted,
+                         extra={"request_id": split_engine_rid(post.aborted)[0]})  # fmt: skip
         if new:
             self.engine.queue_back(new)
             log.info("engine %d: runs %d requests of its members", self.index, len(new))

@@ -77,9 +77,25 @@ def _lift_rid(record: logging.LogRecord) -> bool:
             rid = data.pop("rid", None)
             record.msg, record.args = f"{data.pop('event', 'request')} {rid}", None
             record.request_id, record.sglang = rid, data
-            if isinstance(rid, str) and (split := split_engine_rid(rid))[1] is not None:
-                record.request_id, record.attempt = split  # the gateway's request id, and which dispatch
+            if (request := request_of(rid)) is not None:
+                record.request_id, record.attempt = request  # the gateway's request id, and which dispatch
     return True
+
+
+def request_of(rid: Any) -> tuple[str, int] | None:
+    """The gateway's (request id, attempt) that an SGLang rid (``<id>~<attempt>``), or the list of a request's
+    ``n`` choices' rids (``<id>~<attempt>_<i>``), belongs to; None for a rid the gateway did not make."""
+    found = set()
+    for one in rid if isinstance(rid, list) else [rid]:
+        if not isinstance(one, str):
+            return None
+        request = split_engine_rid(one)
+        if request[1] is None and isinstance(rid, list):  # a choice's rid
+            request = split_engine_rid(one.rpartition("_")[0])
+        if request[1] is None:
+            return None
+        found.add((request[0], request[1]))
+    return found.pop() if len(found) == 1 else None
 
 
 def apply_scheduler_hooks(on_init: Callable[[Any], None], on_step: Callable[[Any], None]) -> None:
