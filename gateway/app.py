@@ -189,7 +189,7 @@ async def serve_one(
     disconnected = watcher(request.scope, request.receive)
     try:
         # a client's own id is never sent early: it may still run on an engine (reused), and a decline renames it
-        reply = await gw.serve(adm, disconnected, early=not logged.client_id)
+        reply = await gw.serve(adm, disconnected, early=not logged.client_id, assigned=logged.assigned)
         gw.metrics.child(gw.metrics.ttft, priority).observe(time.monotonic() - t0)
     except ClientGone:
         disconnected.cancel()
@@ -198,7 +198,6 @@ async def serve_one(
         disconnected.cancel()
         raise
     a = reply.assignment
-    logged.request_id, logged.engine, logged.queue_ms = a.id, a.engine, a.queue_ms
     headers = {
         "X-Request-Id": a.id,  # the client's, or one made unique (gateway.request_log)
         "X-Queue-Time-Ms": f"{a.queue_ms:.1f}",

@@ -21,6 +21,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flying import logs
+from flying.messages import Assignment
 
 log = logging.getLogger("flying.gateway.requests")
 _VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -45,6 +46,11 @@ class RequestInfo:
     requested_priority: str | None = None  # the one asked for, when its tenant's limit lowered it
     engine: int | None = None
     queue_ms: float | None = None
+
+    def assigned(self, a: Assignment) -> None:
+        """The request was assigned (again): the line names the id it ran under and where, even if it then
+        failed or its client left."""
+        self.request_id, self.engine, self.queue_ms = a.id, a.engine, a.queue_ms
 
 
 def info(scope: Scope) -> RequestInfo:

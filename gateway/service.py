@@ -150,14 +150,20 @@ class Gateway:
             return self.early.send(adm.record, lambda url: self.upstream.open_stream(url, adm.path, adm.body))
         return self.early.send(adm.record, lambda url: self.upstream.post(url, adm.path, adm.body))
 
-    async def serve(self, adm: Admitted, disconnected: asyncio.Future[None], early: bool = True) -> Reply:
+    async def serve(
+        self,
+        adm: Admitted,
+        disconnected: asyncio.Future[None],
+        early: bool = True,
+        assigned: Callable[[Assignment], None] | None = None,
+    ) -> Reply:
         """Queue ``adm``, wait for its assignment and forward it; an engine that fails before answering (or, for
         a stream, before its first event) sends it back to the queue, within ``max_attempts``. Raises ClientGone
         when ``disconnected`` completes first, and the API errors of the steps (429, 503, 504). An id a record
         already holds (a client's ``X-Request-Id`` reused) is made unique: ``<id>-<8 hex>``; the reply's
         ``assignment.id`` is the id it ran under. ``early``: it may go to its engine while its admission runs
         (:mod:`gateway.early_dispatch`; not for a client's own id: one the admission declines runs under a new
-        id)."""
+        id). ``assigned`` is told each assignment as it comes (the request log's engine, whatever the outcome)."""
         waiting, relay = self.waiting, self.relay
         base = adm.record.id
         sent_early = self._send_early(adm) if early else None
@@ -180,6 +186,8 @@ class Gateway:
             except BaseException:
                 self.early.take_back(sent_early, adm.record)
                 raise
+            if assigned is not None:
+                assigned(a)
             self.metrics.child(self.metrics.queue_time, adm.record.priority).observe(
                 max(0.0, time.time() - adm.record.enqueued_at)
             )

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from flying.messages import GROUP_LOST as LOST
-from flying.messages import Heartbeat, encode
+from flying.messages import Assignment, Heartbeat, encode
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
-from gateway.errors import NoRouter
+from gateway.errors import NoRouter, WorkerFailed
 from gateway.schemas import ChatCompletionRequest, decode
 from gateway.service import Gateway
 from router.config import RouterConfig
@@ -296,6 +296,22 @@ async def test_a_non_streaming_request_the_engine_gave_up_on_is_redispatched(
     await asyncio.sleep(0.1)
     counted = await aredis.hget(keys.breakers, "0") is not None
     assert counted == engine_fault, "a lost group is no failure of the engine's own (its breaker)"
+
+
+async def test_every_assignment_is_told_even_when_the_request_then_fails(gateway):
+    """The request log names where a request ran (gateway.request_log): each attempt's assignment is told as it
+    comes, so a 502 after its attempts are used up still says which engine."""
+    gateway.engine.answer = lambda request: httpx.Response(503, json={"message": GROUP_LOST, "code": 503})
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal", None)
+    seen: list[Assignment] = []
+    connected = asyncio.create_task(asyncio.Event().wait())
+    try:
+        with pytest.raises(WorkerFailed):
+            await asyncio.wait_for(gateway.serve(adm, connected, assigned=seen.append), 10)
+    finally:
+        connected.cancel()
+    assert [(a.id, a.engine) for a in seen] == [(adm.record.id, 0)] * gateway.config.max_attempts
 
 
 async def test_a_client_request_id_is_the_rid_and_a_reused_one_is_made_unique(gateway, aredis, keys):
