@@ -87,6 +87,7 @@ class Admission:
         if cluster.router_missing():
             raise NoRouter("no router is dispatching (none holds the lease); try again later")
         chat = isinstance(req, ChatCompletionRequest)
+        self._check_vocabulary(req)
         size = sum(len(m.text()) for m in req.messages) if chat else len(req.prompt)
         if size > OFF_LOOP_CHARS:  # a long prompt is tokenized on a thread: other requests keep flowing
             ids = await asyncio.to_thread(self._tokens, req, chat)
@@ -124,6 +125,16 @@ class Admission:
         return Admitted(
             record, "/v1/completions", up, True, Resumable(up, max_tokens, chat=chat, prompt_ids=known)
         )
+
+    def _check_vocabulary(self, req) -> None:
+        """``logit_bias`` names token ids of the model's vocabulary (the schema checked that they are ids)."""
+        vocab = getattr(self.count_tokens, "vocab", None)
+        bias = getattr(req, "logit_bias", None)
+        if vocab and bias and (top := max(int(k) for k in bias)) >= vocab:
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids of the model's vocabulary (0 to {vocab - 1}); got {top}",
+                param="logit_bias",
+            )
 
     def _tokens(self, req, chat: bool) -> list[int] | int:
         """The chat prompt's token ids, or a completion prompt's length; a prompt the tokenizer or chat

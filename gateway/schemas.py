@@ -182,6 +182,9 @@ def decode_struct(body: bytes, type_: type[msgspec.Struct], refused: dict[str, s
             raise InvalidRequest(detail, param=param) from None
         m = _AT.search(msg)
         param = (m.group(1) or None) if m else None
+        if missing := _MISSING.search(msg):  # the param is the missing field itself
+            field = missing.group(1)
+            raise InvalidRequest(readable(msg, param), param=f"{param}.{field}" if param else field) from None
         raise InvalidRequest(readable(msg, param), param=param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None

@@ -159,3 +159,17 @@ async def test_a_prompt_the_tokenizer_rejects_is_the_clients_error():
     with pytest.raises(InvalidRequest, match="could not be tokenized: roles must alternate") as caught:
         await admission(counter=Rejecting()).admit(chat(), "normal")
     assert caught.value.param == "messages"
+
+
+async def test_logit_bias_names_token_ids_of_the_vocabulary():
+    """The engine would refuse the key in its own words after the request waited its turn (SGLang: "must has
+    keys in [0, 1023]"): refused at the door, naming the parameter."""
+
+    class Vocabulary(CountWords):
+        vocab = 1024
+
+    counted = admission(counter=Vocabulary())
+    await counted.admit(chat(logit_bias={"1023": 5}), "normal")
+    with pytest.raises(InvalidRequest, match=r"vocabulary \(0 to 1023\); got 99999999") as caught:
+        await counted.admit(chat(logit_bias={"12": 1, "99999999": 5}), "normal")
+    assert caught.value.param == "logit_bias"

@@ -17,7 +17,8 @@ def chat(body: bytes):
         (b"", None),
         (b"{not json", None),
         (b"[]", None),
-        (b'{"messages": [{"role": "user", "content": "x"}]}', None),  # model missing
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),  # missing: the param is the field
+        (b'{"model": "m", "messages": [{"content": "x"}]}', "messages[0].role"),
         (b'{"model": "m", "messages": "hi"}', "messages"),
         (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
         (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
