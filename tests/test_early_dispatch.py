@@ -42,6 +42,29 @@ def recording(calls: list[tuple[str, dict]]):
     return engine
 
 
+async def test_an_early_request_leaves_for_its_engine_before_its_admission_for_redis(
+    gateway, aredis, keys, monkeypatch
+):
+    """The engine's round trip is the longer one: it starts first, and covers the admission's work and trip."""
+    await observed_targets(gateway, aredis, keys)
+    order: list[str] = []
+    post, admit = gateway.upstream.post, gateway.waiting.queue.admit
+
+    async def posting(*args, **kw):
+        order.append("engine")
+        return await post(*args, **kw)
+
+    async def admitting(*args, **kw):
+        order.append("admission")
+        return await admit(*args, **kw)
+
+    monkeypatch.setattr(gateway.upstream, "post", posting)
+    monkeypatch.setattr(gateway.waiting.queue, "admit", admitting)
+    reply = await serve_chat(gateway, recording([]))
+    assert reply.status == 200 and gateway.early.sent == 1
+    assert order == ["engine", "admission"]
+
+
 async def test_a_request_goes_early_and_is_served_once(gateway, aredis, keys):
     await observed_targets(gateway, aredis, keys)
     calls: list[tuple[str, dict]] = []
