@@ -149,11 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status")
     q = sub.add_parser("queue")
-    q.add_argument("-n", type=int, default=20, help="how many waiting requests to list")
+    q.add_argument("-n", type=cli.non_negative(int), default=20, help="how many waiting requests to list")
     sub.add_parser("tenants")
     w = sub.add_parser("watch")
-    w.add_argument("--interval", type=float, default=1.0)
-    w.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
+    w.add_argument("--interval", type=cli.non_negative(float), default=1.0)
+    w.add_argument(
+        "--count",
+        type=cli.non_negative(int),
+        default=0,
+        help="stop after this many refreshes (0: until Ctrl-C)",
+    )
     b = sub.add_parser("bind")
     b.add_argument("members", type=int, nargs="+")
     b.add_argument("--preempt", choices=("hard", "sequential", "soft"), default="hard")

@@ -27,9 +27,11 @@ def node_header(node: str, beats: Mapping[int, Heartbeat]) -> str:
 
 def cross_node(beats: Mapping[int, Heartbeat], members: tuple[int, ...]) -> str:
     """Why ``members`` cannot form one group as the live heartbeats show them ('' if nothing says they cannot):
-    they are on different nodes, or one is outside another's pool. Members without a live heartbeat are not
-    judged (the workers refuse a bind they cannot build)."""
-    live = {m: beats[m] for m in members if m in beats}
+    one is not live (no engine by that index, or one down: the router would drop the group at once), they are on
+    different nodes, or one is outside another's pool."""
+    if down := [m for m in members if m not in beats]:
+        return f"engines {down} are not live (no heartbeat; flyctl status lists the engines)"
+    live = {m: beats[m] for m in members}
     nodes = {hb.node for hb in live.values()}
     if len(nodes) > 1:
         where = ", ".join(f"{m} on {hb.node or '(unnamed)'}" for m, hb in live.items())

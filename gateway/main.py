@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", default=d.served_model_name, help="the model name clients ask for")
     p.add_argument("--host", default=d.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    p.add_argument("--port", type=cli.port, default=d.port, help="HTTP port")
     p.add_argument(
         "--workers",
         type=int,

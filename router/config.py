@@ -4,6 +4,7 @@ defaults are read from here."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -11,6 +12,7 @@ from flying.logs import LogFormat
 from flying.messages import Preempt
 
 DispatchRule = Literal["cache-aware", "least-loaded"]
+Regime = Literal["inflight", "rate"]
 T = TypeVar("T")
 
 
@@ -67,7 +69,7 @@ class PolicyConfig:
         "... a load or priority group running no long request takes w times this many under light load (its "
         "large steps run sequence-parallel: about what its members would hold in DP)",
     )
-    regime: Literal["inflight", "rate"] = setting(
+    regime: Regime = setting(
         "rate", "what judges light and busy load: queued + inflight requests, or the admission rate"
     )
     light_load: float = setting(
@@ -175,6 +177,14 @@ class PolicyConfig:
     balance_rel_threshold: float = setting(1.5, "... and max exceeds this times min (then least loaded)")
 
     def __post_init__(self) -> None:
+        for name, allowed in (
+            ("regime", typing.get_args(Regime)),
+            ("dispatch", typing.get_args(DispatchRule)),
+        ):
+            _require(
+                getattr(self, name) in allowed,
+                f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}",
+            )
         for name in ("light_width", "priority_width", "drain_width"):
             w = getattr(self, name)
             _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")

@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     cli.add_redis_arguments(p)
     p.add_argument("--poll-s", type=float, default=d.poll_s, help=ROUTER_HELP["poll_s"])
     p.add_argument("--lease-ms", type=int, default=d.lease_ms, help=ROUTER_HELP["lease_ms"])
-    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help=ROUTER_HELP["metrics_port"])
+    p.add_argument("--metrics-port", type=cli.port, default=d.metrics_port, help=ROUTER_HELP["metrics_port"])
     p.add_argument("--metrics-host", default=d.metrics_host, help=ROUTER_HELP["metrics_host"])
     p.add_argument("--breaker-probe-timeout-s", type=float, default=d.breaker_probe_timeout_s,
                    help=ROUTER_HELP["breaker_probe_timeout_s"])  # fmt: skip

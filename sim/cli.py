@@ -212,23 +212,43 @@ def picture(
         )
 
 
+def span(text: str, option: str = "--input") -> tuple[int, int]:
+    """``lo:hi`` token counts (``--input``, ``--output``); ValueError naming what is wrong."""
+    lo, sep, hi = text.partition(":")
+    try:
+        got = int(lo), int(hi)
+    except ValueError:
+        raise ValueError(f"{option}: expected lo:hi token counts, e.g. 512:4096, got {text!r}") from None
+    if not sep or not 1 <= got[0] <= got[1]:
+        raise ValueError(f"{option}: expected lo:hi with 1 <= lo <= hi, got {text!r}")
+    return got
+
+
 def policy_overrides(items: list[str]) -> dict:
-    """``FIELD=VALUE`` strings -> PolicyConfig fields, each value parsed as its field's type."""
+    """``FIELD=VALUE`` strings -> PolicyConfig fields, each value parsed as its field's type (ValueError naming
+    the item when it cannot be)."""
     hints = typing.get_type_hints(PolicyConfig)
     out: dict = {}
     for item in items:
-        name, _, value = item.partition("=")
+        name, sep, value = item.partition("=")
         if name not in hints:
-            raise SystemExit(f"flying-sim: --policy {item}: PolicyConfig has no field {name!r}")
+            raise ValueError(f"--policy {item}: PolicyConfig has no field {name!r}")
+        if not sep:
+            raise ValueError(f"--policy {item}: expected FIELD=VALUE")
         kind = hints[name]
-        if kind == int | None:
-            out[name] = None if value.lower() in ("", "none") else int(value)
-        elif kind is bool:
-            out[name] = value.lower() in ("1", "true", "yes", "on")
-        elif kind in (int, float):
-            out[name] = kind(value)
-        else:
-            out[name] = value
+        try:
+            if kind == int | None:
+                out[name] = None if value.lower() in ("", "none") else int(value)
+            elif kind is bool:
+                out[name] = value.lower() in ("1", "true", "yes", "on")
+            elif kind in (int, float):
+                out[name] = kind(value)
+            else:
+                out[name] = value
+        except ValueError:
+            raise ValueError(
+                f"--policy {item}: {value!r} is not a {getattr(kind, '__name__', kind)}"
+            ) from None
     return out
 
 
@@ -324,10 +344,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("sim-out"))
     p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
     a = p.parse_args(argv)
-    if unknown := [m for m in a.modes.split(",") if m not in MODES]:
+    if unknown := [m or "''" for m in a.modes.split(",") if m not in MODES]:
         p.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
-    lo_in, hi_in = (int(x) for x in a.input.split(":"))
-    lo_out, hi_out = (int(x) for x in a.output.split(":"))
+    for name in ("requests", "engines", "nodes", "tp_width"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    for name in ("high_share", "long_share"):
+        if not 0 <= getattr(a, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} is a share, 0 to 1, got {getattr(a, name)}")
+    if a.trace and not Path(a.trace).is_file():
+        p.error(f"--trace: no such file: {a.trace}")
+    try:
+        span(a.input), span(a.output, "--output")
+        if a.seeds:
+            parse_seeds(a.seeds)
+        policy = {"spread_ownership": a.spread_ownership, **policy_overrides(a.policy)}
+        policy_config = dataclasses.replace(d.policy, **policy)
+        for rule in a.dispatch.split(","):
+            dataclasses.replace(policy_config, dispatch=rule)
+    except ValueError as e:
+        p.error(str(e))
     if a.workload == "shared-prefix":
         if a.nodes > 1:
             p.error("--nodes runs the paper workload (or a trace), not --workload shared-prefix")
@@ -354,7 +390,6 @@ def main(argv: list[str] | None = None) -> int:
         mixed_steps=a.mixed_steps,
         shift_threshold=a.shift_threshold,
     )
-    policy = {"spread_ownership": a.spread_ownership, **policy_overrides(a.policy)}
     base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, **policy))
     try:
         base = dataclasses.replace(base, cost=with_overrides(base.cost, a.cost))
@@ -407,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
 def workload_args(a: argparse.Namespace) -> dict:
     """paper_workload's keyword arguments from the command line (all but the count and the seed): the paper's
     arrival rates times ``--nodes``."""
-    lo_in, hi_in = (int(x) for x in a.input.split(":"))
-    lo_out, hi_out = (int(x) for x in a.output.split(":"))
+    (lo_in, hi_in), (lo_out, hi_out) = span(a.input), span(a.output, "--output")
     n = a.nodes
     return dict(low_s=a.low_s, burst_s=a.burst_s, input_tokens=(lo_in, hi_in), output_tokens=(lo_out, hi_out),
                 high_share=a.high_share, long_share=a.long_share, low_rate=(LOW_RATE[0] * n, LOW_RATE[1] * n),
@@ -474,7 +508,7 @@ def prefix_arguments(p: argparse.ArgumentParser) -> None:
 def prefix_main(a: argparse.Namespace, d: SimConfig) -> int:
     """Every system of ``--modes`` under every ``--dispatch`` rule on the shared-prefix workload: a table of hit
     rate, TTFT and throughput (table.md, summary.json)."""
-    lo_out, hi_out = (int(x) for x in a.output.split(":"))
+    lo_out, hi_out = span(a.output, "--output")
     lo_user, hi_user = (int(x) for x in a.user.split(":"))
     reqs = shared_prefix_workload(
         a.requests, a.seed, a.session_rate, a.system_prompts, a.system_tokens, a.max_turns, (lo_user, hi_user),

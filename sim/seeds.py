@@ -48,7 +48,7 @@ def parse_seeds(text: str) -> list[int]:
                 f"--seeds {text!r}: expected FROM-TO or a comma-separated list of seeds"
             ) from None
     if not out:
-        raise ValueError("--seeds: no seeds")
+        raise ValueError(f"--seeds {text!r}: no seeds (FROM-TO needs FROM <= TO)")
     return out
 
 

@@ -12,6 +12,8 @@ from flying.queue import CLASS_WEIGHT
 
 def test_bind_and_release_write_every_members_stream(sync_redis, keys, redis_server, capsys):
     args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    for e in range(4):
+        _beat(sync_redis, keys, e, "", 0, n=4)
     assert main([*args, "bind", "1", "0"]) == 0
     epoch = int(capsys.readouterr().out)
     assert main([*args, "bind", "2", "3"]) == 0
@@ -33,6 +35,8 @@ def test_release_refuses_an_epoch_no_group_has_and_other_members(sync_redis, key
     assert main([*args, "release", "999", "0", "1"]) == 2
     assert "cannot release epoch 999: no group has that epoch" in capsys.readouterr().err
     assert sync_redis.xlen(keys.commands(0)) == 0, "nothing sent"
+    for e in range(4):
+        _beat(sync_redis, keys, e, "", 0, n=4)
     assert main([*args, "bind", "0", "1"]) == 0
     epoch = int(capsys.readouterr().out)
     assert main([*args, "release", str(epoch), "0", "2"]) == 2
@@ -84,6 +88,10 @@ def test_status_lists_live_engines_only(sync_redis, keys, redis_server, capsys):
 
 def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redis_server, capsys):
     args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    assert main([*args, "bind", "0", "1"]) == 2, "no engine is live"
+    assert "cannot bind [0, 1]: engines [0, 1] are not live" in capsys.readouterr().err
+    for e in range(4):
+        _beat(sync_redis, keys, e, "", 0, n=4)
     assert main([*args, "bind", "0", "1"]) == 0
     epoch = int(capsys.readouterr().out)
     sync_redis.set(keys.router_state, encode(RouterState(busy=False, suspect={3: time.time() + 9.6, 2: 1.0})))

@@ -608,3 +608,27 @@ def test_with_the_defaults_a_burst_releases_the_node_and_its_end_binds_it_again_
     assert seen == [("bind", node, "load"), ("release", node, "load"), ("bind", node, "load")]
     release, bind_again = (d.at for d in sim.decisions[1:3])
     assert 20 < release < 23 and 40 < bind_again < 44
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--requests", "0"], "--requests must be at least 1"),
+        (["--engines", "0"], "--engines must be at least 1"),
+        (["--input", "500:100"], "--input: expected lo:hi with 1 <= lo <= hi"),
+        (["--output", "5"], "--output: expected lo:hi token counts"),
+        (["--long-share", "2"], "--long-share is a share, 0 to 1"),
+        (["--trace", "/nonexistent.csv"], "--trace: no such file"),
+        (["--policy", "light_width"], "--policy light_width: expected FIELD=VALUE"),
+        (["--policy", "light_rate=abc"], "'abc' is not a float"),
+        (["--policy", "regime=bogus"], "regime must be one of inflight, rate"),
+        (["--seeds", "3-1"], "no seeds (FROM-TO needs FROM <= TO)"),
+        (["--modes", "dp,"], "--modes: unknown ''"),
+    ],
+)
+def test_bad_arguments_are_usage_errors_that_say_what_is_wrong(args, words, tmp_path, capsys):
+    from sim.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and words in capsys.readouterr().err

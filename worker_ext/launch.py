@@ -359,7 +359,7 @@ def parser() -> argparse.ArgumentParser:
         "them (node k of N engines each: k*N); it hosts the pool's rendezvous store",
     )
     p.add_argument("--model-path", required=True, help="model directory (required)")
-    p.add_argument("--port", type=int, required=True, help="the SGLang server's HTTP port (required)")
+    p.add_argument("--port", type=cli.port, required=True, help="the SGLang server's HTTP port (required)")
     p.add_argument("--host", default=d.host, help="address the SGLang server listens on (keep it private)")
     p.add_argument("--served-model-name", default=d.served_model_name, help="model name the engine reports")
     cli.add_redis_arguments(p)
@@ -382,7 +382,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--comm-port",
-        type=int,
+        type=cli.port,
         default=None,
         help="rendezvous port (same on every engine of the node) to allow binds; by default none: the engine "
         "never binds",

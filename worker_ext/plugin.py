@@ -146,4 +146,9 @@ def _beat(scheduler) -> None:
     if _publisher is None:  # set before the first step and before the binding exists
         return
     switching = _binding.status() if _binding is not None else {}
-    _publisher.beat(**(sglang_patches.scheduler_load(scheduler) | switching))
+    load = sglang_patches.scheduler_load(scheduler)
+    if (width := int(switching.get("width", 1))) > 1:
+        # its own KV: bound, its pool holds ``width`` times the token slots (each a 1/width head slice), and the
+        # status's max_total_tokens is its DP one
+        load["free_kv_tokens"] //= width
+    _publisher.beat(**(load | switching))

@@ -99,6 +99,8 @@ def test_release_restores_dp_bit_exactly(cluster):
 def test_bind_applies_on_idle_engines_without_a_request(cluster, bound):
     _, beats = bound  # the fixture waited for both heartbeats to say tp; nothing was sent to either engine
     assert all(beats[e].mode == "tp" for e in (0, 1))
+    # each reports its own KV (its pool's twice as many half-head slots, over two), not its group's
+    assert all(0 < beats[e].free_kv_tokens <= beats[e].max_total_tokens for e in (0, 1)), beats
 
 
 def test_hard_preempted_dp_request_keeps_its_kv(cluster):
