@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from flying import redis_conn, settings
 
@@ -29,7 +30,7 @@ def port(text: str) -> int:
     return value
 
 
-def non_negative(kind: type[int] | type[float]):
+def non_negative(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     """An ``argparse`` type: an int or float of at least 0."""
 
     def parse(text: str) -> int | float:
