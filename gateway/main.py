@@ -8,11 +8,13 @@ import logging
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
+import redis
 import uvicorn
 
-from flying import cli, logs, settings
+from flying import cli, logs, redis_conn, settings
 from gateway.app import create_app
 from gateway.auth import read_keys
 from gateway.config import GatewayConfig
@@ -22,6 +24,9 @@ from gateway.drain import Drain, DrainingServer
 from gateway.tenants import Tenants
 from gateway.tracing import endpoint_from_env, service_name_from_env
 from gateway.workers import PortTaken, Supervisor, reuse_port_socket, worker_command
+
+log = logging.getLogger("flying.gateway")
+REDIS_WAIT_S = 30.0  # at start, how long Redis may take to answer (it may be starting beside the gateway)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -223,10 +228,38 @@ def load_tenants(config: GatewayConfig) -> Tenants:
     return tenants
 
 
+def startable(config: GatewayConfig, redis_wait_s: float = REDIS_WAIT_S) -> None:
+    """Exit with why, before anything starts, when the model's directory is missing or Redis does not answer a
+    PING within ``redis_wait_s`` (retried meanwhile: it may be starting beside the gateway)."""
+    path = config.model_path
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+        raise SystemExit(
+            f"flying-gateway: --model-path {path}: no such directory (the model's tokenizer files)"
+        )
+    target = redis_conn.parse(config.redis_url)
+    client = redis_conn.sync_client(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    deadline = time.monotonic() + redis_wait_s
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.RedisError as exc:
+                if time.monotonic() >= deadline:
+                    raise SystemExit(
+                        f"flying-gateway: Redis at {target.describe()} did not answer for {redis_wait_s:.0f} s: {exc}"
+                    ) from None
+                log.warning("waiting for Redis at %s: %s", target.describe(), exc)
+                time.sleep(1.0)
+    finally:
+        client.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     config = parse_args(argv)
     logs.setup(config.log_format)
+    startable(config)
     if config.workers > 1:
         if config.port == 0:
             raise SystemExit(

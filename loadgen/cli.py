@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -22,10 +25,28 @@ from loadgen.arrivals import Arrivals
 from loadgen.trace import parse_columns, read_trace
 from loadgen.workload import Lengths, PromptMaker, Sessions, Workload, parse_mix, plan
 
+T = TypeVar("T")
+
+
+def _words(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse type whose ValueError's words are the error (argparse would say only
+    "invalid <function name> value")."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
 
 def _range(spec: str) -> tuple[float, float]:
     lo, _, hi = spec.partition(":")
-    return float(lo), float(hi or lo)
+    try:
+        return float(lo), float(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad rate range {spec!r}; e.g. 2:5 (req/s)") from None
 
 
 def _slo(spec: str) -> dict[str, float]:
@@ -36,7 +57,10 @@ def _slo(spec: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(
                 f"bad SLO {part!r}; e.g. ttft=200,tpot=50 (ms; keys ttft, tpot, e2el)"
             )
-        out[key] = float(val)
+        try:
+            out[key] = float(val)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad SLO {part!r}: {val!r} is not a number of ms") from None
     return out
 
 
@@ -81,14 +105,16 @@ def _parser() -> argparse.ArgumentParser:
     m = r.add_argument_group("request mix")
     m.add_argument(
         "--input-tokens",
-        type=Lengths.parse,
+        type=_words(Lengths.parse),
         default=Lengths.parse("32:256"),
         help="e.g. 128, 64:256, normal:200:50",
     )
-    m.add_argument("--output-tokens", type=Lengths.parse, default=Lengths.parse("32:128"))
-    m.add_argument("--priority-mix", type=parse_mix, default={"normal": 1.0}, help="e.g. high=0.2,normal=0.8")
+    m.add_argument("--output-tokens", type=_words(Lengths.parse), default=Lengths.parse("32:128"))
+    m.add_argument(
+        "--priority-mix", type=_words(parse_mix), default={"normal": 1.0}, help="e.g. high=0.2,normal=0.8"
+    )
     m.add_argument("--long-share", type=float, default=0.0, help="share of long-context requests")
-    m.add_argument("--long-input-tokens", type=Lengths.parse, default=Lengths.parse("2048:4096"))
+    m.add_argument("--long-input-tokens", type=_words(Lengths.parse), default=Lengths.parse("2048:4096"))
     m.add_argument(
         "--tokenizer",
         type=Path,
@@ -155,6 +181,15 @@ def sessions(a: argparse.Namespace) -> Sessions | None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    if a.tokenizer is not None and not (Path(a.tokenizer) / "tokenizer.json").is_file():
+        raise SystemExit(f"loadgen: --tokenizer {a.tokenizer}: no tokenizer.json there (a model directory)")
+    if a.out is not None:  # before the run, not after it: its results would be lost
+        try:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"loadgen: --out {a.out}: cannot write there ({exc.strerror})") from None
+        if not os.access(a.out.parent, os.W_OK):
+            raise SystemExit(f"loadgen: --out {a.out}: cannot write there (no permission)")
     arrivals = Arrivals(
         a.arrival, a.rate, a.burstiness, a.low_rate, a.burst_rate, a.low_duration, a.burst_duration
     )

@@ -3,6 +3,8 @@ usage error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gateway.config import GatewayConfig
@@ -50,3 +52,16 @@ def test_each_class_waits_its_budget_capped_by_max_wait_and_queue_timeout():
     parsed = parse_args(["--model-path", "m", "--wait-budget-high-s", "2", "--wait-budget-low-s", "90"])
     budgets = (parsed.wait_budget_high_s, parsed.wait_budget_normal_s, parsed.wait_budget_low_s)
     assert budgets == (2.0, 20.0, 90.0)
+
+
+def test_a_gateway_that_cannot_start_says_why_before_it_starts(redis_server, tmp_path):
+    """A missing model directory, or a Redis that does not answer (retried for a while: it may be starting beside
+    the gateway), ends the gateway with one line saying so, not a traceback from inside the server."""
+    from gateway.main import startable
+
+    ok = GatewayConfig(model_path=str(tmp_path), redis_url=redis_server.url)
+    startable(ok)
+    with pytest.raises(SystemExit, match="--model-path /nonexistent: no such directory"):
+        startable(dataclasses.replace(ok, model_path="/nonexistent"))
+    with pytest.raises(SystemExit, match=r"Redis at redis://127.0.0.1:1/0 did not answer for 0 s"):
+        startable(dataclasses.replace(ok, redis_url="redis://:secret@127.0.0.1:1/0"), redis_wait_s=0.1)

@@ -242,3 +242,20 @@ def test_sessions_record_cached_tokens_and_report_the_hit_rate(fake, tmp_path, c
     assert s["cached_tokens"] == cached and s["cache_hit_rate"] == pytest.approx(cached / prompt)
     assert s["cache_hit_rate"] > 0.5, "2 system prompts of 200 words shared by 6 sessions of 2 turns"
     assert f"prefix cache: {cached} of {prompt} prompt tokens cached" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--input-tokens", "512:64"], "argument --input-tokens: bad length spec '512:64': low > high"),
+        (["--priority-mix", "foo"], "argument --priority-mix: bad priority mix 'foo'"),
+        (["--slo", "ttft=abc"], "bad SLO 'ttft=abc': 'abc' is not a number of ms"),
+        (["--low-rate", "a:b"], "argument --low-rate: bad rate range 'a:b'"),
+        (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no tokenizer.json there"),
+        (["--out", "/proc/forbidden/x"], "--out /proc/forbidden/x: cannot write there"),
+    ],
+)
+def test_bad_arguments_say_what_is_wrong_before_anything_runs(args, words, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--url", "http://127.0.0.1:9", "-n", "1", *args])
+    assert words in f"{exc.value.code} {capsys.readouterr().err}"
