@@ -259,18 +259,19 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     config = parse_args(argv)
     logs.setup(config.log_format)
-    startable(config)
     if config.workers > 1:
         if config.port == 0:
             raise SystemExit(
                 "flying-gateway: --workers needs a fixed --port (with 0 each worker would get its own)"
             )
         bound(config).close()  # the port is free for the workers
+        startable(config)
         sys.exit(Supervisor(worker_command(argv), config.workers, grace_s=config.drain_grace_s).run())
     # The request log writes a line per request: no caller lookup (a walk up the stack) and no thread or process
     # names per record, which neither format prints (logging's documented optimisations).
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    startable(config)
     drain = Drain()
     server_config = uvicorn.Config(
         create_app(config, drain=drain, tenants=load_tenants(config)),
