@@ -69,13 +69,13 @@ def bind(
     or contains them with the same leader ((0,1,2,3) -> (0,1); the leader takes the command and sends the
     engines left out back to DP). Any other overlap is refused. ``sp_threshold``: the group's steps of at least
     this many batched tokens run sequence-parallel (0: never; None: the leader's own ``--sp-threshold``)."""
-    epoch = next_epoch(r, keys)
+    inside = [g for g in groups(r, keys) if set(g.members) & set(members)] if record else []
+    if clash := [g.members for g in inside if not _width_change(g.members, members)]:
+        raise ValueError(
+            f"engines {sorted(set(members) & {m for c in clash for m in c})} are in group(s) {clash}"
+        )
+    epoch = next_epoch(r, keys)  # (after the checks: a refused bind takes no epoch)
     if record:
-        inside = [g for g in groups(r, keys) if set(g.members) & set(members)]
-        if clash := [g.members for g in inside if not _width_change(g.members, members)]:
-            raise ValueError(
-                f"engines {sorted(set(members) & {m for c in clash for m in c})} are in group(s) {clash}"
-            )
         if inside:
             r.hdel(keys.groups, *(str(g.epoch) for g in inside))
         now = time.time()

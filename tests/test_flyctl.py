@@ -112,7 +112,9 @@ def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redi
     assert main([*args, "watch", "--count", "2", "--interval", "0.01"]) == 0
     assert capsys.readouterr().out.count("groups: 1") == 2
     assert main([*args, "bind", "1", "2"]) == 2  # overlaps the manual group (0, 1)
+    capsys.readouterr()
     assert main([*args, "bind", "0", "1", "2", "3"]) == 0  # contains it: a width change replaces the record
+    assert int(capsys.readouterr().out) == epoch + 1, "the refused bind took no epoch"
     assert [g.members for g in control.groups(sync_redis, keys)] == [(0, 1, 2, 3)]
     assert main([*args, "bind", "2", "3"]) == 2  # inside it but under another leader: refused
     assert main([*args, "bind", "0", "1"]) == 0  # narrower under the same leader: replaces it
