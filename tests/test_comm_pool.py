@@ -154,22 +154,28 @@ def test_a_restarted_member_rejoins_its_groups(restarted):
             cmds[e].put(ids[e ^ 1])
         return dict((e, (total, rebuilds)) for e, total, rebuilds in (out.get(timeout=120) for _ in range(2)))
 
-    assert {e: t for e, (t, _) in reduce_all().items()} == {0: 3.0, 1: 3.0}
-    procs[restarted].kill()
-    procs[restarted].join(10)
-    ids[restarted] = "B" + str(restarted)
-    cmds[restarted] = ctx.Queue()  # the killed reader may have died holding the old queue's lock
-    procs[restarted] = ctx.Process(
-        target=_restartable, args=(restarted, port, ids[restarted], cmds[restarted], out)
-    )
-    procs[restarted].start()
-    got = reduce_all()
-    assert {e: t for e, (t, _) in got.items()} == {0: 3.0, 1: 3.0}
-    assert got[restarted ^ 1][1] == 1, "the survivor rebuilt the group once"
-    for e in (0, 1):
-        cmds[e].put("exit")
-    for p in procs.values():
-        p.join(30)
+    try:
+        assert {e: t for e, (t, _) in reduce_all().items()} == {0: 3.0, 1: 3.0}
+        procs[restarted].kill()
+        procs[restarted].join(10)
+        ids[restarted] = "B" + str(restarted)
+        cmds[restarted] = ctx.Queue()  # the killed reader may have died holding the old queue's lock
+        procs[restarted] = ctx.Process(
+            target=_restartable, args=(restarted, port, ids[restarted], cmds[restarted], out)
+        )
+        procs[restarted].start()
+        got = reduce_all()
+        assert {e: t for e, (t, _) in got.items()} == {0: 3.0, 1: 3.0}
+        assert got[restarted ^ 1][1] == 1, "the survivor rebuilt the group once"
+        for e in (0, 1):
+            cmds[e].put("exit")
+        for p in procs.values():
+            p.join(30)
+    finally:  # a failure leaves no member behind (pytest would wait for it at exit)
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(10)
 
 
 def _resettable(engine, port, out):
