@@ -55,9 +55,11 @@ def engine_rid(request_id: str, attempt: int = 0) -> str:
 
 
 def split_engine_rid(rid: str) -> tuple[str, int | None]:
-    """An SGLang rid -> (the request id, the attempt); a rid not made by :func:`engine_rid` -> (rid, None)."""
-    base, sep, attempt = rid.rpartition("~")
-    if sep and attempt.isdigit():
+    """An SGLang rid -> (the request id, the attempt), a choice's (``<id>~<attempt>_<i>``, :func:`engine_rids`)
+    included; a rid not made by :func:`engine_rid` -> (rid, None)."""
+    base, sep, tail = rid.rpartition("~")
+    attempt, under, choice = tail.partition("_")
+    if sep and attempt.isdigit() and (not under or choice.isdigit()):
         return base, int(attempt)
     return rid, None
 

@@ -69,11 +69,13 @@ def test_no_engine_rid_begins_with_another_requests_or_attempts():
     id that extends another, and a later attempt each get a rid that no other one begins."""
     rids = [engine_rid(i, a) for i in ("abc", "abc-1f2e3d4c", "abcd", "ab.c") for a in range(3)]
     assert not [(x, y) for x in rids for y in rids if x != y and y.startswith(x)]
-    assert [split_engine_rid(r) for r in ("abc~2", "abc-1f2e3d4c~0", "plain", "a~b")] == [
+    assert [split_engine_rid(r) for r in ("abc~2", "abc-1f2e3d4c~0", "plain", "a~b", "n2~1_3", "a~0_x")] == [
         ("abc", 2),
         ("abc-1f2e3d4c", 0),
         ("plain", None),
         ("a~b", None),
+        ("n2", 1),  # a choice's rid (engine_rids)
+        ("a~0_x", None),
     ]
 
 

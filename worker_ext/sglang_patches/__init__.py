@@ -87,12 +87,7 @@ def request_of(rid: Any) -> tuple[str, int] | None:
     ``n`` choices' rids (``<id>~<attempt>_<i>``), belongs to; None for a rid the gateway did not make."""
     found = set()
     for one in rid if isinstance(rid, list) else [rid]:
-        if not isinstance(one, str):
-            return None
-        request = split_engine_rid(one)
-        if request[1] is None and isinstance(rid, list):  # a choice's rid
-            request = split_engine_rid(one.rpartition("_")[0])
-        if request[1] is None:
+        if not isinstance(one, str) or (request := split_engine_rid(one))[1] is None:
             return None
         found.add((request[0], request[1]))
     return found.pop() if len(found) == 1 else None
