@@ -42,7 +42,6 @@ def non_negative(kind: type[int] | type[float]) -> Callable[[str], int | float]:
             raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
         return value
 
-    parse.__name__ = f"non-negative {kind.__name__}"
     return parse
 
 

@@ -167,10 +167,10 @@ class Gateway:
         waiting, relay = self.waiting, self.relay
         base = adm.record.id
         sent_early = self._send_early(adm) if early else None
-        if (
-            sent_early is not None
-        ):  # its request leaves for the engine first (its task's first step), then the
-            try:  # admission's for Redis: the engine's round trip covers the admission's work and round trip
+        if sent_early is not None:
+            # its request leaves for the engine first (its task's first step), then the admission's for Redis:
+            # the engine's round trip, the longer one, covers the admission's work and round trip
+            try:
                 await asyncio.sleep(0)
             except BaseException:
                 self.early.take_back(sent_early, adm.record)

@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         mixed_steps=a.mixed_steps,
         shift_threshold=a.shift_threshold,
     )
-    base = dataclasses.replace(base, policy=dataclasses.replace(base.policy, **policy))
+    base = dataclasses.replace(base, policy=policy_config)  # (checked above)
     try:
         base = dataclasses.replace(base, cost=with_overrides(base.cost, a.cost))
     except ValueError as e:
