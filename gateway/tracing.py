@@ -232,7 +232,7 @@ class Tracing:
                 kind=self._trace.SpanKind.CLIENT,
                 attributes={
                     "flying.request_id": rid,
-                    "flying.attempt": attempt or 0,
+                    "flying.attempt": (attempt or 0) + 1,  # as the queue span counts: 1 the first
                     "server.address": url,
                     "url.path": path,
                     "http.request.method": "POST",

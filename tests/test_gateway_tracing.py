@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from starlette.testclient import TestClient
 
-from flying.messages import Assignment, QueuedRequest
+from flying.messages import Assignment, QueuedRequest, engine_rid, split_engine_rid
 from gateway import tracing
 from gateway.admission import Admitted
 from gateway.app import create_app
@@ -186,12 +186,13 @@ class _Steps:
     async def admit(self, req, priority, request_id=None):
         record = QueuedRequest(id=request_id, priority=priority, model="m", prompt_tokens=1, max_tokens=1,
                                gateway="g", enqueued_at=time.time())  # fmt: skip
-        return Admitted(record, "/v1/completions", {"rid": request_id}, stream=True)
+        return Admitted(record, "/v1/completions", {"rid": engine_rid(request_id)}, stream=True)
 
     async def wait_assignment(self, adm, fut, disconnected):
         return Assignment(id=adm.record.id, engine=3, url="http://e3", queue_ms=0.5)
 
     async def retry_or_fail(self, adm, a, why, cause="before_first_event", engine_fault=True):
+        adm.next_attempt((split_engine_rid(adm.body["rid"])[1] or 0) + 1)  # as the waiting room does
         return None
 
     async def open_stream(self, url, path, body, headers=None):
@@ -234,6 +235,9 @@ async def test_a_re_dispatched_stream_has_a_failed_relay_then_a_second_attempt()
     assert [(s.attributes or {}).get("flying.outcome") for s in relays] == ["failed", "done"]
     assert not relays[0].status.is_ok and relays[1].status.is_unset
     assert [(s.attributes or {})["flying.attempt"] for s in spans if s.name == "flying.queue"] == [1, 2]
+    assert [(s.attributes or {})["flying.attempt"] for s in relays] == [1, 2], (
+        "each attempt's relay, counted alike"
+    )
     second = [s for s in spans if s.name == "flying.queue"][1]
     assert second.start_time >= relays[0].end_time, "the second wait starts when the first relay failed"  # type: ignore[operator]
 
