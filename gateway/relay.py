@@ -24,7 +24,7 @@ from gateway import engine_fields
 from gateway.admission import Admitted
 from gateway.background import Background
 from gateway.disconnect import CancelOnDisconnect, ClientGone
-from gateway.errors import WorkerFailed
+from gateway.errors import APIError, WorkerFailed
 from gateway.upstream import StreamBroken, StreamResponse, Upstream, WorkerUnavailable
 from gateway.waiting import WaitingRoom
 
@@ -163,7 +163,7 @@ class Relay:
                         break
                     a, resp, batch = await self._resume(adm, a, exc)
         except Exception as exc:  # noqa: BLE001 - any upstream failure that cannot be resumed: an error event
-            state, error = "failed", f"engine {a.engine} failed mid-stream: {exc!r}"
+            state, error = "failed", mid_stream_error(a, exc)
             yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error)) + DONE
         finally:  # started first: an await here may be cancelled again (the client left)
             if state == "cancelled":
@@ -254,6 +254,14 @@ class Relay:
         slot (what the relay does when it ends)."""
         self.background.spawn(resp.aclose())
         self.background.spawn(self._abandon(adm, a, "client disconnected before its stream started"))
+
+
+def mid_stream_error(a: Assignment, exc: Exception) -> str:
+    """What a client whose stream broke for good is told: the engine's failure, or the resume's, in words."""
+    if isinstance(exc, WorkerUnavailable):
+        return str(exc)  # it names the engine and what went wrong
+    why = exc.message if isinstance(exc, APIError) else repr(exc)
+    return f"engine {a.engine} failed mid-stream: {why}"
 
 
 def gave_up(a: Assignment, gave: GaveUp, what: str) -> WorkerUnavailable:

@@ -381,3 +381,21 @@ def test_the_leader_keeps_back_the_kv_room_its_tightest_member_lacks():
     fgroup.room = [10]
     follower.on_step([Bind(epoch=1, members=(0, 1))])
     assert flayout.kept_back == 0, "only the leader plans steps"
+
+
+def test_a_lost_peer_is_logged_in_one_line_and_a_fault_of_this_member_with_its_traceback(caplog):
+    """A member that stops mid-epoch makes its peers' collectives fail: that is the peer's fate, logged in one
+    line (its traceback would only show torch's internals); a fault of this member's own keeps the traceback."""
+    b, _, _, _, _ = make(index=1, inbox=[Handshake(1)])
+    with caplog.at_level(logging.ERROR, logger="flying.binding"):
+        b.on_step([Bind(epoch=1, members=(0, 1))])  # the leader goes silent: its broadcast times out
+    (lost,) = [r for r in caplog.records if "aborted" in r.getMessage()]
+    assert lost.exc_info is None
+    caplog.clear()
+    b, engine, _, _, _ = make(index=1, inbox=[Handshake(1), Forward({"tokens": [("tp-1", 9, 9)]}, ["tp-1"])])
+    b.plans.keep_template({"tokens": []})
+    engine.kv_free = 4
+    with caplog.at_level(logging.ERROR, logger="flying.binding"):
+        b.on_step([Bind(epoch=1, members=(0, 1))])
+    (fault,) = [r for r in caplog.records if "aborted" in r.getMessage()]
+    assert fault.exc_info is not None and "FollowerOutOfKV" in fault.getMessage()

@@ -9,7 +9,7 @@ import torch
 
 from flying.groups import merge_sets, pool_sets
 from flying.procs import free_port
-from worker_ext.comm_pool import CommPool, NotInPool
+from worker_ext.comm_pool import CommPool, NotInPool, peer_lost
 
 
 def test_merge_sets_are_linear_aligned_ranges():
@@ -299,3 +299,22 @@ def test_a_member_waiting_on_a_group_with_a_dead_member_gives_up_in_bounded_time
     threads[0].join(10)
     assert not threads[1].is_alive(), "engine 1 still waits on rounds that never complete"
     assert len(got) == 1 and isinstance(got[0], TimeoutError) and "no round of g completed" in str(got[0])
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:63648: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging",
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:21007",
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation",
+        "pooled group closed after a failed epoch; it is being rebuilt",
+    ],
+)
+def test_peer_lost_knows_how_gloo_says_a_member_is_gone(message):
+    assert peer_lost(RuntimeError(message))
+
+
+def test_peer_lost_leaves_other_errors_to_their_tracebacks():
+    assert not peer_lost(RuntimeError("shape '[4, 2]' is invalid for input of size 6"))
+    assert not peer_lost(ValueError("follower out of KV: 4 free, 9 needed"))

@@ -232,6 +232,10 @@ async def test_a_resumed_stream_fails_cleanly_when_its_attempts_are_used_up(gate
     assert events[0]["choices"][0]["delta"]["content"] == "one"
     assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
     assert events[-1]["error"]["code"] == "worker_failed" and len(calls) == 3
+    message = events[-1]["error"]["message"]
+    assert message.startswith("engine ") and "Error(" not in message, (
+        f"in words, not an exception's repr: {message}"
+    )
     await asyncio.sleep(0.1)
     assert await aredis.hget(keys.stats, "failed") == b"1"
 
@@ -246,6 +250,7 @@ async def test_a_stream_that_cannot_resume_ends_with_an_error_event(gateway, are
     assert calls[0][0] == "/v1/chat/completions"
     assert events[:2] == CHAT_EVENTS[:2]
     assert events[2]["error"]["code"] == "worker_failed" and len(events) == 3
+    assert events[2]["error"]["message"].count("failed mid-stream") == 1, events[2]["error"]["message"]
     assert len(calls) == 1, "tokens were already sent: no re-dispatch"
     assert not await aredis.hget(keys.stats, "requeued")
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from flying.messages import Bind, Command, Release
 from worker_ext.adoption import Adoption, Work
+from worker_ext.comm_pool import peer_lost
 from worker_ext.epoch import Epoch, Leave, NotEntered
 from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import Held
@@ -237,7 +238,7 @@ class Binding:
                 raise  # a follower's follow() aborts the epoch
             e.fail(exc)
             self.error = f"epoch {e.epoch} aborted: {type(exc).__name__}: {str(exc)[:200]}"
-            log.error("engine %d: %s", self.index, self.error, exc_info=exc)
+            log.error("engine %d: %s", self.index, self.error, exc_info=None if peer_lost(exc) else exc)
         # The group is gone mid-step. Finish this step alone (the scheduler needs its output), with every request
         # of the batch ending in an abort; the next step boundary ends the epoch (see on_step).
         self.engine.abort_batch(f"tensor-parallel group {e.members} lost a member; request aborted")
@@ -417,7 +418,7 @@ class Binding:
         """A member died or stalled: end the epoch here, abort this engine's TP requests, back to DP."""
         e = self.epoch
         self.error = f"epoch {e.epoch if e else '?'} aborted: {type(exc).__name__}: {str(exc)[:200]}"
-        log.error("engine %d: %s", self.index, self.error, exc_info=exc)
+        log.error("engine %d: %s", self.index, self.error, exc_info=None if peer_lost(exc) else exc)
         if e is not None:
             self.pool.reset(e.group, e.epoch)
             self.engine.drop_tp_requests()

@@ -40,6 +40,27 @@ def _collectives(backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL) -> dist
     return cast(dist.ProcessGroup, backend)
 
 
+# How gloo and NCCL say that the other end of a collective went away (its process stopped or was killed); the
+# error is then the peer's fate, not a fault here, and its traceback (torch's internals) tells nothing more.
+_PEER_GONE = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "socket closed",
+    "broken pipe",
+    "timed out",
+    "remote process exited",
+    "communicator was aborted",
+    "pooled group closed",
+)
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a group's collective, says that a member is gone rather than that this member
+    went wrong."""
+    text = str(exc).lower()
+    return any(phrase in text for phrase in _PEER_GONE)
+
+
 class _Closed:
     """What a closed group's collectives are: each call fails at once."""
 
