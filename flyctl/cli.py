@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(render_status(r, keys))
     except redis.RedisError as exc:
-        print(f"flyctl: cannot reach Redis at {redis_conn.parse(url).describe()}: {exc}", file=sys.stderr)
+        where = redis_conn.parse(url).describe()
+        print(f"flyctl: cannot reach Redis at {where}: {redis_conn.explain(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

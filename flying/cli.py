@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
 
 from flying import redis_conn, settings
@@ -83,7 +85,8 @@ def redis_url(a: argparse.Namespace) -> str:
         url = redis_conn.with_sentinel(a.redis_url, a.redis_sentinel, a.redis_master_name)
         redis_conn.parse(url)
     except redis_conn.RedisUrlError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     return url
 
 

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 import redis.asyncio.sentinel as asentinel
 import redis.sentinel as ssentinel
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError, ReadOnlyError, TimeoutError
 from redis.retry import Retry
 
@@ -39,6 +39,7 @@ C = TypeVar("C", aioredis.Redis, redis.Redis)
 SCHEME = "redis+sentinel"
 DEFAULT_MASTER = "mymaster"
 BACKOFF = dict(cap=0.1, base=0.025)  # seconds: 50 ms, then every 100 ms (each retry asks the sentinels)
+PLAIN_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url reads
 FAILOVER_RETRIES = 55  # about 5.5 s of retries with BACKOFF
 FAILOVER_WINDOW_S = 5.5
 SENTINEL_TIMEOUT_S = 0.5  # a sentinel that does not answer in this long is skipped
@@ -92,8 +93,10 @@ def parse(url: str) -> RedisTarget:
     parts = urllib.parse.urlsplit(url)
     query = dict(urllib.parse.parse_qsl(parts.query))
     if parts.scheme != SCHEME:
-        if not parts.scheme:
-            raise RedisUrlError(f"{url!r} is no Redis URL (redis://host:port/db or {SCHEME}://...)")
+        if parts.scheme not in PLAIN_SCHEMES:
+            raise RedisUrlError(
+                f"{url!r} is no Redis URL (redis://host:port/db, rediss://..., unix:///path or {SCHEME}://...)"
+            )
         ours: dict[str, str] = {k: query.pop(k) for k in ("wait", "wait_ms") if k in query}
         plain = parts._replace(query=urllib.parse.urlencode(query)).geturl()
         return RedisTarget(url=plain, wait=_wait(ours, default=0))
@@ -166,7 +169,7 @@ def sync_client(url: str, **kwargs: Any) -> redis.Redis:
     target = parse(url)
     if not target.sentinel:
         return _noting(target, redis.Redis.from_url(target.url, **kwargs))
-    sentinel: Any = _untyped(ssentinel.Sentinel)(list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S)
+    sentinel: Any = _untyped(ssentinel.Sentinel)(list(target.sentinels), **_sentinel_kwargs(Retry))
     kw = _master_kwargs(target, kwargs, Retry, SyncFollowingConnection)
     return _noting(target, cast(redis.Redis, sentinel.master_for(target.master, **kw)))
 
@@ -247,8 +250,26 @@ class WaitGate:
 def _async_sentinel(target: RedisTarget) -> asentinel.Sentinel:
     return cast(
         asentinel.Sentinel,
-        _untyped(asentinel.Sentinel)(list(target.sentinels), socket_timeout=SENTINEL_TIMEOUT_S),
+        _untyped(asentinel.Sentinel)(list(target.sentinels), **_sentinel_kwargs(AsyncRetry)),
     )
+
+
+def _sentinel_kwargs(retry_class: type) -> dict[str, Any]:
+    """How a client talks to the sentinels themselves: one try each, within SENTINEL_TIMEOUT_S (the master's
+    client retries the whole lookup, FAILOVER_RETRIES times; redis-py's own default retries nested inside those
+    made an unreachable set of sentinels hang for minutes)."""
+    to_sentinels = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    return {
+        "socket_timeout": SENTINEL_TIMEOUT_S,  # (the master's too, unless its client sets its own)
+        "sentinel_kwargs": {**to_sentinels, "retry": retry_class(NoBackoff(), 0)},
+    }
+
+
+def explain(exc: redis.RedisError) -> str:
+    """``exc`` as one line for a person (redis-py's sentinel errors carry the whole client's repr)."""
+    if isinstance(exc, ssentinel.MasterNotFoundError | asentinel.MasterNotFoundError):
+        return "no sentinel answered with the primary (none reachable, or none monitors that master name)"
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
 
 
 def _untyped(f: Any) -> Any:
@@ -263,7 +284,7 @@ def _master_kwargs(
         raise RedisUrlError("TLS to Redis behind Sentinel is not supported")
     kw = dict(kwargs, connection_class=connection_class)
     kw.update(db=target.db, username=target.username, password=target.password)
-    kw["retry"] = retry_class(ExponentialBackoff(**BACKOFF), FAILOVER_RETRIES)
+    kw.setdefault("retry", retry_class(ExponentialBackoff(**BACKOFF), FAILOVER_RETRIES))  # (a caller's own)
     kw["retry_on_error"] = list({*kw.get("retry_on_error", []), *RETRIED})
     return kw
 

@@ -14,7 +14,7 @@ import prometheus_client
 from flying import cli, logs, redis_conn, taskdump
 from router.config import PolicyConfig, RouterConfig, describe
 from router.dispatcher import Dispatcher
-from router.metrics import ClusterCollector
+from router.metrics import ClusterCollector, scrape_client
 
 # One line per PolicyConfig field: what it does and its unit (``--help`` appends the default), from the field.
 POLICY_HELP: dict[str, str] = describe(PolicyConfig)
@@ -107,9 +107,15 @@ def serve_metrics(dispatcher: Dispatcher, config: RouterConfig) -> None:
     """Prometheus metrics on their own thread: the router's counters and the cluster's state read at scrape time
     (router.metrics)."""
     registry = dispatcher.metrics.registry
-    sync = redis_conn.sync_client(config.redis_url, socket_timeout=2)
-    registry.register(ClusterCollector(sync, dispatcher.keys, dispatcher.router_id))
-    prometheus_client.start_http_server(config.metrics_port, config.metrics_host, registry=registry)
+    sync = scrape_client(config.redis_url)
+    registry.register(
+        ClusterCollector(sync, dispatcher.keys, dispatcher.router_id, leading=lambda: dispatcher.leader)
+    )
+    try:
+        prometheus_client.start_http_server(config.metrics_port, config.metrics_host, registry=registry)
+    except OSError as exc:
+        where = f"{config.metrics_host}:{config.metrics_port}"
+        raise SystemExit(f"flying-router: cannot serve metrics on {where}: {exc.strerror or exc}") from None
     logging.getLogger("flying.router").info(
         "metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port
     )

@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from flying import control
+from flying import control, redis_conn
 from flying.breaker import decode_all
 from flying.keys import Keys
 from flying.messages import Group, Release, RouterState, decode
 from flying.queue import text
 from router.decision import BindMode, Decision, ReleaseMode
 
+ADMITTED_PREFIX = "admitted_"  # flying:stats's per-priority admission counters: admitted_high, ...
 SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -74,6 +77,7 @@ class RouterMetrics:
         )  # fmt: skip
         self.stalls = Counter("flying_router_stalls", "Stalls the watchdog saw begin", registry=r)
         self._release_mode: dict[int, str] = {}
+        self._rolled_back: set[int] = set()
 
     def observe(self, before: list[Group], d: Decision, assigned: int, now: float | None = None) -> None:
         """One applied round: ``before`` is the group records the round started from, ``d`` its decision."""
@@ -100,6 +104,7 @@ class RouterMetrics:
             elif g.state == "releasing":
                 if old.state == "binding":
                     self.binds.labels(g.reason, bind_mode(g), "rolled_back").inc()
+                    self._rolled_back.add(epoch)  # its release undoes a bind that never formed: not a switch
                 mode = release_mode(releases.get(epoch))
                 self._release_mode[epoch] = mode
                 self.releases.labels(g.reason, mode, "issued").inc()
@@ -108,16 +113,49 @@ class RouterMetrics:
             if old is not None and old.state == "releasing":
                 mode = self._release_mode.pop(epoch, "wait")
                 self.releases.labels(old.reason, mode, "done").inc()
-                self.switch.labels("release").observe(max(0.0, now - old.since))
+                if epoch in self._rolled_back:
+                    self._rolled_back.discard(epoch)
+                else:
+                    self.switch.labels("release").observe(max(0.0, now - old.since))
+
+
+def scrape_client(url: str) -> redis.Redis:
+    """The collector's client: one try within 1 s while Redis is away, so a scrape (and a probe that scrapes)
+    keeps its timeout."""
+    return redis_conn.sync_client(
+        url, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
 
 
 class ClusterCollector(Collector):
-    """The cluster's state from Redis at scrape time (a synchronous client; Prometheus scrapes in a thread)."""
+    """The cluster's state from Redis at scrape time (a synchronous client; Prometheus scrapes in a thread).
 
-    def __init__(self, r: redis.Redis, keys: Keys, router_id: str) -> None:
-        self.r, self.keys, self.router_id = r, keys, router_id
+    Only the router holding the lease exports it (a standby's copy would double every ``sum``); every router
+    exports ``flying_router_leader`` and ``flying_router_redis_up``. With Redis unreachable the scrape still
+    answers: the router's own series, ``flying_router_redis_up`` 0 and the leadership this router last knew."""
+
+    def __init__(
+        self, r: redis.Redis, keys: Keys, router_id: str, leading: Callable[[], bool] = lambda: False
+    ) -> None:
+        self.r, self.keys, self.router_id, self.leading = r, keys, router_id, leading
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily("flying_router_redis_up", "1 while this router could read Redis at the scrape")
+        leader = GaugeMetricFamily("flying_router_leader", "1 while this router holds the lease")
+        try:
+            lease = self.r.get(self.keys.router_lease)
+            leads = lease is not None and text(lease) == self.router_id
+            cluster = list(self._cluster()) if leads else []  # read whole first: no half-written scrape
+        except redis.RedisError:
+            up.add_metric([], 0.0)
+            leader.add_metric([], 1.0 if self.leading() else 0.0)
+            yield from (up, leader)
+            return
+        up.add_metric([], 1.0)
+        leader.add_metric([], 1.0 if leads else 0.0)
+        yield from (up, leader, *cluster)
+
+    def _cluster(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         r, k = self.r, self.keys
         depth = GaugeMetricFamily(
             "flying_queue_depth", "Requests waiting in the global queue", labels=["priority"]
@@ -134,19 +172,25 @@ class ClusterCollector(Collector):
         yield oldest
         stats = CounterMetricFamily(
             "flying_requests",
-            "Request events counted in flying:stats (all gateways and routers)",
+            "Request events counted in flying:stats (all gateways and routers): admitted, assigned (fast: those "
+            "assigned by the admission itself, a part of assigned), requeued, completed, failed, cancelled",
             labels=["event"],
         )
+        by_priority = CounterMetricFamily(
+            "flying_requests_admitted_by_priority",
+            "Requests admitted, by priority class",
+            labels=["priority"],
+        )
         for event, n in sorted((text(a), int(b)) for a, b in r.hgetall(k.stats).items()):
-            stats.add_metric([event], n)
+            if event.startswith(ADMITTED_PREFIX):
+                by_priority.add_metric([event.removeprefix(ADMITTED_PREFIX)], n)
+            else:
+                stats.add_metric([event], n)
         yield stats
+        yield by_priority
         yield from self._engines()
         yield from self._groups()
         yield self._breakers()
-        lease = r.get(k.router_lease)
-        leader = GaugeMetricFamily("flying_router_leader", "1 while this router holds the lease")
-        leader.add_metric([], 1.0 if lease is not None and text(lease) == self.router_id else 0.0)
-        yield leader
 
     def _engines(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         beats = control.status(self.r, self.keys)
@@ -160,23 +204,30 @@ class ClusterCollector(Collector):
             "running": ("flying_engine_running", "Requests running on the engine"),
             "waiting": ("flying_engine_waiting", "Requests waiting in the engine's own queue"),
             "free_kv_tokens": ("flying_engine_free_kv_tokens", "KV cache tokens free (evictable included)"),
+        }
+        seconds = {  # the heartbeat's milliseconds, in Prometheus's base unit
             "bind_ms": (
-                "flying_engine_last_bind_ms",
+                "flying_engine_last_bind_seconds",
                 "The engine's last bind, command at a step boundary -> ready",
             ),
             "release_ms": (
-                "flying_engine_last_release_ms",
+                "flying_engine_last_release_seconds",
                 "The engine's last release, command -> DP layout back",
             ),
-            "transform_ms": ("flying_engine_last_kv_transform_ms", "The engine's last KV transformation"),
-            "comm_rebuilds": (
-                "flying_engine_comm_rebuilds",
-                "Pooled communicator groups rebuilt after a restart",
+            "transform_ms": (
+                "flying_engine_last_kv_transform_seconds",
+                "The engine's last KV transformation",
             ),
         }
         families = {
             f: GaugeMetricFamily(name, doc, labels=["engine"]) for f, (name, doc) in per_engine.items()
         }
+        timings = {f: GaugeMetricFamily(name, doc, labels=["engine"]) for f, (name, doc) in seconds.items()}
+        rebuilds = CounterMetricFamily(
+            "flying_engine_comm_rebuilds",
+            "Pooled communicator groups rebuilt after a restart",
+            labels=["engine"],
+        )
         prompt = CounterMetricFamily(
             "flying_engine_prompt_tokens",
             "Prompt tokens of the requests the engine finished, since it started",
@@ -205,12 +256,17 @@ class ClusterCollector(Collector):
                 mode.add_metric([str(e), m], 1.0 if m == current else 0.0)
             for f, fam in families.items():
                 fam.add_metric([str(e)], float(getattr(hb, f)))
+            for f, fam in timings.items():
+                fam.add_metric([str(e)], getattr(hb, f) / 1000)
+            rebuilds.add_metric([str(e)], hb.comm_rebuilds)
             prompt.add_metric([str(e)], hb.prompt_tokens)
             cached.add_metric([str(e)], hb.cached_tokens)
             if hb.cache_hit_rate is not None:
                 ratio.add_metric([str(e)], hb.cache_hit_rate)
         yield mode
         yield from families.values()
+        yield from timings.values()
+        yield rebuilds
         yield from (prompt, cached, ratio, steps)
 
     def _breakers(self) -> GaugeMetricFamily:

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+import redis
 from redis.exceptions import ConnectionError
 
 from devstack.redis_server import RedisServer
@@ -61,6 +62,25 @@ def test_every_process_parser_takes_the_sentinel_flags():
     assert cli.redis_url(p.parse_args(["--redis-url", "redis://x:1/0"])) == "redis://x:1/0"
     with pytest.raises(SystemExit):
         cli.redis_url(p.parse_args(["--redis-url", "redis+sentinel://a:1/m/0", "--redis-sentinel", "b:2"]))
+
+
+@pytest.mark.parametrize("url", ["http://x", "x:6379", "localhost"])
+def test_a_url_that_is_not_redis_is_a_usage_error_in_words(url, capsys):
+    p = cli.parser("x", "x")
+    cli.add_redis_arguments(p)
+    with pytest.raises(SystemExit) as exited:
+        cli.redis_url(p.parse_args(["--redis-url", url]))
+    assert exited.value.code == 2 and "is no Redis URL" in capsys.readouterr().err
+
+
+def test_unreachable_sentinels_are_given_up_on_within_the_failover_window():
+    """Nothing listens at the sentinel: redis-py's own retries nested inside ours made this take minutes."""
+    client = redis_conn.sync_client("redis+sentinel://127.0.0.1:1/m/0")
+    t0 = time.monotonic()
+    with pytest.raises(redis.RedisError) as raised:
+        client.ping()
+    assert time.monotonic() - t0 < 15
+    assert "no sentinel answered" in redis_conn.explain(raised.value)
 
 
 def test_clients_remember_their_target():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import msgspec
 from prometheus_client import generate_latest
 
+from flying.keys import Keys
 from flying.messages import Group, Release, RouterState, encode
-from router.metrics import ClusterCollector, RouterMetrics
+from router.metrics import ClusterCollector, RouterMetrics, scrape_client
 from router.policy import Decision
 from tests.stack import announce_engine
 
@@ -82,3 +83,54 @@ def test_the_cluster_collector_reads_queue_engines_groups_and_regime(sync_redis,
     assert value(m, "flying_groups", width="2", reason="load", state="bound") == 1
     assert value(m, "flying_router_regime", regime="light") == 1
     assert value(m, "flying_router_leader") == 1
+    assert value(m, "flying_router_redis_up") == 1
+
+
+def test_the_switch_histogram_leaves_out_the_release_of_a_bind_that_never_formed():
+    m = RouterMetrics()
+    rolled = msgspec.structs.replace(BINDING, state="releasing", since=100.0)
+    m.observe([BINDING], Decision(put={3: rolled}, commands=[((0, 1), Release(epoch=3))]), assigned=0)
+    m.observe([rolled], Decision(drop=[3]), assigned=0, now=100.1)
+    assert value(m, "flying_router_releases_total", reason="load", mode="wait", outcome="done") == 1
+    assert value(m, "flying_router_switch_seconds_count", kind="release") == 0
+
+
+def test_the_cluster_series_in_base_units_and_admissions_by_priority(sync_redis, keys):
+    announce_engine(
+        sync_redis, keys, engine=0, bind_ms=4.5, release_ms=1.5, transform_ms=20.0, comm_rebuilds=2
+    )
+    sync_redis.set(keys.router_lease, "me")
+    sync_redis.hset(keys.stats, mapping={"admitted": 7, "admitted_high": 2, "admitted_normal": 5})
+    m = RouterMetrics()
+    m.registry.register(ClusterCollector(sync_redis, keys, "me"))
+    assert value(m, "flying_engine_last_bind_seconds", engine="0") == 0.0045
+    assert value(m, "flying_engine_last_release_seconds", engine="0") == 0.0015
+    assert value(m, "flying_engine_last_kv_transform_seconds", engine="0") == 0.02
+    assert value(m, "flying_engine_comm_rebuilds_total", engine="0") == 2
+    assert value(m, "flying_requests_admitted_by_priority_total", priority="high") == 2
+    assert value(m, "flying_requests_admitted_by_priority_total", priority="normal") == 5
+    assert m.registry.get_sample_value("flying_requests_total", {"event": "admitted_high"}) is None
+    assert value(m, "flying_requests_total", event="admitted") == 7
+
+
+def test_only_the_leader_exports_the_cluster_state(sync_redis, keys):
+    """Two routers scraped (k8s runs a standby): the cluster's series come from the lease holder alone, so a
+    sum over routers counts each request once."""
+    announce_engine(sync_redis, keys, engine=0, running=3)
+    sync_redis.set(keys.router_lease, "other")
+    m = RouterMetrics()
+    m.registry.register(ClusterCollector(sync_redis, keys, "me"))
+    text = generate_latest(m.registry).decode()
+    assert "flying_queue_depth" not in text and "flying_engine_running" not in text
+    assert value(m, "flying_router_leader") == 0 and value(m, "flying_router_redis_up") == 1
+
+
+def test_a_scrape_with_redis_down_still_answers_with_the_routers_own_series():
+    down = scrape_client("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    m = RouterMetrics()
+    m.rounds.inc()
+    m.registry.register(ClusterCollector(down, Keys("flying"), "me", leading=lambda: True))
+    text = generate_latest(m.registry).decode()
+    assert "flying_router_rounds_total 1.0" in text
+    assert value(m, "flying_router_redis_up") == 0 and value(m, "flying_router_leader") == 1
+    assert "flying_queue_depth" not in text
