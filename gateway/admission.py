@@ -25,6 +25,9 @@ from gateway.schemas import NOT_RESUMABLE, ChatCompletionRequest, requested_max_
 
 SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
 OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event loop
+# SGLang refuses a prompt of min(context length, KV) - 6 tokens or more (its scheduler's max_req_input_len), after
+# the request has waited its turn: the gateway refuses it at the door instead
+PROMPT_RESERVE = 7
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,10 @@ class Admission:
         asked, param = requested_max_tokens(req)
         if asked is not None and asked < 1:
             raise InvalidRequest(f"{param} must be at least 1, got {asked}", param=param)
-        if prompt >= limit:
+        if prompt > limit - PROMPT_RESERVE:
             raise ContextTooLong(
-                f"This model's maximum context length is {limit} tokens; the prompt has {prompt} tokens.",
+                f"This model's maximum context length is {limit} tokens, of which a prompt may use "
+                f"{limit - PROMPT_RESERVE}; the prompt has {prompt} tokens.",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
         if asked is None:

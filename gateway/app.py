@@ -117,12 +117,16 @@ def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
     """The request's priority (X-Priority, else its ``priority``, else its ``service_tier``), lowered to its
     tenant's highest if it asks for more (the request log line then names the one asked for too), noted for the
     metrics and the request log."""
-    asked = schemas.resolve_priority(request.headers.get("x-priority"), req.priority, req.service_tier)
+    header = request.headers.get("x-priority")
+    asked = schemas.resolve_priority(header, req.priority, req.service_tier)
     info, priority = request_info(request.scope), asked
     tenant = tenancy.current.get()
-    if tenant is not None and tenant.over_priority is tenancy.OverPriority.LOWER:
-        priority = tenant.priority(asked)  # (a tenant that refuses instead: admission answers 403)
-        if priority != asked:
+    explicit = header is not None or req.priority is not None or req.service_tier is not None
+    if tenant is not None and (tenant.over_priority is tenancy.OverPriority.LOWER or not explicit):
+        # (a tenant that refuses what it asks above its highest: admission answers 403; one that asks for
+        # nothing gets the default, or the tenant's highest when that is lower)
+        priority = tenant.lowered(asked)
+        if priority != asked and explicit:
             info.requested_priority = asked
             gw: Gateway = request.app.state.gateway
             gw.metrics.child(gw.metrics.tenant_lowered, tenant.name, asked, priority).inc()
@@ -221,7 +225,10 @@ def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
         content = reply.raw if raw else engine_fields.openai_error(reply.raw)
         return Response(content, status_code=reply.status, media_type="application/json", headers=headers)
     body = (
-        reply.body if raw else engine_fields.openai_error_doc(reply.body) or engine_fields.clean(reply.body)
+        reply.body
+        if raw
+        else engine_fields.openai_error_doc(reply.body)
+        or engine_fields.clean(reply.body, headers.get("X-Request-Id"))
     )
     return EncodedJSON(body, status_code=reply.status, headers=headers)
 
@@ -233,7 +240,15 @@ async def answer_batch(
     concurrently; one answer (or one stream) with the choices numbered as OpenAI does (:mod:`gateway.batch`)."""
     logged = request_info(request.scope)
     base = logged.request_id or uuid.uuid4().hex
-    adms = [await gw.admit(schemas.for_engine(r), priority, f"{base}-{i}") for i, r in enumerate(reqs)]
+    batch.check_fits(len(reqs), gw.config.max_queue, priority, tenancy.current.get())
+    adms = []
+    for i, r in enumerate(reqs):
+        try:
+            adms.append(await gw.admit(schemas.for_engine(r), priority, f"{base}-{i}"))
+        except APIError as exc:
+            if exc.param == "prompt":  # which of the batch's prompts
+                exc.param = f"prompt[{i}]"
+            raise
     disconnected = watcher(request.scope, request.receive)
     early = not logged.client_id  # (the prompts' ids derive from it)
     tasks = [asyncio.ensure_future(gw.serve(adm, disconnected, early)) for adm in adms]
@@ -254,10 +269,10 @@ async def answer_batch(
         if reqs[0].stream:
             usage = bool(reqs[0].stream_options and reqs[0].stream_options.include_usage)
             streams = [r.stream for r in replies if r.stream is not None]
-            relay = batch.merge_streams(streams, n, usage)
+            relay = batch.merge_streams(streams, n, usage, base)
             streaming = True
             return RelayResponse(relay, headers, functools.partial(batch.unstarted, replies), disconnected)
-        merged = batch.merge_completions([r.body for r in replies if r.body is not None], n)
+        merged = batch.merge_completions([r.body for r in replies if r.body is not None], n, base)
         return json_reply(gw, Reply(200, replies[0].assignment, body=merged), headers)
     except ClientGone:
         return Response(status_code=499)
@@ -510,6 +525,9 @@ def create_app(
                 metrics=meters,
             ),
         ],
+    )
+    app.router.redirect_slashes = (
+        False  # "/v1/models/" is a JSON 404, not a bare redirect a POST cannot follow
     )
     app.state.drain = drain
     return app

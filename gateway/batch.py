@@ -14,17 +14,40 @@ from typing import Any
 
 import msgspec
 
+from gateway.backpressure import SHARE
 from gateway.engine_fields import StreamId
+from gateway.errors import InvalidRequest
 from gateway.relay import DONE
+from gateway.tenants import Tenant
 
 COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-def merge_completions(bodies: list[dict], n: int) -> dict:
-    """The answers to a batch's prompts as one: the first's id, every choice renumbered, the usage summed."""
-    out = dict(bodies[0])
+def check_fits(n: int, max_queue: int, priority: str, tenant: Tenant | None) -> None:
+    """A batch of ``n`` prompts is queued as ``n`` requests: one that could never be admitted whole (more than
+    its priority's share of the queue, or more requests than its tenant's bucket holds) is a 400 that says so,
+    not a 429 whose Retry-After can never work."""
+    room = max(1, int(max_queue * SHARE[priority]))
+    if n > room:
+        raise InvalidRequest(
+            f"prompt holds {n} prompts, more than the queue takes at {priority} priority ({room}); "
+            "send fewer prompts per request",
+            param="prompt",
+        )
+    if tenant is not None and tenant.requests_per_s and n > max(1, int(tenant.requests_per_s)):
+        burst = max(1, int(tenant.requests_per_s))
+        raise InvalidRequest(
+            f"prompt holds {n} prompts, each a request, and this API key may send {burst} at once "
+            f"(requests_per_s {tenant.requests_per_s:g}); send at most {burst} prompts per request",
+            param="prompt",
+        )
+
+
+def merge_completions(bodies: list[dict], n: int, request_id: str) -> dict:
+    """The answers to a batch's prompts as one: the batch's id, every choice renumbered, the usage summed."""
+    out = dict(bodies[0], id=request_id)
     out["choices"] = [c | {"index": i * n + int(c.get("index", 0))} for i, b in enumerate(bodies) for c in b.get("choices") or ()]  # fmt: skip
     usage = sum_usage([b.get("usage") for b in bodies])
     if usage is not None:
@@ -47,7 +70,7 @@ def sum_usage(usages: Sequence[Any]) -> dict | None:
 
 
 async def merge_streams(
-    streams: list[AsyncGenerator[bytes, None]], n: int, include_usage: bool
+    streams: list[AsyncGenerator[bytes, None]], n: int, include_usage: bool, request_id: str | None = None
 ) -> AsyncGenerator[bytes, None]:
     """The prompts' SSE streams as one: chunks as they come, choices renumbered, then the summed usage (when asked)
     and ``[DONE]``. Each stream is read to its end by a task of its own; closing this one cancels them (each
@@ -63,7 +86,7 @@ async def merge_streams(
 
     pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     tails: list[dict] = []
-    stream_id = StreamId()  # one id for the merged stream (each prompt's stream has its own)
+    stream_id = StreamId(request_id)  # one id for the merged stream (each prompt's stream has its own)
     try:
         left = len(streams)
         while left:

@@ -18,6 +18,8 @@ token ids); cleaning it is a few dict operations, and an encode of the small chu
 
 from __future__ import annotations
 
+import ast
+import re
 from typing import Any
 
 import msgspec
@@ -31,12 +33,12 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-def clean(doc: Any) -> Any:
-    """``doc`` (a decoded response or chunk) without SGLang's fields and with the request's id, changed in place;
-    returned."""
+def clean(doc: Any, request_id: str | None = None) -> Any:
+    """``doc`` (a decoded response or chunk) without SGLang's fields and with the request's id (``request_id``,
+    the one ``X-Request-Id`` echoes; else the one its engine answered under), changed in place; returned."""
     strip(doc)
     if isinstance(doc, dict) and "id" in doc:
-        doc["id"] = public_id(doc["id"])
+        doc["id"] = request_id if request_id is not None else public_id(doc["id"])
     return doc
 
 
@@ -74,13 +76,15 @@ def strip(doc: Any) -> bool:
 
 
 class StreamId:
-    """The one id every chunk of a stream carries, as OpenAI's do: its first chunk's (SGLang streams each of
-    ``n`` choices under an id of its own)."""
+    """The one id every chunk of a stream carries, as OpenAI's do: the request's, or else its first chunk's
+    (SGLang streams each of ``n`` choices under an id of its own)."""
 
     __slots__ = ("value",)
 
-    def __init__(self) -> None:
-        self.value: Any = None
+    def __init__(self, value: str | None = None) -> None:
+        self.value: Any = (
+            value  # the request's id when known (SGLang names n > 1 choices' chunks its own way)
+        )
 
     def apply(self, event: Any) -> None:
         """Give ``event`` the stream's id (the first non-empty one seen is the stream's, as :func:`public_id`)."""
@@ -120,17 +124,78 @@ OPENAI_ERROR_TYPES = frozenset(
 
 def openai_error_doc(doc: Any) -> dict | None:
     """SGLang's error object (``{"object": "error", "message", "type", "param", "code": 400}``) as OpenAI's
-    ``{"error": {...}}``; None when ``doc`` is not one."""
+    ``{"error": {...}}``, its message in words (:func:`readable_message`); None when ``doc`` is not one."""
     if not isinstance(doc, dict) or doc.get("object") != "error" or "message" not in doc:
         return None
     code = doc.get("code")
     kind = doc.get("type")
     if kind not in OPENAI_ERROR_TYPES:  # SGLang's own (a Python exception's name: BadRequestError, ...)
         kind = "server_error" if isinstance(code, int) and code >= 500 else "invalid_request_error"
+    message, param = readable_message(str(doc["message"]))
     error = {
-        "message": doc["message"],
+        "message": message,
         "type": kind,
-        "param": doc.get("param"),
+        "param": doc.get("param") or param,
         "code": code if isinstance(code, str) else None,
     }
     return {"error": error}
+
+
+def stream_error(line: str) -> dict | None:
+    """The SGLang error object an SSE line carries (``data: {"error": {"object": "error", ...}}`` as SGLang
+    streams it), None when it carries none: a stream that starts with one is answered as an error instead."""
+    if not line.startswith("data:") or '"error"' not in line:
+        return None
+    try:
+        doc = _decode(line[5:].strip())
+    except msgspec.DecodeError:
+        return None
+    inner = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(inner, dict) and "message" in inner:
+        return {**inner, "object": "error"}
+    return doc if isinstance(doc, dict) and doc.get("object") == "error" else None
+
+
+def error_status(doc: dict) -> int:
+    """The HTTP status an SGLang error object names (its ``code``), 400 when it names none."""
+    code = doc.get("code")
+    return code if isinstance(code, int) and 400 <= code <= 599 else 400
+
+
+_PYDANTIC_ITEM = re.compile(r"^\s*(\{'type': .*\})\s*$", re.MULTILINE)
+
+
+def readable_message(message: str) -> tuple[str, str | None]:
+    """An engine's error message without its server's file paths and, for a validation error of SGLang's request
+    models (pydantic's error dicts, one a line), each as ``<param>: <what>``; with the first error's param."""
+    lines = [
+        x for x in message.splitlines() if not x.strip().startswith(('File "', "For further information"))
+    ]
+    text = "\n".join(lines).strip()
+    found: list[tuple[str, str]] = []
+    for m in _PYDANTIC_ITEM.finditer(text):
+        try:
+            item = ast.literal_eval(m.group(1))
+        except (ValueError, SyntaxError):
+            continue
+        if isinstance(item, dict) and isinstance(item.get("loc"), tuple):
+            found.append((_param(item["loc"]), str(item.get("msg", ""))))
+    if not found:
+        return re.sub(r"\n\s*\n", "\n", text), None
+    said = "; ".join(f"{param}: {msg}" if param else msg for param, msg in found[:3])
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    return f"invalid request: {said}{more}", found[0][0] or None
+
+
+def _param(loc: tuple) -> str:
+    """pydantic's location as a parameter path: ``('body', 'tools', 0, 'function')`` -> ``tools[0].function``
+    (its union members' class names, such as ``ResponseFormat``, left out)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and not (part[:1].isupper() and part.isidentifier()):
+            out += f".{part}" if out else part
+    return out

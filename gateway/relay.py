@@ -137,7 +137,7 @@ class Relay:
         ``max_attempts``); any other broken stream ends with an error event. One generator, reading ``resp``
         through coroutines: the hot path has no generator per layer."""
         state, error, batch = "cancelled", "client disconnected", first
-        stream_id = engine_fields.StreamId()
+        stream_id = engine_fields.StreamId(adm.record.id)
         try:
             while True:
                 try:

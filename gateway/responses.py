@@ -35,6 +35,7 @@ REFUSED = {
     "conversation": "conversations are not stored: send the whole conversation as input",
     "background": "background responses are not served",
     "prompt": "prompt templates are not served",
+    "top_logprobs": "log-probabilities are not returned on /v1/responses (use /v1/chat/completions)",
 }
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -56,6 +57,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    max_tool_calls: int | None = None  # no tools are served: none is ever called
     parallel_tool_calls: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
@@ -70,6 +73,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     previous_response_id: str | None = None
     conversation: Any = None
     prompt: Any = None
+    top_logprobs: int | None = None  # (0 asks for none: accepted)
 
 
 def decode(body: bytes) -> ResponsesRequest:
@@ -250,8 +254,8 @@ def response(draft: Draft, chat: dict) -> dict:
     choice = (chat.get("choices") or [{}])[0]
     text = (choice.get("message") or {}).get("content") or ""
     finish = choice.get("finish_reason")
-    status = "incomplete" if finish == "length" else "completed"
-    return draft.response(status, [draft.message(text, "completed")], usage_of(chat.get("usage")), finish)
+    status = "incomplete" if finish == "length" else "completed"  # the message item's too, as OpenAI marks it
+    return draft.response(status, [draft.message(text, status)], usage_of(chat.get("usage")), finish)
 
 
 _decode = msgspec.json.Decoder().decode
@@ -300,7 +304,10 @@ async def events(draft: Draft, chat_stream: AsyncIterator[bytes]) -> AsyncGenera
             if not chunk:
                 break
         if error is not None:
-            yield event("error", code=error.get("code"), message=str(error.get("message", "")), param=error.get("param"))  # fmt: skip
+            code = error.get(
+                "code"
+            )  # (the Responses API's error event has a string code; SGLang's is its status)
+            yield event("error", code=None if code is None else str(code), message=str(error.get("message", "")), param=error.get("param"))  # fmt: skip
             yield event("response.failed", response=draft.response("failed", [], usage_of(usage)) | {"error": {"code": "server_error", "message": str(error.get("message", ""))}})  # fmt: skip
             return
         full = "".join(text)
@@ -308,8 +315,8 @@ async def events(draft: Draft, chat_stream: AsyncIterator[bytes]) -> AsyncGenera
         yield b"".join([
             event("response.output_text.done", **where, text=full, logprobs=[]),
             event("response.content_part.done", **where, part=output_text(full)),
-            event("response.output_item.done", output_index=0, item=draft.message(full, "completed")),
-            event(f"response.{status}", response=draft.response(status, [draft.message(full, "completed")], usage_of(usage), finish)),
+            event("response.output_item.done", output_index=0, item=draft.message(full, status)),
+            event(f"response.{status}", response=draft.response(status, [draft.message(full, status)], usage_of(usage), finish)),
         ])  # fmt: skip
     finally:
         aclose = getattr(chat_stream, "aclose", None)

@@ -38,6 +38,12 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_f
     tool_calls: Any = None  # passed through (an assistant's tool calls, a tool message's id)
     tool_call_id: Any = None
     reasoning_content: Any = None
+    # what the openai client's model_dump() of an answer's message carries back in the next turn: accepted and
+    # not sent on (the rendered prompt uses content); audio and the deprecated function_call only as null
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -69,6 +75,7 @@ class _Sampling(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown
     safety_identifier: str | None = None
     service_tier: ServiceTier | None = None  # a priority unless X-Priority or priority is given
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     ignore_eos: bool | None = None  # SGLang extension, forwarded
     priority: str | None = None  # flying-serving extension; the X-Priority header wins
     # passed through to SGLang as they are (it validates them):
@@ -105,6 +112,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
     chat_template_kwargs: Any = None
     continue_final_message: Any = None
     modalities: list[str] | None = None  # only ["text"]
+    verbosity: Literal["low", "medium", "high"] | None = None  # for reasoning models: accepted, not forwarded
 
 
 class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
@@ -144,7 +152,10 @@ REFUSED = {
 }
 # accepted from the client, never sent to the engine (they change nothing there, or the gateway applies them);
 # ``prompt_cache_key`` is not sent either: admission takes it off for the router (gateway.admission)
-GATEWAY_ONLY = ("store", "metadata", "safety_identifier", "service_tier", "modalities", "best_of")
+GATEWAY_ONLY = (
+    "store", "metadata", "safety_identifier", "service_tier", "modalities", "best_of", "prompt_cache_retention",
+    "verbosity",
+)  # fmt: skip
 # A stream with any of these keeps the engine's own endpoint (it is not resumable on another engine: they change
 # how the prompt is rendered, or constrain the output with state a continuation elsewhere would not have).
 NOT_RESUMABLE = (
@@ -188,6 +199,8 @@ def decode_struct(body: bytes, type_: type[msgspec.Struct], refused: dict[str, s
         raise InvalidRequest(readable(msg, param), param=param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply to be read") from None
     except ValueError as exc:  # UnicodeDecodeError (invalid UTF-8) and any other decoding failure
         raise InvalidRequest(f"request body is not valid UTF-8 JSON: {exc}") from None
 
@@ -229,6 +242,13 @@ def check_sampling(req: _Sampling) -> None:
         raise InvalidRequest("at most 4 stop sequences are allowed", param="stop")
     if not req.model:
         raise InvalidRequest("model must be a non-empty string", param="model")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise InvalidRequest("seed must be a 64-bit integer", param="seed")
+    ids = req.stop_token_ids
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
+        raise InvalidRequest("stop_token_ids must be a list of token ids", param="stop_token_ids")
 
 
 def _number(v: Any) -> bool:
@@ -272,6 +292,8 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise InvalidRequest("messages are all empty", param="messages")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("logprobs must be true when top_logprobs is used", param="top_logprobs")
     if req.modalities is not None and req.modalities != ["text"]:
         raise InvalidRequest(
             f'modalities must be ["text"] (only text is served); got {req.modalities}', param="modalities"

@@ -22,6 +22,7 @@ from flying.cancel import reraise_if_cancelled, stop_task
 from flying.keys import Keys
 from flying.messages import Assignment
 from flying.queue import DuplicateId, EarlyDeclined
+from gateway import engine_fields
 from gateway.admission import Admission, Admitted
 from gateway.background import Background
 from gateway.cluster_view import ClusterView
@@ -223,5 +224,10 @@ class Gateway:
                     waiting.engine_failed(a.engine, f"answered {resp.status_code}")
                 await self.queue.finish(adm.record.id, "failed", resp.text[:200])
                 return Reply(resp.status_code, a, raw=resp.content)
+            if (error := engine_fields.stream_error(events[0])) is not None:  # refused before its first token
+                with contextlib.suppress(Exception):
+                    await resp.aclose()
+                await self.queue.finish(adm.record.id, "failed", str(error.get("message", ""))[:200])
+                return Reply(engine_fields.error_status(error), a, body=error)
             stream = relay.relay(adm, a, resp, events)
             return Reply(200, a, stream=stream, unstarted=functools.partial(relay.drop, adm, a, resp))

@@ -69,8 +69,8 @@ class Tenant:
     def priority(self, asked: Priority) -> Priority:
         """The priority this tenant's request runs at: ``asked``, or its highest if ``asked`` is above it (raises
         PriorityNotAllowed instead when its ``over_priority`` is REFUSE)."""
-        top = self.max_priority
-        if top is None or PRIORITY_CLASS[asked] >= PRIORITY_CLASS[top]:
+        top = self.lowered(asked)
+        if top == asked:
             return asked
         if self.over_priority is OverPriority.REFUSE:
             raise PriorityNotAllowed(
@@ -78,6 +78,11 @@ class Tenant:
                 param="X-Priority",
             )
         return top
+
+    def lowered(self, asked: Priority) -> Priority:
+        """``asked``, or this tenant's highest priority if ``asked`` is above it."""
+        top = self.max_priority
+        return asked if top is None or PRIORITY_CLASS[asked] >= PRIORITY_CLASS[top] else top
 
     def charge(self, tokens: int) -> Charge:
         """What admitting a request of ``tokens`` takes from this tenant's buckets (limits 0: none), and the name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -19,6 +20,12 @@ from starlette.routing import Route
 def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
             "prompt_tokens_details": {"cached_tokens": 0}, "reasoning_tokens": 0}  # fmt: skip
+
+
+def answer_id(body: dict, default: str) -> str:
+    """The id SGLang answers under: the request's rid, but an id of its own for ``n`` > 1 (each choice then runs
+    as a request of its own)."""
+    return uuid.uuid4().hex if body.get("n", 1) > 1 else body.get("rid", default)
 
 
 def prompt_len(body: dict) -> int:
@@ -60,7 +67,7 @@ class SGLangLike:
              "tool_calls": None}, "logprobs": None, "finish_reason": self.finish(body), "matched_stop": None}
             for i in range(int(body.get("n") or 1))
         ]  # fmt: skip
-        return JSONResponse({"id": body.get("rid", "c1"), "object": "chat.completion", "created": int(time.time()),
+        return JSONResponse({"id": answer_id(body, "c1"), "object": "chat.completion", "created": int(time.time()),
                              "model": body["model"], "choices": choices, "usage": usage(p, len(toks) * len(choices)),
                              "metadata": {"weight_version": "default"}})  # fmt: skip
 
@@ -70,10 +77,10 @@ class SGLangLike:
             last = i == len(toks) - 1
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish(body) if last else None,
                       "matched_stop": None}  # fmt: skip
-            yield sse({"id": body.get("rid", "c1"), "object": "chat.completion.chunk", "created": 1, "model": body["model"],
+            yield sse({"id": answer_id(body, "c1"), "object": "chat.completion.chunk", "created": 1, "model": body["model"],
                        "choices": [choice], "usage": None})  # fmt: skip
         if (body.get("stream_options") or {}).get("include_usage"):
-            yield sse({"id": body.get("rid", "c1"), "object": "chat.completion.chunk", "created": 1, "model": body["model"],
+            yield sse({"id": answer_id(body, "c1"), "object": "chat.completion.chunk", "created": 1, "model": body["model"],
                        "choices": [], "usage": usage(p, len(toks))})  # fmt: skip
         yield "data: [DONE]\n\n"
 
@@ -94,7 +101,7 @@ class SGLangLike:
             }
             for i in range(int(body.get("n") or 1))
         ]
-        return JSONResponse({"id": body.get("rid", "t1"), "object": "text_completion", "created": int(time.time()),
+        return JSONResponse({"id": answer_id(body, "t1"), "object": "text_completion", "created": int(time.time()),
                              "model": body["model"], "choices": choices, "usage": usage(p, len(toks) * len(choices)),
                              "metadata": {"weight_version": "default"}})  # fmt: skip
 
@@ -111,10 +118,10 @@ class SGLangLike:
                     choice["token_ids"] = [100 + i]
                     if i == 0:
                         choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else list(range(p))
-                yield sse({"id": body.get("rid", "t1"), "object": "text_completion", "created": 1, "model": body["model"],
+                yield sse({"id": answer_id(body, "t1"), "object": "text_completion", "created": 1, "model": body["model"],
                            "choices": [choice], "usage": None})  # fmt: skip
         if (body.get("stream_options") or {}).get("include_usage"):
-            yield sse({"id": body.get("rid", "t1"), "object": "text_completion", "created": 1, "model": body["model"],
+            yield sse({"id": answer_id(body, "t1"), "object": "text_completion", "created": 1, "model": body["model"],
                        "choices": [], "usage": usage(p, len(toks) * n)})  # fmt: skip
         yield "data: [DONE]\n\n"
 

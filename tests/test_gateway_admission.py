@@ -11,7 +11,7 @@ import pytest
 
 from flying.messages import Heartbeat
 from flying.prefix import block_hashes, decode_chain, key_hash
-from gateway.admission import Admission, Admitted
+from gateway.admission import PROMPT_RESERVE, Admission, Admitted
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
 from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
@@ -173,3 +173,14 @@ async def test_logit_bias_names_token_ids_of_the_vocabulary():
     with pytest.raises(InvalidRequest, match=r"vocabulary \(0 to 1023\); got 99999999") as caught:
         await counted.admit(chat(logit_bias={"12": 1, "99999999": 5}), "normal")
     assert caught.value.param == "logit_bias"
+
+
+async def test_a_prompt_within_the_last_tokens_that_sglang_keeps_is_refused_at_the_door():
+    """SGLang refuses a prompt of context - 6 tokens or more (after it waited its turn): the gateway refuses it
+    first, in OpenAI's terms, and admits one a token shorter."""
+    limit = 64 - PROMPT_RESERVE
+    ok = await admission().admit(completion(prompt=list(range(limit)), max_tokens=1), "normal")
+    assert ok.record.prompt_tokens == limit
+    with pytest.raises(ContextTooLong) as caught:
+        await admission().admit(completion(prompt=list(range(limit + 1)), max_tokens=1), "normal")
+    assert caught.value.param == "prompt" and f"a prompt may use {limit}" in caught.value.message

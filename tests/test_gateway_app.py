@@ -107,6 +107,7 @@ def test_queue_full_is_429(client, sync_redis, keys):
 
 def test_routes_methods_body_size(client):
     assert_error(client.get("/v1/nope"), 404)
+    assert_error(client.post("/v1/chat/completions/", json=ok_body(), follow_redirects=False), 404)
     assert_error(client.get("/v1/chat/completions"), 405)
     assert_error(client.post("/v1/chat/completions", content=b"x" * (5 * 1024 * 1024)), 413)
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.batch import merge_streams
+import pytest
+
+from gateway.batch import check_fits, merge_streams
+from gateway.errors import InvalidRequest
 from gateway.relay import DONE
+from gateway.tenants import Tenant
 
 
 def event(doc: dict) -> bytes:
@@ -44,3 +48,13 @@ async def test_closing_the_merged_stream_closes_every_prompts_stream():
     assert first.startswith(b"data: ")
     await merged.aclose()
     assert sorted(closed) == [0, 1]
+
+
+def test_a_batch_that_could_never_be_admitted_whole_is_a_400_that_says_so():
+    check_fits(5, max_queue=4096, priority="normal", tenant=None)
+    with pytest.raises(InvalidRequest, match="more than the queue takes at low priority") as caught:
+        check_fits(700, max_queue=1000, priority="low", tenant=None)
+    assert caught.value.param == "prompt"
+    check_fits(2, max_queue=4096, priority="normal", tenant=Tenant("t", requests_per_s=2))
+    with pytest.raises(InvalidRequest, match="may send 2 at once"):
+        check_fits(3, max_queue=4096, priority="normal", tenant=Tenant("t", requests_per_s=2))

@@ -104,8 +104,8 @@ def test_a_batch_numbers_choices_per_prompt_and_sums_usage():
         {"id": "b", "choices": [{"index": 1, "text": "w"}, {"index": 0, "text": "z"}],
          "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}},
     ]  # fmt: skip
-    out = merge_completions(bodies, n=2)
-    assert out["id"] == "a" and [(c["index"], c["text"]) for c in out["choices"]] == [(0, "x"), (1, "y"), (3, "w"), (2, "z")]  # fmt: skip
+    out = merge_completions(bodies, n=2, request_id="batch-1")
+    assert out["id"] == "batch-1" and [(c["index"], c["text"]) for c in out["choices"]] == [(0, "x"), (1, "y"), (3, "w"), (2, "z")]  # fmt: skip
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
 
 
@@ -339,3 +339,64 @@ def test_an_engines_error_body_becomes_openais_shape():
     kept = {"object": "error", "message": "m", "type": "rate_limit_error", "code": 429}
     assert engine_fields.openai_error_doc(kept)["error"]["type"] == "rate_limit_error"
     assert engine_fields.openai_error_doc({"choices": []}) is None
+
+
+def test_an_engines_validation_error_is_told_in_words_with_its_param_and_no_server_paths():
+    message = (
+        "1 validation error:\n  {'type': 'missing', 'loc': ('body', 'tools', 0, 'function'), 'msg': 'Field "
+        "required', 'input': {'type': 'function'}}\n\n  File \"/srv/.venv/lib/python3.11/site-packages/sglang/"
+        'srt/entrypoints/http_server.py", line 1870, in openai_v1_chat_completions\n'
+    )
+    error = engine_fields.openai_error_doc({"object": "error", "message": message, "type": "BadRequestError", "code": 400})["error"]  # fmt: skip
+    assert error == {
+        "message": "invalid request: tools[0].function: Field required",
+        "type": "invalid_request_error",
+        "param": "tools[0].function",
+        "code": None,
+    }
+    union = "2 validation errors:\n  {'type': 'literal_error', 'loc': ('body', 'response_format', 'ResponseFormat', 'type'), 'msg': 'Input should be text'}\n"  # fmt: skip
+    assert engine_fields.readable_message(union) == (
+        "invalid request: response_format.type: Input should be text",
+        "response_format.type",
+    )
+    plain = "Input length (4095 tokens) exceeds the maximum allowed length (4090 tokens)"
+    assert engine_fields.readable_message(plain) == (plain, None)
+
+
+def test_an_error_sglang_streams_is_read_from_its_event():
+    line = 'data: {"error": {"object": "error", "message": "bad regex", "type": "BadRequestError", "param": null, "code": 400}}'  # fmt: skip
+    error = engine_fields.stream_error(line)
+    assert error is not None and engine_fields.error_status(error) == 400
+    assert engine_fields.stream_error('data: {"choices": [{"delta": {"content": "error"}}]}') is None
+    assert engine_fields.error_status({"code": "x"}) == 400
+
+
+def test_every_answers_id_is_the_one_x_request_id_echoes(client):
+    """SGLang answers ``n`` > 1 under ids of its own, and a batch's prompts run as requests of their own: the
+    client still sees one id, the request's, in every answer and chunk."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=2
+    )
+    assert raw.parse().id == raw.headers["x-request-id"]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=2, stream=True
+    )
+    assert {c.id for c in raw.parse()} == {raw.headers["x-request-id"]}
+    raw = client.completions.with_raw_response.create(model="tiny-llama", prompt=["a", "b c"], max_tokens=3)
+    assert raw.parse().id == raw.headers["x-request-id"]
+    raw = client.completions.with_raw_response.create(
+        model="tiny-llama",
+        prompt=["a", "b c"],
+        max_tokens=3,
+        stream=True,
+        extra_headers={"X-Request-Id": "mine-1"},
+    )
+    assert raw.headers["x-request-id"] == "mine-1" and {c.id for c in raw.parse()} == {"mine-1"}
+
+
+def test_a_batch_prompt_over_the_context_is_named_by_its_index(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny-llama", prompt=["short", "word " * 5000], max_tokens=2)
+    assert (
+        caught.value.body["param"] == "prompt[1]" and caught.value.body["code"] == "context_length_exceeded"
+    )

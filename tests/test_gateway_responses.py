@@ -59,6 +59,21 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(client):
     out = client.responses.create(model="tiny-llama", input="hi", max_output_tokens=2)
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     assert out.output_text == " w0 w1"
+    assert out.output[0].status == "incomplete", "the message item is marked as the response is"
+    events = list(client.responses.create(model="tiny-llama", input="hi", max_output_tokens=2, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+
+
+def test_current_responses_parameters_are_accepted_or_refused_with_a_reason(client):
+    out = client.responses.create(
+        model="tiny-llama", input="hi", max_output_tokens=2, max_tool_calls=3, prompt_cache_retention="24h",
+        top_logprobs=0,
+    )  # fmt: skip
+    assert out.output_text == " w0 w1"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model="tiny-llama", input="hi", top_logprobs=2)
+    assert exc.value.body["param"] == "top_logprobs" and "log-probabilities" in exc.value.body["message"]
 
 
 def test_a_streamed_response_has_the_responses_event_sequence(client):

@@ -16,6 +16,7 @@ import pytest
 
 from flying.messages import GROUP_LOST as LOST
 from flying.messages import Assignment, Heartbeat, encode
+from gateway import engine_fields
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
 from gateway.errors import NoRouter, WorkerFailed
@@ -456,3 +457,34 @@ async def test_requests_waiting_when_the_router_is_gone_end_with_503_no_router(r
         assert await aredis.zcard(keys.queue) == 0, "its record left the queue"
     finally:
         await gw.stop()
+
+
+async def test_a_stream_the_engine_refuses_before_its_first_token_is_an_error_answer_not_a_200(
+    gateway, aredis, keys
+):
+    """SGLang refuses some requests only once streaming (a regex it cannot compile, a prompt over its own
+    limit): its first event is an error object. Nothing was sent yet, so the client gets that error's status and
+    OpenAI's shape, and the request is recorded as failed."""
+    refused = {
+        "error": {
+            "object": "error",
+            "message": "Failed to compile regex grammar: unbalanced parenthesis",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    }
+    gateway.engine.scripts = [sse([refused])]
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    adm = await gateway.admit(decode(json.dumps(body).encode(), ChatCompletionRequest), "normal")
+    connected = asyncio.create_task(asyncio.Event().wait())
+    try:
+        reply = await asyncio.wait_for(gateway.serve(adm, connected), 10)
+    finally:
+        connected.cancel()
+    assert reply.stream is None and reply.status == 400
+    error = engine_fields.openai_error_doc(reply.body)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("Failed to compile regex")
+    assert len(gateway.engine.calls) == 1, "an engine's refusal is not re-dispatched"
+    await asyncio.sleep(0.1)
+    assert await aredis.hget(keys.stats, "failed") == b"1"

@@ -56,6 +56,11 @@ def test_type_errors_name_the_parameter(body, param):
         ('"min_p": 1.5', "min_p"),
         ('"repetition_penalty": -1', "repetition_penalty"),
         ('"repetition_penalty": "x"', "repetition_penalty"),
+        ('"stream_options": {"include_usage": true}', "stream_options"),
+        ('"seed": 100000000000000000000000', "seed"),
+        ('"stop_token_ids": ["x"]', "stop_token_ids"),
+        ('"stop_token_ids": 7', "stop_token_ids"),
+        ('"top_logprobs": 2', "top_logprobs"),
     ],
 )
 def test_value_errors_name_the_parameter(extra, param):
@@ -163,3 +168,30 @@ def test_good_sampling_extensions_pass():
     body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"12": -100, "7": 2.5},'
     req = chat(body + b' "top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1}')
     assert req.top_k == -1 and req.logit_bias == {"12": -100, "7": 2.5}
+
+
+def test_an_answers_message_sent_back_as_the_openai_client_dumps_it_is_accepted():
+    """The usual multi-turn pattern: ``messages + [r.choices[0].message.model_dump()]`` carries refusal,
+    annotations, audio and function_call as null."""
+    dumped = {"role": "assistant", "content": "ok", "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}  # fmt: skip
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, dumped, {"role": "user", "content": "more"}]}  # fmt: skip
+    req = chat(msgspec.json.encode(body))
+    assert msgspec.to_builtins(req.messages[1]) == {"role": "assistant", "content": "ok"}
+    audio = dict(dumped, audio={"id": "audio_1"})
+    with pytest.raises(InvalidRequest) as exc:
+        chat(msgspec.json.encode(dict(body, messages=[audio])))
+    assert exc.value.param == "messages[0].audio"
+
+
+def test_current_openai_parameters_that_change_nothing_here_are_accepted_and_not_forwarded():
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "verbosity": "low", "prompt_cache_retention": "24h"}'  # fmt: skip
+    req = chat(body)
+    assert msgspec.to_builtins(schemas.for_engine(req)) == {"model": "m", "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+
+
+def test_a_body_nested_too_deeply_is_a_400_not_a_500():
+    depth = 5000
+    body = b'{"model": "m", "max_tokens": 1, "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    with pytest.raises(InvalidRequest, match="nested too deeply"):
+        schemas.decode(body, schemas.CompletionRequest)

@@ -191,7 +191,7 @@ def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_
         assert httpx.post(
             f"{url}/v1/chat/completions", json=body, headers={**b, "X-Priority": "high"}
         ).is_success
-        f.write_text('[[tenant]]\nname = "c"\nkey = "kc"\n')
+        f.write_text('[[tenant]]\nname = "c"\nkey = "kc"\nmax_priority = "low"\nover_priority = "refuse"\n')
         port = url.rsplit(":", 1)[1]  # this test's gateway (a full run has other gateways alive)
         gw = next(
             p
@@ -205,6 +205,13 @@ def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_
             time.sleep(0.1)
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer kc"}).status_code == 200
         metrics = httpx.get(f"{url}/metrics").text
+        c = {"Authorization": "Bearer kc"}
+        plain = httpx.post(f"{url}/v1/chat/completions", json=body, headers=c)
+        assert plain.is_success, (
+            "asking for no priority runs at the tenant's highest, not the refused default"
+        )
+        refused = httpx.post(f"{url}/v1/chat/completions", json=body, headers={**c, "X-Priority": "normal"})
+        assert refused.status_code == 403
     assert 'flying_gateway_tenant_rejected_total{reason="max_priority",tenant="team-a"} 1.0' in metrics
     assert 'flying_gateway_tenant_requests_total{tenant="team-b"} 1.0' in metrics
     lowered = (
