@@ -112,3 +112,24 @@ def tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
         return "(no log)"
+
+
+def port_taken(host: str, port: int, wait_s: float = 0.0) -> str:
+    """Why the HTTP server could not listen on ``host:port`` ('' if it can), after waiting up to ``wait_s`` for
+    it to be free (a previous server on it may still be exiting)."""
+    deadline = time.monotonic() + wait_s
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        return f"cannot resolve {host}: {exc}"
+    while True:
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is free
+            try:
+                s.bind(address)
+                return ""
+            except OSError as exc:
+                why = exc.strerror or repr(exc)
+        if time.monotonic() >= deadline:
+            return why
+        time.sleep(0.25)

@@ -15,6 +15,7 @@ import redis
 import uvicorn
 
 from flying import cli, logs, redis_conn, settings
+from flying.procs import port_taken
 from gateway.app import create_app
 from gateway.auth import read_keys
 from gateway.config import GatewayConfig
@@ -212,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         )
     except ValueError as exc:  # a setting out of its range
         p.error(str(exc))
+    except OSError as exc:  # the API key file
+        p.error(f"--api-key-file {a.api_key_file}: {exc.strerror or exc}")
 
 
 def toml(path: str | None) -> bool:
@@ -229,13 +232,16 @@ def load_tenants(config: GatewayConfig) -> Tenants:
 
 
 def startable(config: GatewayConfig, redis_wait_s: float = REDIS_WAIT_S) -> None:
-    """Exit with why, before anything starts, when the model's directory is missing or Redis does not answer a
-    PING within ``redis_wait_s`` (retried meanwhile: it may be starting beside the gateway)."""
+    """Exit with why, before anything starts, when the model's directory is missing, the port is taken (unless
+    gateways share it: ``reuse_port``) or Redis does not answer a PING within ``redis_wait_s`` (retried meanwhile:
+    it may be starting beside the gateway)."""
     path = config.model_path
     if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
         raise SystemExit(
             f"flying-gateway: --model-path {path}: no such directory (the model's tokenizer files)"
         )
+    if not config.reuse_port and (why := port_taken(config.host, config.port)):
+        raise SystemExit(f"flying-gateway: cannot serve on {config.host}:{config.port}: {why}")
     target = redis_conn.parse(config.redis_url)
     client = redis_conn.sync_client(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
     deadline = time.monotonic() + redis_wait_s

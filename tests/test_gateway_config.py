@@ -4,6 +4,7 @@ usage error."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import pytest
 
@@ -65,3 +66,20 @@ def test_a_gateway_that_cannot_start_says_why_before_it_starts(redis_server, tmp
         startable(dataclasses.replace(ok, model_path="/nonexistent"))
     with pytest.raises(SystemExit, match=r"Redis at redis://127.0.0.1:1/0 did not answer for 0 s"):
         startable(dataclasses.replace(ok, redis_url="redis://:secret@127.0.0.1:1/0"), redis_wait_s=0.1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot serve on 127.0.0.1:{port}: Address already in use"):
+            startable(dataclasses.replace(ok, host="127.0.0.1", port=port))
+        startable(
+            dataclasses.replace(ok, host="127.0.0.1", port=port, reuse_port=True)
+        )  # (gateways share it)
+
+
+def test_an_api_key_file_that_cannot_be_read_is_a_usage_error(capsys, tmp_path):
+    from gateway.main import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--model-path", str(tmp_path), "--api-key-file", str(tmp_path / "none")])
+    assert exited.value.code == 2 and "--api-key-file" in capsys.readouterr().err

@@ -207,3 +207,23 @@ def test_a_second_nodes_worker_announces_its_node_and_pool_and_uses_its_local_gp
         parser().parse_args(["--engine", "0", "--num-engines", "1", "--model-path", "/m", "--port", "1"]).node
         is None
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--engine", "2", "--num-engines", "2", "--port", "1234"], "not in its node's pool"),
+        (["--engine", "0", "--num-engines", "1", "--port", "0"], "--port 0 is not a TCP port"),
+        (["--engine", "0", "--num-engines", "1", "--port", "1234", "--sp-threshold", "-1"], "must be >= 0"),
+    ],
+)
+def test_options_that_do_not_fit_together_are_a_usage_error_in_words(args, said, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exited:
+        launch.main([*args, "--model-path", str(tmp_path)])
+    assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_missing_model_directory_is_a_usage_error_in_words(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exited:
+        launch.main(["--engine", "0", "--num-engines", "1", "--port", "1234", "--model-path", str(tmp_path / "no"), "--device", "cpu"])  # fmt: skip
+    assert exited.value.code == 2 and "config.json (a model directory)" in capsys.readouterr().err

@@ -33,7 +33,7 @@ from flying import cli, logs, redis_conn, settings
 from flying.keys import Keys
 from flying.logs import LogFormat
 from flying.parent_death import dies_with
-from flying.procs import NotReady, wait_healthy
+from flying.procs import NotReady, port_taken, wait_healthy
 from worker_ext import sglang_patches
 from worker_ext.cpu_compat import SGLANG_CPU_ARGS, on_cpu_host, sglang_cpu_env
 
@@ -253,27 +253,6 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
             r.delete(keys.ready(cfg.engine))
 
 
-def port_taken(host: str, port: int, wait_s: float = 0.0) -> str:
-    """Why the HTTP server could not listen on ``host:port`` ('' if it can), after waiting up to ``wait_s`` for
-    it to be free (a previous server on it may still be exiting)."""
-    deadline = time.monotonic() + wait_s
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except OSError as exc:
-        return f"cannot resolve {host}: {exc}"
-    while True:
-        with socket.socket(family) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is free
-            try:
-                s.bind(address)
-                return ""
-            except OSError as exc:
-                why = exc.strerror or repr(exc)
-        if time.monotonic() >= deadline:
-            return why
-        time.sleep(0.25)
-
-
 def drain(r: redis.Redis, ready_key: str, inflight_key: str, proc: subprocess.Popen, grace_s: float) -> int:
     """Graceful stop: withdraw the ready key (routers stop sending work: the engine is no longer live, and a group
     it is in is released), then wait until the requests assigned to it have finished, at most ``grace_s``.
@@ -425,7 +404,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
     logs.setup(a.log_format)
     try:
         sglang_patches.check_version()  # once, before anything starts: the patches fit one SGLang version
@@ -433,7 +413,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flying-worker: {exc}")
     cpu = on_cpu_host() if a.device == "auto" else a.device == "cpu"
     extra = tuple(x for x in a.extra if x != "--")
-    cfg = WorkerConfig(
+    try:
+        cfg = with_default_kv(worker_config(a, cpu, extra))
+    except ValueError as exc:  # the options do not fit together (WorkerConfig says which)
+        p.error(str(exc))
+    except FileNotFoundError as exc:
+        p.error(f"--model-path {a.model_path}: {exc.strerror or exc}: {exc.filename} (a model directory)")
+    sys.exit(run(cfg, drain_grace_s=a.drain_grace_s))
+
+
+def worker_config(a: argparse.Namespace, cpu: bool, extra: tuple[str, ...]) -> WorkerConfig:
+    return WorkerConfig(
         engine=a.engine,
         num_engines=a.num_engines,
         model_path=a.model_path,
@@ -456,7 +446,6 @@ def main(argv: list[str] | None = None) -> None:
         log_format=a.log_format,
         log_requests=a.log_requests,
     )
-    sys.exit(run(with_default_kv(cfg), drain_grace_s=a.drain_grace_s))
 
 
 if __name__ == "__main__":
