@@ -143,15 +143,40 @@ def render_tenants(r: redis.Redis, keys: Keys) -> str:
     return "\n".join(lines)
 
 
+def wait_bound(r: redis.Redis, keys: Keys, epoch: int, timeout_s: float) -> int:
+    """``flyctl bind --wait``: until the group of ``epoch`` is bound (0) or rolled back, or ``timeout_s`` (1)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        g = next((g for g in control.groups(r, keys) if g.epoch == epoch), None)
+        if g is not None and g.state == "bound":
+            print(f"epoch {epoch} bound: {list(g.members)}")
+            return 0
+        if g is None or g.state == "releasing":
+            print(
+                f"flyctl: epoch {epoch} was rolled back (a member did not bind: the router's log and "
+                f"{keys.decisions} say why)",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(0.1)
+    print(
+        f"flyctl: epoch {epoch} not bound within {timeout_s:g} s (the router binds it when it runs)",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flyctl", description=__doc__.splitlines()[0])
     cli.add_redis_arguments(p)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("status")
-    q = sub.add_parser("queue")
+    sub.add_parser(
+        "status", help="engines (mode, group, load, KV, switch timings), the router, groups, queue"
+    )
+    q = sub.add_parser("queue", help="the waiting requests in dispatch order")
     q.add_argument("-n", type=cli.non_negative(int), default=20, help="how many waiting requests to list")
-    sub.add_parser("tenants")
-    w = sub.add_parser("watch")
+    sub.add_parser("tenants", help="each tenant's admitted requests and tokens, and refusals by limit")
+    w = sub.add_parser("watch", help="status, refreshed every --interval seconds")
     w.add_argument("--interval", type=cli.non_negative(float), default=1.0)
     w.add_argument(
         "--count",
@@ -159,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="stop after this many refreshes (0: until Ctrl-C)",
     )
-    b = sub.add_parser("bind")
+    b = sub.add_parser(
+        "bind", help="bind engines into a TP group by hand (the router keeps it until released)"
+    )
     b.add_argument("members", type=int, nargs="+")
     b.add_argument("--preempt", choices=("hard", "sequential", "soft"), default="hard")
     b.add_argument(
@@ -168,13 +195,21 @@ def main(argv: list[str] | None = None) -> int:
         help="the members' DP requests become the group's (no drain, no recompute)",
     )
     b.add_argument(
+        "--wait",
+        type=cli.non_negative(float),
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds until every member reports the group (exit 0) or the router rolls it back "
+        "(exit 1); default 0: print the epoch and return (the router binds it in the background)",
+    )
+    b.add_argument(
         "--sp-threshold",
-        type=int,
+        type=cli.non_negative(int),
         default=None,
         help="the group's steps of at least this many batched tokens run sequence-parallel (0: never; default: "
         "the leader's flying-worker --sp-threshold)",
     )
-    rel = sub.add_parser("release")
+    rel = sub.add_parser("release", help="release a group (its epoch and members, as status shows them)")
     rel.add_argument("epoch", type=int)
     rel.add_argument("members", type=int, nargs="+")
     how = rel.add_mutually_exclusive_group()
@@ -197,10 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"flyctl: cannot bind {list(members)}: {why}", file=sys.stderr)
                 return 2
             try:
-                print(control.bind(r, keys, members, a.preempt, adopt=a.adopt, sp_threshold=a.sp_threshold))
+                epoch = control.bind(r, keys, members, a.preempt, adopt=a.adopt, sp_threshold=a.sp_threshold)
             except ValueError as exc:
                 print(f"flyctl: {exc}", file=sys.stderr)
                 return 2
+            print(epoch, flush=True)
+            if a.wait:
+                return wait_bound(r, keys, epoch, a.wait)
         elif a.cmd == "release":
             if why := unknown_group(r, keys, a.epoch, tuple(sorted(set(a.members)))):
                 print(f"flyctl: cannot release epoch {a.epoch}: {why}", file=sys.stderr)

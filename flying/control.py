@@ -137,6 +137,8 @@ def queue_depths(r: redis.Redis, keys: Keys) -> dict[str, tuple[int, float]]:
 
 def waiting(r: redis.Redis, keys: Keys, limit: int = 20) -> list[dict[str, str]]:
     """The first ``limit`` waiting requests in dispatch order, as their Redis hashes."""
+    if limit <= 0:
+        return []
     ids = r.zrange(keys.queue, 0, limit - 1)
     pipe = r.pipeline(transaction=False)
     for rid in ids:

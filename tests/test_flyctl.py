@@ -171,3 +171,49 @@ def test_status_groups_engines_by_node_and_bind_refuses_a_cross_node_group(
     assert "engines [4] are not in engine 3's pool on node b (engines 2..3)" in capsys.readouterr().err
     assert main([*args, "bind", "2", "3"]) == 0
     assert [g.members for g in control.groups(sync_redis, keys)] == [(2, 3)]
+
+
+def test_bind_wait_reports_whether_the_group_formed(sync_redis, keys, redis_server, capsys):
+    """``--wait``: exit 0 once the record says bound, 1 when the router rolled it back or time ran out."""
+    import threading
+
+    import msgspec
+
+    from flying.messages import Group, decode
+
+    args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    for e in range(2):
+        _beat(sync_redis, keys, e, "", 0, n=2)
+
+    def then(action, after_s=0.3):
+        def run():
+            time.sleep(after_s)
+            (raw,) = sync_redis.hvals(keys.groups)
+            g = decode(raw, Group)
+            if action == "bound":
+                sync_redis.hset(keys.groups, str(g.epoch), encode(msgspec.structs.replace(g, state="bound")))
+            else:
+                sync_redis.hdel(keys.groups, str(g.epoch))
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    t = then("bound")
+    assert main([*args, "bind", "0", "1", "--wait", "5"]) == 0
+    t.join()
+    assert "bound: [0, 1]" in capsys.readouterr().out
+    t = then("rolled back")
+    assert main([*args, "bind", "0", "1", "--wait", "5"]) == 1
+    t.join()
+    assert "was rolled back" in capsys.readouterr().err
+    assert main([*args, "bind", "0", "1", "--wait", "0.3"]) == 1
+    assert "not bound within 0.3 s" in capsys.readouterr().err
+    for i in range(2):
+        sync_redis.hset(
+            keys.request(f"q{i}"), mapping={"id": f"q{i}", "priority": "normal", "enqueued_at": "1"}
+        )
+        sync_redis.zadd(keys.queue, {f"q{i}": i})
+    assert main([*args, "queue", "-n", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "q0" not in out and "2 waiting (first 0 shown)" in out
