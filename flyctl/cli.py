@@ -128,15 +128,19 @@ def render_queue(r: redis.Redis, keys: Keys, limit: int) -> str:
 
 def render_tenants(r: redis.Redis, keys: Keys) -> str:
     names = sorted(text(n) for n in r.smembers(keys.tenants))
-    lines = [f"{'tenant':<24} {'requests':>9} {'tokens':>11} {'refused rps':>11} {'refused tpm':>11}"]
+    lines = [
+        f"{'tenant':<24} {'requests':>9} {'tokens':>11} {'refused rps':>11} {'refused tpm':>11} "
+        f"{'refused conc':>12} {'refused prio':>12}"
+    ]
     pipe = r.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(keys.tenant(name))
     for name, raw in zip(names, pipe.execute()):
-        row = {text(k): int(v) for k, v in raw.items()}
+        row = {text(k): int(v) for k, v in raw.items() if not text(k).startswith("finish:")}
         lines.append(
             f"{name:<24} {row.get('requests', 0):>9} {row.get('tokens', 0):>11} "
-            f"{row.get('refused_requests_per_s', 0):>11} {row.get('refused_tokens_per_min', 0):>11}"
+            f"{row.get('refused_requests_per_s', 0):>11} {row.get('refused_tokens_per_min', 0):>11} "
+            f"{row.get('refused_max_concurrent', 0):>12} {row.get('refused_max_priority', 0):>12}"
         )
     if not names:
         lines.append("no tenant has been admitted a request (no API keys, or none used yet)")

@@ -115,20 +115,26 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
 
 def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
     """The request's priority (X-Priority, else its ``priority``, else its ``service_tier``), lowered to its
-    tenant's highest if it asks for more (the request log line then names the one asked for too), noted for the
-    metrics and the request log."""
+    tenant's highest if it asks for more (the request log line then names the one asked for too), or refused (403)
+    for a tenant that refuses instead; a request that asks for none runs at the default or its tenant's highest,
+    whichever is lower. Noted for the metrics and the request log."""
     header = request.headers.get("x-priority")
     asked = schemas.resolve_priority(header, req.priority, req.service_tier)
     info, priority = request_info(request.scope), asked
     tenant = tenancy.current.get()
-    explicit = header is not None or req.priority is not None or req.service_tier is not None
-    if tenant is not None and (tenant.over_priority is tenancy.OverPriority.LOWER or not explicit):
-        # (a tenant that refuses what it asks above its highest: admission answers 403; one that asks for
-        # nothing gets the default, or the tenant's highest when that is lower)
+    if tenant is not None:
+        gw: Gateway = request.app.state.gateway
+        explicit = header is not None or req.priority is not None or req.service_tier is not None
+        if explicit and tenant.over_priority is tenancy.OverPriority.REFUSE:
+            try:
+                tenant.priority(asked)
+            except tenancy.PriorityNotAllowed:
+                gw.metrics.tenant_rejected.labels(tenant.name, "max_priority").inc()
+                request.app.state.tenants.refused(tenant.name, "max_priority")
+                raise
         priority = tenant.lowered(asked)
         if priority != asked and explicit:
             info.requested_priority = asked
-            gw: Gateway = request.app.state.gateway
             gw.metrics.child(gw.metrics.tenant_lowered, tenant.name, asked, priority).inc()
     seen["priority"] = info.priority = priority
     return priority
@@ -526,8 +532,8 @@ def create_app(
             ),
         ],
     )
-    app.router.redirect_slashes = (
-        False  # "/v1/models/" is a JSON 404, not a bare redirect a POST cannot follow
-    )
+    # "/v1/models/" is a JSON 404, not a bare redirect (a POST cannot follow one)
+    app.router.redirect_slashes = False
     app.state.drain = drain
+    app.state.tenants = tenants
     return app

@@ -85,6 +85,8 @@ class RequireKey:
         if shared is None:
             if self.metrics is not None:
                 self.metrics.tenant_rejected.labels(tenant.name, "max_concurrent").inc()
+                self.metrics.rejected.labels("429", TenantLimitReached.code or "").inc()
+            self.tenants.refused(tenant.name, "max_concurrent")
             busy = TenantLimitReached(
                 f"tenant {tenant.name} has {tenant.max_concurrent} requests in progress, its max_concurrent "
                 "limit; retry after 1 s",

@@ -44,7 +44,7 @@ class TenantSlots:
     """This gateway's (``gateway_id``) side of the tenants' shared concurrency counts."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, gateway_id: str) -> None:
-        self.keys, self.gateway_id = keys, gateway_id
+        self.keys, self.gateway_id, self._client = keys, gateway_id, client
         self._enter = client.register_script(_ENTER)
         self._leave = client.register_script(_LEAVE)
         self._leaving: set[asyncio.Task] = set()
@@ -59,6 +59,20 @@ class TenantSlots:
             reraise_if_cancelled()
             log.warning("tenant %s: max_concurrent held on this gateway only (redis: %r)", tenant, exc)
             return True
+
+    def refused(self, tenant: str, limit: str) -> None:
+        """A request of ``tenant`` refused at the door by its ``limit`` (``max_concurrent``, ``max_priority``):
+        counted in its Redis counters as ``refused_<limit>``, beside the buckets' refusals (in the background)."""
+        task = asyncio.ensure_future(self._count_refusal(tenant, limit))
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
+
+    async def _count_refusal(self, tenant: str, limit: str) -> None:
+        try:
+            await self._client.hincrby(self.keys.tenant(tenant), f"refused_{limit}", 1)
+            await self._client.sadd(self.keys.tenants, tenant)
+        except aioredis.RedisError as exc:
+            log.warning("tenant %s: a refusal not counted (redis: %r)", tenant, exc)
 
     def leave(self, tenant: str) -> None:
         """The request ended: its count goes (in the background; a request that ends does not wait for it)."""

@@ -192,6 +192,11 @@ class Tenants:
         log.info("API keys reloaded: %d keys", len(self.book.entries))
         return True
 
+    def refused(self, name: str, limit: str) -> None:
+        """A request of tenant ``name`` refused at the door by its ``limit``: counted in Redis once it is there."""
+        if self.slots is not None:
+            self.slots.refused(name, limit)
+
     def enter(self, tenant: Tenant) -> bool:
         """Count a request of ``tenant`` in progress; False (not counted) when it is at its ``max_concurrent``."""
         n = self.in_progress.get(tenant.name, 0)

@@ -139,8 +139,13 @@ async def test_tenants_lists_each_tenants_counters(aredis, sync_redis, keys, red
         await q.admit(mk("a2"), charge=Charge("team-a", requests_per_s=1, tokens=100))
     assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "tenants"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["tenant", "requests", "tokens", "refused", "rps", "refused", "tpm"]
-    assert lines[1].split() == ["team-a", "1", "100", "1", "0"]
+    assert lines[0].split() == ["tenant", "requests", "tokens"] + ["refused", "rps", "refused", "tpm"] + [
+        "refused", "conc", "refused", "prio"
+    ]  # fmt: skip
+    assert lines[1].split() == ["team-a", "1", "100", "1", "0", "0", "0"]
+    sync_redis.hset(keys.tenant("team-a"), mapping={"refused_max_concurrent": 2, "finish:1": "12.5"})
+    assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "tenants"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split() == ["team-a", "1", "100", "1", "0", "2", "0"]
 
 
 def _beat(sync_redis, keys, e, node, first, n=2):

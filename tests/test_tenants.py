@@ -173,12 +173,13 @@ def test_the_middleware_serves_as_the_keys_tenant_within_its_concurrency(tmp_pat
     assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
     assert "max_concurrent" in busy.json()["error"]["message"]
     assert metrics.tenant_rejected.labels("team-a", "max_concurrent")._value.get() == 1
+    assert metrics.rejected.labels("429", "rate_limit_exceeded")._value.get() == 1
     assert ts.in_progress == {"team-a": 1}, "the refused request left no count behind"
 
 
 @pytest.mark.slow
 def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_keys_on_sighup(
-    redis_server, keys, tiny_model, tmp_path
+    redis_server, sync_redis, keys, tiny_model, tmp_path
 ):
     f = key_file(tmp_path)
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -188,6 +189,10 @@ def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_
         a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
         high = httpx.post(f"{url}/v1/chat/completions", json=body, headers={**a, "X-Priority": "high"})
         assert high.status_code == 403 and high.json()["error"]["code"] == "priority_not_allowed"
+        deadline = time.monotonic() + 5  # (counted in Redis in the background)
+        while sync_redis.hget(keys.tenant("team-a"), "refused_max_priority") != b"1":
+            assert time.monotonic() < deadline, "the refusal is counted in the tenant's Redis counters"
+            time.sleep(0.05)
         assert httpx.post(
             f"{url}/v1/chat/completions", json=body, headers={**b, "X-Priority": "high"}
         ).is_success
