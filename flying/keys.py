@@ -102,7 +102,7 @@ class Keys:
         return f"{self.prefix}:req:{rid}"
 
     def worker(self, engine: int) -> str:
-        """STRING: engine's latest heartbeat (JSON), expiring about 1 s after the last beat."""
+        """STRING: engine's latest heartbeat (JSON), expiring 3 s (PX 3000) after the last beat."""
         return f"{self.prefix}:worker:{engine}"
 
     def ready(self, engine: int) -> str:

@@ -24,6 +24,7 @@ import enum
 import hashlib
 import hmac
 import logging
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,9 @@ class PriorityNotAllowed(APIError):
     code = "priority_not_allowed"
 
 
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -59,6 +63,8 @@ class Tenant:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a tenant needs a name")
+        if not _NAME.fullmatch(self.name):  # (it is part of Redis keys: flying:tenant:<name>:...)
+            raise ValueError(f"tenant name {self.name!r}: use letters, digits, '.', '_' and '-' only")
         if self.max_priority is not None and self.max_priority not in PRIORITY_CLASS:
             raise ValueError(f"tenant {self.name}: max_priority must be high, normal or low, got {self.max_priority!r}")  # fmt: skip
         for limit in ("requests_per_s", "tokens_per_min", "max_concurrent"):

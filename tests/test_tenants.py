@@ -78,6 +78,7 @@ def test_a_plain_list_file_still_works(tmp_path):
         ('[[tenant]]\nname = "x"\nkey = "k"\nrequests_per_s = 0\n', "requests_per_s must be > 0"),
         ('[[tenant]]\nname = "x"\nkey = "k"\nrate = 1\n', "unexpected keyword argument 'rate'"),
         ('over_priority = "drop"\n', "over_priority must be lower or refuse"),
+        ('[[tenant]]\nname = "a:inflight"\nkey = "k"\n', "use letters, digits"),
         ("[[tenant]\n", "keys.toml"),
     ],
 )
