@@ -6,7 +6,7 @@ answer is translated back: one ``Response`` object (:func:`response`), or the Re
 ``response.content_part.done``, ``response.output_item.done``, then ``response.completed``, or
 ``response.incomplete`` when ``max_output_tokens`` cut the answer short).
 
-Nothing is stored: ``store`` is accepted (and answered as not stored), ``previous_response_id`` and
+Nothing is stored: ``store`` is accepted and changes nothing, ``previous_response_id`` and
 ``conversation`` are refused, as are tools and non-text input. ``text.format`` maps to the chat's
 ``response_format`` (JSON mode, a JSON schema).
 """
