@@ -1,4 +1,4 @@
-"""``flying-demo``: the main job. Starts Redis, two CPU workers with the tiny model, the router and the gateway;
+"""``flying-demo``: the main job. Starts Redis, CPU workers (--engines) with the tiny model, the router and the gateway;
 sends a quiet phase of a few requests and then a short burst of mixed-priority streaming requests; prints a summary
 table of the burst, each phase's TTFT and how many of its requests ran in TP groups or in DP, and the mode track
 (when the engines bound and released, and why, from the router's decision log); stops everything it started."""
@@ -17,36 +17,66 @@ from pathlib import Path
 from devstack import mode_track
 from devstack.cluster import Cluster, ClusterConfig
 from devstack.redis_server import SentinelSet
-from flying import control
+from flying import cli, control, redis_conn
 from loadgen import metrics, report, runner
 from loadgen.arrivals import Arrivals
 from loadgen.workload import PromptMaker, Workload, plan
 from worker_ext.tinymodel import ensure
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="flying-demo", description=__doc__.splitlines()[0])
-    p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--requests", type=int, default=50, help="requests in the burst")
-    p.add_argument("--rate", type=float, default=8.0, help="the burst's requests per second (Poisson)")
+def parser() -> argparse.ArgumentParser:
+    p = cli.parser("flying-demo", " ".join(__doc__.split("\n\n")[0].replace("``", "").split()))
+    p.add_argument("--engines", type=cli.positive(int), default=2, help="CPU workers")
+    p.add_argument("--requests", type=cli.positive(int), default=50, help="requests in the burst")
     p.add_argument(
-        "--quiet-requests", type=int, default=6, help="requests in the quiet phase before it (0: none)"
+        "--rate", type=cli.positive(float), default=8.0, help="the burst's requests per second (Poisson)"
     )
     p.add_argument(
-        "--quiet-rate", type=float, default=0.5, help="the quiet phase's requests per second (Poisson)"
+        "--quiet-requests",
+        type=cli.non_negative(int),
+        default=6,
+        help="requests in the quiet phase before it (0: none)",
     )
-    p.add_argument("--workdir", type=Path, default=Path(".flying"))
+    p.add_argument(
+        "--quiet-rate",
+        type=cli.positive(float),
+        default=0.5,
+        help="the quiet phase's requests per second (Poisson)",
+    )
+    p.add_argument(
+        "--workdir", type=Path, default=Path(".flying"), help="the tiny model, logs and the summary"
+    )
     p.add_argument(
         "--redis-url",
         default=None,
-        help="use this Redis (redis://, or redis+sentinel://host:port,.../master/db) instead of starting one",
+        help="use this Redis (redis://, or redis+sentinel://host:port,.../master/db) instead of starting one "
+        "(default: start one)",
     )
     p.add_argument(
         "--sentinel",
         action="store_true",
         help="start a Redis primary, a replica and three Sentinels (instead of one redis-server) and use them",
     )
+    return p
+
+
+def workloads(a: argparse.Namespace) -> tuple[Workload | None, Workload]:
+    """The quiet phase's workload (None: no quiet phase) and the burst's; ValueError when they cannot be made."""
+    quiet = None
+    if a.quiet_requests:
+        quiet = Workload(num_requests=a.quiet_requests, arrivals=Arrivals("poisson", a.quiet_rate), seed=1)
+    return quiet, Workload(num_requests=a.requests, arrivals=Arrivals("poisson", a.rate))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
     a = p.parse_args(argv)
+    try:  # everything checked before anything starts: the cluster takes most of a minute to come up
+        quiet, burst = workloads(a)
+        if a.redis_url:
+            redis_conn.parse(a.redis_url)
+    except ValueError as exc:
+        p.error(str(exc))
 
     t0 = time.monotonic()
 
@@ -79,16 +109,12 @@ def main(argv: list[str] | None = None) -> None:
         say(f"cluster up: gateway {cluster.config.gateway_url}, redis {cluster.redis_url}")
         r = cluster.client()
         phases = []
-        if a.quiet_requests:
+        if quiet is not None:
             wait_bound(cluster, say)
             say(f"quiet phase: {a.quiet_requests} streaming requests at {a.quiet_rate:g} req/s")
-            quiet = Workload(
-                num_requests=a.quiet_requests, arrivals=Arrivals("poisson", a.quiet_rate), seed=1
-            )
             phases.append(send(cluster, model, "quiet", quiet, a.quiet_rate))
         epochs_before = int(r.get(cluster.keys.epoch) or 0)
         say(f"sending {a.requests} streaming requests at {a.rate:g} req/s (high 20%, normal 60%, low 20%)")
-        burst = Workload(num_requests=a.requests, arrivals=Arrivals("poisson", a.rate))
         phases.append(send(cluster, model, "burst", burst, a.rate))
         summary = metrics.summarize(phases[-1].records, phases[-1].duration)
         print(report.table(summary))

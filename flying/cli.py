@@ -47,6 +47,22 @@ def non_negative(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An ``argparse`` type: an int or float above 0."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            least = "at least 1" if kind is int else "above 0"
+            raise argparse.ArgumentTypeError(f"must be {least}, got {value}")
+        return value
+
+    return parse
+
+
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
 

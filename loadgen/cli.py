@@ -20,12 +20,17 @@ from typing import TypeVar
 
 import httpx
 
+from flying import cli
+from flying.cli import HelpFormatter, non_negative
 from loadgen import metrics, plots, report, results, runner
 from loadgen.arrivals import Arrivals
-from loadgen.trace import parse_columns, read_trace
+from loadgen.trace import PRIORITIES, parse_columns, read_trace
 from loadgen.workload import Lengths, PromptMaker, Sessions, Workload, parse_mix, plan
 
 T = TypeVar("T")
+
+API_KEY_ENV = "OPENAI_API_KEY"  # as the openai client reads it
+DESCRIPTION = " ".join(__doc__.split("\n\n")[0].replace("``", "").split())
 
 
 def _words(parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -66,62 +71,81 @@ def _slo(spec: str) -> dict[str, float]:
 
 def _priority_slo(spec: str) -> tuple[str, dict[str, float]]:
     priority, sep, rest = spec.partition(":")
-    if not sep or priority not in ("high", "normal", "low"):
+    if not sep or priority not in PRIORITIES:
         raise argparse.ArgumentTypeError(f"bad priority SLO {spec!r}; e.g. high:ttft=5000 (ms)")
     return priority, _slo(rest)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loadgen", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="loadgen", description=DESCRIPTION, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    r = sub.add_parser("run", help="run a workload against an endpoint")
+    r = sub.add_parser(
+        "run",
+        help="run a workload against an endpoint",
+        description="Run a workload against an OpenAI-style endpoint and report serving metrics.",
+        formatter_class=HelpFormatter,
+    )
     r.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (without /v1)")
     r.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
-    r.add_argument("--api", choices=("chat", "completions"), default="chat")
-    r.add_argument("-n", "--num-requests", type=int, default=100)
+    r.add_argument(
+        "--api-key",
+        default=None,
+        help=f"sent as Authorization: Bearer KEY, for a gateway with --api-key-file (default: env {API_KEY_ENV}, "
+        "else none)",
+    )
+    r.add_argument("--api", choices=("chat", "completions"), default="chat", help="which endpoint")
+    r.add_argument("-n", "--num-requests", type=cli.positive(int), default=100, help="requests (or sessions)")
     a = r.add_argument_group("arrivals")
-    a.add_argument("--arrival", choices=("constant", "poisson", "gamma", "two-level"), default="poisson")
+    a.add_argument(
+        "--arrival", choices=("constant", "poisson", "gamma", "two-level"), default="poisson", help="process"
+    )
     a.add_argument("--rate", type=float, default=10.0, help="req/s; inf sends all at once")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
+    a.add_argument("--low-rate", type=_range, default="2:5", help="two-level low phase rate range (req/s)")
     a.add_argument(
-        "--low-rate", type=_range, default=(2.0, 5.0), help="two-level low phase rate range, e.g. 2:5"
-    )
-    a.add_argument(
-        "--burst-rate", type=_range, default=(10.0, 30.0), help="two-level burst rate range, e.g. 10:30"
+        "--burst-rate", type=_range, default="10:30", help="two-level burst phase rate range (req/s)"
     )
     a.add_argument("--low-duration", type=float, default=30.0, help="two-level low phase length (s)")
     a.add_argument("--burst-duration", type=float, default=10.0, help="two-level burst phase length (s)")
     a.add_argument(
-        "--trace", type=Path, default=None, help="CSV trace to replay (overrides arrivals and lengths)"
+        "--trace",
+        type=Path,
+        default=None,
+        help="CSV trace to replay, overriding arrivals and lengths (default: none)",
     )
     a.add_argument(
         "--trace-columns",
         default="native",
         help="native | burstgpt | azure | timestamp=COL,input_tokens=COL,...",
     )
-    a.add_argument("--trace-time-unit", choices=("s", "ms"), default="s")
+    a.add_argument("--trace-time-unit", choices=("s", "ms"), default="s", help="the trace's timestamps' unit")
     a.add_argument("--trace-speed", type=float, default=1.0, help="replay speed-up factor")
     m = r.add_argument_group("request mix")
     m.add_argument(
         "--input-tokens",
         type=_words(Lengths.parse),
-        default=Lengths.parse("32:256"),
-        help="e.g. 128, 64:256, normal:200:50",
+        default="32:256",
+        help="prompt tokens, e.g. 128, 64:256, normal:200:50",
     )
-    m.add_argument("--output-tokens", type=_words(Lengths.parse), default=Lengths.parse("32:128"))
+    m.add_argument("--output-tokens", type=_words(Lengths.parse), default="32:128", help="output tokens")
     m.add_argument(
-        "--priority-mix", type=_words(parse_mix), default={"normal": 1.0}, help="e.g. high=0.2,normal=0.8"
+        "--priority-mix",
+        type=_words(parse_mix),
+        default="normal=1",
+        help=f"shares of the classes {', '.join(PRIORITIES)}, e.g. high=0.2,normal=0.8",
     )
     m.add_argument("--long-share", type=float, default=0.0, help="share of long-context requests")
-    m.add_argument("--long-input-tokens", type=_words(Lengths.parse), default=Lengths.parse("2048:4096"))
+    m.add_argument(
+        "--long-input-tokens", type=_words(Lengths.parse), default="2048:4096", help="their prompt tokens"
+    )
     m.add_argument(
         "--tokenizer",
         type=Path,
         default=None,
-        help="model folder with tokenizer.json, for exact prompt lengths",
+        help="model folder with tokenizer.json, for exact prompt lengths (default: a word per token)",
     )
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     s = r.add_argument_group(
         "sessions",
         "shared-prefix, multi-turn sessions: each of the -n arrivals starts a session that asks --turns "
@@ -136,16 +160,25 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--system-prompt-words", type=int, default=1500, help="words in each system prompt")
     s.add_argument("--turns", type=int, default=1, help="questions per session")
     c = r.add_argument_group("client")
-    c.add_argument("--max-concurrency", type=int, default=None)
-    c.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
-    c.add_argument("--warmup", type=int, default=0, help="requests sent first, one at a time, not counted")
+    c.add_argument(
+        "--max-concurrency",
+        type=cli.positive(int),
+        default=None,
+        help="requests in flight at most, 1 or more (default: no limit)",
+    )
+    c.add_argument("--timeout", type=cli.positive(float), default=300.0, help="per-request timeout (s)")
+    c.add_argument(
+        "--warmup", type=non_negative(int), default=0, help="requests sent first, one at a time, not counted"
+    )
     c.add_argument(
         "--no-continuous-usage",
         action="store_true",
         help="for servers that reject stream_options.continuous_usage_stats",
     )
     c.add_argument("--respect-eos", action="store_true", help="do not send ignore_eos")
-    c.add_argument("--slo", type=_slo, default=None, help="goodput SLOs in ms, e.g. ttft=200,tpot=50")
+    c.add_argument(
+        "--slo", type=_slo, default=None, help="goodput SLOs in ms, e.g. ttft=200,tpot=50 (default: none)"
+    )
     c.add_argument(
         "--priority-slo",
         type=_priority_slo,
@@ -154,24 +187,41 @@ def _parser() -> argparse.ArgumentParser:
         help="one priority's goodput SLOs in ms, instead of --slo's (repeat), e.g. high:ttft=5000",
     )
     o = r.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=None, help="write OUT.json, OUT.csv and OUT.png")
-    o.add_argument("--label", default=None, help="name of this run in comparisons")
-    o.add_argument("--bucket", type=float, default=1.0, help="time-series bucket (s)")
+    o.add_argument(
+        "--out", type=Path, default=None, help="write OUT.json, OUT.csv and OUT.png (default: print only)"
+    )
+    o.add_argument("--label", default=None, help="name of this run in comparisons (default: OUT's name)")
+    o.add_argument("--bucket", type=cli.positive(float), default=1.0, help="time-series bucket (s)")
     o.add_argument("--quiet", action="store_true", help="no progress line")
 
-    cmp_ = sub.add_parser("compare", help="put result files side by side")
-    cmp_.add_argument("files", nargs="+", type=Path)
-    cmp_.add_argument("--plot", type=Path, default=None, help="overlay their time series in one PNG")
+    cmp_ = sub.add_parser(
+        "compare",
+        help="put result files side by side",
+        description="Put the .json files of loadgen run --out side by side.",
+        formatter_class=HelpFormatter,
+    )
+    cmp_.add_argument("files", nargs="+", type=Path, help="result files (.json) of loadgen run --out")
+    cmp_.add_argument(
+        "--plot", type=Path, default=None, help="overlay their time series in one PNG (default: none)"
+    )
     return p
 
 
-def discover_model(url: str) -> str:
+def discover_model(url: str, api_key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10)
+        resp = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10)
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise SystemExit(f"loadgen: cannot list models at {url}/v1/models ({exc}); pass --model") from None
+        why = "; pass --api-key or set " + API_KEY_ENV if _status(exc) == 401 else ""
+        raise SystemExit(
+            f"loadgen: cannot list models at {url}/v1/models ({exc}{why}); pass --model"
+        ) from None
+
+
+def _status(exc: Exception) -> int | None:
+    return exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
 
 
 def sessions(a: argparse.Namespace) -> Sessions | None:
@@ -180,16 +230,30 @@ def sessions(a: argparse.Namespace) -> Sessions | None:
     return Sessions(a.system_prompts, a.system_prompt_words, a.turns)
 
 
+def _check_out(out: Path) -> None:
+    """Before the run, not after it: its results would be lost."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"loadgen: --out {out}: cannot write there ({exc.strerror})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise SystemExit(f"loadgen: --out {out}: cannot write there (no permission)")
+
+
+def _argv_shown(argv: list[str]) -> list[str]:
+    """The command line as a result file keeps it: an API key given on it is left out."""
+    out, hide = [], False
+    for arg in argv:
+        out.append("***" if hide else "--api-key=***" if arg.startswith("--api-key=") else arg)
+        hide = arg == "--api-key"
+    return out
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     if a.tokenizer is not None and not (Path(a.tokenizer) / "tokenizer.json").is_file():
         raise SystemExit(f"loadgen: --tokenizer {a.tokenizer}: no tokenizer.json there (a model directory)")
-    if a.out is not None:  # before the run, not after it: its results would be lost
-        try:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SystemExit(f"loadgen: --out {a.out}: cannot write there ({exc.strerror})") from None
-        if not os.access(a.out.parent, os.W_OK):
-            raise SystemExit(f"loadgen: --out {a.out}: cannot write there (no permission)")
+    if a.out is not None:
+        _check_out(a.out)
     arrivals = Arrivals(
         a.arrival, a.rate, a.burstiness, a.low_rate, a.burst_rate, a.low_duration, a.burst_duration
     )
@@ -210,15 +274,17 @@ def cmd_run(a: argparse.Namespace) -> int:
             a.trace, parse_columns(a.trace_columns), a.trace_time_unit, a.trace_speed, a.num_requests
         )
     requests = plan(workload, PromptMaker(a.tokenizer), trace)
+    api_key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
     cfg = runner.RunConfig(
         base_url=a.url.rstrip("/"),
-        model=a.model or discover_model(a.url),
+        model=a.model or discover_model(a.url, api_key),
         api=a.api,
         timeout_s=a.timeout,
         max_concurrency=a.max_concurrency,
         warmup=a.warmup,
         continuous_usage=not a.no_continuous_usage,
         ignore_eos=not a.respect_eos,
+        api_key=api_key,
     )
     span = requests[-1].at
     print(
@@ -227,22 +293,40 @@ def cmd_run(a: argparse.Namespace) -> int:
     )
     progress = report.Progress(len(requests), enabled=not a.quiet)
     records, duration = _run_loop(runner.run(cfg, requests, on_done=progress))
-    summary = metrics.summarize(records, duration, a.slo, dict(a.priority_slo))
+    config = {
+        "label": a.label or (a.out.stem if a.out else None),
+        "run": {**asdict(cfg), "api_key": "***" if api_key else None},
+        "workload": {**asdict(workload), "trace": str(a.trace) if a.trace else None},
+        "argv": _argv_shown(sys.argv[1:]),
+    }
+    summary = _report(a, config, records, duration)
+    return 0 if summary["completed"] else 1
+
+
+def _report(
+    a: argparse.Namespace, config: dict, records: list[metrics.RequestRecord], duration: float
+) -> dict:
+    """The run's summary printed, and with --out its files: the records are written first, whatever fails after
+    them (a summary or series that cannot be made is null in the .json; a plot that cannot be drawn is left out)."""
+    summary = series = None
+    try:
+        summary = metrics.summarize(records, duration, a.slo, dict(a.priority_slo))
+        series = metrics.timeseries(records, a.bucket) if a.out else None
+    finally:
+        written = results.write(a.out, config, summary, series, records) if a.out else None
     print(report.table(summary))
     for line in report.failures(records):
         print("  " + line)
-    if a.out:
-        series = metrics.timeseries(records, a.bucket)
-        config = {
-            "label": a.label or a.out.stem,
-            "run": asdict(cfg),
-            "workload": {**asdict(workload), "trace": str(a.trace) if a.trace else None},
-            "argv": sys.argv[1:],
-        }
-        js, csv_path = results.write(a.out, config, summary, series, records)
-        png = plots.timeline({config["label"]: series}, a.out.with_suffix(".png"))
-        print(f"wrote {js}, {csv_path}, {png}")
-    return 0 if summary["completed"] else 1
+    if written:
+        print(f"wrote {written[0]}, {written[1]}")
+        png = a.out.with_suffix(".png")
+        try:
+            plots.timeline({config["label"]: series}, png)
+        except Exception as exc:  # a plot is not worth the run, whose results are written
+            print(f"loadgen: {png} not drawn ({exc!r}); the results are in {written[0]}", file=sys.stderr)
+        else:
+            print(f"wrote {png}")
+    return summary
 
 
 def _run_loop(coro):

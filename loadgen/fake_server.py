@@ -4,7 +4,8 @@ client it serves. Each request streams ``max_tokens`` tokens (one per chunk, usa
 ``itl_ms`` apart, after ``ttft_ms``; ``/v1/models`` lists one model; ``/health`` answers 200; ``/abort_request`` (SGLang's, by ``rid``)
 ends a running stream with ``finish_reason`` "abort". A word of the prompt (of every message's content, for chat)
 stands for a token; usage reports ``prompt_tokens_details.cached_tokens`` from a prefix cache of the prompts and
-outputs it has seen, in blocks of ``BLOCK`` words.
+outputs it has seen, in blocks of ``BLOCK`` words. With ``--api-key`` every ``/v1/*`` request needs
+``Authorization: Bearer <key>`` (else 401, as the gateway's ``--api-key-file`` does).
 
     python -m loadgen.fake_server --port 9000 --ttft-ms 5 --itl-ms 2
 """
@@ -70,9 +71,10 @@ def prompt_words(req: dict) -> list[str]:
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, ttft_ms: float, itl_ms: float, state: EngineState) -> None:
+    def __init__(self, ttft_ms: float, itl_ms: float, state: EngineState, api_key: str | None = None) -> None:
         self.ttft, self.itl = ttft_ms / 1000, itl_ms / 1000
         self.state = state
+        self.auth = f"Bearer {api_key}".encode() if api_key else None
         self.buf = b""
         self.transport: asyncio.Transport | None = None
 
@@ -85,20 +87,27 @@ class _Conn(asyncio.Protocol):
             head, sep, rest = self.buf.partition(b"\r\n\r\n")
             if not sep:
                 return
-            length = 0
+            length, auth = 0, b""
             for line in head.split(b"\r\n")[1:]:
                 k, _, v = line.partition(b":")
                 if k.strip().lower() == b"content-length":
                     length = int(v)
+                elif k.strip().lower() == b"authorization":
+                    auth = v.strip()
             if len(rest) < length:
                 return
             body, self.buf = rest[:length], rest[length:]
             request_line = head.split(b"\r\n", 1)[0].split()
-            asyncio.ensure_future(self.respond(request_line[0], request_line[1], body))
+            asyncio.ensure_future(self.respond(request_line[0], request_line[1], body, auth))
 
-    async def respond(self, method: bytes, path: bytes, body: bytes) -> None:
+    async def respond(self, method: bytes, path: bytes, body: bytes, auth: bytes = b"") -> None:
         t = self.transport
         assert t is not None
+        if self.auth is not None and path.startswith(b"/v1/") and auth != self.auth:
+            doc = b'{"error": {"message": "invalid API key", "code": "invalid_api_key"}}'
+            t.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(doc), doc))  # fmt: skip
+            return
         if path == b"/v1/models":
             doc = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
             t.write(
@@ -205,22 +214,27 @@ async def serve(
     itl_ms: float = 0.0,
     host: str = "127.0.0.1",
     state: EngineState | None = None,
+    api_key: str | None = None,
 ) -> asyncio.Server:
     loop = asyncio.get_running_loop()
     state = state or EngineState()
-    return await loop.create_server(lambda: _Conn(ttft_ms, itl_ms, state), host, port, backlog=4096)
+    return await loop.create_server(lambda: _Conn(ttft_ms, itl_ms, state, api_key), host, port, backlog=4096)
 
 
-def start_process(log: Path, ttft_ms: float = 0.0, itl_ms: float = 0.0) -> tuple[subprocess.Popen, str]:
+def start_process(
+    log: Path, ttft_ms: float = 0.0, itl_ms: float = 0.0, api_key: str | None = None
+) -> tuple[subprocess.Popen, str]:
     """Run the endpoint in its own process (so it does not share the client's event loop or GIL); return the
     process and its base URL once it answers."""
     from flying.procs import free_port, spawn, wait_healthy
 
     port = free_port()
     cmd = [sys.executable, "-m", "loadgen.fake_server", "--port", str(port), "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)]  # fmt: skip
+    if api_key:
+        cmd += ["--api-key", api_key]
     proc = spawn(cmd, log)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, 30, path="/v1/models")
+    wait_healthy(proc, url, 30, path="/health")
     return proc, url
 
 
@@ -229,10 +243,11 @@ def main() -> None:
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--ttft-ms", type=float, default=0.0)
     p.add_argument("--itl-ms", type=float, default=0.0)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <this> on /v1/*")
     a = p.parse_args()
 
     async def forever() -> None:
-        server = await serve(a.port, a.ttft_ms, a.itl_ms)
+        server = await serve(a.port, a.ttft_ms, a.itl_ms, api_key=a.api_key)
         print(f"fake OpenAI endpoint on http://127.0.0.1:{a.port}", flush=True)
         async with server:
             await server.serve_forever()

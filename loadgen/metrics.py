@@ -103,11 +103,25 @@ def token_times(rec: RequestRecord) -> list[float]:
 
 
 def peak_output_throughput(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> float:
-    times = [x for r in records if r.ok for x in token_times(r)]
-    if not times:
+    """Output tokens/s in the busiest ``bucket_s`` bucket of the run clock, [k*bucket_s, (k+1)*bucket_s).
+
+    The last bucket is cut short by the last token (at T): its tokens are divided by its real span, from
+    k*bucket_s to T; a span shorter than half a bucket is counted together with the bucket before it (one
+    sliver's few tokens over a millisecond would be no peak), and a run shorter than one bucket gives its own
+    rate, tokens over [0, T]. The spans so partition [0, T], so the peak is never below the mean rate over it (nor
+    below the run's output throughput, over a duration of at least T)."""
+    times = np.asarray([x for r in records if r.ok for x in token_times(r)], dtype=float)
+    if not len(times):
         return 0.0
-    buckets = np.floor(np.asarray(times) / bucket_s).astype(int)
-    return float(np.bincount(buckets - buckets.min()).max() / bucket_s)
+    counts = np.bincount(np.floor(times / bucket_s).astype(int))
+    last, end = len(counts) - 1, float(times.max())
+    whole = counts[:last].max(initial=0) / bucket_s  # the buckets that end before the last token
+    tail = end - last * bucket_s
+    if last and tail < bucket_s / 2:  # a sliver: count it with the bucket before it
+        last, tail = last - 1, tail + bucket_s
+    if tail <= 0:  # every token at 0
+        return float(counts.sum() / bucket_s)
+    return float(max(whole, counts[last:].sum() / tail))
 
 
 def concurrency_series(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[float]:

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -32,6 +32,24 @@ class RunConfig:
     continuous_usage: bool = True  # ask for usage in every chunk (SGLang, vLLM) for per-token ITL
     ignore_eos: bool = True  # generate exactly max_tokens (SGLang/vLLM extension)
     lag_warn_ms: float = 50.0
+    api_key: str | None = field(default=None, repr=False)  # sent as Authorization: Bearer <key>
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"the per-request timeout must be positive, got {self.timeout_s:g} s")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(
+                f"the concurrency cap must be at least 1 (None: no cap), got {self.max_concurrency}"
+            )
+        if self.warmup < 0:
+            raise ValueError(f"warm-up requests cannot be negative, got {self.warmup}")
+
+    def headers(self, priority: str) -> dict[str, str]:
+        """A request's headers: its priority class, and the API key if there is one."""
+        out = {"X-Priority": priority}
+        if self.api_key:
+            out["Authorization"] = f"Bearer {self.api_key}"
+        return out
 
 
 def payload(req: PlannedRequest, cfg: RunConfig, history: Sequence[tuple[str, str]] = ()) -> dict:
@@ -77,7 +95,7 @@ async def run(
             history: Sequence[tuple[str, str]] = (),
             answer: list[str] | None = None,
         ) -> None:
-            body, headers = payload(req, cfg, history), {"X-Priority": req.priority}
+            body, headers = payload(req, cfg, history), cfg.headers(req.priority)
             if gate:
                 async with gate:
                     await send(client, path, body, headers, rec, t0, cfg.timeout_s, answer)
@@ -111,7 +129,7 @@ async def run(
                 client,
                 path,
                 payload(req, cfg),
-                {"X-Priority": req.priority},
+                cfg.headers(req.priority),
                 rec,
                 time.perf_counter(),
                 cfg.timeout_s,

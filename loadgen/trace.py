@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
+PRIORITIES = ("high", "normal", "low")  # the gateway's X-Priority classes (flying.messages.Priority)
+
 
 @dataclass(frozen=True)
 class TraceColumns:
@@ -62,6 +64,23 @@ def _seconds(value: str, time_unit: str) -> float:
     return x / 1000.0 if time_unit == "ms" else x
 
 
+def _tokens(value: str, column: str) -> int:
+    """A token count of at least 1 (a zero-length response still asks for one token); ValueError when negative."""
+    n = int(float(value))
+    if n < 0:
+        raise ValueError(f"{column} is {n}: a token count cannot be negative")
+    return max(1, n)
+
+
+def _priority(value: str | None) -> str | None:
+    """A priority class, or None where the cell is empty (the workload's mix decides)."""
+    if not value:
+        return None
+    if value not in PRIORITIES:
+        raise ValueError(f"unknown priority {value!r} (the classes are {', '.join(PRIORITIES)})")
+    return value
+
+
 def read_trace(
     path: str | Path,
     columns: TraceColumns = TraceColumns(),
@@ -80,18 +99,18 @@ def read_trace(
         missing = [c for c in need if c not in (reader.fieldnames or [])]
         if missing:
             raise ValueError(f"{path}: missing column(s) {missing}; found {reader.fieldnames}")
-        has_priority = columns.priority is not None and columns.priority in (reader.fieldnames or [])
+        prio = columns.priority if columns.priority in (reader.fieldnames or []) else None
         for line, rec in enumerate(reader, start=2):
             try:
                 rows.append(
                     TraceRow(
                         at=_seconds(rec[columns.timestamp], time_unit),
-                        input_tokens=max(1, int(float(rec[columns.input_tokens]))),
-                        output_tokens=max(1, int(float(rec[columns.output_tokens]))),
-                        priority=(rec[columns.priority] or None) if has_priority else None,
+                        input_tokens=_tokens(rec[columns.input_tokens], columns.input_tokens),
+                        output_tokens=_tokens(rec[columns.output_tokens], columns.output_tokens),
+                        priority=_priority(rec[prio]) if prio else None,
                     )
                 )
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise ValueError(f"{path}:{line}: {exc}") from None
     if not rows:
         raise ValueError(f"{path}: no rows")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from loadgen.arrivals import Arrivals
-from loadgen.trace import TraceRow
+from loadgen.trace import PRIORITIES, TraceRow
 
 _TEXT = (
     "the engine serves requests in data parallel mode and binds into tensor parallel groups when latency "
@@ -123,6 +123,10 @@ class Workload:
     def __post_init__(self) -> None:
         if self.num_requests < 1:
             raise ValueError("need at least one request")
+        if unknown := [p for p in self.priority_mix if p not in PRIORITIES]:
+            raise ValueError(
+                f"unknown priority class {unknown[0]!r} (the classes are {', '.join(PRIORITIES)})"
+            )
         if not self.priority_mix or abs(sum(self.priority_mix.values()) - 1) > 1e-6:
             raise ValueError("priority shares must sum to 1")
         if not 0 <= self.long_share <= 1:
@@ -130,16 +134,22 @@ class Workload:
 
 
 def parse_mix(spec: str) -> dict[str, float]:
-    """``high=0.2,normal=0.8``: classes not named get no requests; the shares must sum to 1."""
+    """``high=0.2,normal=0.8``: shares of the classes high, normal and low (those not named get no requests); the
+    shares must sum to 1 (checked by :class:`Workload`)."""
     mix: dict[str, float] = {}
     for part in spec.split(","):
         name, sep, share = part.partition("=")
+        name = name.strip()
         try:
-            mix[name.strip()] = float(share)
+            mix[name] = float(share)
         except ValueError:
             raise ValueError(f"bad priority mix {spec!r}; e.g. high=0.2,normal=0.8") from None
-        if not sep or mix[name.strip()] < 0:
+        if not sep or not 0 <= mix[name] <= 1:
             raise ValueError(f"bad priority mix {spec!r}; e.g. high=0.2,normal=0.8")
+        if name not in PRIORITIES:
+            raise ValueError(
+                f"bad priority mix {spec!r}: unknown class {name!r} (the classes are {', '.join(PRIORITIES)})"
+            )
     return mix
 
 

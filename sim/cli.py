@@ -23,11 +23,14 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import os
 import time
 import typing
 from pathlib import Path
 
+from flying import cli
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
+from loadgen.results import finite
 from loadgen.trace import PRESETS, read_trace
 from router.policy import PolicyConfig
 from sim.config import Mode, SimConfig
@@ -122,19 +125,41 @@ def table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(a: float, b: float) -> float:
+    """a / b, NaN where either is not measured (NaN) or b is 0."""
+    return a / b if b and not (math.isnan(a) or math.isnan(b)) else math.nan
+
+
 def targets(s: dict[str, dict]) -> list[tuple[str, float, float, bool]]:
-    """(what, ratio, bound, met) for the simulation targets (issues 4 and 12)."""
+    """(what, ratio, bound, met) for the simulation targets (issues 4 and 12); a ratio is NaN (and not met)
+    where the workload has no requests to measure it on (see :data:`UNMEASURED`)."""
     d, dp, tp = s["dynamic"], s["dp"], s["tp"]
-    burst = d["ttft_p90_burst_ms"] / dp["ttft_p90_burst_ms"]
-    low = d["ttft_p90_low_ms"] / tp["ttft_p90_low_ms"]
-    flat = d["ttft_mean_flat_ms"] / tp["ttft_mean_flat_ms"]
-    peak = d["peak_tokens_per_s"] / dp["peak_tokens_per_s"]
+    burst = _ratio(d["ttft_p90_burst_ms"], dp["ttft_p90_burst_ms"])
+    low = _ratio(d["ttft_p90_low_ms"], tp["ttft_p90_low_ms"])
+    flat = _ratio(d["ttft_mean_flat_ms"], tp["ttft_mean_flat_ms"])
+    peak = _ratio(d["peak_tokens_per_s"], dp["peak_tokens_per_s"])
     return [
         ("dynamic / static DP, P90 TTFT at burst", burst, 1.10, burst <= 1.10),
         ("dynamic / static TP, P90 TTFT at low load", low, 1.10, low <= 1.10),
         ("dynamic / static TP, mean TTFT in flat periods", flat, 1.05, flat <= 1.05),
         ("dynamic / static DP, peak throughput", peak, 0.95, peak >= 0.95),
     ]
+
+
+UNMEASURED = {  # why a target's ratio is NaN, by target
+    "dynamic / static DP, P90 TTFT at burst": "no requests in bursts",
+    "dynamic / static TP, P90 TTFT at low load": "no requests at low load",
+    "dynamic / static TP, mean TTFT in flat periods": "no requests in flat periods",
+    "dynamic / static DP, peak throughput": "no tokens served",
+}
+
+
+def target_line(what: str, ratio: float, bound: float, met: bool) -> str:
+    if math.isnan(ratio):
+        return f"- {what}: {UNMEASURED[what]}: not measured"
+    return (
+        f"- {what}: {ratio:.3f} (target {'<=' if bound > 1 else '>='} {bound}): {'met' if met else 'NOT met'}"
+    )
 
 
 # metrics compared against the best other system on a trace or preset (higher is better only for throughput)
@@ -252,9 +277,36 @@ def policy_overrides(items: list[str]) -> dict:
     return out
 
 
+DESCRIPTION = (
+    "Replay a workload (the paper's, a synthetic one shaped like a public trace, or a CSV trace) through static "
+    "DP, static TP, Shift Parallelism and dynamic binding in the simulator; write the paper-style table "
+    "(table.md), a JSON summary and a timeline (timeline.png) under --out."
+)
+
+
+def tp_width_problem(width: int, engines: int) -> str | None:
+    """Why static TP cannot split ``engines`` per node into groups of ``width`` (None: it can)."""
+    if width <= engines and engines % width == 0:
+        return None
+    fits = ", ".join(str(w) for w in range(1, engines + 1) if engines % w == 0)
+    return (f"--tp-width {width} does not split the {engines} engines per node into whole groups (static TP "
+            f"would leave engines in DP); choose one of {fits}")  # fmt: skip
+
+
+def out_problem(out: Path) -> str | None:
+    """Why the results cannot be written under ``out`` (None: they can); made now, not after the run."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot make the folder ({e.strerror})"
+    if not os.access(out, os.W_OK):
+        return "cannot write there (no permission)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     d = SimConfig()
-    p = argparse.ArgumentParser(prog="flying-sim", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="flying-sim", description=DESCRIPTION)
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--engines", type=int, default=d.engines, help="engines per node")
     p.add_argument(
@@ -339,10 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         help="FROM-TO or a list (0-19, 1,4,7): run --modes on each seed's paper workload and print, per target, "
         "how many seeds meet it, the mean and the worst ratio (needs dp, shift and dynamic)",
     )
-    p.add_argument("--jobs", type=int, default=1, help="--seeds: seeds simulated at once (processes)")
+    p.add_argument(
+        "--jobs", type=cli.positive(int), default=1, help="--seeds: seeds simulated at once (processes)"
+    )
     prefix_arguments(p)
-    p.add_argument("--out", type=Path, default=Path("sim-out"))
-    p.add_argument("--dpi", type=int, default=100, help="timeline.png's resolution")
+    p.add_argument(
+        "--out", type=Path, default=Path("sim-out"), help="folder for table.md, summary.json, timeline.png"
+    )
+    p.add_argument("--dpi", type=cli.positive(int), default=100, help="timeline.png's resolution")
     a = p.parse_args(argv)
     if unknown := [m or "''" for m in a.modes.split(",") if m not in MODES]:
         p.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
@@ -352,8 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("high_share", "long_share"):
         if not 0 <= getattr(a, name) <= 1:
             p.error(f"--{name.replace('_', '-')} is a share, 0 to 1, got {getattr(a, name)}")
+    if "tp" in a.modes.split(",") and (why := tp_width_problem(a.tp_width, a.engines)):
+        p.error(why)
     if a.trace and not Path(a.trace).is_file():
         p.error(f"--trace: no such file: {a.trace}")
+    if why := out_problem(a.out):
+        p.error(f"--out {a.out}: {why}")
     try:
         span(a.input), span(a.output, "--output")
         if a.seeds:
@@ -369,7 +429,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--nodes runs the paper workload (or a trace), not --workload shared-prefix")
         return prefix_main(a, d)
     if a.trace:
-        rows = read_trace(a.trace, PRESETS[TRACE_COLUMNS.get(a.preset, a.preset)], limit=a.requests)
+        try:
+            rows = read_trace(a.trace, PRESETS[TRACE_COLUMNS.get(a.preset, a.preset)], limit=a.requests)
+        except (OSError, ValueError) as e:
+            p.error(f"--trace: {e}")
         reqs = [SimRequest(r.at, r.priority or "normal", r.input_tokens, r.output_tokens) for r in rows]
         phase = rate_phase([r.at for r in reqs])
         flat = lambda t: False  # noqa: E731
@@ -416,9 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     if (a.trace or a.preset in SYNTHETIC) and "dynamic" in summary and len(summary) > 1:
         report += versus_best(summary)
     elif {"dp", "tp", "dynamic"} <= set(summary):
-        for what, ratio, bound, met in targets(summary):
-            report.append(f"- {what}: {ratio:.3f} (target {'<=' if bound > 1 else '>='} {bound}): "
-                          f"{'met' if met else 'NOT met'}")  # fmt: skip
+        report += [target_line(*t) for t in targets(summary)]
     if "dynamic" in summary:
         report += ["", f"KV transformation in the dynamic run ({'on' if a.kv_transform else 'off'}):", *moves]
     if "shift" in sims:
@@ -430,13 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(report)
     print(text)
     (a.out / "table.md").write_text(text + "\n")
-    (a.out / "summary.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "summary": summary},
-                                                   indent=1, default=float))  # fmt: skip
+    write_json(a.out / "summary.json", {"args": vars(a) | {"out": str(a.out)}, "summary": summary})
     t_end = max((s["t"][-1] + BUCKET_S for s in series.values() if s["t"]), default=0.0)
     bursts = [] if a.trace or a.preset in SYNTHETIC else burst_spans(a.low_s, a.burst_s, t_end)
     where = f"{a.nodes} nodes of {a.engines} engines" if a.nodes > 1 else f"{a.engines} engines"
     picture(sims, series, bursts, a.out / "timeline.png", f"simulated, {where}", a.dpi)
     return 0
+
+
+def write_json(path: Path, doc: dict) -> None:
+    """``doc`` as strict JSON: a metric not measured (NaN) is null."""
+    path.write_text(json.dumps(finite(doc), indent=1, default=float))
 
 
 def workload_args(a: argparse.Namespace) -> dict:
@@ -483,9 +548,8 @@ def seeds_main(a: argparse.Namespace, base: SimConfig) -> int:
     )
     print(text)
     (a.out / "seeds.md").write_text(text + "\n")
-    (a.out / "seeds.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
-                                                 "summaries": {str(s): v for s, v in summaries.items()}},
-                                                indent=1, default=float))  # fmt: skip
+    write_json(a.out / "seeds.json", {"args": vars(a) | {"out": str(a.out)},
+                                      "summaries": {str(s): v for s, v in summaries.items()}})  # fmt: skip
     return 0
 
 
@@ -530,8 +594,7 @@ def prefix_main(a: argparse.Namespace, d: SimConfig) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "table.md").write_text(text + "\n")
     summary = {f"{m} / {disp}": s for (m, disp), s in rows.items()}
-    (a.out / "summary.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "summary": summary},
-                                                   indent=1, default=float))  # fmt: skip
+    write_json(a.out / "summary.json", {"args": vars(a) | {"out": str(a.out)}, "summary": summary})
     return 0
 
 

@@ -194,12 +194,13 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[Point]:
         "tp8": m.step_ms(8, prompt, 0, 0, merged=False),
         "sp8": m.sp_step_ms(8, prompt, 0, 0),
     }
+    paper = "Shift Parallelism paper: "  # seed 001
     return [
         Point("saturated throughput per GPU, static TP2 / DP", sat(2) / 2 / sat(1), 2530 / 3164),
-        Point("seed 001: saturated throughput per GPU, TP8 / DP", sat(8) / 8 / sat(1), 0.54, False),
+        Point(f"{paper}saturated throughput per GPU, TP8 / DP", sat(8) / 8 / sat(1), 0.54, False),
         Point("saturated throughput per GPU, SP8 (shift's base) / DP", sp8 / 8 / sat(1), 0.82),
-        Point("seed 001: TTFT of one 4,096-token prompt, TP8 / SP8", ttft["tp8"] / ttft["sp8"], 1.56, False),
-        Point("seed 001: TTFT of one 4,096-token prompt, DP / SP8", ttft["dp"] / ttft["sp8"], 6.0, False),
+        Point(f"{paper}TTFT of one 4,096-token prompt, TP8 / SP8", ttft["tp8"] / ttft["sp8"], 1.56, False),
+        Point(f"{paper}TTFT of one 4,096-token prompt, DP / SP8", ttft["dp"] / ttft["sp8"], 6.0, False),
         Point("TPOT static DP, 4 running (ms)", dp, 32.0),
         Point("TPOT static TP2, 4 running (ms)", tp, 22.0),
         Point("merged TP2 / static TP2 TPOT", merged / tp, 1.01),

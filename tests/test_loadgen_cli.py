@@ -259,3 +259,104 @@ def test_bad_arguments_say_what_is_wrong_before_anything_runs(args, words, capsy
     with pytest.raises(SystemExit) as exc:
         main(["run", "--url", "http://127.0.0.1:9", "-n", "1", *args])
     assert words in f"{exc.value.code} {capsys.readouterr().err}"
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--bucket", "0"], "argument --bucket: must be above 0, got 0"),
+        (["--bucket", "-1"], "argument --bucket: must be above 0, got -1"),
+        (["--timeout", "0"], "argument --timeout: must be above 0"),
+        (["--timeout", "-1"], "argument --timeout: must be above 0"),
+        (["--warmup", "-1"], "argument --warmup: must be at least 0"),
+        (["--max-concurrency", "-1"], "argument --max-concurrency: must be at least 1"),
+        (["--max-concurrency", "0"], "argument --max-concurrency: must be at least 1"),
+        (["-n", "0"], "argument -n/--num-requests: must be at least 1"),
+        (["--priority-mix", "urgent=1"], "unknown class 'urgent' (the classes are high, normal, low)"),
+    ],
+)
+def test_values_that_would_spoil_the_run_are_refused_when_parsed(args, words, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--url", "http://127.0.0.1:9", "--model", "m", *args])
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_trace_with_an_unknown_priority_names_the_row(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp,input_tokens,output_tokens,priority\n0,5,5,high\n1,5,5,urgent\n")
+    assert main(["run", "--url", "http://127.0.0.1:9", "--model", "m", "--trace", str(trace)]) == 2
+    assert f"loadgen: {trace}:3: unknown priority 'urgent'" in capsys.readouterr().err
+
+
+def run_args(url: str, out, *more: str) -> list[str]:
+    return ["run", "--url", url, "-n", "4", "--rate", "inf", "--output-tokens", "2", "--out", str(out), "--quiet", *more]  # fmt: skip
+
+
+def test_a_failing_plot_or_report_after_the_run_keeps_its_results(fake, tmp_path, monkeypatch, capsys):
+    from loadgen import cli, metrics
+
+    def broken(*_a, **_k):
+        raise RuntimeError("no plot today")
+
+    monkeypatch.setattr(cli.plots, "timeline", broken)
+    assert main(run_args(fake, tmp_path / "a")) == 0
+    assert json.loads((tmp_path / "a.json").read_text())["summary"]["completed"] == 4
+    assert len((tmp_path / "a.csv").read_text().splitlines()) == 5 and not (tmp_path / "a.png").exists()
+    assert "a.png not drawn (RuntimeError('no plot today'))" in capsys.readouterr().err
+
+    monkeypatch.setattr(metrics, "timeseries", broken)  # the report stage itself fails
+    with pytest.raises(RuntimeError):
+        main(run_args(fake, tmp_path / "b"))
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert doc["series"] is None and len(doc["records"]) == 4 and doc["summary"]["completed"] == 4
+    assert len((tmp_path / "b.csv").read_text().splitlines()) == 5
+    assert main(["compare", str(tmp_path / "b.json")]) == 2
+    assert "b.json: not a loadgen result (only the run's records" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("{}", "no config, summary, series, records"),
+        ('{"args": {}, "summary": {"dp": {}}}', "no config, series, records"),  # a flying-sim summary.json
+        ("[1, 2]", "a JSON list"),
+        ("index,priority\n0,high\n", "not JSON: Expecting value: line 1 column 1"),
+    ],
+)
+def test_compare_says_which_file_is_not_a_loadgen_result(text, why, tmp_path, capsys):
+    f = tmp_path / "x.json"
+    f.write_text(text)
+    assert main(["compare", str(f)]) == 2
+    assert f"loadgen: {f}: not a loadgen result ({why}" in capsys.readouterr().err
+
+
+def test_the_api_key_is_sent_from_the_option_or_the_environment_and_not_kept(tmp_path, monkeypatch, capsys):
+    proc, url = start_process(tmp_path / "keyed.log", api_key="sk-test")
+    try:
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        assert main(run_args(url, tmp_path / "none", "--model", "m")) == 1
+        s = json.loads((tmp_path / "none.json").read_text())["summary"]
+        assert s["errors"] == {"HTTP 401": 4}
+        assert main(run_args(url, tmp_path / "opt", "--api-key", "sk-test")) == 0  # /v1/models too
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        assert main(run_args(url, tmp_path / "env", "--api-key=sk-test", "--warmup", "1")) == 0
+        assert main(run_args(url, tmp_path / "env")) == 0
+    finally:
+        stop(proc)
+    for name in ("opt", "env"):
+        text = (tmp_path / f"{name}.json").read_text()
+        assert "sk-test" not in text and json.loads(text)["summary"]["completed"] == 4
+    assert '"api_key": "***"' in (tmp_path / "opt.json").read_text()
+
+
+def test_help_has_the_whole_description_and_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "report serving metrics; loadgen compare puts result files side by side." in text
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 1.0)", "(default: 32:256)", "(default: normal=1)", "(default: no limit)",
+                    "(default: env OPENAI_API_KEY, else none)", "(default: 300.0)"):  # fmt: skip
+        assert default in text

@@ -58,3 +58,15 @@ def test_errors_name_the_problem(tmp_path):
         read_trace(write(tmp_path, "timestamp,input_tokens,output_tokens\n1,2,3\nx,2,3\n"))
     with pytest.raises(ValueError, match="bad trace column"):
         parse_columns("when=ts")
+
+
+def test_an_unknown_priority_or_a_negative_token_count_names_the_row(tmp_path):
+    head = "timestamp,input_tokens,output_tokens,priority\n"
+    with pytest.raises(
+        ValueError, match=r"t.csv:3: unknown priority 'urgent' \(the classes are high, normal, low\)"
+    ):
+        read_trace(write(tmp_path, head + "0,5,5,high\n1,5,5,urgent\n"))
+    with pytest.raises(ValueError, match="t.csv:2: output_tokens is -5: a token count cannot be negative"):
+        read_trace(write(tmp_path, head + "0,5,-5,\n"))
+    with pytest.raises(ValueError, match="t.csv:2: "):
+        read_trace(write(tmp_path, head + "0,inf,5,\n"))

@@ -80,6 +80,15 @@ def test_priority_mix_parsing():
         Workload(priority_mix={"high": 0.5})
 
 
+def test_a_priority_class_the_gateway_lacks_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown class 'urgent' \\(the classes are high, normal, low\\)"):
+        parse_mix("urgent=1")
+    with pytest.raises(ValueError, match="bad priority mix"):
+        parse_mix("high=nan")
+    with pytest.raises(ValueError, match="unknown priority class 'urgent'"):
+        Workload(priority_mix={"urgent": 1.0})
+
+
 def test_sessions_plan_every_turn_with_its_sessions_system_prompt():
     from loadgen.workload import Sessions, system_prompt
 

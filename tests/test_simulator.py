@@ -624,11 +624,40 @@ def test_with_the_defaults_a_burst_releases_the_node_and_its_end_binds_it_again_
         (["--policy", "regime=bogus"], "regime must be one of inflight, rate"),
         (["--seeds", "3-1"], "no seeds (FROM-TO needs FROM <= TO)"),
         (["--modes", "dp,"], "--modes: unknown ''"),
+        (["--dpi", "0"], "argument --dpi: must be at least 1, got 0"),
+        (["--jobs", "0"], "argument --jobs: must be at least 1, got 0"),
+        (["--jobs", "-1"], "argument --jobs: must be at least 1, got -1"),
+        (["--tp-width", "16"], "--tp-width 16 does not split the 8 engines per node into whole groups"),
+        (["--tp-width", "3"], "--tp-width 3 does not split the 8 engines per node"),
+        (["--tp-width", "4", "--engines", "6", "--nodes", "2"], "engines in DP); choose one of 1, 2, 3, 6"),
+        (["--out", "/proc/nope"], "--out /proc/nope: cannot make the folder"),
     ],
 )
 def test_bad_arguments_are_usage_errors_that_say_what_is_wrong(args, words, tmp_path, capsys):
     from sim.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main([*args, "--out", str(tmp_path)])
+        main(["--out", str(tmp_path), *args])
     assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_tp_width_static_tp_does_not_run_is_not_checked(tmp_path):
+    from sim.cli import main
+
+    argv = ["--requests", "20", "--engines", "3", "--modes", "dp", "--low-s", "5", "--burst-s", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+
+
+def test_a_run_that_never_reaches_a_burst_says_so_and_writes_strict_json(tmp_path, capsys):
+    """200 requests of the paper workload all arrive in the first low phase: nothing to measure at burst."""
+    import json
+
+    from sim.cli import main
+
+    assert main(["--requests", "200", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "- dynamic / static DP, P90 TTFT at burst: no requests in bursts: not measured" in out
+    assert "nan" not in out and "seed 001" not in out
+    assert "- Shift Parallelism paper: TTFT of one 4,096-token prompt, TP8 / SP8:" in out
+    doc = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert doc["summary"]["dynamic"]["ttft_p90_burst_ms"] is None

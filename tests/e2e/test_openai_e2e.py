@@ -49,8 +49,26 @@ def test_a_streamed_batch(oai):
 def test_a_token_id_outside_the_vocabulary_is_a_400_not_an_engine_crash(oai):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model=MODEL, prompt=[[1, 2], [1, 10**6]], max_tokens=2)
-    assert exc.value.body["param"] == "prompt" and "vocabulary" in exc.value.body["message"]
+    assert exc.value.body["param"] == "prompt[1]" and "vocabulary" in exc.value.body["message"]
     assert oai.completions.create(model=MODEL, prompt=[1, 2], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_requests_sglang_refuses_are_openai_errors_with_their_param(oai):
+    """SGLang refuses a regex it cannot compile only once the stream has started, and validates some fields
+    itself: the client still gets a 400 in OpenAI's shape, naming the field, with no server paths."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        next(iter(oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, stream=True,
+                                              extra_body={"regex": "("})))  # fmt: skip
+    assert exc.value.body["type"] == "invalid_request_error" and "regex" in exc.value.body["message"].lower()
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, tools=[{"type": "function"}]
+        )
+    assert exc.value.body["param"] == "tools[0].function" and 'File "' not in exc.value.body["message"]
+    first = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0)
+    turn = [*MESSAGES, first.choices[0].message.model_dump(), {"role": "user", "content": "And then?"}]
+    again = oai.chat.completions.with_raw_response.create(model=MODEL, messages=turn, max_tokens=3, n=2)
+    assert again.parse().id == again.headers["x-request-id"], "the request's id, also for n > 1"
 
 
 def test_models_retrieve(oai):
