@@ -317,7 +317,7 @@ def _report(
     print(report.table(summary))
     for line in report.failures(records):
         print("  " + line)
-    if written:
+    if written and series is not None:
         print(f"wrote {written[0]}, {written[1]}")
         png = a.out.with_suffix(".png")
         try:
