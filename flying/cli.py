@@ -34,30 +34,24 @@ def port(text: str) -> int:
 
 def non_negative(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     """An ``argparse`` type: an int or float of at least 0."""
-
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-        return value
-
-    return parse
+    return _number(kind, lambda v: v >= 0, "at least 0")
 
 
 def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     """An ``argparse`` type: an int or float above 0."""
+    return _number(kind, lambda v: v > 0, "at least 1" if kind is int else "above 0")
 
+
+def _number(
+    kind: type[int] | type[float], accept: Callable[[int | float], bool], rule: str
+) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0:
-            least = "at least 1" if kind is int else "above 0"
-            raise argparse.ArgumentTypeError(f"must be {least}, got {value}")
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
         return value
 
     return parse
