@@ -284,7 +284,9 @@ def _master_kwargs(
         raise RedisUrlError("TLS to Redis behind Sentinel is not supported")
     kw = dict(kwargs, connection_class=connection_class)
     kw.update(db=target.db, username=target.username, password=target.password)
-    kw.setdefault("retry", retry_class(ExponentialBackoff(**BACKOFF), FAILOVER_RETRIES))  # (a caller's own)
+    kw["retry"] = retry_class(
+        ExponentialBackoff(**BACKOFF), FAILOVER_RETRIES
+    )  # through a failover, whoever asks
     kw["retry_on_error"] = list({*kw.get("retry_on_error", []), *RETRIED})
     return kw
 

@@ -92,9 +92,11 @@ def until(ok, what: str, timeout_s: float = 10) -> None:
 
 
 def breaker_gauge(sync_redis, keys) -> dict[str, float]:
+    """The breaker gauge as the leading router exports it (a standby exports no cluster state)."""
+    leader = (sync_redis.get(keys.router_lease) or b"").decode()
     fam = next(
         f
-        for f in ClusterCollector(sync_redis, keys, "r").collect()
+        for f in ClusterCollector(sync_redis, keys, leader).collect()
         if f.name == "flying_engine_breaker_state"
     )
     return {s.labels["engine"]: s.value for s in fam.samples}

@@ -164,3 +164,13 @@ def test_the_gateway_router_and_worker_take_a_sentinel_set():
         ["--engine", "0", "--num-engines", "1", "--model-path", "m", "--port", "1", *flags]
     )
     assert cli.redis_url(worker) == url
+
+
+def test_a_client_behind_sentinel_retries_through_a_failover_whatever_retry_its_caller_asks():
+    """The gateway asks for a short retry of its own; behind Sentinel every client waits out a failover instead
+    (without it, requests got 503 while the sentinels promoted the replica)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client = redis_conn.sync_client("redis+sentinel://127.0.0.1:1/m/0", retry=Retry(NoBackoff(), 0))
+    assert client.connection_pool.connection_kwargs["retry"].get_retries() == redis_conn.FAILOVER_RETRIES
