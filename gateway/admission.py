@@ -15,7 +15,6 @@ import msgspec
 
 from flying.messages import Priority, QueuedRequest, engine_rid, engine_rids
 from flying.prefix import block_hashes, encode_chain
-from gateway import tenants
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
 from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
@@ -70,14 +69,8 @@ class Admission:
         self.metrics = metrics or GatewayMetrics()
 
     async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:
-        """Validate ``req`` and build its record and engine body, under ``request_id`` (else a fresh id). The
-        request's tenant (:data:`gateway.tenants.current`) may lower its priority, or refuse it (403)."""
-        if (tenant := tenants.current.get()) is not None:
-            try:
-                priority = tenant.priority(priority)
-            except tenants.PriorityNotAllowed:
-                self.metrics.tenant_rejected.labels(tenant.name, "max_priority").inc()
-                raise
+        """Validate ``req`` and build its record and engine body, under ``request_id`` (else a fresh id), at
+        ``priority``: the tenant's already (``gateway.app.prioritise`` lowers or refuses it)."""
         if req.model != self.config.served_model_name:
             raise ModelNotFound(
                 f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",

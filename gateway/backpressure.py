@@ -37,6 +37,11 @@ from gateway.cluster_view import Tick
 SHARE: dict[str, float] = {"high": 1.0, "normal": 0.85, "low": 0.6}
 
 
+def queue_room(max_queue: int, priority: str) -> int:
+    """How many requests may wait before one of ``priority`` is refused: its share of ``max_queue``."""
+    return max(1, int(max_queue * SHARE[priority]))
+
+
 @dataclass(frozen=True)
 class Limits:
     """For one admission: refuse when the queue holds ``max_depth`` requests, or ``max_ahead`` of this
@@ -189,7 +194,7 @@ class Backpressure:
         return max(rate - self.arrivals.above(priority), rate / 20)
 
     def limits(self, priority: Priority) -> Limits:
-        depth = max(1, int(self.max_queue * SHARE[priority]))
+        depth = queue_room(self.max_queue, priority)
         budget, free = self.budgets.get(priority), self.free_rate(priority)
         if not budget or not free:  # no budget, or no measured service yet (cold start, stalled): count only
             return Limits(depth, 0)

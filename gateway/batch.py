@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.backpressure import SHARE
+from gateway.backpressure import queue_room
 from gateway.engine_fields import StreamId
 from gateway.errors import InvalidRequest
 from gateway.relay import DONE
@@ -29,20 +29,21 @@ def check_fits(n: int, max_queue: int, priority: str, tenant: Tenant | None) -> 
     """A batch of ``n`` prompts is queued as ``n`` requests: one that could never be admitted whole (more than
     its priority's share of the queue, or more requests than its tenant's bucket holds) is a 400 that says so,
     not a 429 whose Retry-After can never work."""
-    room = max(1, int(max_queue * SHARE[priority]))
+    room = queue_room(max_queue, priority)
     if n > room:
         raise InvalidRequest(
             f"prompt holds {n} prompts, more than the queue takes at {priority} priority ({room}); "
             "send fewer prompts per request",
             param="prompt",
         )
-    if tenant is not None and tenant.requests_per_s and n > max(1, int(tenant.requests_per_s)):
+    if tenant is not None and tenant.requests_per_s:
         burst = max(1, int(tenant.requests_per_s))
-        raise InvalidRequest(
-            f"prompt holds {n} prompts, each a request, and this API key may send {burst} at once "
-            f"(requests_per_s {tenant.requests_per_s:g}); send at most {burst} prompts per request",
-            param="prompt",
-        )
+        if n > burst:
+            raise InvalidRequest(
+                f"prompt holds {n} prompts, each a request, and this API key may send {burst} at once "
+                f"(requests_per_s {tenant.requests_per_s:g}); send at most {burst} prompts per request",
+                param="prompt",
+            )
 
 
 def merge_completions(bodies: list[dict], n: int, request_id: str) -> dict:

@@ -82,9 +82,8 @@ class StreamId:
     __slots__ = ("value",)
 
     def __init__(self, value: str | None = None) -> None:
-        self.value: Any = (
-            value  # the request's id when known (SGLang names n > 1 choices' chunks its own way)
-        )
+        # the request's id when known (SGLang names n > 1 choices' chunks its own way)
+        self.value: Any = value
 
     def apply(self, event: Any) -> None:
         """Give ``event`` the stream's id (the first non-empty one seen is the stream's, as :func:`public_id`)."""
