@@ -11,10 +11,13 @@ flyctl bind 0 1 [--preempt hard] [--adopt] [--sp-threshold N]
                                    engines must be on one node);
                                    --adopt: their DP requests become the group's, KV moved by head slices;
                                    --sp-threshold: its steps of N batched tokens or more run sequence-parallel
-flyctl release EPOCH 0 1 [--retract | --scatter]
+flyctl release EPOCH 0 1 [--retract | --scatter | --park]
                                    release that epoch's group back to DP (--retract: at once, its TP
                                    requests recomputed in DP on the leader; --scatter: at once, each TP
-                                   request continues in DP on its owner with its KV)
+                                   request continues in DP on its owner with its KV; --park: as --scatter,
+                                   and those no engine holds alone stay parked, KV kept, until resumed);
+                                   releasing a parked epoch ends its parked requests
+flyctl resume EPOCH [--wait S]     bind a parked group's engines again, in order: its parked requests continue
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
         lines.append(
             f"  epoch {g.epoch:>4}  [{members}]  {g.state:<9} {g.reason:<8} {g.preempt:<10} "
             f"for {now - g.since:6.1f} s  last used {now - g.last_used:6.1f} s ago"
+            + (f"  resumes epoch {g.resumes}" if g.resumes else "")
         )
     depths = control.queue_depths(r, keys)
     total = sum(n for n, _ in depths.values())
@@ -107,7 +111,8 @@ def _engine_row(r: redis.Redis, keys: Keys, e: int, hb: Heartbeat, breaker: Brea
         f"{e:>6} {hb.mode:>4} {hb.epoch:>5} {hb.pending:>7} {group:>9} {inflight:>8} {hb.running:>4} "
         f"{hb.waiting:>4} {hb.paused:>6} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
         f"{f'{hb.steps_sp}/{hb.steps_tp}':>13} {breaker_cell(breaker):>12}  "
-        f"{hb.switch_error}"
+        + (f"parked: epoch {', '.join(map(str, hb.parked))}  " if hb.parked else "")
+        + f"{hb.switch_error}"
     )
 
 
@@ -223,6 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     how.add_argument(
         "--scatter", action="store_true", help="at once: TP requests continue in DP on their owners, KV moved"
     )
+    how.add_argument(
+        "--park",
+        action="store_true",
+        help="as --scatter, and the TP requests no engine holds alone stay parked (KV kept) until `flyctl resume`",
+    )
+    res = sub.add_parser("resume", help="bind a parked group's engines again: its parked requests continue")
+    res.add_argument("epoch", type=int, help="the parked group's epoch (flyctl status lists it)")
+    res.add_argument(
+        "--wait",
+        type=cli.non_negative(float),
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds until every member reports the group (exit 0) or the router rolls it back "
+        "(exit 1); default 0: print the new epoch and return",
+    )
     a = p.parse_args(argv)
     url = cli.redis_url(a)
     r, keys = redis_conn.sync_client(url), Keys(a.key_prefix)
@@ -247,7 +267,16 @@ def main(argv: list[str] | None = None) -> int:
             if why := unknown_group(r, keys, a.epoch, tuple(sorted(set(a.members)))):
                 print(f"flyctl: cannot release epoch {a.epoch}: {why}", file=sys.stderr)
                 return 2
-            control.release(r, keys, tuple(a.members), a.epoch, a.retract, scatter=a.scatter)
+            control.release(r, keys, tuple(a.members), a.epoch, a.retract, scatter=a.scatter, park=a.park)
+        elif a.cmd == "resume":
+            try:
+                epoch, _ = control.resume(r, keys, a.epoch)
+            except ValueError as exc:
+                print(f"flyctl: {exc}", file=sys.stderr)
+                return 2
+            print(epoch, flush=True)
+            if a.wait:
+                return wait_bound(r, keys, epoch, a.wait)
         elif a.cmd == "tenants":
             print(render_tenants(r, keys))
         elif a.cmd == "queue":

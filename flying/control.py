@@ -69,7 +69,11 @@ def bind(
     or contains them with the same leader ((0,1,2,3) -> (0,1); the leader takes the command and sends the
     engines left out back to DP). Any other overlap is refused. ``sp_threshold``: the group's steps of at least
     this many batched tokens run sequence-parallel (0: never; None: the leader's own ``--sp-threshold``)."""
-    inside = [g for g in groups(r, keys) if set(g.members) & set(members)] if record else []
+    inside = (
+        [g for g in groups(r, keys) if g.state != "parked" and set(g.members) & set(members)]
+        if record
+        else []
+    )  # (a parked group's members serve DP: they may bind, their parked KV stays where it is)
     if clash := [g.members for g in inside if not _width_change(g.members, members)]:
         raise ValueError(
             f"engines {sorted(set(members) & {m for c in clash for m in c})} are in group(s) {clash}"
@@ -111,16 +115,43 @@ def release(
     epoch: int,
     retract: bool = False,
     scatter: bool = False,
+    park: bool = False,
 ) -> None:
     """Release ``epoch``'s group: once its TP requests have finished, at once with ``retract`` (they continue in
-    DP on the leader, recomputed), or at once with ``scatter`` (they continue in DP on their owners, KV moved)."""
+    DP on the leader, recomputed), at once with ``scatter`` (they continue in DP on their owners, KV moved), or
+    at once with ``park`` (as scatter, and those no member holds alone stay parked, KV kept, until
+    :func:`resume`). Releasing a parked epoch ends its parked requests."""
     raw = r.hget(keys.groups, str(epoch))
     if raw is not None:
         g = decode(raw, Group)
-        r.hset(
-            keys.groups, str(epoch), encode(msgspec.structs.replace(g, state="releasing", since=time.time()))
-        )
-    send(r, keys, members, Release(epoch=epoch, retract=retract, scatter=scatter))
+        if g.state == "parked":
+            r.hdel(keys.groups, str(epoch))
+        else:
+            g = msgspec.structs.replace(g, state="releasing", since=time.time(), park=park)
+            r.hset(keys.groups, str(epoch), encode(g))
+    send(r, keys, members, Release(epoch=epoch, retract=retract, scatter=scatter, park=park))
+
+
+def resume(r: redis.Redis, keys: Keys, epoch: int) -> tuple[int, tuple[int, ...]]:
+    """Bind the members of parked ``epoch`` again, in the same order, continuing its parked requests; returns
+    the new epoch and the members. ValueError if no group of that epoch is parked (or being parked)."""
+    raw = r.hget(keys.groups, str(epoch))
+    g = decode(raw, Group) if raw is not None else None
+    if g is None or not (g.state == "parked" or (g.state == "releasing" and g.park)):
+        raise ValueError(f"no parked group of epoch {epoch}")
+    if clash := [o.members for o in groups(r, keys) if o.epoch != epoch and o.state != "parked"
+                 and set(o.members) & set(g.members)]:  # fmt: skip
+        raise ValueError(f"engines {list(g.members)} are in group(s) {clash}")
+    new = next_epoch(r, keys)
+    now = time.time()
+    record = Group(epoch=new, members=g.members, reason="manual", since=now, last_used=now,
+                   carries=(*g.carries, epoch))  # fmt: skip
+    pipe = r.pipeline(transaction=True)
+    pipe.hdel(keys.groups, str(epoch))
+    pipe.hset(keys.groups, str(new), encode(record))
+    pipe.execute()
+    send(r, keys, g.members, Bind(epoch=new, members=g.members, resume=epoch))
+    return new, g.members
 
 
 def queue_depths(r: redis.Redis, keys: Keys) -> dict[str, tuple[int, float]]:

@@ -115,6 +115,12 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     num_engines: int = 1  # engines the pool was built for (merge sets); 1: this engine cannot bind
     kv_transform: bool = False  # applies Bind.adopt / Release.scatter (moves KV head slices within a group)
     mixed_steps: bool = False  # applies Bind.keep: bound, it runs its own DP requests in the group's steps
+    park: bool = (
+        False  # applies Release.park and Bind.resume (parks a group's requests, KV kept, and resumes them)
+    )
+    parked: tuple[
+        int, ...
+    ] = ()  # epochs whose requests are parked here (their KV head slices kept, no steps)
     transform_ms: float = 0.0  # last KV transformation (adopt or scatter) on this engine: exchange time
     transform_tokens: int = 0  # token head-slices it sent to other members
     transform_peak_bytes: int = (
@@ -179,6 +185,7 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
     preempt: Preempt = "hard"
     adopt: bool = False
     keep: bool = False
+    resume: int = 0  # continue the requests parked at the release of this epoch (the same members, in order)
     sp_threshold: int | None = (
         None  # steps of at least this many batched tokens run sequence-parallel (0: never;
     )
@@ -195,17 +202,24 @@ class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
     KV is in the group's layout), the cheap way out when load rises. With ``scatter``, at once and with no
     recompute: each TP request goes back to DP on the member that owns it (whose endpoint it arrived on: its
     stream is there) with its KV; the other members send it their head slices. A request its owner cannot hold is
-    retracted there (recomputed in DP)."""
+    retracted there (recomputed in DP).
+
+    With ``park`` (engines whose heartbeat reports ``park``), at once too: the TP requests their owner can hold
+    continue there as with ``scatter``; the others (a long-context request no engine holds alone) are *parked*:
+    their KV head slices stay where they are on every member, they take no steps, and every member goes back to
+    DP. A later bind of the same members in the same order with ``resume`` set to this epoch continues them where
+    they stopped; a release of a parked epoch ends its requests (aborted) and frees their KV."""
 
     epoch: int
     retract: bool = False
     scatter: bool = False
+    park: bool = False
 
 
 Command = Bind | Release
 
 GroupReason = Literal["load", "priority", "long", "manual"]
-GroupState = Literal["binding", "bound", "releasing"]
+GroupState = Literal["binding", "bound", "releasing", "parked"]
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True):
@@ -222,6 +236,18 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     kv_cap: int = 0  # KV tokens its TP requests may use (hard: what the members had free; 0: all of their KV)
     adopt: bool = False  # bound by adoption (Bind.adopt): the members' DP requests became its TP requests
     keep: bool = False  # bound with the members' DP requests kept running beside its steps (Bind.keep)
+    park: bool = (
+        False  # released with Release.park: once released, its parked requests keep the record ("parked")
+    )
+    hold: bool = False  # it serves a high-priority request no engine holds alone: never parked
+    # the parked epochs whose requests it continues, oldest first (Bind.resume: the last); their requests count as
+    # its own (their inflight records name the epoch they were dispatched to)
+    carries: tuple[int, ...] = ()
+
+    @property
+    def resumes(self) -> int:
+        """The epoch whose parked requests its bind resumes (0: none)."""
+        return self.carries[-1] if self.carries else 0
 
     @property
     def width(self) -> int:

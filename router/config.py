@@ -136,6 +136,18 @@ class PolicyConfig:
         "light load: a busy block binds at once with its members' DP requests kept running beside the group's steps "
         "(Bind.keep), where every member reports mixed_steps; otherwise it adopts or drains",
     )
+    park: bool = setting(
+        True,
+        "busy load: a group serving a request no engine holds alone is released by parking it (its KV head "
+        "slices kept on the members, no steps) where every member reports park, and resumed on the same members "
+        "once load is light; off: the group keeps serving through the burst until that request ends",
+    )
+    long_min_width: int = setting(
+        4,
+        "engines per normal-priority long-context group at least (a power of two, at most half a node's engines; "
+        "the width its KV needs if wider): parked for a burst, its request's KV head slices leave each member more "
+        "room for DP",
+    )
     drain_inflight: int = setting(
         0,
         "light load: a load block wider than drain_width whose members hold more than this many DP requests each "
@@ -188,6 +200,8 @@ class PolicyConfig:
         for name in ("light_width", "priority_width", "drain_width"):
             w = getattr(self, name)
             _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")
+        w = self.long_min_width
+        _require(w >= 1 and w & (w - 1) == 0, f"long_min_width must be a power of two >= 1, got {w}")
         for name in ("max_inflight_per_worker", "tp_inflight_per_engine", "sp_inflight_per_engine"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("light_load", "calm_s", "drain_inflight", "drain_s"):

@@ -56,15 +56,23 @@ class ReleaseMode(StrEnum):
     WAIT = "wait"  # they finish in the group first
     RETRACT = "retract"  # recomputed in DP on the leader
     SCATTER = "scatter"  # continue in DP on their owners, KV moved
+    PARK = "park"  # as scatter; those no owner holds stay parked on the members (KV kept) until a resume
 
     @classmethod
     def of(cls, cmd: Release | None) -> ReleaseMode:
         if cmd is None:
             return cls.WAIT
+        if cmd.park:
+            return cls.PARK
         return cls.SCATTER if cmd.scatter else cls.RETRACT if cmd.retract else cls.WAIT
 
     def command(self, epoch: int) -> Release:
-        return Release(epoch=epoch, retract=self is ReleaseMode.RETRACT, scatter=self is ReleaseMode.SCATTER)
+        return Release(
+            epoch=epoch,
+            retract=self is ReleaseMode.RETRACT,
+            scatter=self is ReleaseMode.SCATTER,
+            park=self is ReleaseMode.PARK,
+        )
 
 
 class ReleaseCause(StrEnum):
@@ -78,6 +86,7 @@ class ReleaseCause(StrEnum):
     DP_DEFERRED = "DP work deferred"  # the bind paused DP work for max_defer_s
     NO_TP_WORK = "no TP work"  # for keep_s
     MAKING_ROOM = "making room"  # for a wider (long-context) group
+    PARKED_LOST = "a member of the parked group is gone"  # its parked requests cannot resume: they end
     WIDENING = "widening"  # light load: the block around it can bind at the load groups' full width
 
 
@@ -115,7 +124,11 @@ class ReleaseNote:
         return str(c)
 
     def __str__(self) -> str:
-        how = {ReleaseMode.SCATTER: " by scatter", ReleaseMode.RETRACT: " retracting"}.get(self.mode, "")
+        how = {
+            ReleaseMode.SCATTER: " by scatter",
+            ReleaseMode.RETRACT: " retracting",
+            ReleaseMode.PARK: " parking what no owner holds",
+        }.get(self.mode, "")
         return f"release epoch {self.epoch} {self.members} ({self.reason}){how}: {self.why}"
 
 
@@ -132,6 +145,7 @@ class BindNote:
     adopt_ms: float = 0.0
     sp_threshold: int | None = None
     engines: int = 0
+    resumes: int = 0  # the parked epoch whose requests it continues
 
     @property
     def steps(self) -> str:
@@ -149,7 +163,10 @@ class BindNote:
         else:
             how = f"{self.mode} preemption"
         of = f" of {self.engines} engines" if self.engines else ""
-        return f"bind {self.members} ({self.reason}, {how}; width {len(self.members)}{of}: {self.steps})"
+        resume = f"; resumes epoch {self.resumes}'s parked requests" if self.resumes else ""
+        return (
+            f"bind {self.members} ({self.reason}, {how}; width {len(self.members)}{of}: {self.steps}{resume})"
+        )
 
 
 @dataclass(frozen=True)
@@ -265,6 +282,7 @@ class Decision:
             preempt=g.preempt,
             adopt=g.adopt,
             keep=g.keep,
+            resume=g.resumes,
             sp_threshold=self.sp_threshold,
         )
         return g.members, bind

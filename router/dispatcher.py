@@ -163,8 +163,8 @@ class Dispatcher:
         )
 
     async def _group_loads(self, groups: list[Group], held: list[list[str]]) -> dict[int, GroupLoad]:
-        """Per group: its TP requests (assigned to any of its members in its epoch and unfinished: each member owns
-        those sent to it), their KV tokens and the largest one's, from one pipelined read of the requests in the
+        """Per group: its TP requests (assigned to any of its members in its epoch, or in an epoch whose parked
+        requests it carries, and unfinished: each member owns those sent to it), their KV tokens and the largest one's, from one pipelined read of the requests in the
         members' inflight sets (``held``: per group, their ids)."""
         pipe = self.r.pipeline(transaction=False)
         for rids in held:
@@ -176,7 +176,7 @@ class Dispatcher:
             n = kv = top = 0
             for _ in rids:
                 ep, p, m = next(rows)
-                if ep is not None and int(ep) == g.epoch:
+                if ep is not None and (int(ep) == g.epoch or int(ep) in g.carries):
                     one = int(p or 0) + int(m or 0)
                     n, kv, top = n + 1, kv + one, max(top, one)
             out[g.epoch] = GroupLoad(n, kv, top)

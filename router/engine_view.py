@@ -27,6 +27,8 @@ class EngineView:
     node: str = ""  # the node it runs on: groups bind engines of one node only
     pool_first: int = 0  # the first engine of its node's pool (spanning num_engines engines)
     paused: int = 0  # DP requests a bind set aside on it (resumed at the release)
+    park: bool = False  # it applies Release.park / Bind.resume
+    parked: tuple[int, ...] = ()  # epochs whose requests are parked on it
 
     @property
     def pool(self) -> tuple[str, int, int]:
@@ -54,4 +56,6 @@ class EngineView:
             node=hb.node,
             pool_first=hb.pool_first,
             paused=hb.paused,
+            park=hb.park,
+            parked=hb.parked,
         )

@@ -20,12 +20,13 @@ from __future__ import annotations
 import msgspec
 
 from flying.messages import Group, QueuedRequest
+from router import parking
 from router.decision import LongWaitNote, ReleaseCause, WaitCause
 from router.releases import release_now, retractable
 from router.round import Round
 
 
-def unrest(rnd: Round, request: str = "") -> WaitCause | None:
+def unrest(rnd: Round, request: str = "", turn: bool = True) -> WaitCause | None:
     """Why the load is not calm for a long request now (None: it is calm): it is not light by the regime's
     measure (rate: admissions above ``long_calm_rate`` per engine; inflight: demand above ``light_load`` of the groups'
     capacity; either without the regime's hysteresis), more queued and inflight requests than the groups would hold (``tp_inflight_per_engine`` per engine:
@@ -37,7 +38,7 @@ def unrest(rnd: Round, request: str = "") -> WaitCause | None:
         return WaitCause.BUSY
     if demand(rnd) > cfg.tp_inflight_per_engine * n:
         return WaitCause.BACKLOG
-    if running_long(rnd, request):
+    if turn and running_long(rnd, request):
         return WaitCause.TURN
     return None
 
@@ -57,7 +58,8 @@ def running_long(rnd: Round, request: str = "") -> int:
         for g in rnd.groups.values()
         if (g.reason == "long" and g.state == "binding") or rnd.tp_max.get(g.epoch, 0) > one
     )
-    n += sum(1 for g in rnd.out.binds if g.reason == "long")
+    n += sum(1 for g in rnd.out.binds if g.reason == "long" or g.carries)
+    n += len(rnd.parked)  # parked (router.parking): each holds a long request that resumes
     placed = {x.request.id for x in rnd.out.dispatches}
     n += sum(1 for x in rnd.out.dispatches if x.request.kv_tokens > one)
     ended = rnd.out.state.long_waits
@@ -71,11 +73,13 @@ def waits(rnd: Round, r: QueuedRequest) -> bool:
     if r.priority == "high":
         return False
     noted = rnd.out.state.long_waits.get(r.id)
-    if noted is not None and noted < 0:
-        return False  # its wait ended: it runs as soon as it can
     waited = rnd.now - r.enqueued_at
+    if (
+        noted is not None and noted < 0
+    ):  # its wait ended: it runs as soon as it can (not while busy: it would park)
+        return parking.holds_off(rnd, waited)
     cause = unrest(rnd, r.id)
-    if cause is not None and waited < rnd.cfg.long_wait_s:
+    if cause is not None and (waited < rnd.cfg.long_wait_s or parking.holds_off(rnd, waited)):
         if noted is None:
             remember(rnd, r.id, rnd.now)
             rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, cause, rnd.cfg.long_wait_s, demand(rnd)))

@@ -108,10 +108,13 @@ def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
     n, kv = rnd.tp.get(g.epoch, (0, 0))
     rnd.tp[g.epoch] = (n + 1, kv + r.kv_tokens)
     rnd.tp_max[g.epoch] = max(rnd.tp_max.get(g.epoch, 0), r.kv_tokens)  # retractable() sees it this round
+    hold = g.hold or (r.priority == "high" and r.kv_tokens > rnd.s.max_kv)  # (router.parking: never parked)
     if g.state == "bound":
         e = owner(rnd, g)
         rnd.out.dispatches.append(Dispatch(r, e.engine, e.url, g.epoch))
-        rnd.put(replace_group(g, last_used=rnd.now))
+        rnd.put(replace_group(g, last_used=rnd.now, hold=hold))
+    elif hold != g.hold:
+        rnd.put(replace_group(g, hold=hold))
 
 
 def spread(rnd: Round, g: Group) -> bool:
@@ -266,6 +269,8 @@ def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
     its SP steps prefill the prompt over every member); else bind the width it needs (hard only where the members'
     free KV holds it), making room by releasing load or priority groups in the way."""
     cfg = rnd.cfg
+    if r.priority != "high":  # (a high-priority one runs at once, through a burst: as narrow as it can)
+        width = max(width, min(cfg.long_min_width, rnd.engines_n() // 2))  # (half the node at most)
     if cfg.long_context and long_wait.waits(rnd, r):
         return  # it waits for calm, at most long_wait_s (high priority never waits)
     if (g := group_for(rnd, r, width, USABLE, ("long", "manual"))) is not None:
@@ -275,7 +280,7 @@ def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
         return
     if not cfg.long_context:
         return
-    if (g := group_for(rnd, r, width, ("bound",), ("load",))) is not None:
+    if not rnd.cfg.park and (g := group_for(rnd, r, width, ("bound",), ("load",))) is not None:
         to_group(rnd, g, r)  # the widest group there is, the load group, in SP (router.long_wait)
         return
     in_long = sum(g.width for g in rnd.groups.values() if g.reason == "long") + sum(
@@ -289,7 +294,8 @@ def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
             preempt = "sequential"  # the members' paused DP work would hold KV the request needs
         elif preempt == "hard" and rnd.block_load(sets[0]):
             adopt = rnd.kv.may_adopt(sets[0])  # their DP work continues in the group instead of pausing
-        rnd.bind(sets[0], "long", preempt, adopt=adopt)
+        overdue = rnd.now - r.enqueued_at >= 2 * cfg.long_wait_s  # (router.parking.holds_off: it runs on now)
+        rnd.bind(sets[0], "long", preempt, adopt=adopt, hold=r.priority == "high" or overdue)
     elif not long_wait.make_room(rnd, width):
         release_idle_blocking(rnd, width)
 

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import msgspec
 
+from router import parking
 from router.config import DispatchRule, PolicyConfig
 from router.decision import Decision, Dispatch, DpRule
 from router.engine_view import EngineView
@@ -98,6 +99,7 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     update_regime(rnd)
     rnd.out.state = msgspec.structs.replace(rnd.out.state, suspect=rnd.suspect)
     release_groups(rnd)
+    parking.resume(rnd)
     forget_old(rnd)
     for r in s.waiting:  # high priority first, before load binds take the engines
         if r.priority == "high":

@@ -9,6 +9,7 @@ by retraction) where that loses nothing, else it waits for the group's TP reques
 from __future__ import annotations
 
 from flying.messages import Group
+from router import parking
 from router.decision import DistrustNote, ReleaseCause, ReleaseMode
 from router.round import Round, replace_group
 
@@ -24,7 +25,10 @@ def reconcile(rnd: Round) -> None:
                 b is None or (b.epoch != g.epoch and b.pending != g.epoch and b.beat_ts >= g.since)
                 for b in beats
             ):
-                rnd.drop(g)
+                if g.park:
+                    parking.settle(rnd, g)  # its parked requests keep the record until they resume
+                else:
+                    rnd.drop(g)
             continue
         present = [b for b in beats if b is not None]
         if len(present) < len(beats):
@@ -45,6 +49,7 @@ def reconcile(rnd: Round) -> None:
         elif any(b.epoch != g.epoch for b in present):
             rnd.release(g, ReleaseCause.BROKE_UP)
     distrust_paused(rnd)
+    parking.reconcile(rnd)
 
 
 def distrust(rnd: Round, engines: list[int], paused: int = 0) -> None:
@@ -74,15 +79,25 @@ def retractable(rnd: Round, g: Group) -> bool:
 def release_now(rnd: Round, g: Group, cause: ReleaseCause, seconds: float = 0.0, width: int = 0) -> None:
     """Release at once: by scatter where the members transform KV (each TP request continues in DP on its
     owner, KV moved, no recompute), else by retraction (recomputed in DP on the leader); a group holding a
-    request that needs the pooled KV, or one bound by adoption whose members cannot scatter (its adopted
-    requests' streams are on their owners, not on the leader), waits for its TP requests instead."""
+    request that needs the pooled KV is parked where its members park (router.parking), else it waits for its
+    TP requests, as does one bound by adoption whose members cannot scatter (its adopted requests' streams are on
+    their owners, not on the leader)."""
     if not retractable(rnd, g):
-        rnd.release(g, cause, seconds=seconds, width=width)
+        park(rnd, g, cause, parking.release_mode(rnd, g), seconds, width)
     elif rnd.kv.possible(g.members):
         rnd.release(g, cause, ReleaseMode.SCATTER, seconds, width=width)
     else:
         mode = ReleaseMode.WAIT if g.adopt else ReleaseMode.RETRACT
         rnd.release(g, cause, mode, seconds, width=width)
+
+
+def park(
+    rnd: Round, g: Group, cause: ReleaseCause, mode: ReleaseMode, seconds: float = 0.0, width: int = 0
+) -> None:
+    """Release ``g`` in ``mode``; parking, its record notes it (its parked requests keep it once released)."""
+    if mode is ReleaseMode.PARK:
+        g = replace_group(g, park=True)
+    rnd.release(g, cause, mode, seconds, width=width)
 
 
 def release_groups(rnd: Round) -> None:
@@ -98,6 +113,10 @@ def release_groups(rnd: Round) -> None:
         if g.state == "releasing" or g.reason == "manual":
             continue
         if g.reason in ("load", "long") and not retractable(rnd, g) and not rnd.paused_dp(g):
+            if busy and g.state == "bound" and parking.can_park(rnd, g) and parking.surge(rnd):
+                park(
+                    rnd, g, ReleaseCause.LOAD_ROSE, ReleaseMode.PARK
+                )  # the burst runs in DP; it resumes after
             continue  # it serves a long request (router.long_wait): it stays, taking work, until that ends (one
             # that pauses DP work is released after max_defer_s as any, and ends when the long request does)
         tp_busy = rnd.group_n(g) > 0

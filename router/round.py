@@ -49,7 +49,9 @@ class Round:
     def __init__(self, s: Snapshot, cfg: PolicyConfig) -> None:
         self.s, self.cfg, self.now = s, cfg, s.now
         self.live = {e.engine: e for e in s.engines}
-        self.groups: dict[int, Group] = {g.epoch: g for g in s.groups}
+        # the groups that exist (binding, bound, releasing); parked ones apart: their members are DP engines
+        self.groups: dict[int, Group] = {g.epoch: g for g in s.groups if g.state != "parked"}
+        self.parked: dict[int, Group] = {g.epoch: g for g in s.groups if g.state == "parked"}
         self.out = Decision(
             state=msgspec.structs.replace(s.state, long_context=cfg.long_context),
             sp_threshold=cfg.sp_threshold,
@@ -78,6 +80,12 @@ class Round:
     # --- group records ------------------------------------------------------------------------------------
 
     def put(self, g: Group) -> None:
+        if g.state == "parked":  # (released: its members are in no group now)
+            self.groups.pop(g.epoch, None)
+            self.parked[g.epoch] = g
+            self._taken = None
+            self.out.put[g.epoch] = g
+            return
         old = self.groups.get(g.epoch)
         if old is None or old.members != g.members:
             self._taken = None
@@ -85,8 +93,9 @@ class Round:
         self.out.put[g.epoch] = g
 
     def drop(self, g: Group) -> None:
-        """The group is gone: delete its record."""
-        del self.groups[g.epoch]
+        """The group (or its parked requests) is gone: delete its record."""
+        self.groups.pop(g.epoch, None)
+        self.parked.pop(g.epoch, None)
         self._taken = None
         self.out.put.pop(g.epoch, None)
         self.out.drop.append(g.epoch)
@@ -111,6 +120,8 @@ class Round:
         preempt: Preempt,
         adopt: bool = False,
         keep: bool = False,
+        carries: tuple[int, ...] = (),
+        hold: bool = False,
     ) -> Group:
         """A new group record; ``adopt``: by adoption (the members' DP requests become its TP requests, their KV
         transformed; it forms at the members' next step boundary, like a hard bind, and pauses nothing); ``keep``:
@@ -126,6 +137,8 @@ class Round:
             kv_cap=self.hard_cap(members) if preempt == "hard" or adopt or keep else 0,
             adopt=adopt,
             keep=keep,
+            carries=carries,
+            hold=hold,
         )
         self.out.binds.append(g)
         self.reserved |= set(members)
@@ -133,7 +146,7 @@ class Round:
         mode = BindMode.ADOPT if adopt else BindMode.KEEP if keep else BindMode(preempt)
         adopt_ms = self.kv.adopt_ms(members) if adopt else 0.0
         self.out.events.append(
-            BindNote(members, reason, mode, adopt_ms, self.cfg.sp_threshold, self.engines_n())
+            BindNote(members, reason, mode, adopt_ms, self.cfg.sp_threshold, self.engines_n(), g.resumes)
         )
         return g
 
@@ -144,6 +157,10 @@ class Round:
         if self._taken is None:
             self._taken = frozenset({m for g in self.groups.values() for m in g.members} | self.reserved)
         return self._taken
+
+    def parked_members(self) -> frozenset[int]:
+        """Engines holding a parked group's requests (router.parking)."""
+        return frozenset(m for g in self.parked.values() for m in g.members)
 
     def other_work(self, g: Group) -> int:
         """Requests on the members that were not dispatched to the group (their inflight, less its TP requests):
@@ -243,9 +260,9 @@ class Round:
         ]
 
     def free_sets(self, width: int) -> list[tuple[int, ...]]:
-        """Merge sets of ``width`` (any node's) whose members are live, bindable, in DP and in no group; least
-        loaded first."""
-        taken = self.in_groups()
+        """Merge sets of ``width`` (any node's) whose members are live, bindable, in DP and in no group, nor
+        holding parked requests (their group resumes there); least loaded first."""
+        taken = self.in_groups() | self.parked_members()
         ok = [
             ms
             for ms in self.merge_sets(width)

@@ -373,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
         "live workers do not yet: a projection)",
     )
     p.add_argument(
+        "--park",
+        action=argparse.BooleanOptionalAction,
+        default=d.park,
+        help="the engines apply Release.park / Bind.resume: a group serving a request no engine holds alone parks "
+        "it (KV kept) when load turns busy and resumes it when light (off: it serves through the burst)",
+    )
+    p.add_argument(
         "--spread-ownership",
         action=argparse.BooleanOptionalAction,
         default=d.policy.spread_ownership,
@@ -451,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         tp_width=a.tp_width,
         kv_transform=a.kv_transform,
         mixed_steps=a.mixed_steps,
+        park=a.park,
         shift_threshold=a.shift_threshold,
     )
     base = dataclasses.replace(base, policy=policy_config)  # (checked above)

@@ -41,6 +41,9 @@ class SimConfig:
     # the engines apply Bind.keep (mixed steps: bound, a member runs its own DP requests in the group's steps, and
     # say so in their heartbeats). The live workers do not yet: off by default, a projection when on
     mixed_steps: bool = False
+    # the engines apply Release.park / Bind.resume (a long request's group parks it for a burst, KV kept, and
+    # resumes it after) and say so in their heartbeats, as the live workers do
+    park: bool = True
     # ... and a group with only decode work joins every n-th of its members' own steps meanwhile (prefills: at once)
     mixed_decode_every: int = 4
 

@@ -39,6 +39,17 @@ class Host(Protocol):
 
     def dissolve(self, g: SimGroup) -> None: ...
 
+    @property
+    def parked(self) -> dict[int, tuple[tuple[int, ...], list[Req]]]: ...
+
+    def park(self, g: SimGroup, reqs: list[Req]) -> None: ...
+
+    def unpark(self, epoch: int) -> list[Req]: ...
+
+    def requeue(self, r: Req) -> None: ...
+
+    def discard(self, epoch: int) -> None: ...
+
     def note_states(self) -> None: ...
 
     def note_transform(self, kind: str, ms: float, requests: int) -> None: ...
@@ -203,6 +214,9 @@ class Engine:
         self.group: SimGroup | None = None
         self.paused_queue: list[Req] = []
         self.paused_running: list[Req] = []
+        self.parked: dict[
+            int, int
+        ] = {}  # parked epoch -> the KV tokens its requests hold here (their head slices)
         self.assigned = (
             0  # requests assigned to it (DP, paused, adopted, and TP when it leads a group): it owns them
         )
@@ -240,6 +254,10 @@ class Engine:
         """It applies Bind.keep: bound, it runs its own DP requests in the group's steps."""
         return self.sim.cfg.mixed_steps
 
+    @property
+    def parked_kv(self) -> int:
+        return sum(self.parked.values())
+
     def heartbeat(self) -> Heartbeat:
         """What a worker would publish now (the fields the router reads)."""
         g, kv = self.group, self.sim.kv_per_engine
@@ -256,7 +274,9 @@ class Engine:
             pool_first=self.sim.cfg.node_of(self.idx) * self.sim.cfg.per_node,
             kv_transform=self.transforms,
             mixed_steps=self.mixed,
-            free_kv_tokens=kv - self.dp.kv_used,
+            park=self.sim.cfg.park,
+            parked=tuple(self.parked),
+            free_kv_tokens=kv - self.dp.kv_used - self.parked_kv,
             max_total_tokens=kv,
             ts=self.beat_ts,
         )
@@ -267,7 +287,15 @@ class Engine:
         last round)."""
         g = self.group
         pending = self.pending.epoch if self.pending else 0
-        key = (self.mode, g.epoch if g else 0, pending, self.dp.kv_used, self.beat_ts, self.assigned)
+        key = (
+            self.mode,
+            g.epoch if g else 0,
+            pending,
+            self.dp.kv_used,
+            self.beat_ts,
+            self.assigned,
+            tuple(self.parked),
+        )
         if self._view is None or self._view[0] != key:
             self._view = (key, EngineView.from_heartbeat(self.heartbeat(), self.assigned))
         return self._view[1]
@@ -287,12 +315,16 @@ class Engine:
             self.pending, self.arrived, self.last_epoch = None, 0, max(self.last_epoch, cmd.epoch)
             self.dp.admit = True
             self.resume()
+        elif (
+            isinstance(cmd, Release) and cmd.epoch in self.parked
+        ):  # its parked requests cannot resume: they end
+            self.sim.discard(cmd.epoch)
         elif what is Intake.RELEASE:
             assert (
                 isinstance(cmd, Release) and g is not None
             )  # RELEASE: a release of the epoch it is bound in
             g.release_asked = True
-            g.retract, g.scatter = cmd.retract, cmd.scatter
+            g.retract, g.scatter, g.park = cmd.retract, cmd.scatter, cmd.park and self.sim.cfg.park
             self.sim.engines[g.leader].boundary()
             self.sim.note_states()
             return
@@ -373,14 +405,21 @@ class SimGroup:
             self.members, 0
         )  # each member's own DP steps since the last mixed step
         paused_kv = 0 if self.adopt else sum(e.dp.kv_used for e in engines)
-        cap = len(self.members) * sim.kv_per_engine - paused_kv
+        parked_kv = sum(e.parked_kv - e.parked.get(bind.resume, 0) for e in engines)  # other parked requests'
+        cap = len(self.members) * sim.kv_per_engine - paused_kv - parked_kv
         threshold = sim.cfg.sp_threshold if bind.sp_threshold is None else bind.sp_threshold
         self.unit = Unit(
             sim, len(self.members), cap, merged, self.boundary, shift, sp_threshold=threshold * merged
         )
-        self.release_asked = self.retract = self.scatter = False
+        self.release_asked = self.retract = self.scatter = self.park = False
         self.formed = False
         self.transform_ms = 0.0
+        if bind.resume in sim.parked:  # the requests parked at that epoch's release continue here
+            back = sim.unpark(bind.resume)
+            started = [r for r in back if r.started == r.started]  # (NaN: never admitted)
+            self.unit.running += started
+            self.unit.queue += [r for r in back if r not in started]
+            self.unit.kv_used += sum(r.kv for r in started)
         if self.adopt:  # the members' DP requests become this group's, KV by head slices
             tokens: list[float] = []
             for e in engines:
@@ -407,7 +446,15 @@ class SimGroup:
             for e in members:  # its own requests get what the group's share of its KV leaves
                 e.dp.kv_cap = kv - share
         delay = 0.0
-        if self.release_asked and (self.retract or self.scatter) and (self.unit.running or self.unit.queue):
+        moving = self.retract or self.scatter or self.park
+        if self.release_asked and self.park and self.prefilling_long():
+            self.requeue_prefilling()
+        if (
+            self.release_asked
+            and moving
+            and (self.unit.running or self.unit.queue)
+            and not self.prefilling_long()
+        ):
             delay = self.move_out()
             self.sim.note_states()
         if self.release_asked and not self.unit.running and not self.unit.queue:
@@ -423,6 +470,22 @@ class SimGroup:
             else:
                 self.unit.step()
             self.trim_caches()
+
+    def prefilling_long(self) -> bool:
+        """Parking: a request no engine holds alone is in its prefill (the workers park between whole requests'
+        steps: the group steps on until that prefill ends)."""
+        kv = self.sim.kv_per_engine
+        return self.park and any(r.kv > kv and r.prefilled < r.spec.prompt for r in self.unit.running)
+
+    def requeue_prefilling(self) -> None:
+        """Parking: a request no engine holds alone that is still in its prefill ends on the group as its members'
+        loss would end it (no token streamed yet): the gateway queues it again, and it starts over later."""
+        kv, sim = self.sim.kv_per_engine, self.sim
+        for r in [r for r in self.unit.running if r.kv > kv and r.prefilled < r.spec.prompt]:
+            self.unit.running.remove(r)
+            self.unit.kv_used -= r.kv
+            r.prefilled = 0
+            sim.requeue(r)
 
     def waits(self) -> bool:
         """The members (with DP work kept) wait for the group's next mixed step instead of stepping on their own:
@@ -489,7 +552,12 @@ class SimGroup:
         """Release at once: every TP request goes back to DP on its owner, by scatter (its KV moves there if the
         owner's free KV holds it whole) or else retracted (recomputed there). Returns the transformation's ms."""
         sim = self.sim
-        scatter = self.scatter and all(sim.engines[m].transforms for m in self.members)
+        scatter = (self.scatter or self.park) and all(sim.engines[m].transforms for m in self.members)
+        parked = [r for r in self.unit.running + self.unit.queue if self.park and r.kv > sim.kv_per_engine]
+        if parked:  # no engine holds them alone: they stay where they are, KV kept, until a resume
+            self.unit.running = [r for r in self.unit.running if r not in parked]
+            self.unit.queue = [r for r in self.unit.queue if r not in parked]
+            sim.park(self, parked)
         owned = dict.fromkeys(self.members, 0)
         moved: dict[int, list[Req]] = {m: [] for m in self.members}
         retracted: dict[int, list[Req]] = {m: [] for m in self.members}

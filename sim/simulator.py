@@ -52,7 +52,7 @@ from router.decision import Decision, ReleaseCause, plan
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
 from sim.config import Mode, SimConfig
-from sim.engine import Engine, Req, SimGroup
+from sim.engine import Engine, Req, SimGroup, kv_in_use
 from sim.workload import SimRequest
 
 __all__ = ["Mode", "SimConfig", "SimDecision", "SimRequest", "Simulator"]
@@ -103,6 +103,9 @@ class Simulator:
         self.dp_rules: collections.Counter[str] = collections.Counter()  # DP dispatches by Dispatch.rule
         self.epochs = itertools.count(1)
         self.groups: dict[int, SimGroup] = {}
+        self.parked: dict[
+            int, tuple[tuple[int, ...], list[Req]]
+        ] = {}  # epoch -> (members, its parked requests)
         self.tp_load: dict[int, list[int]] = {}
         self.tp_max: dict[int, int] = {}  # epoch -> the largest request one engine holds it was sent
         self.tp_long: dict[int, dict[int, int]] = {}  # epoch -> its unfinished long requests' KV, by request
@@ -257,6 +260,9 @@ class Simulator:
         self.state = p.state
         self.log += [(self.now, str(n)) for n in p.events]
         self.note_decisions(d, p.binds)
+        for g in p.binds:
+            if g.resumes in self.parked:  # the router counts the parked requests as the new group's
+                self.carry(g.resumes, g.epoch)
         for members, cmd in p.sends:
             if self.check and (getattr(cmd, "adopt", False) or getattr(cmd, "scatter", False)):
                 lacking = [m for m in members if not self.engines[m].transforms]
@@ -324,12 +330,69 @@ class Simulator:
         for m in g.members:
             e = self.engines[m]
             e.group, e.beat_ts = None, self.now
-            e.dp.admit, e.dp.kv_cap = True, self.kv_per_engine
+            e.dp.admit, e.dp.kv_cap = True, self.kv_per_engine - e.parked_kv
             e.resume()
         for m in g.members:
             self.engines[m].boundary()
         self.note_states()
         self.poke_router()
+
+    # --- parking --------------------------------------------------------------------------------------------
+
+    def park(self, g: SimGroup, reqs: list[Req]) -> None:
+        """``reqs`` stay on ``g``'s members, each holding its head slices of their KV, until a bind resumes them."""
+        self.parked[g.epoch] = (g.members, reqs)
+        share = -(-sum(kv_in_use(r) for r in reqs) // len(g.members))
+        for m in g.members:
+            self.engines[m].parked[g.epoch] = share
+        self.stats["parked"] += len(reqs)
+
+    def unpark(self, epoch: int) -> list[Req]:
+        members, reqs = self.parked.pop(epoch)
+        for m in members:
+            self.engines[m].parked.pop(epoch, None)
+        self.stats["resumed"] += len(reqs)
+        return reqs
+
+    def carry(self, old: int, new: int) -> None:
+        """The bind of epoch ``new`` resumes ``old``'s parked requests: every unfinished request dispatched to
+        ``old`` counts as ``new``'s from now on (as the live router counts them: by the epoch of their dispatch,
+        ``Group.carries``)."""
+        for r in self.reqs:
+            if r.epoch == old and not r.done:
+                r.epoch = new
+        if old in self.tp_load:
+            load = self.tp_load.setdefault(new, [0, 0])
+            n, kv = self.tp_load.pop(old)
+            load[0] += n
+            load[1] += kv
+        self.tp_long.setdefault(new, {}).update(self.tp_long.pop(old, {}))
+        if old in self.tp_max:
+            self.tp_max[new] = max(self.tp_max.get(new, 0), self.tp_max.pop(old))
+
+    def requeue(self, r: Req) -> None:
+        """``r`` ended on its engine before its first token (a group gave it up): the gateway queues it again."""
+        if r.epoch:
+            load = self.tp_load[r.epoch]
+            load[0] -= 1
+            load[1] -= r.kv
+            self.tp_long.get(r.epoch, {}).pop(r.i, None)
+        self.engines[r.engine].assigned -= 1
+        self.dispatched.discard(r.i)
+        r.engine, r.epoch, r.started = -1, 0, float("nan")
+        self.queue[PRIORITY_CLASS[r.spec.priority]][r.q.id] = r
+        self.stats["requeued"] += 1
+        self.poke_router()
+
+    def discard(self, epoch: int) -> None:
+        """The router ended ``epoch``'s parked requests (a member was lost): they end unserved."""
+        if epoch not in self.parked:
+            return
+        for r in self.unpark(epoch):
+            r.done = True
+            self.finished += 1
+            self.engines[r.engine].assigned -= 1
+        self.stats["parked_lost"] += 1
 
     def _static_groups(self, w: int, shift: bool) -> None:
         """Static groups of ``w`` engines, inside each node."""
@@ -350,6 +413,8 @@ class Simulator:
     def check_invariants(self) -> None:
         seen: dict[int, int] = {}
         for g in self.records.values():
+            if g.state == "parked":  # (released: its members serve DP, and resume it)
+                continue
             assert len({self.cfg.node_of(m) for m in g.members}) == 1, (
                 f"epoch {g.epoch} spans nodes {g.members}"
             )

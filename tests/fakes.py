@@ -25,6 +25,7 @@ class FakeReq:
     movable: bool = True
     finished_reason: str | None = None
     row: int = -1
+    need: int = 0  # KV tokens it may come to hold (prompt and max_new_tokens)
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -37,6 +38,7 @@ class FakeEngine:
     running_reqs: list[FakeReq] = field(default_factory=list)
     waiting_reqs: list[FakeReq] = field(default_factory=list)
     clean: bool = True  # at a clean step boundary
+    chunked: FakeReq | None = None  # the request in chunked prefill
     kv_free: int = 1 << 20  # slots alloc_slots can still give
     aborts_in: list[list[str]] = field(default_factory=list)  # the aborts receive() returns, call by call
     new_in: list[list[FakeReq]] = field(
@@ -161,6 +163,9 @@ class FakeEngine:
     def kv_length(self, req: FakeReq) -> int:
         return req.kv_len
 
+    def kv_need(self, req: FakeReq) -> int:
+        return req.need or req.kv_len
+
     def kv_slots(self, req: FakeReq) -> torch.Tensor:
         return torch.arange(req.kv_len)
 
@@ -253,6 +258,18 @@ class FakeEngine:
         self.end_group_lost(reqs)
         self.running_reqs, self.waiting_reqs = [], []
         return [r.rid for r in reqs]
+
+    def chunked_request(self) -> FakeReq | None:
+        return self.chunked
+
+    def group_lost_reason(self, message: str) -> str:
+        return "group lost"
+
+    def abort_chunked(self, message: str) -> None:
+        if self.chunked is not None:
+            self.chunked.finished_reason = "group lost"
+            self.lost.append(self.chunked.rid)
+            self.chunked = None
 
     def abort_batch(self, message: str) -> None:
         self.calls.append(f"abort_batch {message}")
@@ -392,16 +409,23 @@ class FakeSub:
     def __init__(self, width: int) -> None:
         self.width = width
         self.base = self
-        self.free = 1000
+        self.available = 1000
+        self.freed: list[int] = []  # virtual slots given back through it
 
     def available_size(self) -> int:
-        return self.free
+        return self.available
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.freed += slots.tolist()
 
     def alloc(self, n: int) -> torch.Tensor:
         return torch.arange(n)
 
     def take_over(self, slots: torch.Tensor, keep: int) -> torch.Tensor:
         return slots
+
+    def physical_in_use(self) -> int:
+        return 0
 
 
 class FakeLayout:
@@ -415,10 +439,10 @@ class FakeLayout:
         self.sub: FakeSub | None = None
         self.available = 1000
 
-    def bind(self, width: int, rank: int, group: Any) -> FakeSub:
+    def bind(self, width: int, rank: int, group: Any, sub: FakeSub | None = None) -> FakeSub:
         self.width = self.weights_width = width
         self.rank = rank
-        self.sub = FakeSub(width)
+        self.sub = sub if sub is not None else FakeSub(width)
         self.kept_back = 0
         return self.sub
 

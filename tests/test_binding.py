@@ -399,3 +399,115 @@ def test_a_lost_peer_is_logged_in_one_line_and_a_fault_of_this_member_with_its_t
         b.on_step([Bind(epoch=1, members=(0, 1))])
     (fault,) = [r for r in caplog.records if "aborted" in r.getMessage()]
     assert fault.exc_info is not None and "FollowerOutOfKV" in fault.getMessage()
+
+
+def test_a_parking_release_sets_aside_what_no_member_holds_alone_and_a_resume_continues_it():
+    b, engine, group, layout, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    long = FakeReq("tp-long", kv_len=6, need=5000, row=3)  # more than the engine's 4,096 KV tokens
+    engine.running_reqs = [long]
+    sub = layout.sub
+    b.on_step([Release(epoch=1, park=True)])
+    plan = group.sent[-1]
+    assert isinstance(plan, ReleasePlan) and plan.parked == ["tp-long"] and plan.scatter == []
+    assert b.epoch is None and engine.running_reqs == [] and long.kv_len == 6  # out of the batch, KV kept
+    st = b.status()
+    assert (st["mode"], st["parked"], st["park"]) == ("dp", (1,), True)
+    assert not engine.idle_checks  # the parked KV belongs to no request the scheduler knows
+    b.on_step([Bind(epoch=2, members=(0, 1), resume=1)])
+    assert layout.sub is sub  # the parked epoch's slots again, at the same width and rank
+    assert engine.running_reqs == [long] and b.status()["parked"] == () and b.status()["epoch"] == 2
+    b.on_step([Release(epoch=2)])
+    assert b.epoch is not None and b.epoch.release_asked  # it runs on: a plain release waits for it
+
+
+def test_a_parking_release_scatters_the_requests_an_engine_holds_alone():
+    b, engine, group, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    engine.running_reqs = [FakeReq("tp-long", kv_len=6, need=5000), FakeReq("tp-short", kv_len=4, need=100)]
+    b.on_step([Release(epoch=1, park=True)])
+    plan = group.sent[-1]
+    assert plan.parked == ["tp-long"] and [h.rid for h in plan.scatter] == ["tp-short"]
+    assert b.status()["parked"] == (1,)
+
+
+def test_a_release_of_a_parked_epoch_ends_its_requests_and_frees_their_kv():
+    b, engine, _, layout, changes = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    engine.running_reqs = [FakeReq("tp-long", kv_len=6, need=5000, row=engine.alloc_row())]
+    sub = layout.sub
+    b.on_step([Release(epoch=1, park=True)])
+    b.on_step([Release(epoch=1)])  # its group cannot resume (a member is gone)
+    assert engine.lost == ["tp-long"] and sorted(sub.freed) == list(range(6))
+    assert b.status()["parked"] == () and engine.idle_checks and changes[-1] == "dp"
+
+
+def test_a_resume_some_member_cannot_serve_ends_the_parked_requests_and_binds_anyway():
+    b, engine, group, layout, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    engine.running_reqs = [FakeReq("tp-long", kv_len=6, need=5000, row=engine.alloc_row())]
+    b.on_step([Release(epoch=1, park=True)])
+    group.room = [0]  # (the members' answers: the other lost its part, a restart)
+    b.on_step([Bind(epoch=2, members=(0, 1), resume=1)])
+    assert b.status()["epoch"] == 2 and engine.lost == ["tp-long"] and engine.running_reqs == []
+
+
+def test_a_follower_parks_its_rows_and_its_own_requests_and_takes_them_back_on_the_resume():
+    mine = FakeReq("tp-long", output_ids=[1])
+    plans = [
+        Handshake(1),
+        Forward({"tokens": [("tp-long", 4, 4)]}, ["tp-long"]),
+        ReleasePlan(scatter=[], parked=["tp-long"]),
+    ]
+    b, engine, group, _, _ = make(index=1, inbox=plans)
+    b.plans.keep_template({"tokens": []})
+    b.ownership.hold([mine])
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert b.epoch is None and b.status()["parked"] == (1,)
+    assert len(engine.rows_in_use) == 1 and engine.slots_freed == 0  # its rows and slots for it, kept
+    assert mine.finished_reason is None and engine.lost == []
+    group.inbox += [
+        Handshake(2),
+        Forward({"tokens": [("tp-long", 5, 1)]}, ["tp-long"]),
+        Noop([Emitted(rid="tp-long", output_ids=[2])]),
+        ReleasePlan(),
+    ]
+    b.on_step([Bind(epoch=2, members=(0, 1), resume=1)])
+    assert engine.forwards[0][0] == engine.forwards[1][0]  # the same row, grown by the next token
+    assert mine.output_ids == [1, 2] and b.status()["parked"] == ()
+
+
+def test_a_long_request_in_its_prefill_starts_over_later_instead_of_holding_the_park_up():
+    b, engine, group, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    prefilling = FakeReq("tp-long", kv_len=64, need=5000)
+    engine.running_reqs, engine.chunked, engine.clean = [FakeReq("tp-short", kv_len=4)], prefilling, False
+    b.on_step([Release(epoch=1, park=True)])
+    assert engine.lost == ["tp-long"] and b.epoch is not None  # aborted (the gateway queues it again) ...
+    engine.clean = True
+    b.on_step([])
+    assert b.epoch is None and group.sent[-1].parked == []  # ... and the rest scatters at the next boundary
+    assert b.status()["parked"] == ()
+
+
+def test_a_members_request_aborted_in_its_prefill_gets_its_end_through_the_outbox():
+    b, engine, group, _, _ = make()
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    copy = FakeReq("tp-theirs", kv_len=64, need=5000)
+    b.ownership.add_copy(copy, owner=1)
+    engine.running_reqs, engine.chunked, engine.clean = [FakeReq("tp-short", kv_len=4)], copy, False
+    b.plans._last_sent = 0.0
+    b.on_step([Release(epoch=1, park=True)])
+    sent = group.sent[-1]
+    assert isinstance(sent, Noop) and [em.rid for em in sent.emit] == ["tp-theirs"]
+    assert sent.emit[0].finished_reason is not None and not b.ownership.has_copies
+
+
+def test_a_follower_that_reads_the_park_after_carrying_it_out_keeps_what_it_parked():
+    plans = [Handshake(1), Forward({"tokens": [("tp-long", 4, 4)]}, ["tp-long"]),
+             ReleasePlan(scatter=[], parked=["tp-long"])]  # fmt: skip
+    b, engine, _, _, _ = make(index=1, inbox=plans)
+    b.plans.keep_template({"tokens": []})
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    b.on_step([Release(epoch=1, park=True)])  # its own copy of the command, read once back in its loop
+    assert b.status()["parked"] == (1,) and engine.lost == []

@@ -86,10 +86,22 @@ def test_calm_ends_the_wait_and_the_request_binds_the_width_it_needs():
     assert d.state.long_waits["L"] < 0  # ended: it does not wait again
 
 
-def test_the_bound_ends_the_wait_even_under_load_and_then_it_binds_the_width_it_needs():
-    waiting = decide(snap([long()], BUSY_ENGINES), CFG).state
-    d = decide(snap([long()], BUSY_ENGINES, now=130.0, state=waiting), CFG)
+def test_without_parking_the_bound_ends_the_wait_even_under_load_and_then_it_binds_the_width_it_needs():
+    cfg = unit_policy(long_wait_s=30.0, park=False)
+    waiting = decide(snap([long()], BUSY_ENGINES), cfg).state
+    d = decide(snap([long()], BUSY_ENGINES, now=130.0, state=waiting), cfg)
     assert [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
+    assert [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BOUND]
+
+
+def test_past_the_bound_a_busy_regime_holds_it_until_twice_the_bound_then_it_binds_and_is_never_parked():
+    waiting = decide(snap([long()], BUSY_ENGINES), CFG).state
+    assert waiting.busy
+    d = decide(snap([long()], BUSY_ENGINES, now=130.0, state=waiting), CFG)
+    assert not d.binds  # bound now, it would be parked in this burst at once
+    assert not [e for e in d.events if isinstance(e, LongWaitNote)]  # (still the one wait)
+    d = decide(snap([long()], BUSY_ENGINES, now=160.0, state=d.state), CFG)
+    assert [(g.members, g.reason, g.hold) for g in d.binds] == [((0, 1), "long", True)]
     assert [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BOUND]
 
 

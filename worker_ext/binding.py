@@ -10,7 +10,8 @@ of the switching state, each changed only through its own methods:
 - ``Shadows`` / ``StepPlans`` (worker_ext.step_plan): a follower's rows for TP requests, the plans themselves;
 - ``MemberRelay`` (worker_ext.member_relay): what reaches a follower's endpoint (aborts, new requests), relayed
   to the leader;
-- ``Adoption`` (worker_ext.adoption): the KV transformation at bind (adopt) and release (scatter).
+- ``Adoption`` (worker_ext.adoption): the KV transformation at bind (adopt) and release (scatter);
+- ``Parking`` (worker_ext.parking): requests parked at a release, KV kept, until a bind resumes them.
 
 Everything SGLang is reached through one ``SchedulerSurface`` (worker_ext.sglang_patches.surface).
 
@@ -22,8 +23,10 @@ forward and samples; followers leave their loop and execute the plans (:meth:`Bi
 broadcasts the release. Each request streams from the engine it arrived on.
 
 Release (leader): once its TP requests have finished; at once by retraction (they are recomputed in DP on the
-leader); or at once by scatter (they continue in DP on their owners, KV moved). Every member then restores its DP
-layout and resumes its paused DP work, KV intact.
+leader); or at once by scatter (they continue in DP on their owners, KV moved); or at once by parking (those no
+member holds alone stay where they are, KV kept, the rest scatter). Every member then restores its DP layout and
+resumes its paused DP work, KV intact. A bind with ``resume`` installs the parked epoch's KV allocator again and
+continues its requests.
 
 A member that dies or stalls makes the pooled group's next operation fail (at once for a dead process, after the
 group timeout for a hung one): the survivors abort the epoch, go back to DP and abort their TP requests.
@@ -44,6 +47,7 @@ from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import Held
 from worker_ext.member_relay import MemberRelay
 from worker_ext.ownership import Ownership
+from worker_ext.parking import Parking
 from worker_ext.preemption import PendingBind
 from worker_ext.rank_messages import Forward, Handshake, Noop, ReleasePlan
 from worker_ext.sequence_parallel import StepMode, choose_mode
@@ -86,6 +90,7 @@ class Binding:
         self.plans = StepPlans(engine, self.shadows)
         self.relay = MemberRelay(engine, index, pool)
         self.adoption = Adoption(engine, index, layout, self.ownership, self.shadows)
+        self.parking = Parking(engine, index)
         self.epoch: Epoch | None = None
         self.last_epoch = 0  # the newest epoch this engine has bound (or seen rolled back)
         self._stash: Stash | None = None  # the paused DP work, while bound
@@ -117,6 +122,8 @@ class Binding:
                 {"max_total_tokens": self._dp_limits.max_total_tokens} if e and self._dp_limits else {}
             ),  # its own, not the group's
             "kv_transform": True,
+            "park": True,
+            "parked": self.parking.epochs(),
             "steps_tp": self.steps[StepMode.TP],
             "steps_sp": self.steps[StepMode.SP],
             **({"comm_ms": {k: round(v, 3) for k, v in e.group.spent_ms.items()}} if e else {}),
@@ -149,13 +156,21 @@ class Binding:
 
     def _take(self, cmd: Command) -> None:
         e = self.epoch
+        if isinstance(cmd, Release) and cmd.epoch in self.parking and not cmd.park:
+            # a plain release of a parked epoch: its group cannot resume, its requests end (a follower reads the
+            # park itself only after its leader has carried it out: that one changes nothing)
+            self.parking.discard(cmd.epoch, "released by the router")
+            if self.epoch is None and not self.parking:
+                self.engine.resume_idle_checks()
+            self.on_change()
+            return
         match intake(cmd, self.index, self.last_epoch, e.epoch if e else 0, self.pending.epoch):
             case Intake.BIND if isinstance(cmd, Bind):
                 self.pending.accept(cmd)
             case Intake.WIDTH_CHANGE if isinstance(cmd, Bind) and e is not None:
                 e.ask_width_change(cmd)
             case Intake.RELEASE if isinstance(cmd, Release) and e is not None:
-                e.ask_release(cmd.retract, cmd.scatter)
+                e.ask_release(cmd.retract, cmd.scatter, cmd.park)
             case Intake.CANCEL:  # the router rolled the bind back before this engine applied it
                 self.last_epoch = max(self.last_epoch, self.pending.cancel())
                 self.on_change()
@@ -164,6 +179,8 @@ class Binding:
         """Leader, bound, at a step boundary."""
         live = bool(self.engine.live_rids())
         clean = self.engine.at_clean_step_boundary()
+        if e.park and not clean:  # a long request in its prefill would hold the park up: it starts over later
+            self.parking.requeue_prefilling(self._dp_limits_now().max_total_tokens, self.ownership)
         action = e.next_action(live, self.ownership.has_copies) if clean else Leave.STAY
         if (
             action is Leave.SCATTER
@@ -171,6 +188,13 @@ class Binding:
             held = self.adoption.scatter_manifest()
             e.group.broadcast_object(ReleasePlan(e.next_bind, held, self.ownership.take_outbox()))
             self._scatter_and_leave(held, e.next_bind)
+        elif action is Leave.PARK:  # at once: those no member holds alone stay, KV kept; the rest scatter
+            rids = self.parking.to_park(self._dp_limits_now().max_total_tokens)
+            if rids:
+                self.parking.park(e, rids, self.layout.sub_allocator(), self.ownership, self.shadows)
+            held = self.adoption.scatter_manifest()
+            e.group.broadcast_object(ReleasePlan(None, held, self.ownership.take_outbox(), sorted(rids)))
+            self._scatter_and_leave(held, None)
         elif action is Leave.RETRACT:
             # SGLang's retraction frees their TP KV; after the release they are recomputed in DP, here
             moved = self.engine.retract_running() + self.engine.hold_waiting()
@@ -201,6 +225,9 @@ class Binding:
                     raise RuntimeError(f"epoch {e.epoch}: unexpected message from the leader: {msg!r}")
                 self.ownership.deliver(msg.emit)
                 self.relay.forward(e, self.ownership)  # its own clients' input (its loop cannot read it)
+                if isinstance(msg, ReleasePlan) and msg.parked:
+                    sub = self.layout.sub_allocator()
+                    self.parking.park(e, set(msg.parked), sub, self.ownership, self.shadows)
                 if isinstance(msg, ReleasePlan) and msg.scatter is not None:
                     self._scatter_and_leave(msg.scatter, msg.next)
                     return
@@ -282,7 +309,9 @@ class Binding:
             self._dp_limits = self.engine.request_limits()
         self.engine.queue_front(restart)
         self.engine.set_request_limits(self._dp_limits_now(), width)
-        sub = self.layout.bind(width, rank, group)
+        parked = self.parking.holds(cmd.resume, tuple(cmd.members), rank) if cmd.resume else False
+        resumed = self.parking.sub_for(cmd.resume, tuple(cmd.members), rank) if parked else None
+        sub = self.layout.bind(width, rank, group, resumed)
         self.engine.bypass_prefix_cache(sub.base, width)  # the DP prefix tree: kept, not used by TP requests
         threshold = self.sp_threshold if cmd.sp_threshold is None else cmd.sp_threshold
         self.epoch = e = Epoch(cmd.epoch, tuple(cmd.members), rank, group, sp_threshold=threshold)
@@ -294,6 +323,8 @@ class Binding:
                 self.engine.apply_output_filter(self.ownership.divert)
             if cmd.adopt:
                 self._adopt(e, work)
+            if cmd.resume:
+                self._resume(e, cmd.resume, parked)
             self._match_headroom(e)
         except NotEntered as exc:
             self._undo_bind(exc)
@@ -328,6 +359,14 @@ class Binding:
         if e is not None:
             self.pool.reset(e.group, e.epoch)
             self._unbind("bind undone")
+
+    def _resume(self, e: Epoch, epoch: int, mine: bool) -> None:
+        """Collective: the requests parked at ``epoch`` continue in ``e`` if every member holds its part of them
+        (``mine``: this one does); else they end (a member restarted since: its slices are gone)."""
+        if all(e.group.all_gather_object(mine)):
+            self.parking.resume(epoch, e, self.ownership, self.shadows)
+        elif mine:
+            self.parking.discard(epoch, f"a member of epoch {e.epoch} lost its part of them")
 
     def _match_headroom(self, e: Epoch) -> None:
         """Collective: every member's KV headroom (free and evictable, in virtual slots) to all. The leader keeps
@@ -410,7 +449,8 @@ class Binding:
         self.layout.release_weights()
         if self._stash is not None:
             self.engine.restore_dp_work(self._stash)
-        self.engine.resume_idle_checks()
+        if not self.parking:  # (parked KV is held by no request: the idle checks would call it a leak)
+            self.engine.resume_idle_checks()
         self.engine.set_request_limits(self._dp_limits_now(), 1)
         self._stash = None
 

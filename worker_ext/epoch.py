@@ -28,6 +28,7 @@ class Leave(Enum):
     STAY = "stay"  # nothing asked, or not possible yet
     SCATTER = "scatter"  # every TP request continues in DP on its owner, KV moved
     RETRACT = "retract"  # the TP requests are recomputed in DP on the leader
+    PARK = "park"  # those no member holds alone stay parked, KV kept; the rest scatter
     DRAINED = "drained"  # no TP request is left: release (or change width) at once
 
 
@@ -41,6 +42,7 @@ class Epoch:
     release_asked: bool = False
     retract: bool = False  # release at once: the TP requests are recomputed in DP on the leader
     scatter: bool = False  # release at once: the TP requests go back to DP on their owners with their KV
+    park: bool = False  # release at once: as scatter, and those no member holds alone are parked (KV kept)
     next_bind: Bind | None = None  # a width change: go straight to this group once released
     failed: BaseException | None = (
         None  # the group broke mid-step (leader): end the epoch at the next boundary
@@ -54,8 +56,8 @@ class Epoch:
     def leader(self) -> bool:
         return self.rank == 0
 
-    def ask_release(self, retract: bool = False, scatter: bool = False) -> None:
-        self.release_asked, self.retract, self.scatter = True, retract, scatter
+    def ask_release(self, retract: bool = False, scatter: bool = False, park: bool = False) -> None:
+        self.release_asked, self.retract, self.scatter, self.park = True, retract, scatter, park
 
     def ask_width_change(self, cmd: Bind) -> None:
         self.next_bind, self.release_asked = cmd, True
@@ -72,6 +74,8 @@ class Epoch:
         if not live:
             return Leave.DRAINED
         adopting = self.next_bind is not None and self.next_bind.adopt
+        if self.park and self.next_bind is None:
+            return Leave.PARK
         if self.scatter or (self.retract and has_copies) or adopting:
             return Leave.SCATTER
         if self.retract:

@@ -44,6 +44,8 @@ class Load(TypedDict, total=False):
     num_engines: int
     pool_first: int
     kv_transform: bool
+    park: bool
+    parked: tuple[int, ...]
     transform_ms: float
     transform_tokens: int
     transform_peak_bytes: int

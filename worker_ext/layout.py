@@ -48,11 +48,14 @@ class Layout:
         self._sp: SPStep | None = None  # while bound: the group, this member's rank and the width
         self.mode = StepMode.TP
 
-    def bind(self, width: int, rank: int, group: Any) -> kv_layout.SubSlotAllocator:
-        """Rank ``rank`` of a group of ``width``; returns the sub-slot allocator now installed."""
+    def bind(
+        self, width: int, rank: int, group: Any, sub: kv_layout.SubSlotAllocator | None = None
+    ) -> kv_layout.SubSlotAllocator:
+        """Rank ``rank`` of a group of ``width``; returns the sub-slot allocator now installed (``sub``: a parked
+        epoch's, at the same width, whose slots hold its requests' KV: a resume)."""
         self.weights.activate(width, rank)
         self._set(width, group)
-        self._sub = memory_pool.install_sub_allocator(self._allocator, width)
+        self._sub = memory_pool.install_sub_allocator(self._allocator, width, sub)
         self._sp, self.mode = SPStep(group, rank, width), StepMode.TP
         return self._sub
 

@@ -51,6 +51,10 @@ class Ownership:
             del self._owners[req.rid], self._sent[req.rid]
         return True
 
+    def send(self, em: Emitted) -> None:
+        """Leader: ``em`` goes to its owner with the next message (an end the output path does not see)."""
+        self._outbox.append(em)
+
     @property
     def has_outbox(self) -> bool:
         return bool(self._outbox)
@@ -58,6 +62,16 @@ class Ownership:
     def take_outbox(self) -> list[Emitted]:
         out, self._outbox = self._outbox, []
         return out
+
+    def take_copies(self, rids: set[str]) -> dict[str, tuple[int, tuple[int, int]]]:
+        """Leader: hand over whom ``rids`` are run for and what was sent of them (parked)."""
+        out = {rid: (self._owners.pop(rid), self._sent.pop(rid)) for rid in list(self._owners) if rid in rids}
+        return out
+
+    def put_copies(self, copies: dict[str, tuple[int, tuple[int, int]]]) -> None:
+        """Leader: take back copies handed over by :meth:`take_copies` (resumed)."""
+        for rid, (owner, sent) in copies.items():
+            self._owners[rid], self._sent[rid] = owner, sent
 
     def forget_copies(self) -> None:
         """The epoch ends: no copies, nothing left to send."""
@@ -113,6 +127,10 @@ class Ownership:
         for r in left:
             del self._owned[r.rid]
         return left
+
+    def take_owned_of(self, rids: set[str]) -> dict[str, Req]:
+        """Follower: hand over its own requests among ``rids`` (parked)."""
+        return {rid: self._owned.pop(rid) for rid in list(self._owned) if rid in rids}
 
     def take_owned(self) -> dict[str, Req]:
         owned, self._owned = self._owned, {}

@@ -38,11 +38,13 @@ class Noop(msgspec.Struct):
 
 class ReleasePlan(msgspec.Struct):
     """End the epoch. ``next``: a width change into that group. ``scatter``: the TP requests go back to DP on
-    their owners with their KV (see worker_ext.adoption.scatter)."""
+    their owners with their KV (see worker_ext.adoption.scatter). ``parked``: these stay parked first, their KV
+    where it is (worker_ext.parking)."""
 
     next: Bind | None = None
     scatter: list[Held] | None = None
     emit: list[Emitted] = []
+    parked: list[str] = []
 
 
 class AdoptManifest(msgspec.Struct):

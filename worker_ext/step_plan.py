@@ -83,6 +83,14 @@ class Shadows:
     def free_all(self) -> None:
         self.free_except(set())
 
+    def take(self, rids: set[str]) -> dict[str, ShadowReq]:
+        """Hand over the rows and slots of ``rids`` (parked: worker_ext.parking keeps them)."""
+        return {rid: self._by_rid.pop(rid) for rid in list(self._by_rid) if rid in rids}
+
+    def put(self, shadows: dict[str, ShadowReq]) -> None:
+        """Take back rows and slots handed over by :meth:`take` (resumed)."""
+        self._by_rid.update(shadows)
+
 
 class StepPlans:
     """The plan side of a bound group: the leader sends one before each forward (and keepalives when idle); a

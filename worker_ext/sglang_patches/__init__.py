@@ -368,6 +368,24 @@ def abort_batch(scheduler: Any, message: str) -> None:
         req.to_finish = group_lost(message)
 
 
+def chunked_request(scheduler: Any) -> Any:
+    """The request whose prefill is in chunks between two steps (None: none)."""
+    return scheduler.chunked_req
+
+
+def abort_chunked(scheduler: Any, message: str) -> None:
+    """End the request in chunked prefill with the group-lost abort (no token of it was streamed: the gateway
+    queues it again), through SGLang's own deferred abort of a chunked prefill: at the top of the next step its
+    next chunk is not launched, its KV so far is freed and its client gets the abort."""
+    require(
+        hasattr(scheduler, "_pending_chunked_abort_req"), "the scheduler's deferred chunked-prefill abort"
+    )
+    req = scheduler.chunked_req
+    if req is not None:
+        req.discard_output_reason = group_lost(message)
+        scheduler._pending_chunked_abort_req = req
+
+
 def drop_tp_requests(scheduler: Any) -> list[str]:
     """After an aborted epoch: take the leader's TP requests out of its queues (their KV lives in the TP view,
     freed with it) and report them aborted to their clients."""

@@ -36,9 +36,15 @@ class BaseAllocator:
 _SWAPPED = ("alloc", "free", "available_size")
 
 
-def install_sub_allocator(allocator: Any, width: int) -> kv_layout.SubSlotAllocator:
-    """Every user of the engine's allocator (scheduler, tree cache, batches) now gets virtual slots of ``width``."""
-    sub = kv_layout.SubSlotAllocator(BaseAllocator(allocator), width)
+def install_sub_allocator(
+    allocator: Any, width: int, sub: kv_layout.SubSlotAllocator | None = None
+) -> kv_layout.SubSlotAllocator:
+    """Every user of the engine's allocator (scheduler, tree cache, batches) now gets virtual slots of ``width``
+    (``sub``: an allocator of that width installed before, whose slots are still in use: a resume)."""
+    if sub is None:
+        sub = kv_layout.SubSlotAllocator(BaseAllocator(allocator), width)
+    elif sub.width != width:
+        raise ValueError(f"a sub-slot allocator of width {sub.width} cannot serve width {width}")
     allocator.alloc, allocator.free, allocator.available_size = sub.alloc, sub.free, sub.available_size
     return sub
 

@@ -67,6 +67,11 @@ class Emitted(msgspec.Struct, kw_only=True):
     finished_len: int | None = None
 
 
+def kv_need(req: Any) -> int:
+    """KV tokens the request may come to hold: its prompt and ``max_new_tokens``."""
+    return len(req.origin_input_ids) + int(req.sampling_params.max_new_tokens or 0)
+
+
 def adoptable(req: Any) -> bool:
     """A request another member can take over as it is: no grammar, custom logit processor, multimodal input or
     hidden-state capture (their state lives in objects of this process)."""

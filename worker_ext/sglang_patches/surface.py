@@ -17,9 +17,11 @@ import torch
 from worker_ext.sglang_patches import (
     RequestLimits,
     abort_batch,
+    abort_chunked,
     at_clean_step_boundary,
     batch_fields,
     batch_tokens,
+    chunked_request,
     decoder_layers,
     drop_tp_requests,
     empty_stash,
@@ -89,6 +91,7 @@ class SchedulerSurface(Protocol):
     # --- one request's KV and state -------------------------------------------------------------------------
     def adoptable(self, req: Req) -> bool: ...
     def kv_length(self, req: Req) -> int: ...
+    def kv_need(self, req: Req) -> int: ...
     def kv_slots(self, req: Req) -> torch.Tensor: ...
     def kv_row(self, req: Req) -> int: ...
     def detach_kv(self, req: Req) -> tuple[int, int]: ...
@@ -117,6 +120,9 @@ class SchedulerSurface(Protocol):
     def end_group_lost(self, reqs: list[Req]) -> None: ...
     def drop_tp_requests(self) -> list[str]: ...
     def abort_batch(self, message: str) -> None: ...
+    def chunked_request(self) -> Req | None: ...
+    def group_lost_reason(self, message: str) -> Any: ...
+    def abort_chunked(self, message: str) -> None: ...
     def receive(self) -> Received: ...
     def abort(self, rid: str) -> None: ...
     def end_aborted(self, reqs: list[Req]) -> None: ...
@@ -251,6 +257,9 @@ class SGLangScheduler:
     def kv_length(self, req: Req) -> int:
         return rq.kv_length(req)
 
+    def kv_need(self, req: Req) -> int:
+        return rq.kv_need(req)
+
     def kv_slots(self, req: Req) -> torch.Tensor:
         return rq.kv_slots(self.s, req)
 
@@ -328,6 +337,15 @@ class SGLangScheduler:
 
     def abort_batch(self, message: str) -> None:
         abort_batch(self.s, message)
+
+    def chunked_request(self) -> Req | None:
+        return chunked_request(self.s)
+
+    def group_lost_reason(self, message: str) -> Any:
+        return group_lost(message)
+
+    def abort_chunked(self, message: str) -> None:
+        abort_chunked(self.s, message)
 
     def receive(self) -> Received:
         """A follower, between the leader's messages: its clients' aborts and new requests."""

@@ -1,0 +1,125 @@
+"""Parked groups: a long-context request set aside for a burst, its KV kept where it is (paper section 5, long
+context; the mechanism: ``Release.park`` and ``Bind.resume``, worker_ext.parking).
+
+A group running a request no engine holds alone can be released neither by scatter nor by retraction, so under
+busy load it used to serve through the burst until that request ended, leaving the burst fewer DP engines. Where
+every member reports ``park``, such a group is *parked* instead (:func:`release_mode`): its other requests
+scatter to their owners, the long ones stay where they are (their KV head slices on every member, no steps), and
+the members serve the burst in DP. The group's record stays, in state ``parked``, while the members report the
+parked epoch; its members bind into no other group meanwhile. Once load is light again the same members bind in
+the same order with ``Bind.resume`` (:func:`resume`), and the parked requests continue where they stopped.
+
+A member that is gone, or no longer reports the parked epoch (restarted: its slices are lost), ends them: the
+survivors get the epoch's release, which aborts the parked requests and frees their KV (:func:`reconcile`).
+"""
+
+from __future__ import annotations
+
+from flying.messages import Group, Release
+from router import long_wait  # noqa: F401  (a cycle: long_wait imports this module)
+from router.decision import ReleaseCause, ReleaseMode, ReleaseNote
+from router.round import Round, replace_group
+
+
+def can_park(rnd: Round, g: Group) -> bool:
+    """``g``'s members all park (``Release.park``), the policy parks, and ``g`` serves no high-priority request
+    no engine holds alone (that one runs on: parking it would cost it the burst's length)."""
+    return rnd.cfg.park and not g.hold and all(m in rnd.live and rnd.live[m].park for m in g.members)
+
+
+def surge(rnd: Round) -> bool:
+    """A burst, by the regime's own measure (admissions above ``busy_rate`` per engine, or demand above
+    ``busy_load`` of the groups' capacity), not merely a queue: a group serving a long request holds fewer
+    requests, so its own queue would park it under light load."""
+    cfg, n = rnd.cfg, len(rnd.live)
+    if cfg.regime == "rate":
+        return rnd.out.state.rate > cfg.busy_rate * n
+    return long_wait.demand(rnd) > cfg.busy_load * cfg.tp_inflight_per_engine * n
+
+
+def holds_off(rnd: Round, waited: float) -> bool:
+    """Load is busy and groups are parked in it: a long request of normal priority that has waited ``waited``
+    seconds does not start yet, even past ``long_wait_s`` (it would be parked at once, or run through the burst);
+    it starts once load is light, or after twice ``long_wait_s`` whatever the load (then it is never parked)."""
+    return rnd.cfg.park and rnd.out.state.busy and waited < 2 * rnd.cfg.long_wait_s
+
+
+def release_mode(rnd: Round, g: Group) -> ReleaseMode:
+    """How to release at once a group holding a request no engine holds alone: park it where the members can,
+    else wait for that request to end."""
+    return ReleaseMode.PARK if can_park(rnd, g) else ReleaseMode.WAIT
+
+
+def settle(rnd: Round, g: Group) -> None:
+    """``g`` (released by parking) has left its epoch on every member: keep its record as ``parked`` while they
+    report its requests parked, else (nothing was left to park) drop it."""
+    if any(g.epoch in rnd.live[m].parked for m in g.members if m in rnd.live):
+        rnd.put(replace_group(g, state="parked", since=rnd.now))
+    else:
+        rnd.drop(g)
+
+
+def reconcile(rnd: Round) -> None:
+    """Parked records whose requests cannot resume (a member gone or no longer holding them) end: the members
+    that still hold them get the epoch's release (aborting the parked requests, freeing their KV). So do engines
+    holding parked requests of an epoch no record knows (its record was deleted by hand, say)."""
+    known = {*rnd.parked, *(ep for g in rnd.groups.values() for ep in (g.epoch, *g.carries))}
+    orphans: dict[int, list[int]] = {}
+    for e in rnd.s.engines:
+        for ep in e.parked:
+            if ep not in known:
+                orphans.setdefault(ep, []).append(e.engine)
+    for ep, engines in orphans.items():
+        note = ReleaseNote(ep, tuple(engines), "manual", ReleaseMode.WAIT, ReleaseCause.PARKED_LOST)
+        rnd.out.events.append(note)
+        rnd.out.commands.append((tuple(engines), Release(epoch=ep)))
+    for g in list(rnd.parked.values()):
+        lost = [m for m in g.members if m not in rnd.live or g.epoch not in rnd.live[m].parked]
+        if not lost:
+            continue
+        holders = tuple(m for m in g.members if m in rnd.live and g.epoch in rnd.live[m].parked)
+        rnd.drop(g)
+        note = ReleaseNote(
+            g.epoch, g.members, g.reason, ReleaseMode.WAIT, ReleaseCause.PARKED_LOST, engines=tuple(lost)
+        )
+        rnd.out.events.append(note)
+        if holders:
+            rnd.out.commands.append((holders, Release(epoch=g.epoch)))
+
+
+def running_long(rnd: Round) -> bool:
+    """A group (bound, binding or planned this round) runs a request no engine holds alone."""
+    one = rnd.s.max_kv
+    return any(
+        (g.reason == "long" and g.state == "binding") or rnd.tp_max.get(g.epoch, 0) > one
+        for g in rnd.groups.values()
+    ) or any(g.reason == "long" or g.carries for g in rnd.out.binds)
+
+
+def resume(rnd: Round) -> None:
+    """Calm (a long request's, :func:`router.long_wait.unrest`) and no other long request running: the oldest
+    parked group whose members are free binds again, in the same order, resuming its parked requests; idle members
+    bind at once, busy ones by adoption where they may (their DP work continues in the group), else they drain
+    first."""
+    if rnd.out.state.busy or long_wait.unrest(rnd, turn=False) is not None:
+        return  # (a long request's calm: stricter than light load, so a resume does not meet the next burst)
+    taken = rnd.in_groups()
+    for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):
+        if running_long(rnd):
+            return  # one long group at a time: the others stay parked until it ends
+        ms = g.members
+        if any(
+            m not in rnd.live or rnd.live[m].mode != "dp" or rnd.live[m].pending or m in taken for m in ms
+        ):
+            continue
+        busy = rnd.block_load(ms) > 0
+        adopt = busy and rnd.kv.may_adopt(ms)
+        rnd.drop(g)
+        rnd.bind(
+            ms,
+            g.reason,
+            "sequential" if busy and not adopt else "hard",
+            adopt=adopt,
+            carries=(*g.carries, g.epoch),
+        )
+        taken = rnd.in_groups()

@@ -1,0 +1,125 @@
+"""router.parking: a group serving a request no engine holds alone is parked for a burst (its record kept, its
+members back in DP) and resumed on the same members when calm; a lost member ends its parked requests."""
+
+from __future__ import annotations
+
+from flying.messages import Group, Release, RouterState
+from router.decision import ReleaseCause, ReleaseMode, plan
+from router.engine_view import EngineView
+from router.policy import decide
+from router.round import Round
+from router.snapshot import GroupLoad, Snapshot
+from tests.policy_settings import unit_policy
+
+CFG = unit_policy(long_wait_s=30.0)
+BUSY = RouterState(busy=True)
+LIGHT = RouterState(busy=False)
+LONG = GroupLoad(1, 1500, 1500)  # one request of 1,500 tokens: more than one engine's 1,000
+
+
+def eng(
+    i: int, inflight: int = 0, epoch: int = 0, park: bool = True, parked: tuple[int, ...] = ()
+) -> EngineView:
+    return EngineView(i, f"e{i}", inflight, 1000, 1000, mode="tp" if epoch else "dp", epoch=epoch, num_engines=4,
+                      beat_ts=100.0, kv_transform=True, park=park, parked=parked)  # fmt: skip
+
+
+def snap(engines, groups=(), now=100.0, state=LIGHT, loads=None) -> Snapshot:
+    return Snapshot(now=now, waiting=[], queued=0, engines=engines, groups=list(groups), state=state,
+                    tp_load=loads or {})  # fmt: skip
+
+
+def bound(epoch: int = 3, members=(0, 1), reason="long", since: float = 50.0, **kw) -> Group:
+    return Group(epoch=epoch, members=members, reason=reason, state="bound", since=since, **kw)  # type: ignore[arg-type]
+
+
+def surge(*engines: EngineView) -> Snapshot:
+    """A burst by the demand measure: 21 requests on 4 engines, above the groups' capacity (16)."""
+    return snap(list(engines), [bound()], state=BUSY, loads={3: LONG})
+
+
+def test_a_long_group_is_parked_when_a_burst_comes_where_every_member_parks():
+    d = decide(surge(eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)), CFG)
+    assert [(n.epoch, n.mode, n.cause) for n in d.releases] == [(3, ReleaseMode.PARK, ReleaseCause.LOAD_ROSE)]
+    assert d.commands == [((0, 1), Release(epoch=3, park=True))]
+    assert d.put[3].state == "releasing" and d.put[3].park
+    assert "parking what no owner holds" in str(d.releases[0])
+
+
+def test_it_keeps_serving_where_a_member_cannot_park_or_it_holds_a_high_priority_request_or_only_a_queue_builds():
+    assert not decide(surge(eng(0, 1, 3), eng(1, 0, 3, park=False), eng(2, 10), eng(3, 10)), CFG).releases
+    held = snap([eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)], [bound(hold=True)], state=BUSY,
+                loads={3: LONG})  # fmt: skip
+    assert not decide(held, CFG).releases
+    queue_only = snap([eng(0, 1, 3), eng(1, 0, 3), eng(2), eng(3)], [bound()], state=BUSY, loads={3: LONG})
+    assert not decide(queue_only, CFG).releases  # busy, but no burst: parking would not help
+    assert not decide(
+        surge(eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)), unit_policy(park=False)
+    ).releases
+
+
+def test_a_parked_release_keeps_its_record_while_the_members_report_the_requests_parked():
+    releasing = Group(epoch=3, members=(0, 1), reason="long", state="releasing", since=99.0, park=True)
+    d = decide(snap([eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2), eng(3)], [releasing], state=BUSY), CFG)
+    assert d.put[3].state == "parked" and 3 not in d.drop
+    nothing = decide(snap([eng(0), eng(1), eng(2), eng(3)], [releasing], state=BUSY), CFG)
+    assert nothing.drop == [3]  # nothing was left to park
+
+
+def test_parked_members_serve_dp_but_bind_no_other_group():
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=99.0, park=True)
+    s = snap([eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2), eng(3)], [parked], state=BUSY)
+    rnd = Round(s, CFG)
+    assert rnd.in_groups() == frozenset() and rnd.parked_members() == {0, 1}
+    assert rnd.free_sets(2) == [(2, 3)]
+
+
+def test_calm_resumes_the_parked_group_on_the_same_members_in_the_same_order():
+    parked = Group(
+        epoch=3, members=(1, 0), reason="long", state="parked", since=99.0, park=True, carries=(2,)
+    )
+    d = decide(
+        snap([eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2), eng(3)], [parked], loads={3: LONG}), CFG
+    )
+    assert [(g.members, g.reason, g.carries, g.resumes) for g in d.binds][0] == ((1, 0), "long", (2, 3), 3)
+    assert d.drop == [3]
+    p = plan(d, [7, 8])
+    assert [(ms, c.resume) for ms, c in p.sends][0] == ((1, 0), 3)
+    assert "resumes epoch 3's parked requests" in str(d.events[0])
+
+
+def test_no_resume_while_load_is_busy_or_another_long_request_runs():
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=99.0, park=True)
+    busy = snap(
+        [eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2), eng(3)], [parked], state=BUSY, loads={3: LONG}
+    )
+    assert not decide(busy, CFG).binds
+    other = bound(epoch=4, members=(2, 3))
+    running = snap([eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2, 0, 4), eng(3, 0, 4)], [parked, other],
+                   loads={3: LONG, 4: LONG})  # fmt: skip
+    assert not decide(running, CFG).binds
+
+
+def test_a_parked_group_that_lost_a_member_ends_its_requests_on_the_others():
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=99.0, park=True)
+    d = decide(snap([eng(0, parked=(3,)), eng(2), eng(3)], [parked], state=BUSY), CFG)
+    assert d.drop == [3]
+    assert d.commands == [((0,), Release(epoch=3))]
+    assert [(n.cause, n.engines) for n in d.releases] == [(ReleaseCause.PARKED_LOST, (1,))]
+    restarted = snap([eng(0, parked=(3,)), eng(1), eng(2), eng(3)], [parked], state=BUSY)  # 1 forgot it
+    assert decide(restarted, CFG).commands == [((0,), Release(epoch=3))]
+
+
+def test_engines_holding_parked_requests_no_record_knows_are_told_to_end_them():
+    d = decide(snap([eng(0, parked=(9,)), eng(1, parked=(9,)), eng(2), eng(3)], [], state=BUSY), CFG)
+    assert d.commands == [((0, 1), Release(epoch=9))]
+    carried = Group(epoch=10, members=(0, 1), reason="long", state="binding", since=99.0, carries=(9,))
+    d = decide(snap([eng(0, parked=(9,)), eng(1, parked=(9,)), eng(2), eng(3)], [carried], state=BUSY), CFG)
+    assert not d.commands  # a resume on its way
+
+
+def test_a_long_group_whose_bind_paused_dp_work_is_parked_after_max_defer_s_instead_of_waiting():
+    g = bound(since=90.0)
+    s = snap([eng(0, 2, 3), eng(1, 1, 3), eng(2), eng(3)], [g], state=BUSY, loads={3: LONG})
+    d = decide(s, unit_policy(long_wait_s=30.0, max_defer_s=5.0))
+    assert [(n.mode, n.cause) for n in d.releases] == [(ReleaseMode.PARK, ReleaseCause.DP_DEFERRED)]
