@@ -103,7 +103,8 @@ class PolicyConfig:
     long_wait_s: float = setting(
         180.0,
         "seconds: a long request of normal or low priority waits up to this long for calm (admissions within "
-        "long_calm_rate, small backlog, no other long request running) before it runs; high priority never waits",
+        "long_calm_rate, small backlog, no other long request running) before it runs; where groups are parked, "
+        "while load is busy it waits on, up to twice this; high priority never waits",
     )
     max_defer_s: float = setting(
         5.0, "seconds: a bind pauses DP work at most this long (then released, retracting)"
@@ -144,9 +145,9 @@ class PolicyConfig:
     )
     long_min_width: int = setting(
         4,
-        "engines per normal-priority long-context group at least (a power of two, at most half a node's engines; "
-        "the width its KV needs if wider): parked for a burst, its request's KV head slices leave each member more "
-        "room for DP",
+        "engines per normal-priority long-context group at least, where groups are parked (a power of two, at most "
+        "half a node's engines; the width its KV needs if wider): parked for a burst, its request's KV head slices "
+        "leave each member more room for DP",
     )
     drain_inflight: int = setting(
         0,

@@ -108,6 +108,11 @@ class RouterMetrics:
                 mode = release_mode(releases.get(epoch))
                 self._release_mode[epoch] = mode
                 self.releases.labels(g.reason, mode, "issued").inc()
+            elif (
+                old.state == "releasing" and g.state == "parked"
+            ):  # released: its parked requests keep the record
+                self.releases.labels(old.reason, self._release_mode.pop(epoch, "park"), "done").inc()
+                self.switch.labels("release").observe(max(0.0, now - old.since))
         for epoch in d.drop:
             old = prev.get(epoch)
             if old is not None and old.state == "releasing":
@@ -248,7 +253,13 @@ class ClusterCollector(Collector):
             "Forwards the engine ran as a bound group's member, by step mode: sp (sequence-parallel prefill) or tp",
             labels=["engine", "mode"],
         )
+        parked = GaugeMetricFamily(
+            "flying_engine_parked_epochs",
+            "Parked groups whose requests' KV head slices the engine holds (released for a burst, resumed when calm)",
+            labels=["engine"],
+        )
         for e, hb in beats.items():
+            parked.add_metric([str(e)], len(hb.parked))
             steps.add_metric([str(e), "sp"], hb.steps_sp)
             steps.add_metric([str(e), "tp"], hb.steps_tp)
             current = "tp" if hb.mode == "tp" else "binding" if hb.pending else "dp"
@@ -267,7 +278,7 @@ class ClusterCollector(Collector):
         yield from families.values()
         yield from timings.values()
         yield rebuilds
-        yield from (prompt, cached, ratio, steps)
+        yield from (prompt, cached, ratio, steps, parked)
 
     def _breakers(self) -> GaugeMetricFamily:
         """Each engine's circuit breaker (flying.breaker): 0 closed, 1 half-open (probed), 2 open; engines

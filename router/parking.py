@@ -37,11 +37,16 @@ def surge(rnd: Round) -> bool:
     return long_wait.demand(rnd) > cfg.busy_load * cfg.tp_inflight_per_engine * n
 
 
+def parks(rnd: Round) -> bool:
+    """The policy parks and every live engine does (``Release.park``)."""
+    return rnd.cfg.park and all(e.park for e in rnd.s.engines)
+
+
 def holds_off(rnd: Round, waited: float) -> bool:
     """Load is busy and groups are parked in it: a long request of normal priority that has waited ``waited``
     seconds does not start yet, even past ``long_wait_s`` (it would be parked at once, or run through the burst);
     it starts once load is light, or after twice ``long_wait_s`` whatever the load (then it is never parked)."""
-    return rnd.cfg.park and rnd.out.state.busy and waited < 2 * rnd.cfg.long_wait_s
+    return parks(rnd) and rnd.out.state.busy and waited < 2 * rnd.cfg.long_wait_s
 
 
 def release_mode(rnd: Round, g: Group) -> ReleaseMode:

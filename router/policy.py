@@ -33,10 +33,13 @@ The three use cases, each switchable in :class:`PolicyConfig`:
   (``long_preempt``, sequential by default so the members' KV is free; hard only where their free KV holds it, and
   then by adoption where the members transform KV).
   One of normal priority first waits for calm (admissions within ``long_calm_rate``, small backlog, no other long request
-  running), at most ``long_wait_s``, then runs on the widest group there is (the load group, or a bind as wide as
-  the calm allows; :mod:`router.long_wait`); long groups hold at most ``long_max_share`` of the engines (one is
-  always allowed). A group running a long request cannot be released: under busy load it keeps taking the work
-  DP has no room for until the long request ends.
+  running), at most ``long_wait_s`` (:mod:`router.long_wait`); long groups hold at most ``long_max_share`` of the
+  engines (one is always allowed). Where every engine parks (``park``, :mod:`router.parking`) it runs on a group of
+  its own, at least ``long_min_width`` wide, which a burst *parks* (the long request stops with its KV where it is,
+  the members serve the burst in DP) and calm resumes on the same members; it does not start while load is busy
+  (up to twice ``long_wait_s``). Elsewhere it runs on the widest group there is (the load group, or a bind as wide
+  as the calm allows), and a group running a long request cannot be released: under busy load it keeps taking the
+  work DP has no room for until the long request ends, as a group serving a high-priority one does anywhere.
 
 KV transformation (Gyges-style) is used only where every member's heartbeat reports ``kv_transform`` and
 ``PolicyConfig.kv_transform`` is on (``flying-router --no-kv-transform``); otherwise every decision is as without it.

@@ -3,6 +3,8 @@ bound load group, else binds the width it needs; high priority never waits; the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 
 from flying.messages import DecisionEvent, Group, QueuedRequest, RouterState
@@ -95,12 +97,16 @@ def test_without_parking_the_bound_ends_the_wait_even_under_load_and_then_it_bin
 
 
 def test_past_the_bound_a_busy_regime_holds_it_until_twice_the_bound_then_it_binds_and_is_never_parked():
-    waiting = decide(snap([long()], BUSY_ENGINES), CFG).state
+    parking = [dataclasses.replace(e, park=True) for e in BUSY_ENGINES]
+    waiting = decide(snap([long()], parking), CFG).state
     assert waiting.busy
-    d = decide(snap([long()], BUSY_ENGINES, now=130.0, state=waiting), CFG)
+    d = decide(snap([long()], parking, now=130.0, state=waiting), CFG)
     assert not d.binds  # bound now, it would be parked in this burst at once
     assert not [e for e in d.events if isinstance(e, LongWaitNote)]  # (still the one wait)
-    d = decide(snap([long()], BUSY_ENGINES, now=160.0, state=d.state), CFG)
+    assert decide(
+        snap([long()], BUSY_ENGINES, now=130.0, state=waiting), CFG
+    ).binds  # engines that do not park
+    d = decide(snap([long()], parking, now=160.0, state=d.state), CFG)
     assert [(g.members, g.reason, g.hold) for g in d.binds] == [((0, 1), "long", True)]
     assert [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BOUND]
 

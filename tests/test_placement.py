@@ -235,3 +235,31 @@ def test_the_backlog_is_waited_for_at_most_drain_s_after_load_turned_light():
         r = rnd([eng(i, inflight=n, kvt=True) for i, n in enumerate(loads)], state=state, cfg=cfg)
         load_binds(r)
         assert [g.members for g in r.out.binds] == [members], changed_at
+
+
+def test_where_groups_park_a_normal_long_request_binds_at_least_long_min_width_at_most_half_the_node():
+    def eight(park=True):
+        return [
+            EngineView(i, f"e{i}", 0, 1000, 1000, num_engines=8, beat_ts=100.0, park=park) for i in range(8)
+        ]
+
+    cfg = unit_policy(long_wait_s=0.0, long_min_width=8)
+    r = rnd(eight(), state=LIGHT, cfg=cfg)
+    place_long(r, req(prompt=1500), 2)
+    assert [g.members for g in r.out.binds] == [(0, 1, 2, 3)]  # wider than it needs, half the node at most
+    r = rnd(eight(), state=LIGHT, cfg=cfg)
+    place_long(r, req(prompt=1500, priority="high"), 2)
+    assert [(g.members, g.hold) for g in r.out.binds] == [((0, 1), True)]  # at once, as narrow as it can
+    for engines, c in ((eight(park=False), cfg), (eight(), unit_policy(long_wait_s=0.0, park=False))):
+        r = rnd(engines, state=LIGHT, cfg=c)
+        place_long(r, req(prompt=1500), 2)
+        assert [g.members for g in r.out.binds] == [(0, 1)]  # never parked: the width its KV needs
+
+
+def test_a_long_request_still_goes_to_a_bound_group_narrower_than_long_min_width():
+    engines = [EngineView(i, f"e{i}", 0, 1000, 1000, mode="tp" if i < 2 else "dp", epoch=5 if i < 2 else 0,
+                          num_engines=8, beat_ts=100.0, park=True) for i in range(8)]  # fmt: skip
+    manual = Group(epoch=5, members=(0, 1), reason="manual", state="bound")
+    r = rnd(engines, [manual], state=LIGHT, cfg=unit_policy(long_wait_s=0.0, long_min_width=4))
+    place_long(r, req(prompt=1500), 2)
+    assert not r.out.binds and [(x.epoch, x.engine) for x in r.out.dispatches] == [(5, 0)]

@@ -50,7 +50,7 @@ def test_the_cluster_collector_reads_queue_engines_groups_and_regime(sync_redis,
     from flying.messages import QueuedRequest
     from flying.queue import CLASS_WEIGHT
 
-    announce_engine(sync_redis, keys, engine=0, running=3, prompt_tokens=400, cached_tokens=300)
+    announce_engine(sync_redis, keys, engine=0, running=3, prompt_tokens=400, cached_tokens=300, parked=(2,))
     announce_engine(
         sync_redis, keys, engine=1, mode="tp", epoch=3, group=(0, 1), width=2, steps_sp=4, steps_tp=9
     )
@@ -76,6 +76,8 @@ def test_the_cluster_collector_reads_queue_engines_groups_and_regime(sync_redis,
     assert value(m, "flying_engine_cached_tokens_total", engine="0") == 300
     assert value(m, "flying_group_steps_total", engine="1", mode="sp") == 4
     assert value(m, "flying_group_steps_total", engine="1", mode="tp") == 9
+    assert value(m, "flying_engine_parked_epochs", engine="0") == 1
+    assert value(m, "flying_engine_parked_epochs", engine="1") == 0
     assert value(m, "flying_engine_prefix_cache_hit_ratio", engine="0") == 0.75
     assert m.registry.get_sample_value("flying_engine_prefix_cache_hit_ratio", {"engine": "1"}) is None, (
         "none yet"
@@ -134,3 +136,15 @@ def test_a_scrape_with_redis_down_still_answers_with_the_routers_own_series():
     assert "flying_router_rounds_total 1.0" in text
     assert value(m, "flying_router_redis_up") == 0 and value(m, "flying_router_leader") == 1
     assert "flying_queue_depth" not in text
+
+
+def test_a_parking_release_is_done_when_its_record_turns_parked():
+    m = RouterMetrics()
+    bound = msgspec.structs.replace(BINDING, state="bound")
+    releasing = msgspec.structs.replace(BINDING, state="releasing", since=10.0, park=True)
+    m.observe([bound], Decision(put={3: releasing}, commands=[((0, 1), Release(epoch=3, park=True))]), 0)
+    assert value(m, "flying_router_releases_total", reason="load", mode="park", outcome="issued") == 1
+    parked = msgspec.structs.replace(releasing, state="parked")
+    m.observe([releasing], Decision(put={3: parked}), 0, now=10.5)
+    assert value(m, "flying_router_releases_total", reason="load", mode="park", outcome="done") == 1
+    assert m.registry.get_sample_value("flying_router_switch_seconds_sum", {"kind": "release"}) == 0.5
