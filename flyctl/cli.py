@@ -175,6 +175,18 @@ def wait_bound(r: redis.Redis, keys: Keys, epoch: int, timeout_s: float) -> int:
     return 1
 
 
+def add_wait(p: argparse.ArgumentParser, otherwise: str) -> None:
+    """``--wait S`` of a command that binds (``otherwise``: what it does without it)."""
+    p.add_argument(
+        "--wait",
+        type=cli.non_negative(float),
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds until every member reports the group (exit 0) or the router rolls it back "
+        f"(exit 1); default 0: {otherwise}",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flyctl", description=__doc__.splitlines()[0])
     cli.add_redis_arguments(p)
@@ -203,14 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the members' DP requests become the group's (no drain, no recompute)",
     )
-    b.add_argument(
-        "--wait",
-        type=cli.non_negative(float),
-        default=0.0,
-        metavar="S",
-        help="wait up to S seconds until every member reports the group (exit 0) or the router rolls it back "
-        "(exit 1); default 0: print the epoch and return (the router binds it in the background)",
-    )
+    add_wait(b, "print the epoch and return (the router binds it in the background)")
     b.add_argument(
         "--sp-threshold",
         type=cli.non_negative(int),
@@ -235,14 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     res = sub.add_parser("resume", help="bind a parked group's engines again: its parked requests continue")
     res.add_argument("epoch", type=int, help="the parked group's epoch (flyctl status lists it)")
-    res.add_argument(
-        "--wait",
-        type=cli.non_negative(float),
-        default=0.0,
-        metavar="S",
-        help="wait up to S seconds until every member reports the group (exit 0) or the router rolls it back "
-        "(exit 1); default 0: print the new epoch and return",
-    )
+    add_wait(res, "print the new epoch and return")
     a = p.parse_args(argv)
     url = cli.redis_url(a)
     r, keys = redis_conn.sync_client(url), Keys(a.key_prefix)

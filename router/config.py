@@ -104,7 +104,7 @@ class PolicyConfig:
         180.0,
         "seconds: a long request of normal or low priority waits up to this long for calm (admissions within "
         "long_calm_rate, small backlog, no other long request running) before it runs; where groups are parked, "
-        "while load is busy it waits on, up to twice this; high priority never waits",
+        "during a burst (admissions above busy_rate) it waits on, up to twice this; high priority never waits",
     )
     max_defer_s: float = setting(
         5.0, "seconds: a bind pauses DP work at most this long (then released, retracting)"

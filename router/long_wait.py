@@ -5,7 +5,7 @@ group leaves the burst fewer DP engines. So a long request of normal (or low) pr
 (:func:`unrest`: the admission rate is at most ``long_calm_rate``, the engines' backlog is small, and no other long
 request runs or is parked), for at most ``long_wait_s``. Where every engine parks groups (router.parking), it
 then runs on a group of its own, at least ``long_min_width`` wide (router.placement.place_long), which a burst
-parks and calm resumes; it does not start while load is busy, up to twice ``long_wait_s`` (then it runs and is
+parks and calm resumes; it does not start during a burst, up to twice ``long_wait_s`` (then it runs and is
 never parked). Elsewhere it runs on the widest group there is: the load group if one is bound (its SP steps
 prefill the long prompt over every member while it keeps serving the rest), else the width its KV needs and no
 wider (measured in the simulator, a wider dedicated group prefills faster but takes engines from the rest's

@@ -43,10 +43,10 @@ def parks(rnd: Round) -> bool:
 
 
 def holds_off(rnd: Round, waited: float) -> bool:
-    """Load is busy and groups are parked in it: a long request of normal priority that has waited ``waited``
-    seconds does not start yet, even past ``long_wait_s`` (it would be parked at once, or run through the burst);
-    it starts once load is light, or after twice ``long_wait_s`` whatever the load (then it is never parked)."""
-    return parks(rnd) and rnd.out.state.busy and waited < 2 * rnd.cfg.long_wait_s
+    """A burst is on (:func:`surge`) and groups are parked in it: a long request of normal priority that has
+    waited ``waited`` seconds does not start yet, even past ``long_wait_s`` (it would be parked at once); it starts
+    once the surge is over, or after twice ``long_wait_s`` whatever the load (then it is never parked)."""
+    return parks(rnd) and surge(rnd) and waited < 2 * rnd.cfg.long_wait_s
 
 
 def release_mode(rnd: Round, g: Group) -> ReleaseMode:

@@ -36,7 +36,7 @@ The three use cases, each switchable in :class:`PolicyConfig`:
   running), at most ``long_wait_s`` (:mod:`router.long_wait`); long groups hold at most ``long_max_share`` of the
   engines (one is always allowed). Where every engine parks (``park``, :mod:`router.parking`) it runs on a group of
   its own, at least ``long_min_width`` wide, which a burst *parks* (the long request stops with its KV where it is,
-  the members serve the burst in DP) and calm resumes on the same members; it does not start while load is busy
+  the members serve the burst in DP) and calm resumes on the same members; it does not start during a burst
   (up to twice ``long_wait_s``). Elsewhere it runs on the widest group there is (the load group, or a bind as wide
   as the calm allows), and a group running a long request cannot be released: under busy load it keeps taking the
   work DP has no room for until the long request ends, as a group serving a high-priority one does anywhere.

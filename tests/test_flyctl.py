@@ -222,3 +222,40 @@ def test_bind_wait_reports_whether_the_group_formed(sync_redis, keys, redis_serv
     assert main([*args, "queue", "-n", "0"]) == 0
     out = capsys.readouterr().out
     assert "q0" not in out and "2 waiting (first 0 shown)" in out
+
+
+def test_release_park_then_resume_binds_the_same_engines_in_order_and_a_plain_release_ends_it(
+    sync_redis, keys, redis_server, capsys
+):
+    import msgspec
+
+    from flying.messages import Group, decode
+
+    args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    for e in range(4):
+        _beat(sync_redis, keys, e, "", 0, n=4)
+    assert main([*args, "resume", "7"]) == 2
+    assert "no parked group of epoch 7" in capsys.readouterr().err
+    assert main([*args, "bind", "2", "3"]) == 0
+    epoch = int(capsys.readouterr().out)
+    assert main([*args, "release", "--park", str(epoch), "2", "3"]) == 0
+    assert decode_command(sync_redis.xrange(keys.commands(2))[-1][1][b"msg"]) == Release(
+        epoch=epoch, park=True
+    )
+    record = decode(sync_redis.hget(keys.groups, str(epoch)), Group)
+    assert (record.state, record.park) == ("releasing", True)
+    sync_redis.hset(
+        keys.groups, str(epoch), encode(msgspec.structs.replace(record, state="parked"))
+    )  # (router)
+    assert main([*args, "resume", str(epoch)]) == 0
+    new = int(capsys.readouterr().out)
+    assert decode_command(sync_redis.xrange(keys.commands(3))[-1][1][b"msg"]) == Bind(
+        epoch=new, members=(2, 3), resume=epoch
+    )
+    assert sync_redis.hget(keys.groups, str(epoch)) is None
+    assert decode(sync_redis.hget(keys.groups, str(new)), Group).carries == (epoch,)
+    parked = Group(epoch=50, members=(0, 1), reason="long", state="parked")
+    sync_redis.hset(keys.groups, "50", encode(parked))
+    assert main([*args, "release", "50", "0", "1"]) == 0  # a parked epoch: its requests end
+    assert decode_command(sync_redis.xrange(keys.commands(0))[-1][1][b"msg"]) == Release(epoch=50)
+    assert sync_redis.hget(keys.groups, "50") is None

@@ -96,7 +96,7 @@ def test_without_parking_the_bound_ends_the_wait_even_under_load_and_then_it_bin
     assert [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BOUND]
 
 
-def test_past_the_bound_a_busy_regime_holds_it_until_twice_the_bound_then_it_binds_and_is_never_parked():
+def test_past_the_bound_a_burst_holds_it_until_twice_the_bound_then_it_binds_and_is_never_parked():
     parking = [dataclasses.replace(e, park=True) for e in BUSY_ENGINES]
     waiting = decide(snap([long()], parking), CFG).state
     assert waiting.busy
