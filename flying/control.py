@@ -137,8 +137,9 @@ def resume(r: redis.Redis, keys: Keys, epoch: int) -> tuple[int, tuple[int, ...]
     the new epoch and the members. ValueError if no group of that epoch is parked (or being parked)."""
     raw = r.hget(keys.groups, str(epoch))
     g = decode(raw, Group) if raw is not None else None
-    if g is None or not (g.state == "parked" or (g.state == "releasing" and g.park)):
-        raise ValueError(f"no parked group of epoch {epoch}")
+    if g is None or g.state != "parked":
+        why = "it is still being parked" if g is not None and g.park else "no parked group has that epoch"
+        raise ValueError(f"cannot resume epoch {epoch}: {why}")
     if clash := [o.members for o in groups(r, keys) if o.epoch != epoch and o.state != "parked"
                  and set(o.members) & set(g.members)]:  # fmt: skip
         raise ValueError(f"engines {list(g.members)} are in group(s) {clash}")

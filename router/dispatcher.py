@@ -149,6 +149,7 @@ class Dispatcher:
         views = [EngineView.from_heartbeat(hb, counts[hb.engine]) for hb in beats]
         if forgotten := self.prefixes.sync(views):
             log.info("engines %s: prefix cache index forgotten (restarted or gone)", forgotten)
+        parked = {v.engine: v.parked for v in views}  # (before the breakers: an open one still holds its KV)
         views = self.breakers.dispatchable(views, breakers)
         return Snapshot(
             now=time.time(),
@@ -160,6 +161,7 @@ class Dispatcher:
             state=state,
             admitted=int(admitted or 0),
             prefixes=self.prefixes,
+            held=parked,
         )
 
     async def _group_loads(self, groups: list[Group], held: list[list[str]]) -> dict[int, GroupLoad]:

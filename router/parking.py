@@ -22,9 +22,15 @@ from router.round import Round, replace_group
 
 
 def can_park(rnd: Round, g: Group) -> bool:
-    """``g``'s members all park (``Release.park``), the policy parks, and ``g`` serves no high-priority request
-    no engine holds alone (that one runs on: parking it would cost it the burst's length)."""
-    return rnd.cfg.park and not g.hold and all(m in rnd.live and rnd.live[m].park for m in g.members)
+    """``g``'s members all park (``Release.park``) and transform KV (its other requests scatter), the policy
+    parks, and ``g`` serves no high-priority request no engine holds alone (that one runs on: parking it would cost
+    it the burst's length) nor one resumed after ``long_wait_s`` parked."""
+    return (
+        rnd.cfg.park
+        and not g.hold
+        and all(m in rnd.live and rnd.live[m].park for m in g.members)
+        and rnd.kv.possible(g.members)
+    )
 
 
 def surge(rnd: Round) -> bool:
@@ -64,25 +70,37 @@ def settle(rnd: Round, g: Group) -> None:
         rnd.drop(g)
 
 
+def unresumed(rnd: Round, g: Group) -> None:
+    """``g``, which was to resume parked requests, is gone before it bound (rolled back): its members still hold
+    them, so they are parked again (a later round resumes them)."""
+    ep, held = g.carries[-1], rnd.s.parked_held
+    if all(ep in held.get(m, ()) for m in g.members):
+        back = Group(epoch=ep, members=g.members, reason=g.reason, state="parked", since=rnd.now, park=True,
+                     carries=g.carries[:-1])  # fmt: skip
+        rnd.put(back)
+
+
 def reconcile(rnd: Round) -> None:
-    """Parked records whose requests cannot resume (a member gone or no longer holding them) end: the members
-    that still hold them get the epoch's release (aborting the parked requests, freeing their KV). So do engines
-    holding parked requests of an epoch no record knows (its record was deleted by hand, say)."""
+    """Parked records whose requests cannot resume (a member gone or no longer holding them: its heartbeat, an
+    engine whose breaker is open included) end: the members that still hold them get the epoch's release
+    (aborting the parked requests, freeing their KV). So do engines holding parked requests of an epoch no record
+    knows (its record was deleted by hand, say)."""
+    held = rnd.s.parked_held
     known = {*rnd.parked, *(ep for g in rnd.groups.values() for ep in (g.epoch, *g.carries))}
     orphans: dict[int, list[int]] = {}
-    for e in rnd.s.engines:
-        for ep in e.parked:
+    for engine, epochs in held.items():
+        for ep in epochs:
             if ep not in known:
-                orphans.setdefault(ep, []).append(e.engine)
+                orphans.setdefault(ep, []).append(engine)
     for ep, engines in orphans.items():
         note = ReleaseNote(ep, tuple(engines), "manual", ReleaseMode.WAIT, ReleaseCause.PARKED_LOST)
         rnd.out.events.append(note)
         rnd.out.commands.append((tuple(engines), Release(epoch=ep)))
     for g in list(rnd.parked.values()):
-        lost = [m for m in g.members if m not in rnd.live or g.epoch not in rnd.live[m].parked]
+        lost = [m for m in g.members if g.epoch not in held.get(m, ())]
         if not lost:
             continue
-        holders = tuple(m for m in g.members if m in rnd.live and g.epoch in rnd.live[m].parked)
+        holders = tuple(m for m in g.members if g.epoch in held.get(m, ()))
         rnd.drop(g)
         note = ReleaseNote(
             g.epoch, g.members, g.reason, ReleaseMode.WAIT, ReleaseCause.PARKED_LOST, engines=tuple(lost)
@@ -102,22 +120,25 @@ def running_long(rnd: Round) -> bool:
 
 
 def resume(rnd: Round) -> None:
-    """Calm (a long request's, :func:`router.long_wait.unrest`) and no other long request running: the oldest
-    parked group whose members are free binds again, in the same order, resuming its parked requests; idle members
-    bind at once, busy ones by adoption where they may (their DP work continues in the group), else they drain
-    first."""
-    if rnd.out.state.busy or long_wait.unrest(rnd, turn=False) is not None:
-        return  # (a long request's calm: stricter than light load, so a resume does not meet the next burst)
+    """The oldest parked group whose members are free binds again, in the same order, resuming its parked
+    requests: in calm (a long request's, :func:`router.long_wait.unrest`) with no other long request running, or,
+    parked ``long_wait_s`` already, whatever the load (then it is never parked again: its clients' streams have
+    waited long enough). Idle members bind at once, busy ones by adoption where they may (their DP work continues
+    in the group), else they drain first."""
+    calm = not rnd.out.state.busy and long_wait.unrest(rnd, turn=False) is None
     taken = rnd.in_groups()
     for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):
-        if running_long(rnd):
-            return  # one long group at a time: the others stay parked until it ends
+        overdue = rnd.now - g.since >= rnd.cfg.long_wait_s
+        if not overdue and (not calm or running_long(rnd)):
+            continue  # (a long request's calm: stricter than light load, so a resume does not meet the next burst;
+            # one long group at a time: the others stay parked until it ends)
         ms = g.members
         if any(
             m not in rnd.live or rnd.live[m].mode != "dp" or rnd.live[m].pending or m in taken for m in ms
         ):
             continue
-        busy = rnd.block_load(ms) > 0
+        own = rnd.s.tp_load.get(g.epoch)  # (its parked requests sit in their owners' inflight sets)
+        busy = rnd.block_load(ms) - (own.inflight if own else 0) > 0
         adopt = busy and rnd.kv.may_adopt(ms)
         rnd.drop(g)
         rnd.bind(
@@ -126,5 +147,6 @@ def resume(rnd: Round) -> None:
             "sequential" if busy and not adopt else "hard",
             adopt=adopt,
             carries=(*g.carries, g.epoch),
+            hold=overdue,
         )
         taken = rnd.in_groups()

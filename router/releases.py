@@ -29,6 +29,8 @@ def reconcile(rnd: Round) -> None:
                     parking.settle(rnd, g)  # its parked requests keep the record until they resume
                 else:
                     rnd.drop(g)
+                    if g.carries and g.carries[-1] not in rnd.parked:
+                        parking.unresumed(rnd, g)  # (a resume rolled back: its requests stay parked)
             continue
         present = [b for b in beats if b is not None]
         if len(present) < len(beats):

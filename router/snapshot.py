@@ -31,6 +31,13 @@ class Snapshot:
     state: RouterState = field(default_factory=RouterState)
     admitted: int = 0  # requests admitted so far (a monotonic counter; the rate regime's input)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
+    # engine -> the parked epochs it holds, for every live engine, a dispatchable one or not (None: ``engines``')
+    held: Mapping[int, tuple[int, ...]] | None = None
+
+    @cached_property
+    def parked_held(self) -> Mapping[int, tuple[int, ...]]:
+        """Every live engine's parked epochs (an engine whose breaker is open still holds its KV)."""
+        return self.held if self.held is not None else {e.engine: e.parked for e in self.engines}
 
     @cached_property
     def max_kv(self) -> int:

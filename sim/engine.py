@@ -316,8 +316,8 @@ class Engine:
             self.dp.admit = True
             self.resume()
         elif (
-            isinstance(cmd, Release) and cmd.epoch in self.parked
-        ):  # its parked requests cannot resume: they end
+            isinstance(cmd, Release) and cmd.epoch in self.parked and not cmd.park
+        ):  # its parked requests cannot resume: they end (a follower reads the park itself after its leader's)
             self.sim.discard(cmd.epoch)
         elif what is Intake.RELEASE:
             assert (
@@ -480,8 +480,10 @@ class SimGroup:
     def requeue_prefilling(self) -> None:
         """Parking: a request no engine holds alone that is still in its prefill ends on the group as its members'
         loss would end it (no token streamed yet): the gateway queues it again, and it starts over later."""
-        kv, sim = self.sim.kv_per_engine, self.sim
-        for r in [r for r in self.unit.running if r.kv > kv and r.prefilled < r.spec.prompt]:
+        kv, sim = self.sim.kv_per_engine, self.sim  # (one with a token streamed steps on: it parks after)
+        for r in [
+            r for r in self.unit.running if r.kv > kv and 0 <= r.prefilled < r.spec.prompt and not r.generated
+        ]:
             self.unit.running.remove(r)
             self.unit.kv_used -= r.kv
             r.prefilled = 0

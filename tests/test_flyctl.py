@@ -235,7 +235,7 @@ def test_release_park_then_resume_binds_the_same_engines_in_order_and_a_plain_re
     for e in range(4):
         _beat(sync_redis, keys, e, "", 0, n=4)
     assert main([*args, "resume", "7"]) == 2
-    assert "no parked group of epoch 7" in capsys.readouterr().err
+    assert "cannot resume epoch 7: no parked group has that epoch" in capsys.readouterr().err
     assert main([*args, "bind", "2", "3"]) == 0
     epoch = int(capsys.readouterr().out)
     assert main([*args, "release", "--park", str(epoch), "2", "3"]) == 0
@@ -244,6 +244,8 @@ def test_release_park_then_resume_binds_the_same_engines_in_order_and_a_plain_re
     )
     record = decode(sync_redis.hget(keys.groups, str(epoch)), Group)
     assert (record.state, record.park) == ("releasing", True)
+    assert main([*args, "resume", str(epoch)]) == 2  # not parked yet: the members are still bound
+    assert "it is still being parked" in capsys.readouterr().err
     sync_redis.hset(
         keys.groups, str(epoch), encode(msgspec.structs.replace(record, state="parked"))
     )  # (router)

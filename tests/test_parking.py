@@ -123,3 +123,31 @@ def test_a_long_group_whose_bind_paused_dp_work_is_parked_after_max_defer_s_inst
     s = snap([eng(0, 2, 3), eng(1, 1, 3), eng(2), eng(3)], [g], state=BUSY, loads={3: LONG})
     d = decide(s, unit_policy(long_wait_s=30.0, max_defer_s=5.0))
     assert [(n.mode, n.cause) for n in d.releases] == [(ReleaseMode.PARK, ReleaseCause.DP_DEFERRED)]
+
+
+def test_a_resume_rolled_back_before_it_bound_leaves_its_requests_parked():
+    resuming = Group(epoch=8, members=(0, 1), reason="long", state="releasing", since=99.0, carries=(3,))
+    d = decide(snap([eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2), eng(3)], [resuming], state=BUSY), CFG)
+    assert d.drop == [8] and d.put[3].state == "parked" and d.put[3].members == (0, 1)
+    assert not d.commands  # nothing ended
+
+
+def test_a_member_whose_breaker_is_open_still_holds_its_parked_kv():
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=99.0, park=True)
+    s = Snapshot(now=100.0, waiting=[], queued=0, engines=[eng(0, parked=(3,)), eng(2), eng(3)], groups=[parked],
+                 state=BUSY, held={0: (3,), 1: (3,), 2: (), 3: ()})  # (engine 1 out of the dispatchable view)  # fmt: skip
+    d = decide(s, CFG)
+    assert not d.commands and not d.drop
+
+
+def test_a_group_parked_for_long_wait_s_resumes_whatever_the_load_and_is_never_parked_again():
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=60.0, park=True)
+    s = snap([eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2, 10), eng(3, 10)], [parked], state=BUSY)
+    d = decide(s, CFG)  # parked 40 s, long_wait_s 30
+    assert [(g.members, g.carries, g.hold) for g in d.binds][:1] == [((0, 1), (3,), True)]
+
+
+def test_no_park_where_a_member_does_not_transform_kv():
+    engines = [eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)]
+    engines[1] = EngineView(1, "e1", 0, 1000, 1000, mode="tp", epoch=3, num_engines=4, beat_ts=100.0, park=True)
+    assert not decide(surge(*engines), CFG).releases
