@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -175,6 +176,18 @@ def wait_bound(r: redis.Redis, keys: Keys, epoch: int, timeout_s: float) -> int:
     return 1
 
 
+def bind_and_wait(r: redis.Redis, keys: Keys, bind: Callable[[], int], wait_s: float) -> int:
+    """``flyctl bind`` / ``resume``: make the bind (a refusal: exit 2), print its epoch, and with ``--wait`` wait
+    until it is bound (:func:`wait_bound`)."""
+    try:
+        epoch = bind()
+    except ValueError as exc:
+        print(f"flyctl: {exc}", file=sys.stderr)
+        return 2
+    print(epoch, flush=True)
+    return wait_bound(r, keys, epoch, wait_s) if wait_s else 0
+
+
 def add_wait(p: argparse.ArgumentParser, otherwise: str) -> None:
     """``--wait S`` of a command that binds (``otherwise``: what it does without it)."""
     p.add_argument(
@@ -253,28 +266,19 @@ def main(argv: list[str] | None = None) -> int:
             if why := cross_node(control.status(r, keys), members):
                 print(f"flyctl: cannot bind {list(members)}: {why}", file=sys.stderr)
                 return 2
-            try:
-                epoch = control.bind(r, keys, members, a.preempt, adopt=a.adopt, sp_threshold=a.sp_threshold)
-            except ValueError as exc:
-                print(f"flyctl: {exc}", file=sys.stderr)
-                return 2
-            print(epoch, flush=True)
-            if a.wait:
-                return wait_bound(r, keys, epoch, a.wait)
+            return bind_and_wait(
+                r,
+                keys,
+                lambda: control.bind(r, keys, members, a.preempt, adopt=a.adopt, sp_threshold=a.sp_threshold),
+                a.wait,
+            )
         elif a.cmd == "release":
             if why := unknown_group(r, keys, a.epoch, tuple(sorted(set(a.members)))):
                 print(f"flyctl: cannot release epoch {a.epoch}: {why}", file=sys.stderr)
                 return 2
             control.release(r, keys, tuple(a.members), a.epoch, a.retract, scatter=a.scatter, park=a.park)
         elif a.cmd == "resume":
-            try:
-                epoch, _ = control.resume(r, keys, a.epoch)
-            except ValueError as exc:
-                print(f"flyctl: {exc}", file=sys.stderr)
-                return 2
-            print(epoch, flush=True)
-            if a.wait:
-                return wait_bound(r, keys, epoch, a.wait)
+            return bind_and_wait(r, keys, lambda: control.resume(r, keys, a.epoch)[0], a.wait)
         elif a.cmd == "tenants":
             print(render_tenants(r, keys))
         elif a.cmd == "queue":
