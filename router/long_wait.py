@@ -51,17 +51,23 @@ def demand(rnd: Round) -> int:
     return rnd.s.queued + sum(e.inflight for e in rnd.s.engines)
 
 
-def running_long(rnd: Round, request: str = "") -> int:
-    """Long requests running or about to: those in groups (any group holding a request one engine cannot, a long
-    group still binding), bound or dispatched this round, and those whose wait ended but that are not
-    placed yet."""
+def long_groups(rnd: Round) -> int:
+    """Groups running a long request or about to: any group holding a request one engine cannot, a long group
+    still binding, and the long (or resuming) binds of this round."""
     one = rnd.s.max_kv
     n = sum(
         1
         for g in rnd.groups.values()
         if (g.reason == "long" and g.state == "binding") or rnd.tp_max.get(g.epoch, 0) > one
     )
-    n += sum(1 for g in rnd.out.binds if g.reason == "long" or g.carries)
+    return n + sum(1 for g in rnd.out.binds if g.reason == "long" or g.carries)
+
+
+def running_long(rnd: Round, request: str = "") -> int:
+    """Long requests running or about to: those in groups (:func:`long_groups`), parked, dispatched this round,
+    and those whose wait ended but that are not placed yet."""
+    one = rnd.s.max_kv
+    n = long_groups(rnd)
     n += len(rnd.parked)  # parked (router.parking): each holds a long request that resumes
     placed = {x.request.id for x in rnd.out.dispatches}
     n += sum(1 for x in rnd.out.dispatches if x.request.kv_tokens > one)

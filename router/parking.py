@@ -16,7 +16,7 @@ survivors get the epoch's release, which aborts the parked requests and frees th
 from __future__ import annotations
 
 from flying.messages import Group, Release
-from router import long_wait  # noqa: F401  (a cycle: long_wait imports this module)
+from router import long_wait  # (each imports the other: their functions call across at run time)
 from router.decision import ReleaseCause, ReleaseMode, ReleaseNote
 from router.round import Round, replace_group
 
@@ -110,15 +110,6 @@ def reconcile(rnd: Round) -> None:
             rnd.out.commands.append((holders, Release(epoch=g.epoch)))
 
 
-def running_long(rnd: Round) -> bool:
-    """A group (bound, binding or planned this round) runs a request no engine holds alone."""
-    one = rnd.s.max_kv
-    return any(
-        (g.reason == "long" and g.state == "binding") or rnd.tp_max.get(g.epoch, 0) > one
-        for g in rnd.groups.values()
-    ) or any(g.reason == "long" or g.carries for g in rnd.out.binds)
-
-
 def resume(rnd: Round) -> None:
     """The oldest parked group whose members are free binds again, in the same order, resuming its parked
     requests: in calm (a long request's, :func:`router.long_wait.unrest`) with no other long request running, or,
@@ -129,7 +120,7 @@ def resume(rnd: Round) -> None:
     taken = rnd.in_groups()
     for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):
         overdue = rnd.now - g.since >= rnd.cfg.long_wait_s
-        if not overdue and (not calm or running_long(rnd)):
+        if not overdue and (not calm or long_wait.long_groups(rnd)):
             continue  # (a long request's calm: stricter than light load, so a resume does not meet the next burst;
             # one long group at a time: the others stay parked until it ends)
         ms = g.members

@@ -149,5 +149,7 @@ def test_a_group_parked_for_long_wait_s_resumes_whatever_the_load_and_is_never_p
 
 def test_no_park_where_a_member_does_not_transform_kv():
     engines = [eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)]
-    engines[1] = EngineView(1, "e1", 0, 1000, 1000, mode="tp", epoch=3, num_engines=4, beat_ts=100.0, park=True)
+    engines[1] = EngineView(
+        1, "e1", 0, 1000, 1000, mode="tp", epoch=3, num_engines=4, beat_ts=100.0, park=True
+    )
     assert not decide(surge(*engines), CFG).releases
