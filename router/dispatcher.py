@@ -35,6 +35,7 @@ from router.config import RouterConfig
 from router.decision import Decision, Dispatch, plan
 from router.engine_view import EngineView
 from router.metrics import RouterMetrics
+from router.parking import counts_toward
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
 from router.watchdog import MOVES, Change, Progress, Watchdog
@@ -157,17 +158,22 @@ class Dispatcher:
             queued=int(queued),
             engines=views,
             groups=groups,
-            tp_load=await self._group_loads(counted, held),
+            tp_load=await self._group_loads(
+                counted, held, max((hb.max_total_tokens for hb in beats), default=0)
+            ),
             state=state,
             admitted=int(admitted or 0),
             prefixes=self.prefixes,
             held=parked,
         )
 
-    async def _group_loads(self, groups: list[Group], held: list[list[str]]) -> dict[int, GroupLoad]:
-        """Per group: its TP requests (assigned to any of its members in its epoch, or in an epoch whose parked
-        requests it carries, and unfinished: each member owns those sent to it), their KV tokens and the largest one's, from one pipelined read of the requests in the
-        members' inflight sets (``held``: per group, their ids)."""
+    async def _group_loads(
+        self, groups: list[Group], held: list[list[str]], one: int
+    ) -> dict[int, GroupLoad]:
+        """Per group: its TP requests (assigned to any of its members in its epoch, or parked in an epoch it is or
+        carries: :func:`router.parking.counts_toward`, ``one`` the largest engine's KV; unfinished: each member
+        owns those sent to it), their KV tokens and the largest one's, from one pipelined read of the requests in
+        the members' inflight sets (``held``: per group, their ids)."""
         pipe = self.r.pipeline(transaction=False)
         for rids in held:
             for rid in rids:
@@ -178,9 +184,9 @@ class Dispatcher:
             n = kv = top = 0
             for _ in rids:
                 ep, p, m = next(rows)
-                if ep is not None and (int(ep) == g.epoch or int(ep) in g.carries):
-                    one = int(p or 0) + int(m or 0)
-                    n, kv, top = n + 1, kv + one, max(top, one)
+                size = int(p or 0) + int(m or 0)
+                if ep is not None and counts_toward(g, int(ep), size, one):
+                    n, kv, top = n + 1, kv + size, max(top, size)
             out[g.epoch] = GroupLoad(n, kv, top)
         return out
 

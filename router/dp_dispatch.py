@@ -122,7 +122,7 @@ class DpPool:
         self.high = [(-dp_score(rnd, e), e, 0) for e in self.open]
         heapq.heapify(self.low)
         heapq.heapify(self.high)
-        self.min_kv = min((e.max_total_tokens for e in self.open.values()), default=0)
+        self.min_kv = min((e.dp_room for e in self.open.values()), default=0)
         self.sent_by: dict[int, set[int]] = {}  # chain hash -> engines this round sent it
         for e, hashes in rnd.sent.items():
             for h in hashes:
@@ -140,7 +140,7 @@ class DpPool:
         kv = r.kv_tokens
         if kv <= self.min_kv and (r.failed_on not in self.open or not rnd.avoid(r, (r.failed_on,))):
             return None
-        return lambda e: self.open[e].max_total_tokens >= kv and not rnd.avoid(r, (e,))
+        return lambda e: self.open[e].dp_room >= kv and not rnd.avoid(r, (e,))
 
     def least(self, rnd: Round, fits: Fits) -> EngineView | None:
         """The least loaded open engine that ``fits`` (:func:`dp_key`), None if there is none."""

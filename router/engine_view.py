@@ -31,6 +31,12 @@ class EngineView:
     parked: tuple[int, ...] = ()  # epochs whose requests are parked on it
 
     @property
+    def dp_room(self) -> int:
+        """The most KV a DP request sent here may need: the engine's KV, or, while it holds parked requests (their
+        head slices stay until a resume), its free KV (conservatively: its running DP requests free theirs)."""
+        return min(self.max_total_tokens, self.free_kv_tokens) if self.parked else self.max_total_tokens
+
+    @property
     def pool(self) -> tuple[str, int, int]:
         """Its node's communicator pool: (node, first engine, engines); engines of one pool may bind together."""
         return (self.node, self.pool_first, self.num_engines)

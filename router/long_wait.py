@@ -47,8 +47,8 @@ def unrest(rnd: Round, request: str = "", turn: bool = True) -> WaitCause | None
 
 
 def demand(rnd: Round) -> int:
-    """Queued and inflight requests."""
-    return rnd.s.queued + sum(e.inflight for e in rnd.s.engines)
+    """Queued and inflight requests, parked ones aside (:attr:`router.snapshot.Snapshot.demand`)."""
+    return rnd.s.demand
 
 
 def long_groups(rnd: Round) -> int:

@@ -15,10 +15,21 @@ survivors get the epoch's release, which aborts the parked requests and frees th
 
 from __future__ import annotations
 
+from flying.groups import widths
 from flying.messages import Group, Release
 from router import long_wait  # (each imports the other: their functions call across at run time)
 from router.decision import ReleaseCause, ReleaseMode, ReleaseNote
 from router.round import Round, replace_group
+
+
+def counts_toward(g: Group, epoch: int, kv_tokens: int, one: int) -> bool:
+    """A request dispatched in ``epoch`` with ``kv_tokens`` is one of ``g``'s TP requests: dispatched to ``g``
+    (not parked), or parked in an epoch ``g`` is (its record parked) or carries. Of a parked epoch only those no
+    engine holds alone (more KV than ``one`` engine's) count: the park kept those, the epoch's other requests were
+    scattered back to DP on their owners (worker_ext.parking picks by the same measure)."""
+    if epoch == g.epoch and g.state != "parked":
+        return True
+    return (epoch == g.epoch or epoch in g.carries) and kv_tokens > one
 
 
 def can_park(rnd: Round, g: Group) -> bool:
@@ -110,23 +121,60 @@ def reconcile(rnd: Round) -> None:
             rnd.out.commands.append((holders, Release(epoch=g.epoch)))
 
 
+def blocked(rnd: Round) -> bool:
+    """A waiting request that has waited ``max_defer_s`` (a long one of normal priority: ``long_wait_s``, its own
+    wait) can be served only where requests are parked: no engine outside the parked groups holds it, alone or in
+    a group, and no parked engine has the free KV for it in DP. Its wait would last as long as the parking, so the
+    parked group resumes (its members then serve it once the parked requests end)."""
+    parked = rnd.parked_members()
+    if not parked:
+        return False
+    cfg, outside = rnd.cfg, [e for e in rnd.s.engines if e.engine not in parked]
+    widest = max((e.num_engines for e in rnd.s.engines), default=1)
+    room = max(
+        [e.max_total_tokens for e in outside]
+        + [
+            sum(rnd.live[m].max_total_tokens for m in ms)
+            for width in widths(widest)[1:]
+            for ms in rnd.merge_sets(width)
+            if parked.isdisjoint(ms)
+        ],
+        default=0,
+    )
+    parked_room = max((rnd.live[m].dp_room for m in parked if m in rnd.live), default=0)
+    for r in rnd.s.waiting:
+        own_wait = cfg.long_wait_s if not rnd.s.fits_one(r) and r.priority != "high" else cfg.max_defer_s
+        if rnd.now - r.enqueued_at < own_wait or r.kv_tokens <= room:
+            continue
+        if rnd.s.fits_one(r) and r.kv_tokens <= parked_room:
+            continue
+        return True
+    return False
+
+
 def resume(rnd: Round) -> None:
     """The oldest parked group whose members are free binds again, in the same order, resuming its parked
     requests: in calm (a long request's, :func:`router.long_wait.unrest`) with no other long request running, or,
     parked ``long_wait_s`` already, whatever the load (then it is never parked again: its clients' streams have
-    waited long enough). Idle members bind at once, busy ones by adoption where they may (their DP work continues
+    waited long enough), or at once where a waiting request can be served nowhere else (:func:`blocked`; it too
+    is never parked again). Idle members bind at once, busy ones by adoption where they may (their DP work continues
     in the group), else they drain first."""
     calm = not rnd.out.state.busy and long_wait.unrest(rnd, turn=False) is None
-    taken = rnd.in_groups()
+    taken, stuck = rnd.in_groups(), blocked(rnd)
     for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):
-        overdue = rnd.now - g.since >= rnd.cfg.long_wait_s
+        overdue = stuck or rnd.now - g.since >= rnd.cfg.long_wait_s
         if not overdue and (not calm or long_wait.long_groups(rnd)):
             continue  # (a long request's calm: stricter than light load, so a resume does not meet the next burst;
             # one long group at a time: the others stay parked until it ends)
         ms = g.members
         if any(
-            m not in rnd.live or rnd.live[m].mode != "dp" or rnd.live[m].pending or m in taken for m in ms
-        ):
+            m not in rnd.live
+            or rnd.live[m].mode != "dp"
+            or rnd.live[m].pending
+            or m in taken
+            or m in rnd.suspect
+            for m in ms
+        ):  # (a member distrusted after a failed bind, the resume's included, is not asked again meanwhile)
             continue
         own = rnd.s.tp_load.get(g.epoch)  # (its parked requests sit in their owners' inflight sets)
         busy = rnd.block_load(ms) - (own.inflight if own else 0) > 0

@@ -357,7 +357,7 @@ def fast_targets(rnd: Round) -> list[FastTarget]:
             engine=e.engine,
             url=e.url,
             cap=rnd.cfg.max_inflight_per_worker,
-            max_kv=min(e.max_total_tokens, e.free_kv_tokens) if e.parked else e.max_total_tokens,
+            max_kv=e.dp_room,
             affinity=affinity,
         )
         for e in rnd.s.engines

@@ -60,7 +60,7 @@ def judge(s: Snapshot, state: RouterState, cfg: PolicyConfig, groups_forming: bo
     n = len({e.engine for e in s.engines})
     st = admission_rate(state, s.admitted, s.now, cfg.rate_tau_s)
     rate = st.rate
-    demand = s.queued + sum(e.inflight for e in s.engines)
+    demand = s.demand
     oldest = max((s.now - r.enqueued_at for r in s.waiting if s.dp_fit(r)), default=0.0)
     if not st.busy and groups_forming:
         oldest = 0.0  # light: the queue waits for groups that form at the members' next step boundary

@@ -40,6 +40,17 @@ class Snapshot:
         return self.held if self.held is not None else {e.engine: e.parked for e in self.engines}
 
     @cached_property
+    def demand(self) -> int:
+        """Queued and inflight requests, less those parked (router.parking): no engine can run them until their
+        group resumes, which waits for calm."""
+        parked = sum(
+            self.tp_load[g.epoch].inflight
+            for g in self.groups
+            if g.state == "parked" and g.epoch in self.tp_load
+        )
+        return self.queued + sum(e.inflight for e in self.engines) - parked
+
+    @cached_property
     def max_kv(self) -> int:
         """The largest engine's KV in tokens (-1: no engine)."""
         return max((e.max_total_tokens for e in self.engines), default=-1)

@@ -67,6 +67,7 @@ class Req:
         "started",
         "times",
         "done",
+        "lost",
         "cached",
     )
 
@@ -78,6 +79,7 @@ class Req:
         self.started = float("nan")
         self.times: list[float] = []
         self.done = False
+        self.lost = False  # ended unserved: its parked group lost a member
 
     @property
     def kv(self) -> int:
@@ -116,6 +118,10 @@ class Unit:
 
     def has_work(self) -> bool:
         return bool(self.running or (self.queue and self.admit))
+
+    def startable(self) -> bool:
+        """Its queue's head could start, now or once its running requests end (it fits the KV it may use)."""
+        return bool(self.queue) and self.queue[0].kv <= self.kv_cap
 
     def select(self) -> tuple[list[tuple[Req, int]], list[Req], int, int] | None:
         """Admit what fits, then the next step's work: (prefill chunks, decoding requests, prefill tokens, decode
@@ -347,10 +353,10 @@ class Engine:
         keep = b is not None and b.keep and self.mixed
         if b is not None and not self.arrived:
             # hard: at once (its DP work pauses, KV kept); sequential/soft: once its DP work (running and queued;
-            # the router sends no more) has finished. (The worker holds queued, unstarted DP requests with the
+            # the router sends no more) has finished, or what is queued cannot start (parked requests hold the KV). (The worker holds queued, unstarted DP requests with the
             # paused work instead of running them first: a slightly earlier bind there.)
             adopt = b.adopt and self.transforms  # (an engine without it reads the bind as hard)
-            ready = b.preempt == "hard" or adopt or keep or not (self.dp.running or self.dp.queue)
+            ready = b.preempt == "hard" or adopt or keep or not (self.dp.running or self.dp.startable())
             if ready:
                 if adopt:  # they become the group's when it forms; their KV stays here until then
                     self.adopted = (self.dp.running, self.dp.queue)

@@ -193,6 +193,24 @@ class Simulator:
         engine holds any request below this: those count as the largest it was ever sent)."""
         return max(self.tp_long.get(epoch, {}).values(), default=self.tp_max.get(epoch, 0))
 
+    def group_loads(self) -> dict[int, GroupLoad]:
+        """The TP requests of each epoch, as the live router reads them from the inflight sets: by the epoch of
+        their dispatch, a group's own and those of the parked epochs it carries (``Group.carries``) together."""
+        loads = {ep: GroupLoad(n, kv, self.group_max_kv(ep)) for ep, (n, kv) in self.tp_load.items()}
+        for g in self.records.values():
+            if not (g.carries or g.state == "parked"):
+                continue
+            own = g.state != "parked"  # (of a parked epoch, only the requests it parked: router.parking)
+            kept = [
+                kv
+                for ep in (g.carries if own else (g.epoch, *g.carries))
+                for kv in self.tp_long.get(ep, {}).values()
+            ]
+            n, kv = self.tp_load.get(g.epoch, (0, 0)) if own else (0, 0)
+            top = max([*kept, self.group_max_kv(g.epoch) if own else 0])
+            loads[g.epoch] = GroupLoad(n + len(kept), kv + sum(kept), top)
+        return loads
+
     def finish(self, r: Req) -> None:
         assert not r.done, f"request {r.i} finished twice"
         r.done = True
@@ -217,9 +235,18 @@ class Simulator:
             output_tokens=len(r.times),
             prompt_tokens=r.spec.prompt,
             queue_ms=(r.started - r.spec.at) * 1000 if r.times else None,
-            status=200 if r.times else 400 if r.done else 0,
-            error="" if r.times else "longer than the context limit" if r.done else "not served",
+            status=200 if r.times and r.done else 400 if r.done and not r.lost else 0,
+            error=self.outcome(r),
         )
+
+    @staticmethod
+    def outcome(r: Req) -> str:
+        """Why ``r`` was not served ("": it was)."""
+        if r.lost:
+            return "its parked group lost a member"
+        if not r.done:
+            return "not served"
+        return "" if r.times else "longer than the context limit"
 
     # --- router -------------------------------------------------------------------------------------------
 
@@ -235,7 +262,7 @@ class Simulator:
             queued=sum(len(q) for q in self.queue.values()),
             engines=engines,
             groups=list(self.records.values()),
-            tp_load={ep: GroupLoad(n, kv, self.group_max_kv(ep)) for ep, (n, kv) in self.tp_load.items()},
+            tp_load=self.group_loads(),
             state=self.state,
             admitted=self.admitted,
             prefixes=self.prefixes,
@@ -260,9 +287,6 @@ class Simulator:
         self.state = p.state
         self.log += [(self.now, str(n)) for n in p.events]
         self.note_decisions(d, p.binds)
-        for g in p.binds:
-            if g.resumes in self.parked:  # the router counts the parked requests as the new group's
-                self.carry(g.resumes, g.epoch)
         for members, cmd in p.sends:
             if self.check and (getattr(cmd, "adopt", False) or getattr(cmd, "scatter", False)):
                 lacking = [m for m in members if not self.engines[m].transforms]
@@ -354,22 +378,6 @@ class Simulator:
         self.stats["resumed"] += len(reqs)
         return reqs
 
-    def carry(self, old: int, new: int) -> None:
-        """The bind of epoch ``new`` resumes ``old``'s parked requests: every unfinished request dispatched to
-        ``old`` counts as ``new``'s from now on (as the live router counts them: by the epoch of their dispatch,
-        ``Group.carries``)."""
-        for r in self.reqs:
-            if r.epoch == old and not r.done:
-                r.epoch = new
-        if old in self.tp_load:
-            load = self.tp_load.setdefault(new, [0, 0])
-            n, kv = self.tp_load.pop(old)
-            load[0] += n
-            load[1] += kv
-        self.tp_long.setdefault(new, {}).update(self.tp_long.pop(old, {}))
-        if old in self.tp_max:
-            self.tp_max[new] = max(self.tp_max.get(new, 0), self.tp_max.pop(old))
-
     def requeue(self, r: Req) -> None:
         """``r`` ended on its engine before its first token (a group gave it up): the gateway queues it again."""
         if r.epoch:
@@ -389,7 +397,7 @@ class Simulator:
         if epoch not in self.parked:
             return
         for r in self.unpark(epoch):
-            r.done = True
+            r.done = r.lost = True
             self.finished += 1
             self.engines[r.engine].assigned -= 1
         self.stats["parked_lost"] += 1
@@ -437,7 +445,8 @@ class Simulator:
                 assert rec.state == "releasing", f"epoch {ep} defers DP work beyond {grace:.2f} s"
                 # and the release retracts (the paused work resumes after one group step), unless a request
                 # needs the group's pooled KV
-                stuck = self.now - rec.since > 1.0 and self.group_max_kv(ep) <= self.cfg.cost.kv_tokens
+                top = self.group_loads()[ep].max_kv_tokens if rec.carries else self.group_max_kv(ep)
+                stuck = self.now - rec.since > 1.0 and top <= self.cfg.cost.kv_tokens
                 assert not stuck, f"epoch {ep} released {self.now - rec.since:.2f} s ago still defers DP work"
         places = sum(len(q) for q in self.queue.values()) + len(self.dispatched)
         arrived = sum(1 for r in self.reqs if r.spec.at <= self.now and not (r.done and not r.times))

@@ -3,9 +3,10 @@ members back in DP) and resumed on the same members when calm; a lost member end
 
 from __future__ import annotations
 
-from flying.messages import Group, Release, RouterState
+from flying.messages import Group, QueuedRequest, Release, RouterState
 from router.decision import ReleaseCause, ReleaseMode, plan
 from router.engine_view import EngineView
+from router.parking import resume
 from router.policy import decide
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
@@ -153,3 +154,71 @@ def test_no_park_where_a_member_does_not_transform_kv():
         1, "e1", 0, 1000, 1000, mode="tp", epoch=3, num_engines=4, beat_ts=100.0, park=True
     )
     assert not decide(surge(*engines), CFG).releases
+
+
+def waiting(i: int, prompt: int, at: float, priority: str = "normal") -> QueuedRequest:
+    return QueuedRequest(id=f"r{i}", priority=priority, model="m", prompt_tokens=prompt, max_tokens=10,  # type: ignore[arg-type]
+                         gateway="g", enqueued_at=at)  # fmt: skip
+
+
+def parked_on(*members: int, free: int = 1000) -> tuple[list[EngineView], Group]:
+    """Two engines, both holding epoch 3's parked request (``free`` KV left on each), under a burst."""
+    g = Group(epoch=3, members=members, reason="long", state="parked", since=99.0, park=True)
+    engines = [
+        EngineView(
+            i,
+            f"e{i}",
+            0,
+            free,
+            1000,
+            num_engines=2,
+            beat_ts=100.0,
+            kv_transform=True,
+            park=True,
+            parked=(3,) if i in members else (),
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    return engines, g
+
+
+def test_a_request_only_the_parked_engines_could_serve_resumes_their_group_at_once_and_for_good():
+    engines, g = parked_on(0, 1, free=300)
+    s = Snapshot(now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=engines, groups=[g], state=BUSY,
+                 tp_load={3: LONG})  # fmt: skip
+    d = decide(s, CFG)  # a burst, parked 1 s: without the request it would stay parked
+    assert not d.dispatches  # 710 tokens: more than either engine's free KV (the parked slices hold the rest)
+    assert [(b.members, b.carries, b.hold) for b in d.binds] == [((0, 1), (3,), True)]
+    fresh = Snapshot(now=100.0, waiting=[waiting(1, 700, 99.9)], queued=1, engines=engines, groups=[g],
+                     state=BUSY, tp_load={3: LONG})  # fmt: skip
+    assert not decide(fresh, CFG).binds  # it has not waited max_defer_s yet
+    roomy, g = parked_on(0, 1, free=900)
+    s = Snapshot(now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=roomy, groups=[g], state=BUSY,
+                 tp_load={3: LONG})  # fmt: skip
+    d = decide(s, CFG)
+    assert not d.binds and [x.engine for x in d.dispatches] == [
+        0
+    ]  # a parked engine with the free KV serves it
+
+
+def test_a_long_request_waits_its_own_wait_before_it_resumes_a_parked_group():
+    engines, g = parked_on(0, 1, free=300)
+    long = waiting(1, 1500, 90.0)  # needs a group of two: only the parked engines make one
+    s = Snapshot(
+        now=100.0, waiting=[long], queued=1, engines=engines, groups=[g], state=BUSY, tp_load={3: LONG}
+    )
+    assert not decide(s, CFG).binds  # a normal-priority long request waits for calm (long_wait_s 30)
+    high = waiting(1, 1500, 90.0, "high")
+    s = Snapshot(
+        now=100.0, waiting=[high], queued=1, engines=engines, groups=[g], state=BUSY, tp_load={3: LONG}
+    )
+    assert [b.carries for b in decide(s, CFG).binds] == [(3,)]
+
+
+def test_a_distrusted_member_is_not_asked_to_resume():
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=99.0, park=True)
+    s = snap([eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2), eng(3)], [parked], loads={3: LONG})
+    rnd = Round(s, CFG)
+    rnd.suspect[1] = 200.0
+    resume(rnd)
+    assert not rnd.out.binds

@@ -253,3 +253,32 @@ async def test_cache_aware_rounds_follow_a_prefix_the_router_dispatched_before(a
     await beat(aredis, keys, first, launch_id="restarted")
     await d.snapshot()
     assert d.prefixes.blocks(first) == 0
+
+
+async def test_a_parked_epochs_load_is_the_requests_it_parked_not_those_it_scattered(aredis, keys):
+    """Epoch 3 was parked: its long request (1,510 KV tokens, more than one engine's 1,000) stays on the members,
+    its short one was scattered to DP on its owner. The parked record's load is the long request only, and so is
+    what the group resuming it carries beside its own requests; the short one is DP work (it counts in demand)."""
+    for e in (0, 1):
+        await beat(aredis, keys, e, parked=(3,))
+    q = RequestQueue(aredis, keys)
+
+    def req(rid: str, prompt: int) -> QueuedRequest:
+        return QueuedRequest(id=rid, priority="normal", model="m", prompt_tokens=prompt, max_tokens=10, gateway="g",
+                             enqueued_at=time.time())  # fmt: skip
+
+    long, short, own = req("long", 1500), req("short", 10), req("own", 10)
+    for r in (long, short, own):
+        await q.admit(r)
+    await q.assign_many([(long, 0, "http://e0", 3), (short, 1, "http://e1", 3)])
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=time.time(), park=True)
+    await aredis.hset(keys.groups, "3", encode(parked))
+    d = dispatcher(aredis, keys)
+    s = await d.snapshot()
+    assert s.tp_load[3] == GroupLoad(inflight=1, kv_tokens=1510, max_kv_tokens=1510)
+    assert s.demand == 2  # the short one in DP and the request still queued; not the parked one
+    await aredis.hdel(keys.groups, "3")
+    resuming = Group(epoch=5, members=(0, 1), reason="long", state="bound", since=time.time(), carries=(3,))
+    await aredis.hset(keys.groups, "5", encode(resuming))
+    await q.assign_many([(own, 1, "http://e1", 5)])
+    assert (await d.snapshot()).tp_load[5] == GroupLoad(inflight=2, kv_tokens=1530, max_kv_tokens=1510)

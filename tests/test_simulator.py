@@ -661,3 +661,30 @@ def test_a_run_that_never_reaches_a_burst_says_so_and_writes_strict_json(tmp_pat
     assert "- Shift Parallelism paper: TTFT of one 4,096-token prompt, TP8 / SP8:" in out
     doc = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert doc["summary"]["dynamic"]["ttft_p90_burst_ms"] is None
+
+
+def test_work_only_parked_engines_can_serve_resumes_their_group_and_everything_ends():
+    """Both engines park a long request in a burst; engine 0 ignores binds for 15 s. The requests that arrive need
+    the parked engines (their free KV cannot hold them in DP, or they need a group of both): the parked group
+    resumes once engine 0 binds again (not every round while it is distrusted), and every request is served
+    whole (a request left running at the end counts as unserved, whatever tokens it had)."""
+    policy = unit_policy(tp_inflight_per_engine=1, max_inflight_per_worker=5, keep_s=1.0, max_defer_s=1.0,
+                         ack_timeout_s=0.5, bind_timeout_s=1.0, adopt_max_ms=0.0, drain_inflight=1, drain_width=2,
+                         spread_ownership=True, dispatch="least-loaded")  # fmt: skip
+    cfg = SimConfig(engines=2, policy=policy, cost=SMALL, ignore_binds=((0, 0.63, 16.0),), horizon_s=2000.0,
+                    kv_transform=True, mixed_steps=True, mixed_decode_every=4)  # fmt: skip
+    spec = [(0.418, "low", 7000, 39), (0.703, "high", 139, 17), (0.95, "normal", 1344, 25),
+            (0.997, "high", 6096, 28), (1.345, "high", 478, 38), (1.796, "high", 4604, 42)]  # fmt: skip
+    reqs = [SimRequest(*s) for s in spec]
+    sim = Simulator(cfg, reqs, check=True)
+    records = sim.run()
+    assert [(r.status, r.output_tokens) for r in records] == [(200, s[3]) for s in spec]
+    assert sim.stats["parked"] == sim.stats["resumed"] == 1
+    resumes = [n for _, n in sim.log if "resumes epoch" in n]
+    assert 1 < len(resumes) < 6  # retried after the distrust, not every round
+
+
+def test_a_request_still_running_at_the_horizon_is_not_served():
+    sim = Simulator(SimConfig(engines=2, cost=SMALL, horizon_s=0.5), [SimRequest(0.0, "normal", 200, 60)])
+    (record,) = sim.run()
+    assert record.event_times and not record.ok and record.error == "not served"
