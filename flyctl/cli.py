@@ -74,6 +74,7 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
             f"  epoch {g.epoch:>4}  [{members}]  {g.state:<9} {g.reason:<8} {g.preempt:<10} "
             f"for {now - g.since:6.1f} s  last used {now - g.last_used:6.1f} s ago"
             + (f"  resumes epoch {g.resumes}" if g.resumes else "")
+            + (f"  parked requests: {g.parked_requests}" if g.state == "parked" and g.parked_requests else "")
         )
     depths = control.queue_depths(r, keys)
     total = sum(n for n, _ in depths.values())

@@ -243,6 +243,9 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     # the parked epochs whose requests it continues, oldest first (Bind.resume: the last); their requests count as
     # its own (their inflight records name the epoch they were dispatched to)
     carries: tuple[int, ...] = ()
+    # a parked record: its parked requests the router has counted in the inflight sets (0: none seen yet, as of
+    # requests sent to an engine directly); once it had some and has none left, their clients are gone
+    parked_requests: int = 0
 
     @property
     def resumes(self) -> int:
@@ -327,6 +330,11 @@ class GroupLost(msgspec.Struct, frozen=True, kw_only=True):
 
 
 GROUP_LOST = GroupLost()
+# a request its group set aside before its first token, when the group was parked for a burst (worker_ext.parking):
+# nothing failed, so the gateway queues it again without counting an attempt
+GROUP_PARKED = GroupLost(
+    message="its tensor-parallel group was parked for a burst before its first token; request aborted"
+)
 
 
 class GaveUp(msgspec.Struct, frozen=True):
@@ -335,6 +343,9 @@ class GaveUp(msgspec.Struct, frozen=True):
 
     why: str
     group_lost: bool = False
+    parked: bool = (
+        False  # its group was parked before its first token (GROUP_PARKED): not an attempt that failed
+    )
 
 
 def engine_gave_up(event: object) -> GaveUp | None:
@@ -348,7 +359,8 @@ def engine_gave_up(event: object) -> GaveUp | None:
             str(GROUP_LOST.status),
             "SERVICE_UNAVAILABLE",
         ):
-            return GaveUp(str(err.get("message", GROUP_LOST.status)), group_lost=True)
+            why = str(err.get("message", GROUP_LOST.status))
+            return GaveUp(why, group_lost=True, parked=GROUP_PARKED.message in why)
         if any(c.get("finish_reason") == "abort" for c in event.get("choices") or ()):
             return GaveUp("aborted")
     return None

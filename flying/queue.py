@@ -173,13 +173,14 @@ return 1
 """ % (int(CLASS_WEIGHT), int(CLASS_WEIGHT))
 
 _REQUEUE = """
--- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason, engine
+-- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason, engine, counted (0: parked)
 local seq = redis.call('HGET', KEYS[2], 'pos') or redis.call('HGET', KEYS[2], 'seq')
 if not seq or redis.call('HGET', KEYS[2], 'state') ~= 'assigned' then return 0 end
 redis.call('SREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3], 'failed_on', ARGV[4])
 redis.call('HDEL', KEYS[2], 'engine', 'url', 'assigned_at', 'epoch')
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
+if ARGV[5] == '0' then redis.call('HINCRBY', KEYS[2], 'parked_attempts', 1) end
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + tonumber(seq), ARGV[1])
 redis.call('LPUSH', KEYS[4], 1)
 redis.call('LTRIM', KEYS[4], 0, 0)
@@ -398,14 +399,16 @@ class RequestQueue:
             self.gate.saw(int(done.pop()))
         return sum(bool(x) for x in done)
 
-    async def requeue(self, req: QueuedRequest, engine: int, reason: str) -> bool:
+    async def requeue(self, req: QueuedRequest, engine: int, reason: str, counted: bool = True) -> bool:
         """Put an assigned request back at its original place in the queue (its worker could not take it); the
-        router sends it elsewhere than ``engine`` while another engine is live."""
+        router sends it elsewhere than ``engine`` while another engine is live. Its ``attempts`` go up by one;
+        ``counted`` False (nothing failed: its group was parked) also its ``parked_attempts``, which the gateway's
+        ``max_attempts`` leaves out."""
         k = self.keys
         done, _ = await self._run(
             _REQUEUE,
             keys=[k.queue, k.request(req.id), k.inflight(engine), k.wake, k.stats],
-            args=[req.id, PRIORITY_CLASS[req.priority], reason, engine],
+            args=[req.id, PRIORITY_CLASS[req.priority], reason, engine, int(counted)],
         )
         return bool(done)
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, Awaitable
 import httpx
 import msgspec
 
-from flying.messages import GROUP_LOST, Assignment, GaveUp, engine_gave_up
+from flying.messages import GROUP_LOST, GROUP_PARKED, Assignment, GaveUp, engine_gave_up
 from flying.queue import RequestQueue
 from gateway import engine_fields
 from gateway.admission import Admitted
@@ -63,7 +63,10 @@ class Relay:
         call = sent if sent is not None else self.upstream.post(a.url, adm.path, adm.body)
         resp = await self._unless_gone(adm, a, call, disconnected)
         if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
-            raise WorkerUnavailable(f"engine {a.engine} answered 503: {resp.text[:200]}", engine_fault=False)
+            parked = GROUP_PARKED.message in resp.text
+            raise WorkerUnavailable(
+                f"engine {a.engine} answered 503: {resp.text[:200]}", engine_fault=False, counted=not parked
+            )
         if resp.status_code >= 500:
             self.waiting.engine_failed(a.engine, f"answered {resp.status_code}")
         try:
@@ -229,7 +232,7 @@ class Relay:
         log.warning("request %s: %s; resuming after %d tokens", adm.record.id, exc, len(adm.resume.generated),
                     extra={"request_id": adm.record.id})  # fmt: skip
         fut = await self.waiting.retry_or_fail(
-            adm, a, str(exc), cause="mid_stream", engine_fault=exc.engine_fault
+            adm, a, str(exc), cause="mid_stream", engine_fault=exc.engine_fault, counted=exc.counted
         )
         never = asyncio.get_running_loop().create_future()  # a client that leaves cancels this generator
         a = await self.waiting.wait_assignment(adm, fut, never)
@@ -266,7 +269,9 @@ def mid_stream_error(a: Assignment, exc: Exception) -> str:
 
 def gave_up(a: Assignment, gave: GaveUp, what: str) -> WorkerUnavailable:
     """The re-dispatch an engine's giving up calls for: no fault of the engine's when its group lost a member."""
-    return WorkerUnavailable(f"engine {a.engine} {what}: {gave.why}", engine_fault=not gave.group_lost)
+    return WorkerUnavailable(
+        f"engine {a.engine} {what}: {gave.why}", engine_fault=not gave.group_lost, counted=not gave.parked
+    )
 
 
 def unavailable(line: str) -> GaveUp | None:

@@ -216,7 +216,9 @@ class Gateway:
                 if resp.status_code == 200:  # nothing goes to the client before the engine's first event
                     events = await relay.first_event(adm, a, resp, disconnected)
             except WorkerUnavailable as exc:
-                fut = await waiting.retry_or_fail(adm, a, str(exc), engine_fault=exc.engine_fault)
+                fut = await waiting.retry_or_fail(
+                    adm, a, str(exc), engine_fault=exc.engine_fault, counted=exc.counted
+                )
                 continue
             if resp.status_code != 200:
                 await resp.aread()

@@ -31,11 +31,13 @@ _decode = msgspec.json.Decoder().decode
 
 class WorkerUnavailable(Exception):
     """The assigned engine could not be reached or died before answering; ``engine_fault`` False: it is fine, but
-    could not serve the request (its TP group lost a member), so its circuit breaker does not count it."""
+    could not serve the request (its TP group lost a member), so its circuit breaker does not count it;
+    ``counted`` False: nothing failed (its group was parked before its first token), so the request's re-dispatch
+    does not count toward its ``max_attempts``."""
 
-    def __init__(self, message: str, engine_fault: bool = True) -> None:
+    def __init__(self, message: str, engine_fault: bool = True, counted: bool = True) -> None:
         super().__init__(message)
-        self.engine_fault = engine_fault
+        self.engine_fault, self.counted = engine_fault, counted
 
 
 class StreamBroken(Exception):

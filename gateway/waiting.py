@@ -180,23 +180,29 @@ class WaitingRoom:
         why: str,
         cause: str = "before_first_event",
         engine_fault: bool = True,
+        counted: bool = True,
     ) -> asyncio.Future[Assignment]:
         """The engine died before answering: put the request back in the queue (bounded) or fail it.
-        ``engine_fault`` False: the engine is fine (its TP group lost a member), so its breaker does not count it."""
+        ``engine_fault`` False: the engine is fine (its TP group lost a member), so its breaker does not count it.
+        ``counted`` False: nothing failed (its group was parked before its first token): it goes back to the queue
+        whatever its attempts, and this re-dispatch does not count toward ``max_attempts``."""
         if engine_fault:
             self.engine_failed(a.engine, why)
         rec = await self.queue.get(adm.record.id)
-        attempts = int(rec.get("attempts", 0)) + 1
-        if attempts >= self.config.max_attempts:
+        attempts = int(rec.get("attempts", 0)) + 1  # (every re-dispatch: its SGLang rid's suffix)
+        used = attempts - int(rec.get("parked_attempts", 0))
+        if not counted:
+            cause = "group_parked"
+        elif used >= self.config.max_attempts:
             await self.queue.finish(adm.record.id, "failed", why)
-            raise WorkerFailed(f"engine {a.engine} failed and {attempts} attempts are used up: {why}")
+            raise WorkerFailed(f"engine {a.engine} failed and {used} attempts are used up: {why}")
         log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why,
                     extra={"request_id": adm.record.id})  # fmt: skip
         self.metrics.redispatched.labels(cause).inc()
         adm.next_attempt(attempts)
         await asyncio.sleep(self.redispatch_delay_s(attempts))
         fut = self.waiter.expect(adm.record.id)
-        await self.queue.requeue(adm.record, a.engine, why)
+        await self.queue.requeue(adm.record, a.engine, why, counted=counted)
         self.waiter.mark_admitted(adm.record.id)
         self.holding[adm.record.id] = adm.record
         return fut

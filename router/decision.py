@@ -87,6 +87,9 @@ class ReleaseCause(StrEnum):
     NO_TP_WORK = "no TP work"  # for keep_s
     MAKING_ROOM = "making room"  # for a wider (long-context) group
     PARKED_LOST = "a member of the parked group is gone"  # its parked requests cannot resume: they end
+    PARKED_LEFT = (
+        "its parked requests ended"  # their clients left (or timed out) while parked: their KV is freed
+    )
     WIDENING = "widening"  # light load: the block around it can bind at the load groups' full width
 
 

@@ -158,9 +158,7 @@ class Dispatcher:
             queued=int(queued),
             engines=views,
             groups=groups,
-            tp_load=await self._group_loads(
-                counted, held, max((hb.max_total_tokens for hb in beats), default=0)
-            ),
+            tp_load=await self._group_loads(counted, held, {hb.engine: hb.max_total_tokens for hb in beats}),
             state=state,
             admitted=int(admitted or 0),
             prefixes=self.prefixes,
@@ -168,26 +166,27 @@ class Dispatcher:
         )
 
     async def _group_loads(
-        self, groups: list[Group], held: list[list[str]], one: int
+        self, groups: list[Group], held: list[list[str]], kv: dict[int, int]
     ) -> dict[int, GroupLoad]:
         """Per group: its TP requests (assigned to any of its members in its epoch, or parked in an epoch it is or
-        carries: :func:`router.parking.counts_toward`, ``one`` the largest engine's KV; unfinished: each member
-        owns those sent to it), their KV tokens and the largest one's, from one pipelined read of the requests in
-        the members' inflight sets (``held``: per group, their ids)."""
+        carries: :func:`router.parking.counts_toward`, by its leader's KV in ``kv``, as the leader picks them;
+        unfinished: each member owns those sent to it), their KV tokens and the largest one's, from one pipelined
+        read of the requests in the members' inflight sets (``held``: per group, their ids)."""
         pipe = self.r.pipeline(transaction=False)
         for rids in held:
             for rid in rids:
                 pipe.hmget(self.keys.request(rid), ["epoch", "prompt_tokens", "max_tokens"])
         rows = iter(await pipe.execute() if any(held) else [])
         out = {}
+        widest = max(kv.values(), default=0)
         for g, rids in zip(groups, held):
-            n = kv = top = 0
+            one, n, tokens, top = kv.get(g.leader, widest), 0, 0, 0
             for _ in rids:
                 ep, p, m = next(rows)
                 size = int(p or 0) + int(m or 0)
                 if ep is not None and counts_toward(g, int(ep), size, one):
-                    n, kv, top = n + 1, kv + size, max(top, size)
-            out[g.epoch] = GroupLoad(n, kv, top)
+                    n, tokens, top = n + 1, tokens + size, max(top, size)
+            out[g.epoch] = GroupLoad(n, tokens, top)
         return out
 
     async def apply(self, d: Decision) -> int:

@@ -10,7 +10,8 @@ parked epoch; its members bind into no other group meanwhile. Once load is light
 the same order with ``Bind.resume`` (:func:`resume`), and the parked requests continue where they stopped.
 
 A member that is gone, or no longer reports the parked epoch (restarted: its slices are lost), ends them: the
-survivors get the epoch's release, which aborts the parked requests and frees their KV (:func:`reconcile`).
+survivors get the epoch's release, which aborts the parked requests and frees their KV (:func:`reconcile`). So do
+parked requests whose clients all left (:func:`left`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def reconcile(rnd: Round) -> None:
     for g in list(rnd.parked.values()):
         lost = [m for m in g.members if g.epoch not in held.get(m, ())]
         if not lost:
+            left(rnd, g)
             continue
         holders = tuple(m for m in g.members if g.epoch in held.get(m, ()))
         rnd.drop(g)
@@ -119,6 +121,26 @@ def reconcile(rnd: Round) -> None:
         rnd.out.events.append(note)
         if holders:
             rnd.out.commands.append((holders, Release(epoch=g.epoch)))
+
+
+def left(rnd: Round, g: Group) -> None:
+    """Count ``g``'s parked requests in the inflight sets; where it had some and none is left (their clients
+    disconnected, or timed out, while parked: the gateway ended them), end the epoch on its members, freeing the
+    KV their resume would have wasted a group's time on. (Requests sent to an engine directly are never counted:
+    their epoch stays until resumed or released by hand.)"""
+    load = rnd.s.tp_load.get(g.epoch)
+    if load is None:
+        return
+    if load.inflight:
+        if load.inflight != g.parked_requests:
+            rnd.put(replace_group(g, parked_requests=load.inflight))
+        return
+    if g.parked_requests:
+        rnd.drop(g)
+        rnd.out.events.append(
+            ReleaseNote(g.epoch, g.members, g.reason, ReleaseMode.WAIT, ReleaseCause.PARKED_LEFT)
+        )
+        rnd.out.commands.append((g.members, Release(epoch=g.epoch)))
 
 
 def blocked(rnd: Round) -> bool:

@@ -256,8 +256,10 @@ def test_release_park_then_resume_binds_the_same_engines_in_order_and_a_plain_re
     )
     assert sync_redis.hget(keys.groups, str(epoch)) is None
     assert decode(sync_redis.hget(keys.groups, str(new)), Group).carries == (epoch,)
-    parked = Group(epoch=50, members=(0, 1), reason="long", state="parked")
+    parked = Group(epoch=50, members=(0, 1), reason="long", state="parked", parked_requests=1)
     sync_redis.hset(keys.groups, "50", encode(parked))
+    assert main([*args, "status"]) == 0
+    assert "parked    long" in (out := capsys.readouterr().out) and "parked requests: 1" in out
     assert main([*args, "release", "50", "0", "1"]) == 0  # a parked epoch: its requests end
     assert decode_command(sync_redis.xrange(keys.commands(0))[-1][1][b"msg"]) == Release(epoch=50)
     assert sync_redis.hget(keys.groups, "50") is None

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from flying.messages import GROUP_LOST as LOST
-from flying.messages import Assignment, Heartbeat, encode
+from flying.messages import GROUP_PARKED, Assignment, Heartbeat, encode
 from gateway import engine_fields
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
@@ -302,6 +302,31 @@ async def test_a_non_streaming_request_the_engine_gave_up_on_is_redispatched(
     await asyncio.sleep(0.1)
     counted = await aredis.hget(keys.breakers, "0") is not None
     assert counted == engine_fault, "a lost group is no failure of the engine's own (its breaker)"
+
+
+async def test_a_request_set_aside_by_a_parking_group_is_queued_again_past_its_attempts(
+    gateway, aredis, keys
+):
+    """An engine that parks its group ends a request still in its prefill with the parked 503: nothing failed, so
+    the gateway queues it again however often (more than ``max_attempts`` here), and its engine's breaker counts
+    nothing."""
+    parked = httpx.Response(
+        503, json={"object": "error", "message": GROUP_PARKED.message, "type": "503", "code": 503}
+    )
+    n = gateway.config.max_attempts + 1
+    answers = [parked] * n + [
+        httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "ok"}}]})
+    ]
+    calls = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return answers[len(calls) - 1]
+
+    reply = await serve_chat(gateway, engine)
+    assert reply.status == 200 and len(calls) == n + 1
+    assert int(await aredis.hget(keys.request(reply.assignment.id), "parked_attempts")) == n
+    assert await aredis.hget(keys.breakers, "0") is None
 
 
 async def test_every_assignment_is_told_even_when_the_request_then_fails(gateway):

@@ -173,6 +173,25 @@ async def test_a_failed_engine_sends_the_request_back_until_its_attempts_are_use
     assert await state(aredis, keys, "a") == b"failed"
 
 
+async def test_a_request_whose_group_parked_before_its_first_token_goes_back_without_using_an_attempt(
+    room, aredis, keys
+):
+    r = room(max_attempts=2)
+    adm = admitted("a")
+    await r.enqueue(adm)
+    a = Assignment(id="a", engine=0, url="http://e0", queue_ms=0.0)
+    for attempt in (1, 2, 3):  # three bursts met in its prefill: more re-dispatches than max_attempts
+        assert await r.queue.assign(adm.record, 0, "http://e0")
+        await r.retry_or_fail(adm, a, "parked", engine_fault=False, counted=False)
+        assert adm.body["rid"] == f"a~{attempt}"  # a new SGLang rid each time
+    assert r.metrics.redispatched.labels("group_parked")._value.get() == 3
+    assert await r.queue.assign(adm.record, 0, "http://e0")
+    await r.retry_or_fail(adm, a, "connection refused")  # a failure: the first attempt it uses
+    assert await r.queue.assign(adm.record, 0, "http://e0")
+    with pytest.raises(WorkerFailed, match="engine 0 failed and 2 attempts are used up: reset"):
+        await r.retry_or_fail(adm, a, "reset")
+
+
 async def test_waiting_requests_redis_lost_are_admitted_again(room, aredis, keys):
     r = room(max_queue=1)
     await r.enqueue(admitted("a"))

@@ -5,6 +5,7 @@ import pytest
 
 from flying.messages import (
     GROUP_LOST,
+    GROUP_PARKED,
     Heartbeat,
     QueuedRequest,
     decode,
@@ -51,6 +52,11 @@ def test_the_gateway_knows_how_a_worker_ends_a_request_whose_group_was_lost():
     code = reason["status_code"]
     event = OpenAIServingBase.create_streaming_error_response(None, reason["message"], code.name, code.value)
     assert engine_gave_up(json.loads(event)) == GaveUp(GROUP_LOST.message, group_lost=True)
+    parked = group_lost(
+        GROUP_PARKED.message
+    ).to_json()  # (worker_ext.parking: set aside before its first token)
+    event = OpenAIServingBase.create_streaming_error_response(None, parked["message"], code.name, code.value)
+    assert engine_gave_up(json.loads(event)) == GaveUp(GROUP_PARKED.message, group_lost=True, parked=True)
     assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "abort"}]}) == GaveUp("aborted")
     assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "length"}]}) is None
 

@@ -222,3 +222,19 @@ def test_a_distrusted_member_is_not_asked_to_resume():
     rnd.suspect[1] = 200.0
     resume(rnd)
     assert not rnd.out.binds
+
+
+def test_a_parked_epoch_whose_requests_all_ended_is_released_once_they_were_counted():
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=99.0, park=True)
+    engines = [eng(0, parked=(3,)), eng(1, parked=(3,)), eng(2), eng(3)]
+    d = decide(snap(engines, [parked], state=BUSY, loads={3: LONG}), CFG)
+    assert d.put[3].parked_requests == 1 and not d.commands  # counted: its client still waits
+    counted = Group(
+        epoch=3, members=(0, 1), reason="long", state="parked", since=99.0, park=True, parked_requests=1
+    )
+    d = decide(snap(engines, [counted], state=BUSY, loads={3: GroupLoad()}), CFG)
+    assert d.drop == [3] and d.commands == [((0, 1), Release(epoch=3))]  # its client left: the KV is freed
+    assert [n.cause for n in d.releases] == [ReleaseCause.PARKED_LEFT]
+    assert "its parked requests ended" in str(d.releases[0])
+    d = decide(snap(engines, [parked], state=BUSY, loads={3: GroupLoad()}), CFG)
+    assert not d.commands and 3 not in d.drop  # never counted (sent to an engine directly): it stays

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flying.messages import GROUP_PARKED
 from worker_ext.kv_layout import SubSlotAllocator
 from worker_ext.sglang_patches.requests import Emitted
 from worker_ext.sglang_patches.surface import Req, SchedulerSurface
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from worker_ext.step_plan import Shadows
 
 log = logging.getLogger("flying.parking")
-ABORT_PREFILL = "its tensor-parallel group was parked for a burst before its first token; request aborted"
+ABORT_PREFILL = GROUP_PARKED.message
 
 
 class ResumeMismatch(RuntimeError):
