@@ -144,10 +144,10 @@ def left(rnd: Round, g: Group) -> None:
 
 
 def blocked(rnd: Round) -> bool:
-    """A waiting request that has waited ``max_defer_s`` (a long one of normal priority: ``long_wait_s``, its own
-    wait) can be served only where requests are parked: no engine outside the parked groups holds it, alone or in
-    a group, and no parked engine has the free KV for it in DP. Its wait would last as long as the parking, so the
-    parked group resumes (its members then serve it once the parked requests end)."""
+    """A waiting request that has waited ``max_defer_s`` can be served only where requests are parked: no engine
+    outside the parked groups holds it, alone or in a group, and no parked engine has the free KV for it in DP. Its
+    wait would last as long as the parking, so the parked group resumes (its members then serve it once the parked
+    requests end). A long request of normal priority does not count: it waits for calm, as the parked groups do."""
     parked = rnd.parked_members()
     if not parked:
         return False
@@ -165,8 +165,9 @@ def blocked(rnd: Round) -> bool:
     )
     parked_room = max((rnd.live[m].dp_room for m in parked if m in rnd.live), default=0)
     for r in rnd.s.waiting:
-        own_wait = cfg.long_wait_s if not rnd.s.fits_one(r) and r.priority != "high" else cfg.max_defer_s
-        if rnd.now - r.enqueued_at < own_wait or r.kv_tokens <= room:
+        if not rnd.s.fits_one(r) and r.priority != "high":
+            continue  # (a long one of normal priority waits for calm anyway, when the parked groups resume too)
+        if rnd.now - r.enqueued_at < cfg.max_defer_s or r.kv_tokens <= room:
             continue
         if rnd.s.fits_one(r) and r.kv_tokens <= parked_room:
             continue
@@ -178,14 +179,16 @@ def resume(rnd: Round) -> None:
     """The oldest parked group whose members are free binds again, in the same order, resuming its parked
     requests: in calm (a long request's, :func:`router.long_wait.unrest`) with no other long request running, or,
     parked ``long_wait_s`` already, whatever the load (then it is never parked again: its clients' streams have
-    waited long enough), or at once where a waiting request can be served nowhere else (:func:`blocked`; it too
-    is never parked again). Idle members bind at once, busy ones by adoption where they may (their DP work continues
-    in the group), else they drain first."""
+    waited long enough), or, one group at a time, where a waiting request can be served nowhere else
+    (:func:`blocked`; it too is never parked again). Idle members bind at once, busy ones by adoption where they may
+    (their DP work continues in the group), else they drain first."""
     calm = not rnd.out.state.busy and long_wait.unrest(rnd, turn=False) is None
-    taken, stuck = rnd.in_groups(), blocked(rnd)
+    resuming = any(g.carries and g.state == "binding" for g in rnd.groups.values())
+    taken, stuck = rnd.in_groups(), not resuming and blocked(rnd)
     for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):
-        overdue = stuck or rnd.now - g.since >= rnd.cfg.long_wait_s
-        if not overdue and (not calm or long_wait.long_groups(rnd)):
+        overdue = rnd.now - g.since >= rnd.cfg.long_wait_s
+        forced = stuck and not overdue
+        if not (overdue or forced) and (not calm or long_wait.long_groups(rnd)):
             continue  # (a long request's calm: stricter than light load, so a resume does not meet the next burst;
             # one long group at a time: the others stay parked until it ends)
         ms = g.members
@@ -208,6 +211,6 @@ def resume(rnd: Round) -> None:
             "sequential" if busy and not adopt else "hard",
             adopt=adopt,
             carries=(*g.carries, g.epoch),
-            hold=overdue,
+            hold=overdue or forced,
         )
-        taken = rnd.in_groups()
+        taken, stuck = rnd.in_groups(), stuck and not forced

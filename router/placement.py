@@ -108,7 +108,10 @@ def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
     n, kv = rnd.tp.get(g.epoch, (0, 0))
     rnd.tp[g.epoch] = (n + 1, kv + r.kv_tokens)
     rnd.tp_max[g.epoch] = max(rnd.tp_max.get(g.epoch, 0), r.kv_tokens)  # retractable() sees it this round
-    hold = g.hold or (r.priority == "high" and r.kv_tokens > rnd.s.max_kv)  # (router.parking: never parked)
+    # (router.parking: never parked) while it serves a high-priority long request, or the request its bind held
+    # for; a bound group with no request left holds for nothing
+    held = g.hold and (n > 0 or g.state != "bound")
+    hold = held or (r.priority == "high" and r.kv_tokens > rnd.s.max_kv)
     if g.state == "bound":
         e = owner(rnd, g)
         rnd.out.dispatches.append(Dispatch(r, e.engine, e.url, g.epoch))
@@ -293,9 +296,9 @@ def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
     if not parking.parks(rnd) and (g := group_for(rnd, r, width, ("bound",), ("load",))) is not None:
         to_group(rnd, g, r)  # the widest group there is, the load group, in SP (router.long_wait)
         return
-    in_long = sum(g.width for g in rnd.groups.values() if g.reason == "long") + sum(
-        g.width for g in rnd.out.binds if g.reason == "long"
-    )
+    in_long = sum(  # (an idle one holds no share: release_idle_blocking may release it for this one)
+        g.width for g in rnd.groups.values() if g.reason == "long" and (g.state != "bound" or rnd.group_n(g))
+    ) + sum(g.width for g in rnd.out.binds if g.reason == "long")
     if in_long and in_long + width > cfg.long_max_share * len(rnd.live):
         return  # long groups already hold their share (one is always allowed): the rest stays DP
     if sets := rnd.free_sets(width):

@@ -201,9 +201,9 @@ def test_a_request_only_the_parked_engines_could_serve_resumes_their_group_at_on
     ]  # a parked engine with the free KV serves it
 
 
-def test_a_long_request_waits_its_own_wait_before_it_resumes_a_parked_group():
+def test_a_high_priority_long_request_resumes_a_parked_group_a_normal_one_waits_for_calm():
     engines, g = parked_on(0, 1, free=300)
-    long = waiting(1, 1500, 90.0)  # needs a group of two: only the parked engines make one
+    long = waiting(1, 1500, 60.0)  # needs a group of two: only the parked engines make one
     s = Snapshot(
         now=100.0, waiting=[long], queued=1, engines=engines, groups=[g], state=BUSY, tp_load={3: LONG}
     )
@@ -238,3 +238,37 @@ def test_a_parked_epoch_whose_requests_all_ended_is_released_once_they_were_coun
     assert "its parked requests ended" in str(d.releases[0])
     d = decide(snap(engines, [parked], state=BUSY, loads={3: GroupLoad()}), CFG)
     assert not d.commands and 3 not in d.drop  # never counted (sent to an engine directly): it stays
+
+
+def test_a_blocked_request_resumes_one_parked_group_at_a_time():
+    """Eight engines, all parked in two groups of four; a high-priority long request waits: the older group
+    resumes (then it has room for the request beside its parked one), the other stays parked through the burst,
+    and no second group resumes while the first binds."""
+    engines = [
+        EngineView(
+            i,
+            f"e{i}",
+            0,
+            300,
+            1000,
+            num_engines=8,
+            beat_ts=100.0,
+            kv_transform=True,
+            park=True,
+            parked=(3,) if i < 4 else (4,),
+        )  # fmt: skip
+        for i in range(8)
+    ]
+    old = Group(epoch=3, members=(0, 1, 2, 3), reason="long", state="parked", since=99.0, park=True)
+    new = Group(epoch=4, members=(4, 5, 6, 7), reason="long", state="parked", since=99.0, park=True)
+    high = waiting(1, 1500, 90.0, "high")
+    loads = {3: LONG, 4: LONG}
+    s = Snapshot(
+        now=100.0, waiting=[high], queued=1, engines=engines, groups=[old, new], state=BUSY, tp_load=loads
+    )
+    d = decide(s, CFG)
+    assert [(b.members, b.carries, b.hold) for b in d.binds] == [((0, 1, 2, 3), (3,), True)]
+    binding = Group(epoch=9, members=(0, 1, 2, 3), reason="long", state="binding", since=99.9, carries=(3,))
+    s = Snapshot(now=100.0, waiting=[high], queued=1, engines=engines, groups=[binding, new], state=BUSY,
+                 tp_load={4: LONG})  # fmt: skip
+    assert not decide(s, CFG).binds

@@ -16,7 +16,7 @@ from router.placement import (
     place_priority,
 )
 from router.round import SHORT, USABLE, Round
-from router.snapshot import Snapshot
+from router.snapshot import GroupLoad, Snapshot
 from tests.policy_settings import UNIT_POLICY, unit_policy
 
 CFG = UNIT_POLICY
@@ -32,9 +32,10 @@ def req(i="r", prompt=10, priority="normal"):
     return QueuedRequest(id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=10, gateway="g", enqueued_at=100.0)  # fmt: skip
 
 
-def rnd(engines=None, groups=(), state=BUSY, waiting=(), cfg=CFG):
+def rnd(engines=None, groups=(), state=BUSY, waiting=(), cfg=CFG, loads=None):
     engines = [eng(i) for i in range(4)] if engines is None else engines
-    s = Snapshot(now=100.0, waiting=list(waiting), queued=len(waiting), engines=engines, groups=list(groups), state=state)  # fmt: skip
+    s = Snapshot(now=100.0, waiting=list(waiting), queued=len(waiting), engines=engines, groups=list(groups), state=state,
+                 tp_load=loads or {})  # fmt: skip
     r = Round(s, cfg)
     r.out.state = state
     return r
@@ -254,6 +255,19 @@ def test_where_groups_park_a_normal_long_request_binds_at_least_long_min_width_a
         r = rnd(engines, state=LIGHT, cfg=c)
         place_long(r, req(prompt=1500), 2)
         assert [g.members for g in r.out.binds] == [(0, 1)]  # never parked: the width its KV needs
+
+
+def test_a_group_held_for_a_high_priority_long_request_holds_no_longer_once_it_is_idle():
+    engines = [EngineView(i, f"e{i}", 0, 1000, 1000, mode="tp" if i < 2 else "dp", epoch=5 if i < 2 else 0,
+                          num_engines=8, beat_ts=100.0, park=True) for i in range(8)]  # fmt: skip
+    held = Group(epoch=5, members=(0, 1), reason="long", state="bound", hold=True)
+    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=0.0, long_min_width=2))
+    place_long(r, req(prompt=1500), 2)  # its high-priority request ended: a normal one may be parked
+    assert [x.epoch for x in r.out.dispatches] == [5] and not r.out.put[5].hold
+    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=0.0, long_min_width=2, tp_inflight_per_engine=4),
+            loads={5: GroupLoad(1, 300, 300)})  # fmt: skip
+    place_long(r, req(prompt=1500), 2)  # still serving a request: the group stays held
+    assert [x.epoch for x in r.out.dispatches] == [5] and r.out.put[5].hold
 
 
 def test_a_long_request_still_goes_to_a_bound_group_narrower_than_long_min_width():

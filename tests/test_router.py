@@ -8,7 +8,17 @@ import time
 import pytest
 
 from flying import control
-from flying.messages import DecisionEvent, Group, Heartbeat, QueuedRequest, RouterState, decode, encode
+from flying.messages import (
+    DecisionEvent,
+    Group,
+    Heartbeat,
+    QueuedRequest,
+    Release,
+    RouterState,
+    decode,
+    decode_command,
+    encode,
+)
 from flying.queue import RequestQueue
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
@@ -282,3 +292,30 @@ async def test_a_parked_epochs_load_is_the_requests_it_parked_not_those_it_scatt
     await aredis.hset(keys.groups, "5", encode(resuming))
     await q.assign_many([(own, 1, "http://e1", 5)])
     assert (await d.snapshot()).tp_load[5] == GroupLoad(inflight=2, kv_tokens=1530, max_kv_tokens=1510)
+
+
+async def test_a_parked_request_whose_client_left_ends_its_epoch_on_the_members(aredis, keys):
+    """A parked epoch's long request is counted in a round; its client leaves (the gateway cancels it: gone from
+    the inflight set); the next round releases the epoch on both members (their parked KV is freed) and deletes
+    its record, with the reason in the decision log."""
+    for e in (0, 1):
+        await beat(aredis, keys, e, parked=(3,), park=True, kv_transform=True)
+    q = RequestQueue(aredis, keys)
+    long = QueuedRequest(id="long", priority="normal", model="m", prompt_tokens=1500, max_tokens=10, gateway="g",
+                         enqueued_at=time.time())  # fmt: skip
+    await q.admit(long)
+    await q.assign_many([(long, 0, "http://e0", 3)])
+    parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=time.time(), park=True)
+    await aredis.hset(keys.groups, "3", encode(parked))
+    d = dispatcher(aredis, keys)
+    await d.round()
+    assert decode(await aredis.hget(keys.groups, "3"), Group).parked_requests == 1
+    assert not await aredis.xlen(keys.commands(0))
+    await q.finish("long", "cancelled", "client disconnected")
+    await d.round()
+    assert await aredis.hget(keys.groups, "3") is None
+    for e in (0, 1):
+        (_, fields), *_ = await aredis.xrange(keys.commands(e))
+        assert decode_command(fields[b"msg"]) == Release(epoch=3)
+    entries = [decode(f[b"event"], DecisionEvent) for _, f in await aredis.xrange(keys.decisions)]
+    assert any(e.epoch == 3 and "its parked requests ended" in e.text for e in entries)
