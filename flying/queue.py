@@ -177,10 +177,11 @@ _REQUEUE = """
 local seq = redis.call('HGET', KEYS[2], 'pos') or redis.call('HGET', KEYS[2], 'seq')
 if not seq or redis.call('HGET', KEYS[2], 'state') ~= 'assigned' then return 0 end
 redis.call('SREM', KEYS[3], ARGV[1])
-redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3], 'failed_on', ARGV[4])
+redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3])
+if ARGV[5] == '0' then redis.call('HINCRBY', KEYS[2], 'parked_attempts', 1)
+else redis.call('HSET', KEYS[2], 'failed_on', ARGV[4]) end
 redis.call('HDEL', KEYS[2], 'engine', 'url', 'assigned_at', 'epoch')
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
-if ARGV[5] == '0' then redis.call('HINCRBY', KEYS[2], 'parked_attempts', 1) end
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + tonumber(seq), ARGV[1])
 redis.call('LPUSH', KEYS[4], 1)
 redis.call('LTRIM', KEYS[4], 0, 0)
@@ -403,7 +404,7 @@ class RequestQueue:
         """Put an assigned request back at its original place in the queue (its worker could not take it); the
         router sends it elsewhere than ``engine`` while another engine is live. Its ``attempts`` go up by one;
         ``counted`` False (nothing failed: its group was parked) also its ``parked_attempts``, which the gateway's
-        ``max_attempts`` leaves out."""
+        ``max_attempts`` leaves out, and ``engine`` is not recorded as where it failed."""
         k = self.keys
         done, _ = await self._run(
             _REQUEUE,

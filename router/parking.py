@@ -143,10 +143,22 @@ def left(rnd: Round, g: Group) -> None:
         rnd.out.commands.append((g.members, Release(epoch=g.epoch)))
 
 
+def dp_limit(rnd: Round, m: int) -> int:
+    """The most KV a DP request may ever have on parked engine ``m``: its KV less its head slices of the parked
+    requests (each parked epoch's requests' KV over its width, as the members hold them)."""
+    held = sum(
+        -(-rnd.s.tp_load[g.epoch].kv_tokens // g.width)
+        for g in rnd.parked.values()
+        if m in g.members and g.epoch in rnd.s.tp_load
+    )
+    return rnd.live[m].max_total_tokens - held
+
+
 def blocked(rnd: Round) -> bool:
     """A waiting request that has waited ``max_defer_s`` can be served only where requests are parked: no engine
-    outside the parked groups holds it, alone or in a group, and no parked engine has the free KV for it in DP. Its
-    wait would last as long as the parking, so the parked group resumes (its members then serve it once the parked
+    outside the parked groups holds it, alone or in a group, and no parked engine could ever hold it in DP beside
+    its parked slices (:func:`dp_limit`; not merely its free KV now, which the burst's own DP work lowers). Its wait
+    would last as long as the parking, so the parked group resumes (its members then serve it once the parked
     requests end). A long request of normal priority does not count: it waits for calm, as the parked groups do."""
     parked = rnd.parked_members()
     if not parked:
@@ -163,7 +175,9 @@ def blocked(rnd: Round) -> bool:
         ],
         default=0,
     )
-    parked_room = max((rnd.live[m].dp_room for m in parked if m in rnd.live), default=0)
+    parked_room = max(
+        (max(dp_limit(rnd, m), rnd.live[m].dp_room) for m in parked if m in rnd.live), default=0
+    )
     for r in rnd.s.waiting:
         if not rnd.s.fits_one(r) and r.priority != "high":
             continue  # (a long one of normal priority waits for calm anyway, when the parked groups resume too)

@@ -108,10 +108,12 @@ def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
     n, kv = rnd.tp.get(g.epoch, (0, 0))
     rnd.tp[g.epoch] = (n + 1, kv + r.kv_tokens)
     rnd.tp_max[g.epoch] = max(rnd.tp_max.get(g.epoch, 0), r.kv_tokens)  # retractable() sees it this round
-    # (router.parking: never parked) while it serves a high-priority long request, or the request its bind held
-    # for; a bound group with no request left holds for nothing
+    # (router.parking: never parked) while it serves a high-priority long request, or one that waited twice
+    # long_wait_s, or the requests its bind held for; a bound group with no request left holds for nothing
     held = g.hold and (n > 0 or g.state != "bound")
-    hold = held or (r.priority == "high" and r.kv_tokens > rnd.s.max_kv)
+    long = r.kv_tokens > rnd.s.max_kv
+    overdue = long and rnd.now - r.enqueued_at >= 2 * rnd.cfg.long_wait_s
+    hold = held or (long and r.priority == "high") or overdue
     if g.state == "bound":
         e = owner(rnd, g)
         rnd.out.dispatches.append(Dispatch(r, e.engine, e.url, g.epoch))

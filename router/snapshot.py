@@ -48,7 +48,10 @@ class Snapshot:
             for g in self.groups
             if g.state == "parked" and g.epoch in self.tp_load
         )
-        return self.queued + sum(e.inflight for e in self.engines) - parked
+        return self.queued + max(
+            0, sum(e.inflight for e in self.engines) - parked
+        )  # (an engine whose breaker is
+        # open is not in ``engines``, its parked requests are in ``tp_load``)
 
     @cached_property
     def max_kv(self) -> int:

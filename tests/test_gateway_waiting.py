@@ -185,6 +185,7 @@ async def test_a_request_whose_group_parked_before_its_first_token_goes_back_wit
         await r.retry_or_fail(adm, a, "parked", engine_fault=False, counted=False)
         assert adm.body["rid"] == f"a~{attempt}"  # a new SGLang rid each time
     assert r.metrics.redispatched.labels("group_parked")._value.get() == 3
+    assert await aredis.hget(keys.request("a"), "failed_on") == b"-1"  # engine 0 did not fail it
     assert await r.queue.assign(adm.record, 0, "http://e0")
     await r.retry_or_fail(adm, a, "connection refused")  # a failure: the first attempt it uses
     assert await r.queue.assign(adm.record, 0, "http://e0")

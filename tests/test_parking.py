@@ -199,6 +199,11 @@ def test_a_request_only_the_parked_engines_could_serve_resumes_their_group_at_on
     assert not d.binds and [x.engine for x in d.dispatches] == [
         0
     ]  # a parked engine with the free KV serves it
+    small = GroupLoad(1, 200, 1500)  # (a smaller parked share: 100 tokens a member)
+    engines, g = parked_on(0, 1, free=300)  # the burst's DP work holds the rest: it waits for free KV
+    s = Snapshot(now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=engines, groups=[g], state=BUSY,
+                 tp_load={3: small})  # fmt: skip
+    assert not decide(s, CFG).binds
 
 
 def test_a_high_priority_long_request_resumes_a_parked_group_a_normal_one_waits_for_calm():
@@ -268,7 +273,8 @@ def test_a_blocked_request_resumes_one_parked_group_at_a_time():
     )
     d = decide(s, CFG)
     assert [(b.members, b.carries, b.hold) for b in d.binds] == [((0, 1, 2, 3), (3,), True)]
+    wide = waiting(2, 4500, 90.0, "high")  # wider than the binding group's pooled KV: only all eight hold it
     binding = Group(epoch=9, members=(0, 1, 2, 3), reason="long", state="binding", since=99.9, carries=(3,))
-    s = Snapshot(now=100.0, waiting=[high], queued=1, engines=engines, groups=[binding, new], state=BUSY,
+    s = Snapshot(now=100.0, waiting=[wide], queued=1, engines=engines, groups=[binding, new], state=BUSY,
                  tp_load={4: LONG})  # fmt: skip
-    assert not decide(s, CFG).binds
+    assert not decide(s, CFG).binds  # not the second parked group while the first binds

@@ -28,8 +28,8 @@ def eng(i, inflight=0, cap=1000, epoch=0, kvt=False, mixed=False):
                       beat_ts=100.0, kv_transform=kvt, mixed_steps=mixed)  # fmt: skip
 
 
-def req(i="r", prompt=10, priority="normal"):
-    return QueuedRequest(id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=10, gateway="g", enqueued_at=100.0)  # fmt: skip
+def req(i="r", prompt=10, priority="normal", at=100.0):
+    return QueuedRequest(id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=10, gateway="g", enqueued_at=at)  # fmt: skip
 
 
 def rnd(engines=None, groups=(), state=BUSY, waiting=(), cfg=CFG, loads=None):
@@ -261,12 +261,23 @@ def test_a_group_held_for_a_high_priority_long_request_holds_no_longer_once_it_i
     engines = [EngineView(i, f"e{i}", 0, 1000, 1000, mode="tp" if i < 2 else "dp", epoch=5 if i < 2 else 0,
                           num_engines=8, beat_ts=100.0, park=True) for i in range(8)]  # fmt: skip
     held = Group(epoch=5, members=(0, 1), reason="long", state="bound", hold=True)
-    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=0.0, long_min_width=2))
+    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=10.0, long_min_width=2))
     place_long(r, req(prompt=1500), 2)  # its high-priority request ended: a normal one may be parked
     assert [x.epoch for x in r.out.dispatches] == [5] and not r.out.put[5].hold
     r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=0.0, long_min_width=2, tp_inflight_per_engine=4),
             loads={5: GroupLoad(1, 300, 300)})  # fmt: skip
     place_long(r, req(prompt=1500), 2)  # still serving a request: the group stays held
+    assert [x.epoch for x in r.out.dispatches] == [5] and r.out.put[5].hold
+
+
+def test_a_long_request_that_waited_twice_long_wait_s_keeps_its_group_held_when_dispatched():
+    engines = [EngineView(i, f"e{i}", 0, 1000, 1000, mode="tp" if i < 2 else "dp", epoch=5 if i < 2 else 0,
+                          num_engines=8, beat_ts=100.0, park=True) for i in range(8)]  # fmt: skip
+    held = Group(
+        epoch=5, members=(0, 1), reason="long", state="bound", hold=True
+    )  # bound for it, nothing sent yet
+    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=10.0, long_min_width=2))
+    place_long(r, req(prompt=1500, at=70.0), 2)  # waited 30 s: never parked
     assert [x.epoch for x in r.out.dispatches] == [5] and r.out.put[5].hold
 
 
