@@ -224,7 +224,12 @@ class Adoption:
         engine = self.engine
         self.shadows.free_all()
         back, lengths = [], {h.rid: h.length for h in held}
-        for rid, req in self.ownership.take_owned().items():
+        owned = self.ownership.take_owned()
+        for rid in (
+            taken.keys() - owned.keys()
+        ):  # its client aborted here while the leader still ran it: nothing
+            self.layout.sub_allocator().base.free(taken[rid])  # takes the KV it was sent back
+        for rid, req in owned.items():
             engine.let_go(req)  # it comes back with a copy of its KV of its own, or is recomputed
             if rid in placed:
                 row = engine.alloc_row()
