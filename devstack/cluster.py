@@ -275,7 +275,15 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         announced: set[int] = set()
         while time.monotonic() < deadline:
-            live = set(self.heartbeats())
+            try:
+                live = set(self.heartbeats())
+            except (
+                redis.ConnectionError,
+                redis.TimeoutError,
+            ) as exc:  # Redis slow to answer while the workers
+                self.progress(f"redis not answering yet ({exc}); still waiting")  # load the CPU: poll again
+                time.sleep(0.5)
+                continue
             for i in sorted((live & want) - announced):
                 self.progress(f"worker {i} live")
                 announced.add(i)
