@@ -277,11 +277,9 @@ class Cluster:
         while time.monotonic() < deadline:
             try:
                 live = set(self.heartbeats())
-            except (
-                redis.ConnectionError,
-                redis.TimeoutError,
-            ) as exc:  # Redis slow to answer while the workers
-                self.progress(f"redis not answering yet ({exc}); still waiting")  # load the CPU: poll again
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis slow to answer while the workers load the CPU: poll again
+                self.progress(f"redis not answering yet ({exc}); still waiting")
                 time.sleep(0.5)
                 continue
             for i in sorted((live & want) - announced):

@@ -37,18 +37,13 @@ def unrest(rnd: Round, request: str = "", turn: bool = True) -> WaitCause | None
     cfg, n = rnd.cfg, len(rnd.live)
     if cfg.regime == "rate" and rnd.out.state.rate > cfg.long_calm_rate * n:
         return WaitCause.BUSY
-    if cfg.regime == "inflight" and demand(rnd) > cfg.light_load * cfg.tp_inflight_per_engine * n:
+    if cfg.regime == "inflight" and rnd.s.demand > cfg.light_load * cfg.tp_inflight_per_engine * n:
         return WaitCause.BUSY
-    if demand(rnd) > cfg.tp_inflight_per_engine * n:
+    if rnd.s.demand > cfg.tp_inflight_per_engine * n:
         return WaitCause.BACKLOG
     if turn and running_long(rnd, request):
         return WaitCause.TURN
     return None
-
-
-def demand(rnd: Round) -> int:
-    """Queued and inflight requests, parked ones aside (:attr:`router.snapshot.Snapshot.demand`)."""
-    return rnd.s.demand
 
 
 def long_groups(rnd: Round) -> int:
@@ -91,12 +86,12 @@ def waits(rnd: Round, r: QueuedRequest) -> bool:
     if cause is not None and (waited < rnd.cfg.long_wait_s or parking.holds_off(rnd, waited)):
         if noted is None:
             remember(rnd, r.id, rnd.now)
-            rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, cause, rnd.cfg.long_wait_s, demand(rnd)))
+            rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, cause, rnd.cfg.long_wait_s, rnd.s.demand))
         return True
     end = WaitCause.BOUND if cause is not None else WaitCause.CALM
     remember(rnd, r.id, -rnd.now)
     if noted is not None:
-        rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, end, rnd.cfg.long_wait_s, demand(rnd), waited))
+        rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, end, rnd.cfg.long_wait_s, rnd.s.demand, waited))
     return False
 
 

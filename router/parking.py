@@ -52,7 +52,7 @@ def surge(rnd: Round) -> bool:
     cfg, n = rnd.cfg, len(rnd.live)
     if cfg.regime == "rate":
         return rnd.out.state.rate > cfg.busy_rate * n
-    return long_wait.demand(rnd) > cfg.busy_load * cfg.tp_inflight_per_engine * n
+    return rnd.s.demand > cfg.busy_load * cfg.tp_inflight_per_engine * n
 
 
 def parks(rnd: Round) -> bool:

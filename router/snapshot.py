@@ -48,10 +48,9 @@ class Snapshot:
             for g in self.groups
             if g.state == "parked" and g.epoch in self.tp_load
         )
-        return self.queued + max(
-            0, sum(e.inflight for e in self.engines) - parked
-        )  # (an engine whose breaker is
-        # open is not in ``engines``, its parked requests are in ``tp_load``)
+        # (never below the queue: an engine whose breaker is open is not in ``engines``, its parked requests are
+        # in ``tp_load``)
+        return self.queued + max(0, sum(e.inflight for e in self.engines) - parked)
 
     @cached_property
     def max_kv(self) -> int:
