@@ -8,10 +8,13 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from flying.parent_death import dies_with
 
 
 class NotReady(RuntimeError):
@@ -54,7 +57,12 @@ def _ephemeral_low() -> int:
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in a process group of its own, its output appended to ``log_path``. Started from the main
+    thread, it gets SIGTERM if this process dies without stopping it (kill -9 of a demo or a test run): no
+    orphaned workers hold the ports and the cores. (Linux ties that signal to the thread that started the child,
+    so a child started from another thread, which may end first, does not get it.)"""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    main = threading.current_thread() is threading.main_thread()
     with open(log_path, "ab") as log:
         return subprocess.Popen[bytes](
             cmd,
@@ -63,6 +71,7 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
             env=env,
             start_new_session=True,
             stdin=subprocess.DEVNULL,
+            preexec_fn=dies_with(os.getpid()) if main else None,
         )
 
 
