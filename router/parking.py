@@ -61,10 +61,13 @@ def parks(rnd: Round) -> bool:
 
 
 def holds_off(rnd: Round, waited: float) -> bool:
-    """A burst is on (:func:`surge`) and groups are parked in it: a long request of normal priority that has
-    waited ``waited`` seconds does not start yet, even past ``long_wait_s`` (it would be parked at once); it starts
-    once the surge is over, or after twice ``long_wait_s`` whatever the load (then it is never parked)."""
-    return parks(rnd) and surge(rnd) and waited < 2 * rnd.cfg.long_wait_s
+    """Groups are parked in bursts and one is on (:func:`surge`, or the regime has not turned light since): a
+    long request of normal priority that has waited ``waited`` seconds does not start yet, even past
+    ``long_wait_s`` or re-queued after a park caught it in its prefill (it would be parked at once, or at the
+    surge's next rise: started on a dip in the burst's measure, such requests were bound and parked every second
+    or two, their prefills recomputed); it starts once the regime is light, or after twice ``long_wait_s``
+    whatever the load (then it is never parked)."""
+    return parks(rnd) and (surge(rnd) or rnd.out.state.busy) and waited < 2 * rnd.cfg.long_wait_s
 
 
 def release_mode(rnd: Round, g: Group) -> ReleaseMode:

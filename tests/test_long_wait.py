@@ -111,6 +111,22 @@ def test_past_the_bound_a_burst_holds_it_until_twice_the_bound_then_it_binds_and
     assert [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BOUND]
 
 
+def test_past_the_bound_it_waits_for_the_regime_to_turn_light_not_just_for_the_surge_to_dip():
+    """Started as soon as the burst's measure dipped, it would be parked when it rose again a moment later: in
+    the simulator a burst bound and parked such a request every second or two, its prefill recomputed each time."""
+    parking = [dataclasses.replace(e, park=True) for e in BUSY_ENGINES]
+    state = decide(snap([long()], parking), CFG).state
+    assert state.busy
+    dip = [
+        dataclasses.replace(eng(i, 3), park=True) for i in range(4)
+    ]  # demand 13: no surge, not light either
+    d = decide(snap([long()], dip, now=131.0, state=state), CFG)
+    assert d.state.busy and not d.binds
+    idle = [dataclasses.replace(eng(i), park=True) for i in range(4)]
+    d = decide(snap([long()], idle, now=132.0, state=d.state), CFG)  # calm: no burst would park it now
+    assert [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
+
+
 def test_high_priority_never_waits():
     d = decide(snap([long(priority="high")], BUSY_ENGINES), CFG)
     assert [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]

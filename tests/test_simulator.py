@@ -667,14 +667,15 @@ def test_work_only_parked_engines_can_serve_resumes_their_group_and_everything_e
     """Both engines park a long request in a burst; engine 0 ignores binds for 15 s. The requests that arrive need
     the parked engines (their free KV cannot hold them in DP, or they need a group of both): the parked group
     resumes once engine 0 binds again (not every round while it is distrusted), and every request is served
-    whole (a request left running at the end counts as unserved, whatever tokens it had)."""
+    whole (a request left running at the end counts as unserved, whatever tokens it had). (The scenario starts 3 s
+    in, once the router's initial busy regime has turned light: a long request does not start while it is busy.)"""
     policy = unit_policy(tp_inflight_per_engine=1, max_inflight_per_worker=5, keep_s=1.0, max_defer_s=1.0,
                          ack_timeout_s=0.5, bind_timeout_s=1.0, adopt_max_ms=0.0, drain_inflight=1, drain_width=2,
                          spread_ownership=True, dispatch="least-loaded")  # fmt: skip
-    cfg = SimConfig(engines=2, policy=policy, cost=SMALL, ignore_binds=((0, 0.63, 16.0),), horizon_s=2000.0,
+    cfg = SimConfig(engines=2, policy=policy, cost=SMALL, ignore_binds=((0, 3.63, 19.0),), horizon_s=2000.0,
                     kv_transform=True, mixed_steps=True, mixed_decode_every=4)  # fmt: skip
-    spec = [(0.418, "low", 7000, 39), (0.703, "high", 139, 17), (0.95, "normal", 1344, 25),
-            (0.997, "high", 6096, 28), (1.345, "high", 478, 38), (1.796, "high", 4604, 42)]  # fmt: skip
+    spec = [(3.418, "low", 7000, 39), (3.703, "high", 139, 17), (3.95, "normal", 1344, 25),
+            (3.997, "high", 6096, 28), (4.345, "high", 478, 38), (4.796, "high", 4604, 42)]  # fmt: skip
     reqs = [SimRequest(*s) for s in spec]
     sim = Simulator(cfg, reqs, check=True)
     records = sim.run()
