@@ -91,6 +91,9 @@ class ReleaseCause(StrEnum):
         "its parked requests ended"  # their clients left (or timed out) while parked: their KV is freed
     )
     WIDENING = "widening"  # light load: the block around it can bind at the load groups' full width
+    UNKNOWN_EPOCH = (
+        "no record knows the epoch"  # engines bound in an epoch whose record is gone (a late bind)
+    )
 
 
 @dataclass(frozen=True)

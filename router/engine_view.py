@@ -29,6 +29,7 @@ class EngineView:
     paused: int = 0  # DP requests a bind set aside on it (resumed at the release)
     park: bool = False  # it applies Release.park / Bind.resume
     parked: tuple[int, ...] = ()  # epochs whose requests are parked on it
+    group: tuple[int, ...] = ()  # the members of the epoch it is bound in (the first: its leader)
 
     @property
     def dp_room(self) -> int:
@@ -64,4 +65,5 @@ class EngineView:
             paused=hb.paused,
             park=hb.park,
             parked=hb.parked,
+            group=hb.group,
         )

@@ -23,9 +23,8 @@ from __future__ import annotations
 import msgspec
 
 from flying.messages import Group, QueuedRequest
-from router import parking
+from router import parking, releases  # (each imports this one: called at run time)
 from router.decision import LongWaitNote, ReleaseCause, WaitCause
-from router.releases import release_now, retractable
 from router.round import Round
 
 
@@ -120,9 +119,10 @@ def make_room(rnd: Round, width: int) -> bool:
             continue
         inside: list[Group] = list({group_of[m].epoch: group_of[m] for m in ms if m in group_of}.values())
         if inside and all(
-            g.state == "bound" and g.reason in ("load", "priority") and retractable(rnd, g) for g in inside
+            g.state == "bound" and g.reason in ("load", "priority") and releases.retractable(rnd, g)
+            for g in inside
         ):
             for g in inside:
-                release_now(rnd, g, ReleaseCause.MAKING_ROOM, width=width)
+                releases.release_now(rnd, g, ReleaseCause.MAKING_ROOM, width=width)
             return True
     return False

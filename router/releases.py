@@ -11,6 +11,7 @@ from __future__ import annotations
 from flying.messages import Group
 from router import parking
 from router.decision import DistrustNote, ReleaseCause, ReleaseMode
+from router.engine_view import EngineView
 from router.round import Round, replace_group
 
 
@@ -39,7 +40,11 @@ def reconcile(rnd: Round) -> None:
             if all(b.epoch == g.epoch for b in present):
                 rnd.put(replace_group(g, state="bound", since=rnd.now, last_used=rnd.now))
             elif age > cfg.ack_timeout_s and (
-                silent := [b.engine for b in present if g.epoch not in (b.epoch, b.pending)]
+                silent := [
+                    b.engine
+                    for b in present
+                    if g.epoch not in (b.epoch, b.pending) and not changing(rnd, b, g)
+                ]
             ):
                 rnd.release(
                     g, ReleaseCause.NOT_ACKNOWLEDGED, seconds=cfg.ack_timeout_s, engines=tuple(silent)
@@ -50,8 +55,40 @@ def reconcile(rnd: Round) -> None:
                 distrust(rnd, [b.engine for b in present if b.epoch != g.epoch])
         elif any(b.epoch != g.epoch for b in present):
             rnd.release(g, ReleaseCause.BROKE_UP)
+    unknown_epochs(rnd)
     distrust_paused(rnd)
     parking.reconcile(rnd)
+
+
+def changing(rnd: Round, b: EngineView, g: Group) -> bool:
+    """``b`` is bound in a group whose leader has read ``g``'s bind as a width change: it ends its epoch (and
+    ``b`` follows it into ``g``) once that epoch's TP requests allow, up to ``bind_timeout_s``; a follower reads
+    no commands meanwhile, so its leader's acknowledgement is its own."""
+    leader = rnd.live.get(b.group[0]) if b.epoch and b.group else None
+    return leader is not None and leader.epoch == b.epoch and leader.pending == g.epoch
+
+
+def unknown_epochs(rnd: Round) -> None:
+    """Engines bound in an epoch that no record knows are released from it at once: a bind that reached them
+    after its record was rolled back (a member that entered it late, say once a width change had waited for its
+    TP requests) would otherwise keep them in a group nobody dispatches to, every request waiting for DP room
+    until its queue timeout. The release is recorded, so the record goes once they have left."""
+    bound: dict[int, list[EngineView]] = {}
+    for e in rnd.live.values():
+        if e.epoch and e.epoch not in rnd.groups and e.epoch not in rnd.parked:
+            leader = rnd.live.get(e.group[0]) if e.group else e
+            if leader is not None and leader.pending in rnd.groups:
+                continue  # a width change in progress (`flyctl bind` replaced the old record by the new one)
+            bound.setdefault(e.epoch, []).append(e)
+    for epoch, engines in sorted(bound.items()):
+        members = engines[0].group or tuple(sorted(e.engine for e in engines))
+        if any(m not in rnd.live for m in members):
+            members = tuple(e.engine for e in engines)  # (a member is gone: those that report it)
+        g = Group(
+            epoch=epoch, members=members, reason="manual", state="bound", since=rnd.now, last_used=rnd.now
+        )
+        rnd.put(g)
+        release_now(rnd, g, ReleaseCause.UNKNOWN_EPOCH)
 
 
 def distrust(rnd: Round, engines: list[int], paused: int = 0) -> None:

@@ -281,6 +281,25 @@ def test_a_width_change_goes_straight_to_the_new_group_with_dp_work_still_paused
     assert [r.rid for r in engine.running_reqs] == ["dp-1"] and engine.width == 1
 
 
+def test_a_width_change_waiting_for_live_tp_requests_is_reported_pending_and_a_release_of_it_cancels_it():
+    """The router rolled back a width change that waited for its group's streams; the leader applied it anyway
+    once they ended, leaving the engines in a group no record knew (every request then timed out)."""
+    b, engine, group, layout, _ = make(members=(0, 1))
+    b.pool.groups[(0, 1, 2, 3)] = FakeGroup((0, 1, 2, 3), 0)
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    engine.running_reqs = [FakeReq("tp-1")]  # a stream of the group: the change waits for it
+    b.on_step([Bind(epoch=2, members=(0, 1, 2, 3))])
+    assert (b.status()["epoch"], b.status()["pending"]) == (1, 2)
+    b.on_step([Release(epoch=2)])  # rolled back
+    assert (b.status()["epoch"], b.status()["pending"]) == (1, 0)
+    engine.running_reqs = []
+    b.on_step([])
+    assert b.epoch is None and isinstance(group.sent[-1], ReleasePlan) and group.sent[-1].next is None
+    assert layout.width == 1
+    b.on_step([Bind(epoch=2, members=(0, 1, 2, 3))])  # read again: an epoch already rolled back
+    assert b.status()["pending"] == 0
+
+
 def test_a_retracting_release_recomputes_the_tp_requests_in_dp():
     b, engine, group, _, _ = make()
     b.on_step([Bind(epoch=1, members=(0, 1))])

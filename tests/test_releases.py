@@ -52,6 +52,31 @@ def test_a_silent_member_rolls_the_bind_back_and_is_distrusted():
     assert DistrustNote((1,), CFG.suspect_s) in r.out.events
 
 
+def test_a_width_change_is_acknowledged_by_the_leader_of_the_members_current_group():
+    """The follower of a group reads no commands while bound: its leader's pending width change is its ack; the
+    change waits for the group's TP requests up to bind_timeout_s."""
+    old = [
+        dataclasses.replace(eng(0, epoch=4, pending=5), group=(0, 1)),
+        dataclasses.replace(eng(1, epoch=4), group=(0, 1)),
+    ]
+    r = rnd([group(state="binding", since=97.0)], old)
+    reconcile(r)
+    assert not causes(r)
+    r = rnd([group(state="binding", since=97.0 - CFG.bind_timeout_s)], old)
+    reconcile(r)
+    assert causes(r) == [(5, ReleaseCause.NOT_BOUND, ReleaseMode.WAIT)]
+    quiet = [
+        dataclasses.replace(eng(0, epoch=4), group=(0, 1)),
+        dataclasses.replace(eng(1, epoch=4), group=(0, 1)),
+    ]
+    r = rnd([group(state="binding", since=97.0)], quiet)
+    reconcile(r)  # the leader never read it: rolled back, and the epoch the members are in ends too
+    assert causes(r) == [
+        (5, ReleaseCause.NOT_ACKNOWLEDGED, ReleaseMode.WAIT),
+        (4, ReleaseCause.UNKNOWN_EPOCH, ReleaseMode.RETRACT),
+    ]
+
+
 def test_a_lost_member_or_an_aborted_epoch_releases_the_group():
     r = rnd([group()], [eng(0, epoch=5)])
     reconcile(r)
@@ -59,6 +84,23 @@ def test_a_lost_member_or_an_aborted_epoch_releases_the_group():
     r = rnd([group()], [eng(0, epoch=5), eng(1)])
     reconcile(r)
     assert causes(r) == [(5, ReleaseCause.BROKE_UP, ReleaseMode.WAIT)]
+
+
+def test_engines_bound_in_an_epoch_no_record_knows_are_released_from_it_and_the_record_follows():
+    """A bind that reached its members after its record was rolled back (a width change that waited for its TP
+    requests) left them in a group nobody dispatched to: every request then timed out in the queue."""
+    bound = [dataclasses.replace(eng(i, epoch=4, kvt=True), group=(1, 0)) for i in (0, 1)]
+    r = rnd([], [*bound, eng(2)])
+    reconcile(r)
+    assert causes(r) == [(4, ReleaseCause.UNKNOWN_EPOCH, ReleaseMode.SCATTER)]
+    assert r.out.releases[0].members == (1, 0)  # the leader first, as the group was bound
+    assert r.out.put[4].state == "releasing" and r.out.put[4].reason == "manual"
+    known = rnd([group(epoch=4, members=(1, 0))], bound)
+    reconcile(known)
+    assert not known.out.releases  # a record knows it
+    parked = rnd([group(epoch=4, members=(1, 0), state="parked")], bound)
+    reconcile(parked)
+    assert not [n for n in parked.out.releases if n.cause is ReleaseCause.UNKNOWN_EPOCH]
 
 
 def test_a_releasing_record_is_dropped_once_fresh_beats_show_its_members_out_of_it():

@@ -106,7 +106,7 @@ class Binding:
         return {
             "mode": "tp" if e else "dp",
             "epoch": e.epoch if e else 0,
-            "pending": self.pending.epoch,
+            "pending": self.pending.epoch or (e.changing_to if e else 0),  # a width change is pending too
             "paused": self.engine.stash_size(self._stash) if self._stash is not None else 0,
             "group": e.members if e else (),
             "width": e.width if e else 1,
@@ -164,13 +164,20 @@ class Binding:
                 self.engine.resume_idle_checks()
             self.on_change()
             return
-        match intake(cmd, self.index, self.last_epoch, e.epoch if e else 0, self.pending.epoch):
+        pending = self.pending.epoch or (e.changing_to if e else 0)
+        match intake(cmd, self.index, self.last_epoch, e.epoch if e else 0, pending):
             case Intake.BIND if isinstance(cmd, Bind):
                 self.pending.accept(cmd)
             case Intake.WIDTH_CHANGE if isinstance(cmd, Bind) and e is not None:
                 e.ask_width_change(cmd)
             case Intake.RELEASE if isinstance(cmd, Release) and e is not None:
                 e.ask_release(cmd.retract, cmd.scatter, cmd.park)
+            case Intake.CANCEL if e is not None and e.changing_to == cmd.epoch:
+                # a width change rolled back (its members were still serving this epoch's requests)
+                self.last_epoch = max(self.last_epoch, e.cancel_width_change())
+                log.info("engine %d: width change to epoch %d rolled back before it was applied", self.index,
+                         cmd.epoch)  # fmt: skip
+                self.on_change()
             case Intake.CANCEL:  # the router rolled the bind back before this engine applied it
                 self.last_epoch = max(self.last_epoch, self.pending.cancel())
                 self.on_change()

@@ -62,6 +62,19 @@ class Epoch:
     def ask_width_change(self, cmd: Bind) -> None:
         self.next_bind, self.release_asked = cmd, True
 
+    def cancel_width_change(self) -> int:
+        """The router rolled the width change back before the leader applied it: the current epoch still ends
+        (its record was replaced by the new one's), back to DP. Returns the epoch rolled back."""
+        if self.next_bind is None:
+            raise RuntimeError("no width change to cancel")
+        epoch, self.next_bind = self.next_bind.epoch, None
+        return epoch
+
+    @property
+    def changing_to(self) -> int:
+        """The epoch of the width change asked and not applied yet (0: none)."""
+        return self.next_bind.epoch if self.next_bind is not None else 0
+
     def fail(self, exc: BaseException) -> None:
         if self.failed is None:
             self.failed = exc
