@@ -30,6 +30,10 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
     n: int = 1  # choices (SGLang runs them as n requests sharing the prompt: rids ``{id}_{i}``)
     prefix: str = ""  # the prompt's block-hash chain (flying.prefix.encode_chain; "": shorter than one block)
     keyed: bool = False  # the chain starts with the hash of the client's cache key (prompt_cache_key)
+    # constrained decoding (a grammar: JSON mode or schema, a forced tool call, regex, EBNF): a bound group's
+    # follower cannot hand it to its leader (the grammar's state lives in its own process), so it goes to a
+    # group's leader or to a DP engine
+    leader_only: bool = False
 
     @property
     def chain(self) -> tuple[int, ...]:
@@ -91,6 +95,7 @@ class FastTarget(msgspec.Struct, frozen=True, kw_only=True):
     cap: int
     max_kv: int
     affinity: bool = False
+    follower: bool = False  # a bound group's follower: no request that is leader_only
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
@@ -335,6 +340,22 @@ GROUP_LOST = GroupLost()
 GROUP_PARKED = GroupLost(
     message="its tensor-parallel group was parked for a burst before its first token; request aborted"
 )
+# a constrained request (QueuedRequest.leader_only) that reached a bound group's follower (sent to it directly, or
+# while it was binding): it cannot run there; nothing failed, so the gateway queues it again uncounted
+GROUP_LEADER_ONLY = GroupLost(
+    message="this engine follows a tensor-parallel group and cannot run a constrained (grammar) request: send it "
+    "to the group's leader, or again once the group is released"
+)
+UNCOUNTED = (
+    GROUP_PARKED.message,
+    GROUP_LEADER_ONLY.message,
+)  # gave up before its first token, nothing failed
+
+
+def uncounted(why: str) -> bool:
+    """An engine's give-up text says nothing failed (:data:`UNCOUNTED`): the request is queued again without
+    using an attempt."""
+    return any(m in why for m in UNCOUNTED)
 
 
 class GaveUp(msgspec.Struct, frozen=True):
@@ -343,9 +364,7 @@ class GaveUp(msgspec.Struct, frozen=True):
 
     why: str
     group_lost: bool = False
-    parked: bool = (
-        False  # its group was parked before its first token (GROUP_PARKED): not an attempt that failed
-    )
+    parked: bool = False  # set aside before its first token (GROUP_PARKED, GROUP_LEADER_ONLY): not an attempt that failed
 
 
 def engine_gave_up(event: object) -> GaveUp | None:
@@ -360,7 +379,7 @@ def engine_gave_up(event: object) -> GaveUp | None:
             "SERVICE_UNAVAILABLE",
         ):
             why = str(err.get("message", GROUP_LOST.status))
-            return GaveUp(why, group_lost=True, parked=GROUP_PARKED.message in why)
+            return GaveUp(why, group_lost=True, parked=uncounted(why))
         if any(c.get("finish_reason") == "abort" for c in event.get("choices") or ()):
             return GaveUp("aborted")
     return None

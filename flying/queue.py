@@ -44,7 +44,7 @@ FINISHED_TTL_S = 3600
 _ADMIT = """
 -- KEYS: queue, seq, request hash, wake, stats, fast-path targets, tenant counters, tenant request bucket, tenant
 -- token bucket, tenant names, virtual clocks ; ARGV: id, class, max_queue, max_ahead, kv tokens, now, inflight key prefix, has a
--- prefix chain (1/0), tenant name ('' none), its requests/s (0 none), its tokens/min (0 none), the request's
+-- flags (1: it has a prefix chain, 2: leader-only), tenant name ('' none), its requests/s (0 none), its tokens/min (0 none), the request's
 -- tokens, the engine the gateway sent it to already (-1 none: see below), then field/value pairs.
 -- A tenant's limits are token buckets (HASH t = tokens left, ts = when; Redis's clock): requests/s holds a
 -- second's worth (at least 1), tokens/min a minute's; a request takes 1 and its tokens (at most a full bucket).
@@ -57,8 +57,11 @@ _ADMIT = """
 -- Early dispatch (ARGV[13] an engine): the gateway sent the request to that engine while this script ran; it
 -- is assigned there by the fast path if that engine is a fast-path target for it now, else {-5} and nothing
 -- is written (the gateway takes it back and admits it again, without).
-local function takes(t)  -- the request's KV fits the target, and the target takes requests without a prefix chain
-  return tonumber(ARGV[5]) <= t.max_kv and not (t.affinity and ARGV[8] == '1')
+local function takes(t)  -- the request's KV fits the target, an affinity target takes it only without a prefix
+  -- chain (ARGV[8] bit 1), a follower only when it is not leader-only (bit 2)
+  local flags = tonumber(ARGV[8])
+  return tonumber(ARGV[5]) <= t.max_kv and not (t.affinity and flags %% 2 == 1)
+    and not (t.follower and flags >= 2)
 end
 local function held(t)
   return redis.call('SCARD', ARGV[7] .. t.engine)
@@ -310,7 +313,7 @@ class RequestQueue:
                   k.tenant_bucket(c.tenant, "requests"), k.tenant_bucket(c.tenant, "tokens"), k.tenants,
                   k.vclock],
             args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
-                  k.inflight_prefix, 1 if req.prefix else 0, c.tenant, c.requests_per_s, c.tokens_per_min,
+                  k.inflight_prefix, (1 if req.prefix else 0) + (2 if req.leader_only else 0), c.tenant, c.requests_per_s, c.tokens_per_min,
                   c.tokens, -1 if sent_to is None else sent_to, *fields],
         )  # fmt: skip
         if isinstance(out, list) and int(out[0]) == -5:

@@ -20,7 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
 from gateway.metrics import GatewayMetrics
 from gateway.resume import Resumable, upstream_body
-from gateway.schemas import NOT_RESUMABLE, ChatCompletionRequest, requested_max_tokens
+from gateway.schemas import NOT_RESUMABLE, ChatCompletionRequest, constrained, requested_max_tokens
 
 SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
 OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event loop
@@ -110,6 +110,7 @@ class Admission:
             n=req.n,
             prefix=encode_chain(chain),
             keyed=key is not None,
+            leader_only=constrained(req),
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
         keep = req.logprobs or req.n > 1 or (not chat and req.echo) or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)  # fmt: skip

@@ -68,7 +68,7 @@ class EarlyDispatch:
     def target(self, rec: QueuedRequest) -> FastTarget | None:
         """Where ``rec`` may go early, if anywhere: the queue was empty at the last look (at most ``FRESH_S``
         ago), no early request was declined within ``backoff_s``, and a target fits it as the script checks
-        (KV, prefix affinity; high priority never takes the fast path)."""
+        (KV, prefix affinity, a constrained request only to a leader; high priority never takes the fast path)."""
         c, now = self.cluster, time.monotonic()
         if not self.enabled or rec.priority == "high" or c.depth or now - c.observed_at > FRESH_S:
             return None
@@ -85,7 +85,10 @@ class EarlyDispatch:
         fits = [
             t
             for t in c.fast
-            if rec.kv_tokens <= t.max_kv and not (t.affinity and rec.prefix) and load(t) < t.cap
+            if rec.kv_tokens <= t.max_kv
+            and not (t.affinity and rec.prefix)
+            and not (t.follower and rec.leader_only)
+            and load(t) < t.cap
         ]
         return min(fits, key=load, default=None)
 

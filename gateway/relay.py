@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, Awaitable
 import httpx
 import msgspec
 
-from flying.messages import GROUP_LOST, GROUP_PARKED, Assignment, GaveUp, engine_gave_up
+from flying.messages import GROUP_LOST, Assignment, GaveUp, engine_gave_up, uncounted
 from flying.queue import RequestQueue
 from gateway import engine_fields
 from gateway.admission import Admitted
@@ -63,7 +63,7 @@ class Relay:
         call = sent if sent is not None else self.upstream.post(a.url, adm.path, adm.body)
         resp = await self._unless_gone(adm, a, call, disconnected)
         if resp.status_code == GROUP_LOST.status:  # the engine cannot serve it (its TP group lost a member)
-            parked = GROUP_PARKED.message in resp.text
+            parked = uncounted(resp.text)
             raise WorkerUnavailable(
                 f"engine {a.engine} answered 503: {resp.text[:200]}", engine_fault=False, counted=not parked
             )

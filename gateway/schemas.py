@@ -165,6 +165,19 @@ NOT_RESUMABLE = (
 )  # fmt: skip
 
 
+def constrained(req: object) -> bool:
+    """The request constrains its output with a grammar (JSON mode or a schema, regex, EBNF, a tool call the
+    model must make): SGLang keeps the grammar's state in the process that runs it, so a bound group's follower
+    cannot hand the request to its leader (``QueuedRequest.leader_only``)."""
+    fmt = getattr(req, "response_format", None)
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        return True
+    if any(getattr(req, f, None) is not None for f in ("regex", "ebnf", "json_schema")):
+        return True
+    choice = getattr(req, "tool_choice", None)
+    return bool(getattr(req, "tools", None)) and choice not in (None, "none", "auto")
+
+
 MAX_N = 16  # choices per request (each holds its own KV for its output)
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 _AT = re.compile(r"at `\$\.?([^`]*)`")

@@ -115,7 +115,7 @@ def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
     overdue = long and rnd.now - r.enqueued_at >= 2 * rnd.cfg.long_wait_s
     hold = held or (long and r.priority == "high") or overdue
     if g.state == "bound":
-        e = owner(rnd, g)
+        e = rnd.live[g.leader] if r.leader_only else owner(rnd, g)
         rnd.out.dispatches.append(Dispatch(r, e.engine, e.url, g.epoch))
         rnd.put(replace_group(g, last_used=rnd.now, hold=hold))
     elif hold != g.hold:
@@ -386,6 +386,7 @@ def group_targets(rnd: Round, g: Group) -> list[FastTarget]:
             epoch=g.epoch,
             cap=e.inflight + sent_to(rnd, e.engine) + share,
             max_kv=min(pooled - kv, rnd.s.max_kv),  # (a long request goes through a round: router.long_wait)
+            follower=e.engine != g.leader,
         )  # fmt: skip
         for e, share in zip(members, shares)
     ]

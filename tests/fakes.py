@@ -47,6 +47,7 @@ class FakeEngine:
     limits: RequestLimits = RequestLimits(1000, 990, 4096)
     width: int = 1  # the width of the request limits set
     idle_checks: bool = True
+    idle_poll_s: float | None = None
     bypassed: bool = False
     divert: Callable[[Any], bool] | None = None
     streamed: list[str] = field(default_factory=list)
@@ -127,6 +128,9 @@ class FakeEngine:
 
     def resume_idle_checks(self) -> None:
         self.idle_checks = True
+
+    def idle_poll(self, seconds: float | None) -> None:
+        self.idle_poll_s = seconds
 
     def request_limits(self) -> RequestLimits:
         return self.limits

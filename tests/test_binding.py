@@ -10,6 +10,7 @@ import pytest
 from flying.messages import Bind, Release
 from tests.fakes import FakeEngine, FakeGroup, FakeLayout, FakePool, FakeReq, FakeStore
 from worker_ext.binding import Binding
+from worker_ext.member_relay import POLL_S
 from worker_ext.rank_messages import AdoptManifest, Forward, Handshake, Noop, ReleasePlan
 from worker_ext.sglang_patches import LOCAL_GROUP
 from worker_ext.sglang_patches.requests import Emitted
@@ -44,6 +45,7 @@ def test_a_hard_bind_waits_for_a_clean_step_boundary_then_pauses_dp_work_with_it
     assert running.kv_len == 7
     assert (engine.width, layout.width, engine.bypassed, engine.idle_checks) == (2, 2, True, False)
     assert st["max_total_tokens"] == engine.limits.max_total_tokens  # its own, not the group's
+    assert engine.idle_poll_s == POLL_S  # idle, the leader still reads what its members relay, at once
 
 
 def test_releasing_a_drained_group_restores_the_dp_layout_and_resumes_paused_work():
@@ -54,7 +56,7 @@ def test_releasing_a_drained_group_restores_the_dp_layout_and_resumes_paused_wor
     assert b.status()["mode"] == "dp" and b.epoch is None
     assert [r.rid for r in engine.running_reqs] == ["dp-1"] and engine.running_reqs[0].kv_len == 3
     assert (engine.width, layout.width, layout.weights_width, engine.bypassed) == (1, 1, 1, False)
-    assert engine.idle_checks
+    assert engine.idle_checks and engine.idle_poll_s is None
     assert changes == ["tp", "dp"]
 
 

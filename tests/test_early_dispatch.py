@@ -139,6 +139,21 @@ async def test_only_what_the_fast_path_would_take_goes_early(gateway, aredis, ke
     assert early.target(short) is None
 
 
+async def test_a_constrained_request_goes_early_only_to_a_groups_leader(gateway, aredis, keys):
+    """A bound group's follower cannot hand a grammar to its leader: a leader-only request skips it."""
+    early, cluster = gateway.early, gateway.cluster
+    cluster.depth, cluster.observed_at = 0, time.monotonic()
+    follower = FastTarget(engine=1, url="http://e1", epoch=4, cap=8, max_kv=10_000, follower=True)
+    cluster.fast = [follower]
+    rec = QueuedRequest(id="j", model="m", prompt_tokens=4, max_tokens=4, gateway="g", enqueued_at=0)
+    assert early.target(rec) == follower
+    pinned = QueuedRequest(**{**_fields(rec), "leader_only": True})
+    assert early.target(pinned) is None
+    leader = FastTarget(engine=0, url="http://e0", epoch=4, cap=8, max_kv=10_000)
+    cluster.fast = [follower, leader]
+    assert early.target(pinned) == leader
+
+
 def _fields(rec: QueuedRequest) -> dict:
     return {f: getattr(rec, f) for f in rec.__struct_fields__}
 

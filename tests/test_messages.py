@@ -4,6 +4,7 @@ import msgspec
 import pytest
 
 from flying.messages import (
+    GROUP_LEADER_ONLY,
     GROUP_LOST,
     GROUP_PARKED,
     Heartbeat,
@@ -14,6 +15,7 @@ from flying.messages import (
     from_hash,
     split_engine_rid,
     to_hash,
+    uncounted,
 )
 
 
@@ -57,6 +59,10 @@ def test_the_gateway_knows_how_a_worker_ends_a_request_whose_group_was_lost():
     ).to_json()  # (worker_ext.parking: set aside before its first token)
     event = OpenAIServingBase.create_streaming_error_response(None, parked["message"], code.name, code.value)
     assert engine_gave_up(json.loads(event)) == GaveUp(GROUP_PARKED.message, group_lost=True, parked=True)
+    pinned = group_lost(GROUP_LEADER_ONLY.message).to_json()  # a follower refused a constrained request
+    event = OpenAIServingBase.create_streaming_error_response(None, pinned["message"], code.name, code.value)
+    assert engine_gave_up(json.loads(event)).parked and uncounted(pinned["message"])
+    assert not uncounted(GROUP_LOST.message)
     assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "abort"}]}) == GaveUp("aborted")
     assert engine_gave_up({"choices": [{"index": 0, "finish_reason": "length"}]}) is None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from flying.messages import Group, QueuedRequest, RouterState
 from router.decision import BindMode, BindNote
 from router.engine_view import EngineView
@@ -169,6 +171,16 @@ def test_the_leader_owns_every_tp_request_where_members_cannot_scatter_or_spread
         assert [x.engine for x in r.out.dispatches] == [0, 0, 0]
         [target] = fast_targets(r)
         assert target.engine == 0
+
+
+def test_a_constrained_request_goes_to_the_leader_and_a_followers_target_says_it_is_one():
+    """A follower cannot hand a grammar to its leader: a leader-only request is the leader's, and the fast path
+    knows which targets are followers."""
+    g, r = spread_group(inflight=(3, 0))
+    place(r, msgspec.structs.replace(req("j"), leader_only=True))
+    place(r, req("plain"))
+    assert [(x.request.id, x.engine) for x in r.out.dispatches] == [("j", 0), ("plain", 1)]
+    assert [(t.engine, t.follower) for t in fast_targets(r)] == [(0, False), (1, True)]
 
 
 def test_fast_targets_of_a_spread_group_are_its_members_sharing_its_room():

@@ -250,6 +250,25 @@ async def test_affinity_targets_take_only_requests_without_a_prefix_chain(aredis
     assert (await q.admit(mk("plain"))).engine == 0
 
 
+async def test_a_leader_only_request_takes_no_followers_fast_path(aredis, keys, queue):
+    """A constrained request (a grammar) cannot run on a bound group's follower: the script assigns it to the
+    leader, or queues it for the router's round when only followers have room."""
+    from flying.messages import FastTarget, encode
+
+    q = queue
+    follower = FastTarget(engine=1, url="http://e1", epoch=4, cap=4, max_kv=100, follower=True)
+    await aredis.set(keys.fast_path, encode([follower]))
+    pinned = msgspec.structs.replace(mk("j"), leader_only=True)
+    assert await q.admit(pinned) is None, "queued"
+    (back,) = await q.peek(5)
+    assert back.leader_only
+    await q.finish("j", "cancelled")
+    assert (await q.admit(mk("plain"))).engine == 1
+    leader = FastTarget(engine=0, url="http://e0", epoch=4, cap=4, max_kv=100)
+    await aredis.set(keys.fast_path, encode([follower, leader]))
+    assert (await q.admit(msgspec.structs.replace(mk("j2"), leader_only=True))).engine == 0
+
+
 class LosesTheFirstReply(AutoPipeline):
     """Runs each script, but the first call's reply is lost with its connection (Redis died after running it)."""
 

@@ -195,3 +195,29 @@ def test_a_body_nested_too_deeply_is_a_400_not_a_500():
     body = b'{"model": "m", "max_tokens": 1, "prompt": ' + b"[" * depth + b"]" * depth + b"}"
     with pytest.raises(InvalidRequest, match="nested too deeply"):
         schemas.decode(body, schemas.CompletionRequest)
+
+
+@pytest.mark.parametrize(
+    ("extra", "pinned"),
+    [
+        ({}, False),
+        ({"response_format": {"type": "text"}}, False),
+        ({"response_format": {"type": "json_object"}}, True),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, True),
+        ({"regex": "[ab]+"}, True),
+        ({"ebnf": 'root ::= "a"'}, True),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, False),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, False),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, True),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            True,
+        ),  # fmt: skip
+    ],
+)
+def test_constrained_requests_are_the_ones_with_a_grammar(extra, pinned):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
+    assert schemas.constrained(chat(msgspec.json.encode(body))) is pinned

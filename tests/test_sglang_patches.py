@@ -61,3 +61,30 @@ def test_an_sglang_rid_names_the_gateways_request_and_attempt():
     assert sglang_patches.request_of(["r-1~0_0", "r-1~0_1"]) == ("r-1", 0)  # a request's n choices
     assert sglang_patches.request_of("HEALTH_CHECK_9f") is None  # a rid the gateway did not make
     assert sglang_patches.request_of(["a~0_0", "b~0_1"]) is None and sglang_patches.request_of(None) is None
+
+
+def test_idle_poll_shortens_the_idle_schedulers_sleep_and_gives_it_back():
+    import time as _time
+    import types
+
+    import zmq
+
+    from worker_ext.sglang_patches import idle_poll
+
+    class Sleeper:  # SGLang's IdleSleeper: a zmq poll of up to a second
+        def __init__(self) -> None:
+            self.poller = zmq.Poller()
+            self.poller.register(zmq.Context.instance().socket(zmq.PULL), zmq.POLLIN)
+
+        def maybe_sleep(self) -> str:
+            self.poller.poll(1000)
+            return "sglang's"
+
+    scheduler = types.SimpleNamespace(idle_sleeper=Sleeper())
+    idle_poll(scheduler, 0.02)
+    t0 = _time.monotonic()
+    assert scheduler.idle_sleeper.maybe_sleep() != "sglang's"
+    assert _time.monotonic() - t0 < 0.5  # (a second before)
+    idle_poll(scheduler, None)
+    assert "maybe_sleep" not in vars(scheduler.idle_sleeper)  # the class's own again
+    idle_poll(types.SimpleNamespace(), 0.02)  # no sleeper (--sleep-on-idle off): nothing to do

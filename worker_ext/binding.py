@@ -45,7 +45,7 @@ from worker_ext.comm_pool import peer_lost
 from worker_ext.epoch import Epoch, Leave, NotEntered
 from worker_ext.intake import Intake, intake
 from worker_ext.kv_transform import Held
-from worker_ext.member_relay import MemberRelay
+from worker_ext.member_relay import POLL_S, MemberRelay
 from worker_ext.ownership import Ownership
 from worker_ext.parking import Parking
 from worker_ext.preemption import PendingBind
@@ -328,6 +328,7 @@ class Binding:
             self._handshake(e)
             if e.leader:  # output of members' requests goes to them (adopted or new while bound)
                 self.engine.apply_output_filter(self.ownership.divert)
+                self.engine.idle_poll(POLL_S)  # idle, it still reads its members' posts and keeps them alive
             if cmd.adopt:
                 self._adopt(e, work)
             if cmd.resume:
@@ -453,6 +454,7 @@ class Binding:
         log.info("engine %d back in DP (%s, epoch %d, %.1f ms)", self.index, why, e.epoch, self.release_ms)
 
     def _resume_dp(self) -> None:
+        self.engine.idle_poll(None)
         self.layout.release_weights()
         if self._stash is not None:
             self.engine.restore_dp_work(self._stash)

@@ -172,6 +172,34 @@ def test_a_request_sent_to_a_follower_runs_in_the_group_and_streams_from_the_fol
     assert_matches(ours, ref, "a follower's own request run by its group")
 
 
+def test_a_follower_refuses_a_constrained_request_at_once_and_the_gateway_sends_them_to_the_leader(chunked):
+    """A grammar's state lives in the process that runs it: a follower cannot hand a JSON-mode request to its
+    leader. Sent to the follower directly it gets a 503 saying so (it used to wait for the group's release);
+    through the gateway every such request goes to the leader, none to the follower."""
+    c = chunked
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "a JSON object"}], "max_tokens": 8,
+            "temperature": 0, "response_format": {"type": "json_object"}}  # fmt: skip
+    epoch = bind_sp(c, (0, 1))
+    try:
+        t0 = time.monotonic()
+        direct = httpx.post(worker_url(c, 1) + "/v1/chat/completions", json=body, timeout=30)
+        assert direct.status_code == 503 and "constrained" in direct.text, direct.text
+        assert time.monotonic() - t0 < 10
+        r = c.client()
+
+        async def through_gateway() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                url = c.config.gateway_url + "/v1/chat/completions"
+                return await asyncio.gather(*(client.post(url, json=body) for _ in range(4)))
+
+        responses = asyncio.run(through_gateway())
+        assert [x.status_code for x in responses] == [200] * 4, [x.text[:200] for x in responses]
+        engines = {r.hget(c.keys.request(x.headers["x-request-id"]), "engine") for x in responses}
+        assert engines == {b"0"}, f"constrained requests went to {engines}"
+    finally:
+        release(c, (0, 1), epoch)
+
+
 async def _gateway_requests(url: str, n: int, max_tokens: int) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=300) as client:
         body = lambda i: {"model": "tiny-llama", "messages": [{"role": "user", "content": f"count to {i}"}],  # noqa: E731

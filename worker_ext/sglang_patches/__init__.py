@@ -162,6 +162,22 @@ def register_idle_wake(scheduler: Any, socket: Any) -> None:
         sleeper.poller.register(socket, zmq.POLLIN)
 
 
+def idle_poll(scheduler: Any, seconds: float | None) -> None:
+    """The idle scheduler (``--sleep-on-idle``) wakes at least every ``seconds`` (None: SGLang's own second). A
+    bound group's leader reads what its followers relayed (their clients' new requests and aborts) at its step
+    boundaries: asleep for a second, it left a request sent to a follower waiting that long."""
+    import zmq
+
+    sleeper = getattr(scheduler, "idle_sleeper", None)
+    if sleeper is None or not isinstance(getattr(sleeper, "poller", None), zmq.Poller):
+        return
+    if seconds is None:
+        sleeper.__dict__.pop("maybe_sleep", None)  # the class's own again
+        return
+    ms = max(1, int(seconds * 1000))
+    sleeper.maybe_sleep = lambda: sleeper.poller.poll(ms)
+
+
 def model_runner(scheduler: Any) -> Any:
     return scheduler.tp_worker.model_runner
 

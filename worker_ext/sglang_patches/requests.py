@@ -75,12 +75,16 @@ def kv_need(req: Any) -> int:
 def adoptable(req: Any) -> bool:
     """A request another member can take over as it is: no grammar, custom logit processor, multimodal input or
     hidden-state capture (their state lives in objects of this process)."""
+    return relayable(req) and not req.finished()
+
+
+def relayable(req: Any) -> bool:
+    """A new request a follower can hand to its leader (:func:`state_of` carries all it needs)."""
     return (
         req.grammar is None
         and req.custom_logit_processor is None
         and req.multimodal_inputs is None
         and not req.return_hidden_states
-        and not req.finished()
     )
 
 
@@ -335,11 +339,30 @@ def receive_while_following(scheduler: Any) -> Received:
     new: list[Any] = []
     if generate:
         before = len(scheduler.waiting_queue)
+        grammars = scheduler.grammar_manager.grammar_queue
+        compiling = len(grammars)
         scheduler.process_input_requests(generate)  # validated and queued here, as SGLang queues any request
         new = list(scheduler.waiting_queue[before:])
         del scheduler.waiting_queue[before:]
+        refused = list(grammars[compiling:]) + [r for r in new if not relayable(r)]
+        del grammars[compiling:]
+        new = [r for r in new if relayable(r)]
+        refuse(scheduler, refused)
     aborted = [r.rid for r in got if isinstance(r, AbortReq) and r.rid and not r.abort_all]
     return Received(aborted, new)
+
+
+def refuse(scheduler: Any, reqs: list) -> None:
+    """End new requests a follower cannot hand to its leader (a grammar's state lives in this process) with the
+    uncounted 503 (``GROUP_LEADER_ONLY``): nothing ran, the gateway queues them again for a leader or a DP
+    engine, a client calling this engine directly is told where to send them. (Kept here, they waited for the
+    group's release, which at light load can be minutes.)"""
+    from flying.messages import GROUP_LEADER_ONLY
+    from worker_ext.sglang_patches import group_lost
+
+    for req in reqs:
+        req.finished_reason = group_lost(GROUP_LEADER_ONLY.message)
+    stream(scheduler, reqs)
 
 
 def abort(scheduler: Any, rid: str) -> None:

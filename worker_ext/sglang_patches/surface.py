@@ -28,6 +28,7 @@ from worker_ext.sglang_patches import (
     group_lost,
     has_running_dp_work,
     hold_waiting,
+    idle_poll,
     kv_pool,
     live_rids,
     memory_pool,
@@ -76,6 +77,7 @@ class SchedulerSurface(Protocol):
     def restore_dp_work(self, stash: Stash) -> None: ...
     def suspend_idle_checks(self) -> None: ...
     def resume_idle_checks(self) -> None: ...
+    def idle_poll(self, seconds: float | None) -> None: ...
     def request_limits(self) -> RequestLimits: ...
     def set_request_limits(self, dp: RequestLimits, width: int) -> None: ...
 
@@ -221,6 +223,9 @@ class SGLangScheduler:
 
     def resume_idle_checks(self) -> None:
         resume_idle_checks(self.s)
+
+    def idle_poll(self, seconds: float | None) -> None:
+        idle_poll(self.s, seconds)
 
     def request_limits(self) -> RequestLimits:
         return request_limits(self.s)
