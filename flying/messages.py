@@ -117,6 +117,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     switch_error: str = ""  # why the last epoch was aborted, if it was
     comm_groups: int = 0  # pooled communicators built (see worker_ext.comm_pool)
     comm_rebuilds: int = 0  # groups rebuilt because a member restarted
+    pool_ready: bool = True  # its communicator pool is built (False: still connecting, so it refuses binds)
     num_engines: int = 1  # engines the pool was built for (merge sets); 1: this engine cannot bind
     kv_transform: bool = False  # applies Bind.adopt / Release.scatter (moves KV head slices within a group)
     mixed_steps: bool = False  # applies Bind.keep: bound, it runs its own DP requests in the group's steps

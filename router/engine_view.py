@@ -30,6 +30,7 @@ class EngineView:
     park: bool = False  # it applies Release.park / Bind.resume
     parked: tuple[int, ...] = ()  # epochs whose requests are parked on it
     group: tuple[int, ...] = ()  # the members of the epoch it is bound in (the first: its leader)
+    pool_ready: bool = True  # its communicator pool is built (a restarted engine's takes a while: no binds)
 
     @property
     def dp_room(self) -> int:
@@ -66,4 +67,5 @@ class EngineView:
             park=hb.park,
             parked=hb.parked,
             group=hb.group,
+            pool_ready=hb.pool_ready,
         )

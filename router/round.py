@@ -241,9 +241,10 @@ class Round:
         return sum(self.dp_inflight[m] for m in ms)
 
     def merge_sets(self, width: int) -> list[tuple[int, ...]]:
-        """Merge sets of ``width`` whose members are all live and in one node's pool (every node's, in engine
-        order): a group never spans two nodes. (The live engines do not change within a round: computed once per
-        width.)"""
+        """Merge sets of ``width`` whose members are all live, in one node's pool and have it built (every node's,
+        in engine order): a group never spans two nodes, and a member whose pool still connects (a restarted
+        engine's) would refuse the bind, which the router would roll back and retry, every request waiting for the
+        group meanwhile. (The live engines do not change within a round: computed once per width.)"""
         if width not in self._sets:
             self._sets[width] = self._merge_sets(width)
         return self._sets[width]
@@ -256,7 +257,7 @@ class Round:
             ms
             for pool in pools
             for ms in pool_sets(pool[1], pool[2], (width,))
-            if all(m in self.live and self.live[m].pool == pool for m in ms)
+            if all(m in self.live and self.live[m].pool == pool and self.live[m].pool_ready for m in ms)
         ]
 
     def free_sets(self, width: int) -> list[tuple[int, ...]]:

@@ -34,6 +34,8 @@ def test_free_blocks_are_live_idle_dp_engines_in_no_group_least_loaded_first():
     )
     g = Group(epoch=5, members=(0, 1), reason="load")
     assert rnd([eng(i) for i in range(4)], [g]).free_sets(2) == [(2, 3)]
+    connecting = rnd([eng(0, pool_ready=False), eng(1), eng(2), eng(3)])  # a restarted engine's pool connects
+    assert connecting.free_sets(2) == [(2, 3)] and connecting.free_sets(4) == []
 
 
 def test_a_bind_reserves_its_members_and_caps_a_hard_groups_kv_at_nine_tenths_of_their_free_kv():

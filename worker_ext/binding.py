@@ -115,6 +115,7 @@ class Binding:
             "switch_error": self.error,
             "comm_groups": len(self.pool.groups),
             "comm_rebuilds": self.pool.rebuilds,
+            "pool_ready": self.pool.ready.is_set(),
             "num_engines": self.pool.num_engines,
             "pool_first": self.pool.first,
             "param_bytes": self.param_bytes,
