@@ -41,6 +41,7 @@ class Load(TypedDict, total=False):
     switch_error: str
     comm_groups: int
     comm_rebuilds: int
+    pool_ready: bool
     num_engines: int
     pool_first: int
     kv_transform: bool
