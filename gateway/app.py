@@ -42,6 +42,7 @@ from gateway.errors import (
     NotFound,
     PayloadTooLarge,
     QueueUnavailable,
+    RequestTimeout,
 )
 from gateway.hot_routes import HotRoutesApp
 from gateway.metrics import GatewayMetrics
@@ -56,20 +57,29 @@ log = logging.getLogger("flying.gateway")
 _encode = msgspec.json.Encoder().encode
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The request's body, at most ``limit`` bytes (413), all of it within ``timeout_s`` (408: a client that
+    declared more than it sends, or sends it too slowly, no longer holds the request open forever)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
     chunks, size, more = [], 0, True
-    while more:  # ``receive`` itself, not ``request.stream()``: no async generator per request
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        chunk, more = message.get("body", b""), message.get("more_body", False)
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):  # (a timer, no task: the body usually came with the head)
+            while more:  # ``receive`` itself, not ``request.stream()``: no async generator per request
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk, more = message.get("body", b""), message.get("more_body", False)
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        came = f"{size} of the {declared} bytes declared" if declared else f"{size} bytes"
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s ({came} came)"
+        ) from None
     return b"".join(chunks)
 
 
@@ -95,7 +105,7 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
     t0 = time.monotonic()
     if request.app.state.drain.draining:
         raise Draining("this gateway is shutting down; retry on another one")
-    body = await read_body(request, gw.config.max_body_bytes)
+    body = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
     if kind == "responses":
         asked = responses.decode(body)
         chat = responses.to_chat(asked)

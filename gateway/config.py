@@ -57,6 +57,7 @@ class GatewayConfig:
     max_header_count: int = 100
     max_url_bytes: int = 8192
     header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0  # a request body (its declared length) not complete within this: 408
     # an idle keep-alive connection is closed after this: longer than clients keep an idle connection for reuse
     # (httpx and the OpenAI SDK 5 s, aiohttp 15 s), so the client gives it up first; a gateway that closes it
     # first can meet a request the client sent at that moment, which then ends in a reset
@@ -97,6 +98,7 @@ class GatewayConfig:
             _above(f"wait_budget_{p}_s", getattr(self, f"wait_budget_{p}_s"), 0)
         _at_least("redis_max_connections", self.redis_max_connections, 4)
         _above("reconcile_s", self.reconcile_s, 0)
+        _above("body_timeout_s", self.body_timeout_s, 0)
         _above("monitor_s", self.monitor_s, 0)
 
     @property

@@ -36,7 +36,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.disconnect import DISCONNECTED
-from gateway.errors import APIError, HeadersTooLarge, HeadTimeout, TooManyConnections, URITooLong
+from gateway.errors import APIError, HeadersTooLarge, RequestTimeout, TooManyConnections, URITooLong
 
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped before closing
 
@@ -225,7 +225,7 @@ class GuardedProtocol(HttpToolsProtocol):
                 self.transport.close()
             return
         secs = self.limits.header_timeout_s
-        self._refuse(HeadTimeout(f"the request head did not arrive within {secs:g} s"))
+        self._refuse(RequestTimeout(f"the request head did not arrive within {secs:g} s"))
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[GuardedProtocol]:

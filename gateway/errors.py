@@ -108,7 +108,7 @@ class URITooLong(APIError):
     code = "uri_too_long"
 
 
-class HeadTimeout(APIError):
+class RequestTimeout(APIError):
     status = 408
     code = "request_timeout"
 

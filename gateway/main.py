@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     door.add_argument("--max-url-bytes", type=int, default=d.max_url_bytes, help="414 beyond this URL length")
     door.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s,
                       help="seconds a request head may take to arrive (408); a silent connection is closed")  # fmt: skip
+    door.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s,
+                      help="seconds a request body may take to arrive once its head has (408)")  # fmt: skip
     door.add_argument("--keep-alive-timeout-s", type=float, default=d.keep_alive_timeout_s,
                       help="seconds an idle keep-alive connection stays open")  # fmt: skip
     door.add_argument("--max-connections", type=int, default=d.max_connections,
@@ -192,6 +194,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             max_header_count=a.max_header_count,
             max_url_bytes=a.max_url_bytes,
             header_timeout_s=a.header_timeout_s,
+            body_timeout_s=a.body_timeout_s,
             keep_alive_timeout_s=a.keep_alive_timeout_s,
             max_connections=a.max_connections,
             drain_grace_s=a.drain_grace_s,

@@ -302,7 +302,7 @@ def check_chat(req: ChatCompletionRequest) -> None:
     if not req.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
     if all(not m.text() for m in req.messages):
-        raise InvalidRequest("messages are all empty", param="messages")
+        raise InvalidRequest("no message has any content", param="messages")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -392,7 +392,9 @@ def requested_max_tokens(req: _Sampling) -> tuple[int | None, str]:
 
 def resolve_priority(header: str | None, body: str | None, service_tier: str | None = None) -> Priority:
     """X-Priority header, else body field ``priority``, else OpenAI's ``service_tier`` (SERVICE_TIER_PRIORITY),
-    else normal."""
+    else normal. An empty header is no header (a client that sets it from an unset variable)."""
+    if header is not None and not header.strip():
+        header = None
     if header is None and body is None and service_tier is not None:
         return SERVICE_TIER_PRIORITY[service_tier]
     for value, param in ((header, "X-Priority"), (body, "priority")):

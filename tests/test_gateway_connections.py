@@ -6,6 +6,7 @@ it, shows that its timers never drop a request that arrived during the stall."""
 
 from __future__ import annotations
 
+import json
 import select
 import socket
 import time
@@ -24,7 +25,7 @@ from tests.stack import gateway_process
 
 MAX_CONNECTIONS = 8
 ARGS = ("--max-header-bytes", "4096", "--max-header-count", "20", "--max-url-bytes", "1024",
-        "--header-timeout-s", "1", "--keep-alive-timeout-s", "1", "--max-connections", str(MAX_CONNECTIONS))  # fmt: skip
+        "--header-timeout-s", "1", "--body-timeout-s", "1", "--keep-alive-timeout-s", "1", "--max-connections", str(MAX_CONNECTIONS))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,21 @@ def test_a_slow_head_is_a_408_after_the_header_timeout(gateway):
         raw = answer(s)
         took = time.monotonic() - t0
     assert status(raw) == 408 and 0.9 < took < 4.0, took
+
+
+@pytest.mark.slow
+def test_a_body_shorter_than_its_content_length_is_a_408_after_the_body_timeout(gateway):
+    """A client that declares more than it sends no longer holds the request open for ever."""
+    _, port = gateway
+    with connect(port) as s:
+        t0 = time.monotonic()
+        s.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n'
+                  b'Content-Length: 100\r\n\r\n{"a":1}')  # fmt: skip
+        raw = one_response(s)
+        took = time.monotonic() - t0
+    body = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+    assert status(raw) == 408 and 0.9 < took < 4.0, took
+    assert body["error"]["code"] == "request_timeout" and "7 of the 100 bytes" in body["error"]["message"]
 
 
 @pytest.mark.slow

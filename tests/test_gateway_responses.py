@@ -120,7 +120,7 @@ def test_the_priority_header_and_service_tier_apply(client, engine):
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "not served"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]", "only message"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]", "text"),
-        ({"input": ""}, "input", "empty"),
+        ({"input": ""}, "input", "no message has any content"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format", "json_schema"),
         ({"max_output_tokens": -3}, "max_output_tokens", "max_output_tokens must be at least 1"),
         ({"input": "w " * 5000}, "input", "maximum context length"),

@@ -128,6 +128,7 @@ def test_priority_header_wins_and_is_validated():
     assert schemas.resolve_priority("HIGH", "low") == "high"
     assert schemas.resolve_priority(None, "low") == "low"
     assert schemas.resolve_priority(None, None) == "normal"
+    assert schemas.resolve_priority("", "low") == "low" and schemas.resolve_priority("  ", None) == "normal"
     with pytest.raises(InvalidRequest) as exc:
         schemas.resolve_priority("urgent", None)
     assert exc.value.param == "X-Priority"
