@@ -163,8 +163,8 @@ class Gateway:
         when ``disconnected`` completes first, and the API errors of the steps (429, 503, 504). An id a record
         already holds (a client's ``X-Request-Id`` reused) is made unique: ``<id>-<8 hex>``; the reply's
         ``assignment.id`` is the id it ran under. ``early``: it may go to its engine while its admission runs
-        (:mod:`gateway.early_dispatch`; not for a client's own id: one the admission declines runs under a new
-        id). ``assigned`` is told each assignment as it comes (the request log's engine, whatever the outcome)."""
+        (:mod:`gateway.early_dispatch`; not for a client's own id: one the admission declines runs under a fresh
+        id of the gateway's). ``assigned`` is told each assignment as it comes (the request log's engine, whatever the outcome)."""
         waiting, relay = self.waiting, self.relay
         base = adm.record.id
         sent_early = self._send_early(adm) if early else None
@@ -185,7 +185,11 @@ class Gateway:
             except (DuplicateId, EarlyDeclined) as exc:  # (an early request's id may still run on its engine)
                 self.early.take_back(sent_early, adm.record, declined=isinstance(exc, EarlyDeclined))
                 sent_early = None
-                adm = adm.renamed(f"{base}-{uuid.uuid4().hex[:8]}")
+                # a client's id reused: <id>-<8 hex>; the gateway's own, declined early: a fresh id of its own
+                fresh = (
+                    uuid.uuid4().hex if isinstance(exc, EarlyDeclined) else f"{base}-{uuid.uuid4().hex[:8]}"
+                )
+                adm = adm.renamed(fresh)
             except BaseException as exc:  # refused (429: a filling queue, a tenant's limit), Redis away, ...
                 self.early.take_back(sent_early, adm.record, declined=isinstance(exc, QueueFullError))
                 raise

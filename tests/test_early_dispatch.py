@@ -90,15 +90,15 @@ async def test_a_stream_goes_early(gateway, aredis, keys):
 
 async def test_a_declined_request_is_taken_back_and_served_under_a_fresh_id(gateway, aredis, keys):
     """The gateway's view is stale (it names an engine the router does not list): the admission declines, the
-    early request is aborted on that engine, and the request is admitted again as ``<id>-<8 hex>`` and served
-    once. For a while after, nothing goes early."""
+    early request is aborted on that engine, and the request is admitted again under a fresh id (no suffix of
+    the first: the client sees an id like any other) and served once. For a while after, nothing goes early."""
     await observed_targets(gateway, aredis, keys)
     url = gateway.cluster.fast[0].url
     gateway.cluster.fast = [FastTarget(engine=5, url=url, cap=8, max_kv=10_000)]
     gateway.cluster.observed_at = time.monotonic()
     calls: list[tuple[str, dict]] = []
     reply = await serve_chat(gateway, recording(calls), request_id="mine")
-    assert reply.status == 200 and re.fullmatch(r"mine-[0-9a-f]{8}", reply.assignment.id)
+    assert reply.status == 200 and re.fullmatch(r"[0-9a-f]{32}", reply.assignment.id)
     for _ in range(100):  # the abort is sent in the background
         if len(calls) == 3:
             break
@@ -194,7 +194,7 @@ async def test_a_declined_stream_is_taken_back_and_streamed_once(gateway, aredis
     aborted = [body["rid"] for path, body in calls if path == "/abort_request"]
     first = streams[0].removesuffix("~0")
     assert len(streams) == 2 and aborted[0] == streams[0] and streams[0] == f"{first}~0"
-    assert re.fullmatch(rf"{first}-[0-9a-f]{{8}}~0", streams[1])
+    assert re.fullmatch(r"[0-9a-f]{32}~0", streams[1]) and not streams[1].startswith(first)
     assert not streams[1].startswith(aborted[0]), (
         "the abort (a prefix in SGLang) does not reach the new stream"
     )
