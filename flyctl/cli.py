@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("-n", type=cli.non_negative(int), default=20, help="how many waiting requests to list")
     sub.add_parser("tenants", help="each tenant's admitted requests and tokens, and refusals by limit")
     w = sub.add_parser("watch", help="status, refreshed every --interval seconds")
-    w.add_argument("--interval", type=cli.non_negative(float), default=1.0)
+    w.add_argument(
+        "--interval", type=cli.non_negative(float), default=1.0, help="seconds between refreshes (default 1)"
+    )
     w.add_argument(
         "--count",
         type=cli.non_negative(int),
@@ -285,9 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "queue":
             print(render_queue(r, keys, a.n))
         elif a.cmd == "watch":
-            shown = 0
+            shown, clear = (
+                0,
+                "\x1b[2J\x1b[H" if sys.stdout.isatty() else "",
+            )  # (no escapes into a file or a pipe)
             while not a.count or shown < a.count:
-                print("\x1b[2J\x1b[H" + time.strftime("%H:%M:%S ") + render_status(r, keys), flush=True)
+                print(clear + time.strftime("%H:%M:%S ") + render_status(r, keys), flush=True)
                 shown += 1
                 if not a.count or shown < a.count:
                     time.sleep(a.interval)

@@ -84,7 +84,7 @@ def add_redis_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--key-prefix",
         default=settings.key_prefix(),
-        help=f"prefix of every Redis key (env {settings.KEY_PREFIX})",
+        help=f"prefix of every Redis key (env {settings.KEY_PREFIX}; default: %(default)s)",
     )
 
 
