@@ -80,8 +80,6 @@ def bind(
         )
     epoch = next_epoch(r, keys)  # (after the checks: a refused bind takes no epoch)
     if record:
-        if inside:
-            r.hdel(keys.groups, *(str(g.epoch) for g in inside))
         now = time.time()
         g = Group(
             epoch=epoch,
@@ -92,7 +90,11 @@ def bind(
             last_used=now,
             adopt=adopt,
         )
-        r.hset(keys.groups, str(epoch), encode(g))
+        tx = r.pipeline(transaction=True)  # the old record and the new one change together (a width change)
+        if inside:
+            tx.hdel(keys.groups, *(str(g.epoch) for g in inside))
+        tx.hset(keys.groups, str(epoch), encode(g))
+        tx.execute()
     cmd = Bind(
         epoch=epoch,
         members=tuple(members),

@@ -176,13 +176,15 @@ return 1
 """ % (int(CLASS_WEIGHT), int(CLASS_WEIGHT))
 
 _REQUEUE = """
--- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason, engine, counted (0: parked)
+-- KEYS: queue, request hash, inflight set, wake, stats ; ARGV: id, class, reason, engine, counted (1; 0: parked,
+-- 2: a follower refused it, leader-only from now on)
 local seq = redis.call('HGET', KEYS[2], 'pos') or redis.call('HGET', KEYS[2], 'seq')
 if not seq or redis.call('HGET', KEYS[2], 'state') ~= 'assigned' then return 0 end
 redis.call('SREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[2], 'state', 'queued', 'requeue_reason', ARGV[3])
-if ARGV[5] == '0' then redis.call('HINCRBY', KEYS[2], 'parked_attempts', 1)
-else redis.call('HSET', KEYS[2], 'failed_on', ARGV[4]) end
+if ARGV[5] == '1' then redis.call('HSET', KEYS[2], 'failed_on', ARGV[4])
+else redis.call('HINCRBY', KEYS[2], 'parked_attempts', 1) end
+if ARGV[5] == '2' then redis.call('HSET', KEYS[2], 'leader_only', 'True') end
 redis.call('HDEL', KEYS[2], 'engine', 'url', 'assigned_at', 'epoch')
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) * %d + tonumber(seq), ARGV[1])
@@ -403,16 +405,21 @@ class RequestQueue:
             self.gate.saw(int(done.pop()))
         return sum(bool(x) for x in done)
 
-    async def requeue(self, req: QueuedRequest, engine: int, reason: str, counted: bool = True) -> bool:
+    async def requeue(
+        self, req: QueuedRequest, engine: int, reason: str, counted: bool = True, leader_only: bool = False
+    ) -> bool:
         """Put an assigned request back at its original place in the queue (its worker could not take it); the
         router sends it elsewhere than ``engine`` while another engine is live. Its ``attempts`` go up by one;
         ``counted`` False (nothing failed: its group was parked) also its ``parked_attempts``, which the gateway's
-        ``max_attempts`` leaves out, and ``engine`` is not recorded as where it failed."""
+        ``max_attempts`` leaves out, and ``engine`` is not recorded as where it failed; ``leader_only`` (a
+        follower refused it: a grammar the gateway did not foresee) is uncounted too and sets the record's
+        ``leader_only``."""
         k = self.keys
+        mode = 2 if leader_only else int(counted)
         done, _ = await self._run(
             _REQUEUE,
             keys=[k.queue, k.request(req.id), k.inflight(engine), k.wake, k.stats],
-            args=[req.id, PRIORITY_CLASS[req.priority], reason, engine, int(counted)],
+            args=[req.id, PRIORITY_CLASS[req.priority], reason, engine, mode],
         )
         return bool(done)
 

@@ -166,16 +166,18 @@ NOT_RESUMABLE = (
 
 
 def constrained(req: object) -> bool:
-    """The request constrains its output with a grammar (JSON mode or a schema, regex, EBNF, a tool call the
-    model must make): SGLang keeps the grammar's state in the process that runs it, so a bound group's follower
-    cannot hand the request to its leader (``QueuedRequest.leader_only``)."""
+    """The request constrains its output with a grammar (JSON mode or a schema, regex, EBNF, tools): SGLang keeps
+    the grammar's state in the process that runs it, so a bound group's follower cannot hand the request to its
+    leader (``QueuedRequest.leader_only``). One the gateway does not foresee (a server that gives every request a
+    grammar) is refused by the follower and marked leader-only when it is queued again."""
     fmt = getattr(req, "response_format", None)
     if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
         return True
     if any(getattr(req, f, None) is not None for f in ("regex", "ebnf", "json_schema")):
         return True
-    choice = getattr(req, "tool_choice", None)
-    return bool(getattr(req, "tools", None)) and choice not in (None, "none", "auto")
+    # tools: a forced call is a grammar, and SGLang gives "auto" one too for strict tools or a server's tool
+    # strictness; a request with tools that may call one is kept off followers
+    return bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
 
 
 MAX_N = 16  # choices per request (each holds its own KV for its output)

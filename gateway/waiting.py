@@ -21,7 +21,7 @@ from flying.autopipeline import AutoPipeline
 from flying.breaker import Breakers
 from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
-from flying.messages import Assignment, Priority, QueuedRequest
+from flying.messages import GROUP_LEADER_ONLY, Assignment, Priority, QueuedRequest
 from flying.queue import DuplicateId, QueueFull, RequestQueue, TenantLimit, TenantLimited
 from gateway import tenants
 from gateway.admission import Admitted
@@ -191,7 +191,12 @@ class WaitingRoom:
         rec = await self.queue.get(adm.record.id)
         attempts = int(rec.get("attempts", 0)) + 1  # (every re-dispatch: its SGLang rid's suffix)
         used = attempts - int(rec.get("parked_attempts", 0))
-        if not counted:
+        leader_only = (
+            GROUP_LEADER_ONLY.message in why
+        )  # a follower could not run it: from now on, leaders only
+        if leader_only:
+            cause = "leader_only"
+        elif not counted:
             cause = "group_parked"
         elif used >= self.config.max_attempts:
             await self.queue.finish(adm.record.id, "failed", why)
@@ -202,7 +207,7 @@ class WaitingRoom:
         adm.next_attempt(attempts)
         await asyncio.sleep(self.redispatch_delay_s(attempts))
         fut = self.waiter.expect(adm.record.id)
-        await self.queue.requeue(adm.record, a.engine, why, counted=counted)
+        await self.queue.requeue(adm.record, a.engine, why, counted=counted, leader_only=leader_only)
         self.waiter.mark_admitted(adm.record.id)
         self.holding[adm.record.id] = adm.record
         return fut

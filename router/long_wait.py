@@ -82,10 +82,13 @@ def waits(rnd: Round, r: QueuedRequest) -> bool:
     ):  # its wait ended: it runs as soon as it can (not while busy: it would park)
         return parking.holds_off(rnd, waited)
     cause = unrest(rnd, r.id)
-    if cause is not None and (waited < rnd.cfg.long_wait_s or parking.holds_off(rnd, waited)):
+    # (held off: calm by the long request's own measure while the regime is still busy, it would bind its group
+    # and then be held, the group idle, until the regime turned light)
+    if (cause is not None and waited < rnd.cfg.long_wait_s) or parking.holds_off(rnd, waited):
         if noted is None:
             remember(rnd, r.id, rnd.now)
-            rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, cause, rnd.cfg.long_wait_s, rnd.s.demand))
+            why = cause or WaitCause.BUSY
+            rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, why, rnd.cfg.long_wait_s, rnd.s.demand))
         return True
     end = WaitCause.BOUND if cause is not None else WaitCause.CALM
     remember(rnd, r.id, -rnd.now)

@@ -67,7 +67,10 @@ def holds_off(rnd: Round, waited: float) -> bool:
     surge's next rise: started on a dip in the burst's measure, such requests were bound and parked every second
     or two, their prefills recomputed); it starts once the regime is light, or after twice ``long_wait_s``
     whatever the load (then it is never parked)."""
-    return parks(rnd) and (surge(rnd) or rnd.out.state.busy) and waited < 2 * rnd.cfg.long_wait_s
+    busy = (
+        rnd.cfg.load_adaptation and rnd.out.state.busy
+    )  # (without load adaptation the regime is always busy)
+    return parks(rnd) and (surge(rnd) or busy) and waited < 2 * rnd.cfg.long_wait_s
 
 
 def release_mode(rnd: Round, g: Group) -> ReleaseMode:

@@ -73,22 +73,26 @@ def unknown_epochs(rnd: Round) -> None:
     after its record was rolled back (a member that entered it late, say once a width change had waited for its
     TP requests) would otherwise keep them in a group nobody dispatches to, every request waiting for DP room
     until its queue timeout. The release is recorded, so the record goes once they have left."""
+    binding = {m for g in rnd.groups.values() if g.state == "binding" for m in g.members}
     bound: dict[int, list[EngineView]] = {}
     for e in rnd.live.values():
         if e.epoch and e.epoch not in rnd.groups and e.epoch not in rnd.parked:
             leader = rnd.live.get(e.group[0]) if e.group else e
+            if e.engine in binding or (e.group and e.group[0] in binding):
+                continue  # a width change under way (`flyctl bind` replaced the old record by the new one)
             if leader is not None and leader.pending in rnd.groups:
-                continue  # a width change in progress (`flyctl bind` replaced the old record by the new one)
+                continue  # (the same, its leader has read it)
             bound.setdefault(e.epoch, []).append(e)
     for epoch, engines in sorted(bound.items()):
         members = engines[0].group or tuple(sorted(e.engine for e in engines))
-        if any(m not in rnd.live for m in members):
-            members = tuple(e.engine for e in engines)  # (a member is gone: those that report it)
         g = Group(
             epoch=epoch, members=members, reason="manual", state="bound", since=rnd.now, last_used=rnd.now
         )
         rnd.put(g)
-        release_now(rnd, g, ReleaseCause.UNKNOWN_EPOCH)
+        if all(m in rnd.live for m in members):
+            release_now(rnd, g, ReleaseCause.UNKNOWN_EPOCH)
+        else:  # a member is gone (or its breaker is open), maybe its leader: a plain release to them all
+            rnd.release(g, ReleaseCause.UNKNOWN_EPOCH)
 
 
 def distrust(rnd: Round, engines: list[int], paused: int = 0) -> None:

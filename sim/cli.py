@@ -562,7 +562,9 @@ def seeds_main(a: argparse.Namespace, base: SimConfig) -> int:
 
 
 def prefix_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("shared-prefix workload (--workload shared-prefix; --output sets the answers' lengths)")
+    g = p.add_argument_group(
+        "shared-prefix workload (--workload shared-prefix; --output sets the answers' lengths)"
+    )
     g.add_argument("--workload", choices=("paper", "shared-prefix"), default="paper",
                    help="paper: the two-level workload; shared-prefix: system prompts and multi-turn sessions")  # fmt: skip
     g.add_argument("--session-rate", type=float, default=2.0, help="sessions per second (Poisson)")

@@ -300,6 +300,10 @@ def test_a_width_change_waiting_for_live_tp_requests_is_reported_pending_and_a_r
     assert layout.width == 1
     b.on_step([Bind(epoch=2, members=(0, 1, 2, 3))])  # read again: an epoch already rolled back
     assert b.status()["pending"] == 0
+    b.on_step([Bind(epoch=3, members=(0, 1))])
+    engine.running_reqs = [FakeReq("tp-2")]
+    b.on_step([Bind(epoch=4, members=(0, 1, 2, 3)), Release(epoch=3, retract=True)])  # epoch 3 ended first
+    assert b.epoch is None and group.sent[-1].next is None and b.last_epoch == 4
 
 
 def test_a_retracting_release_recomputes_the_tp_requests_in_dp():

@@ -137,6 +137,7 @@ def test_a_body_shorter_than_its_content_length_is_a_408_after_the_body_timeout(
     body = json.loads(raw.split(b"\r\n\r\n", 1)[1])
     assert status(raw) == 408 and 0.9 < took < 4.0, took
     assert body["error"]["code"] == "request_timeout" and "7 of the 100 bytes" in body["error"]["message"]
+    assert b"connection: close" in raw.lower()
 
 
 @pytest.mark.slow

@@ -193,6 +193,26 @@ async def test_a_request_whose_group_parked_before_its_first_token_goes_back_wit
         await r.retry_or_fail(adm, a, "reset")
 
 
+async def test_a_request_a_follower_refused_goes_back_leader_only_without_using_an_attempt(
+    room, aredis, keys
+):
+    """A follower refuses a request with a grammar the gateway did not foresee: it is queued again uncounted, and
+    its record says leader-only, so the router sends it to a leader or a DP engine next."""
+    from flying.messages import GROUP_LEADER_ONLY, from_hash
+
+    r = room(max_attempts=1)
+    adm = admitted("a")
+    await r.enqueue(adm)
+    a = Assignment(id="a", engine=1, url="http://e1", queue_ms=0.0)
+    assert await r.queue.assign(adm.record, 1, "http://e1")
+    why = f'engine 1 answered 503: {{"message": "{GROUP_LEADER_ONLY.message}"}}'
+    await r.retry_or_fail(adm, a, why, engine_fault=False, counted=False)
+    fields = {k.decode(): v.decode() for k, v in (await aredis.hgetall(keys.request("a"))).items()}
+    back = from_hash(fields, QueuedRequest)
+    assert back.leader_only and fields["parked_attempts"] == "1" and back.failed_on == -1
+    assert r.metrics.redispatched.labels("leader_only")._value.get() == 1
+
+
 async def test_waiting_requests_redis_lost_are_admitted_again(room, aredis, keys):
     r = room(max_queue=1)
     await r.enqueue(admitted("a"))

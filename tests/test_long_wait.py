@@ -123,7 +123,24 @@ def test_past_the_bound_it_waits_for_the_regime_to_turn_light_not_just_for_the_s
     d = decide(snap([long()], dip, now=131.0, state=state), CFG)
     assert d.state.busy and not d.binds
     idle = [dataclasses.replace(eng(i), park=True) for i in range(4)]
-    d = decide(snap([long()], idle, now=132.0, state=d.state), CFG)  # calm: no burst would park it now
+    d = decide(snap([long()], idle, now=132.0, state=d.state), CFG)  # calm, the regime still busy
+    assert d.state.busy and not d.binds
+    d = decide(snap([long()], idle, now=134.5, state=d.state), CFG)  # light: no burst would park it now
+    assert not d.state.busy and [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
+
+
+def test_calm_while_the_regime_is_still_busy_binds_nothing_that_would_then_be_held():
+    """Calm by the long request's own measure but the regime not yet light: it keeps waiting (before, its group
+    bound and then sat idle, the request held, until the regime turned light). Without load adaptation the
+    regime is always busy: that holds nothing."""
+    parking = [dataclasses.replace(eng(i), park=True) for i in range(4)]
+    d = decide(snap([long()], parking, state=RouterState(busy=True, calm_since=100.0)), CFG)
+    assert not d.binds and d.state.busy
+    assert [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BUSY]
+    d = decide(snap([long()], parking, now=102.5, state=d.state), CFG)  # calm_s later: light
+    assert not d.state.busy and [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
+    fixed = unit_policy(long_wait_s=30.0, load_adaptation=False)
+    d = decide(snap([long()], parking, state=RouterState(busy=True)), fixed)
     assert [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
 
 

@@ -207,8 +207,9 @@ def test_a_body_nested_too_deeply_is_a_400_not_a_500():
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, True),
         ({"regex": "[ab]+"}, True),
         ({"ebnf": 'root ::= "a"'}, True),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, False),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, False),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, True),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, True),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, False),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, True),
         (
             {

@@ -172,6 +172,8 @@ class Binding:
             case Intake.WIDTH_CHANGE if isinstance(cmd, Bind) and e is not None:
                 e.ask_width_change(cmd)
             case Intake.RELEASE if isinstance(cmd, Release) and e is not None:
+                if e.changing_to:  # the epoch is ended before its width change applied: the change is off
+                    self.last_epoch = max(self.last_epoch, e.cancel_width_change())
                 e.ask_release(cmd.retract, cmd.scatter, cmd.park)
             case Intake.CANCEL if e is not None and e.changing_to == cmd.epoch:
                 # a width change rolled back (its members were still serving this epoch's requests)

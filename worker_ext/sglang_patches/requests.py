@@ -357,10 +357,14 @@ def refuse(scheduler: Any, reqs: list) -> None:
     uncounted 503 (``GROUP_LEADER_ONLY``): nothing ran, the gateway queues them again for a leader or a DP
     engine, a client calling this engine directly is told where to send them. (Kept here, they waited for the
     group's release, which at light load can be minutes.)"""
+    from concurrent.futures import Future
+
     from flying.messages import GROUP_LEADER_ONLY
     from worker_ext.sglang_patches import group_lost
 
     for req in reqs:
+        if isinstance(req.grammar, Future):  # its grammar still compiling: not wanted any more
+            req.grammar.cancel()
         req.finished_reason = group_lost(GROUP_LEADER_ONLY.message)
     stream(scheduler, reqs)
 
