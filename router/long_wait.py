@@ -80,11 +80,11 @@ def waits(rnd: Round, r: QueuedRequest) -> bool:
     if (
         noted is not None and noted < 0
     ):  # its wait ended: it runs as soon as it can (not while busy: it would park)
-        return parking.holds_off(rnd, waited)
+        return parking.holds_off(rnd, r)
     cause = unrest(rnd, r.id)
     # (held off: calm by the long request's own measure while the regime is still busy, it would bind its group
     # and then be held, the group idle, until the regime turned light)
-    if (cause is not None and waited < rnd.cfg.long_wait_s) or parking.holds_off(rnd, waited):
+    if (cause is not None and waited < rnd.cfg.long_wait_s) or parking.holds_off(rnd, r):
         if noted is None:
             remember(rnd, r.id, rnd.now)
             why = cause or WaitCause.BUSY

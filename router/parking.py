@@ -17,7 +17,7 @@ parked requests whose clients all left (:func:`left`).
 from __future__ import annotations
 
 from flying.groups import widths
-from flying.messages import Group, Release
+from flying.messages import Group, QueuedRequest, Release
 from router import long_wait  # (each imports the other: their functions call across at run time)
 from router.decision import ReleaseCause, ReleaseMode, ReleaseNote
 from router.round import Round, replace_group
@@ -60,17 +60,20 @@ def parks(rnd: Round) -> bool:
     return rnd.cfg.park and all(e.park for e in rnd.s.engines)
 
 
-def holds_off(rnd: Round, waited: float) -> bool:
-    """Groups are parked in bursts and one is on (:func:`surge`, or the regime has not turned light since): a
-    long request of normal priority that has waited ``waited`` seconds does not start yet, even past
-    ``long_wait_s`` or re-queued after a park caught it in its prefill (it would be parked at once, or at the
-    surge's next rise: started on a dip in the burst's measure, such requests were bound and parked every second
-    or two, their prefills recomputed); it starts once the regime is light, or after twice ``long_wait_s``
-    whatever the load (then it is never parked)."""
-    busy = (
-        rnd.cfg.load_adaptation and rnd.out.state.busy
-    )  # (without load adaptation the regime is always busy)
-    return parks(rnd) and (surge(rnd) or busy) and waited < 2 * rnd.cfg.long_wait_s
+def holds_off(rnd: Round, r: QueuedRequest) -> bool:
+    """Groups are parked in bursts and one is on (:func:`surge`): a long request of normal priority does not
+    start yet, even past ``long_wait_s`` (it would be parked at once); it starts once the surge is over, or after
+    twice ``long_wait_s`` whatever the load (then it is never parked). One past ``long_wait_s``, or queued again
+    after a park caught it in its prefill, also waits for the regime to turn light: started on a dip in the
+    burst's measure, such requests were bound and parked every second or two, their prefills recomputed. (A
+    request that found calm by its own measure runs whatever the regime, as an operator's long ``calm_s`` wants.)"""
+    waited = rnd.now - r.enqueued_at
+    if not parks(rnd) or waited >= 2 * rnd.cfg.long_wait_s:
+        return False
+    if surge(rnd):
+        return True
+    late = waited >= rnd.cfg.long_wait_s or r.attempts > 0
+    return late and rnd.cfg.load_adaptation and rnd.out.state.busy  # (without it the regime is always busy)
 
 
 def release_mode(rnd: Round, g: Group) -> ReleaseMode:

@@ -129,19 +129,24 @@ def test_past_the_bound_it_waits_for_the_regime_to_turn_light_not_just_for_the_s
     assert not d.state.busy and [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
 
 
-def test_calm_while_the_regime_is_still_busy_binds_nothing_that_would_then_be_held():
-    """Calm by the long request's own measure but the regime not yet light: it keeps waiting (before, its group
-    bound and then sat idle, the request held, until the regime turned light). Without load adaptation the
+def test_calm_by_its_own_measure_it_runs_whatever_the_regime_unless_late():
+    """A fresh long request that finds calm runs even while the regime is busy (an operator's long calm_s keeps
+    the engines in DP, not long requests waiting); one past its bound, or queued again after a park, waits for
+    the regime to turn light too (it would be bound and then held, its group idle). Without load adaptation the
     regime is always busy: that holds nothing."""
     parking = [dataclasses.replace(eng(i), park=True) for i in range(4)]
-    d = decide(snap([long()], parking, state=RouterState(busy=True, calm_since=100.0)), CFG)
-    assert not d.binds and d.state.busy
-    assert [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BUSY]
-    d = decide(snap([long()], parking, now=102.5, state=d.state), CFG)  # calm_s later: light
+    busy = RouterState(busy=True, calm_since=100.0)
+    d = decide(snap([long()], parking, state=busy), CFG)
+    assert d.state.busy and [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
+    late = [long(at=60.0)]  # waited 40 s, past long_wait_s (30)
+    d = decide(snap(late, parking, state=busy), CFG)
+    assert not d.binds and [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BUSY]
+    d = decide(snap(late, parking, now=102.5, state=d.state), CFG)  # calm_s later: light
     assert not d.state.busy and [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
+    requeued = [msgspec.structs.replace(long(), attempts=1)]  # a park caught it in its prefill
+    assert not decide(snap(requeued, parking, state=busy), CFG).binds
     fixed = unit_policy(long_wait_s=30.0, load_adaptation=False)
-    d = decide(snap([long()], parking, state=RouterState(busy=True)), fixed)
-    assert [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
+    assert decide(snap(late, parking, state=RouterState(busy=True)), fixed).binds
 
 
 def test_high_priority_never_waits():
