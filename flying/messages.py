@@ -282,6 +282,9 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     admitted: int = 0  # the admission counter (``flying:stats`` admitted) at that time
     recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (PolicyConfig.spread_s)
     long_waits: dict[str, float] = {}  # long requests waiting for calm -> since when (router.long_wait)
+    # how long a long request of normal or low priority may wait for calm (PolicyConfig.long_wait_s; 0: it does not
+    # wait): gateways let such a request wait up to twice that, beyond their wait budgets (read by gateways)
+    long_wait_s: float = 0.0
 
 
 DecisionKind = Literal["bind", "release", "regime", "distrust", "wait"]

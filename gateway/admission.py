@@ -27,6 +27,7 @@ OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event lo
 # SGLang refuses a prompt of min(context length, KV) - 6 tokens or more (its scheduler's max_req_input_len), after
 # the request has waited its turn: the gateway refuses it at the door instead
 PROMPT_RESERVE = 7
+PATIENCE_MARGIN_S = 30.0  # beyond twice long_wait_s: a group binds and prefills before its assignment
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class Admitted:
     body: dict
     stream: bool
     resume: Resumable | None = None  # a stream that can continue on another engine (see gateway.resume)
+    # seconds it may wait for its assignment beyond its class's budget: a long-context request of normal or low
+    # priority, which the router holds for a calm period (up to twice its long_wait_s)
+    patience_s: float = 0.0
 
     def renamed(self, rid: str) -> Admitted:
         """The same request under id ``rid`` (its record; SGLang runs it as ``<rid>~0``)."""
@@ -113,15 +117,25 @@ class Admission:
             leader_only=constrained(req),
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        patience = self._patience(record, beats)
         keep = req.logprobs or req.n > 1 or (not chat and req.echo) or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)  # fmt: skip
         if not req.stream or keep:  # the engine's own endpoint
-            return Admitted(record, path, body, bool(req.stream))
+            return Admitted(record, path, body, bool(req.stream), patience_s=patience)
         up = upstream_body(body, chat, ids if isinstance(ids, list) else None)
         # a text prompt's ids come with the engine's first chunk
         known = up["prompt"] if isinstance(up["prompt"], list) else None
-        return Admitted(
-            record, "/v1/completions", up, True, Resumable(up, max_tokens, chat=chat, prompt_ids=known)
-        )
+        resume = Resumable(up, max_tokens, chat=chat, prompt_ids=known)
+        return Admitted(record, "/v1/completions", up, True, resume, patience_s=patience)
+
+    def _patience(self, record: QueuedRequest, beats: list) -> float:
+        """A request no engine holds alone, of normal or low priority, waits for a calm period up to the router's
+        ``long_wait_s`` (up to twice that while bursts go on): it may wait that long, plus a margin, beyond its
+        class's budget (it would end with 504 while the router held it on purpose)."""
+        one = max((b.max_total_tokens for b in beats), default=0)
+        wait = self.cluster.long_wait_s
+        if record.priority == "high" or not wait or record.kv_tokens <= one:
+            return 0.0
+        return 2 * wait + PATIENCE_MARGIN_S
 
     def _check_vocabulary(self, req) -> None:
         """``logit_bias`` names token ids of the model's vocabulary (the schema checked that they are ids)."""

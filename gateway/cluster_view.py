@@ -66,6 +66,9 @@ class ClusterView:
         # event loop does not read as a missing router
         self.lease_missing_since: float | None = None
         self.pooled_context = True  # the router binds groups for long requests (from its published state)
+        self.long_wait_s = (
+            0.0  # how long the router holds such a request of normal priority for calm (the same)
+        )
         # at the last observation: the router's fast-path targets, the queue's depth, each live engine's inflight
         self.fast: list[FastTarget] = []
         self.depth = 0
@@ -86,7 +89,8 @@ class ClusterView:
         if beats:
             self.last_live = time.monotonic()
         raw = await self.r.get(self.keys.router_state)
-        self.pooled_context = decode(raw, RouterState).long_context if raw else True
+        state = decode(raw, RouterState) if raw else RouterState()
+        self.pooled_context, self.long_wait_s = state.long_context, state.long_wait_s
         self._workers = (time.monotonic(), beats)
         return beats
 

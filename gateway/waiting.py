@@ -153,7 +153,7 @@ class WaitingRoom:
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.holding.pop(rid, None)  # the fast path: assigned at admission
             return fut.result()
-        limit = self.config.queue_wait_s(adm.record.priority)
+        limit = max(self.config.queue_wait_s(adm.record.priority), adm.patience_s)
         try:
             waits: set[asyncio.Future[Any]] = {fut, disconnected}
             done, _ = await asyncio.wait(waits, timeout=limit, return_when=asyncio.FIRST_COMPLETED)

@@ -53,7 +53,11 @@ class Round:
         self.groups: dict[int, Group] = {g.epoch: g for g in s.groups if g.state != "parked"}
         self.parked: dict[int, Group] = {g.epoch: g for g in s.groups if g.state == "parked"}
         self.out = Decision(
-            state=msgspec.structs.replace(s.state, long_context=cfg.long_context),
+            state=msgspec.structs.replace(
+                s.state,
+                long_context=cfg.long_context,
+                long_wait_s=cfg.long_wait_s if cfg.long_context else 0.0,
+            ),
             sp_threshold=cfg.sp_threshold,
         )
         self.dp_inflight = {e.engine: e.inflight for e in s.engines}

@@ -26,6 +26,7 @@ class FakeCluster:
         self.beats, self.router = beats, router
         self.reads: list[float] = []
         self.last_live = -1e9  # no engine seen live lately: no wait before the 503
+        self.long_wait_s = 0.0  # the router's, as published
 
     workers_again = ClusterView.workers_again
 
@@ -65,6 +66,24 @@ def chat(**fields) -> ChatCompletionRequest:
 
 def completion(**fields) -> CompletionRequest:
     return decode(json.dumps({"model": "tiny-llama", "prompt": "a b c"} | fields).encode(), CompletionRequest)
+
+
+async def test_a_long_request_of_normal_priority_may_wait_for_calm_beyond_its_budget():
+    """The router holds a request no engine holds alone for a calm period, up to twice its long_wait_s: the
+    gateway lets it wait that long (plus a margin) instead of ending it with 504 at its class's budget."""
+    from gateway.admission import PATIENCE_MARGIN_S
+
+    beats = [msgspec.structs.replace(ENGINE, engine=i, context_len=256, num_engines=2) for i in (0, 1)]
+    adm = admission(beats)
+    adm.cluster.long_wait_s = 100.0
+    words = " ".join(["w"] * 70)
+    long = chat(messages=[{"role": "user", "content": words}], max_tokens=8)
+    got = await adm.admit(long, "normal")
+    assert got.record.kv_tokens > 64 and got.patience_s == 200.0 + PATIENCE_MARGIN_S
+    assert (await adm.admit(long, "high")).patience_s == 0.0  # never held for calm
+    assert (await adm.admit(chat(max_tokens=8), "normal")).patience_s == 0.0  # one engine holds it
+    adm.cluster.long_wait_s = 0.0  # the router does not hold long requests
+    assert (await adm.admit(long, "low")).patience_s == 0.0
 
 
 async def test_a_chat_request_is_made_into_its_record_and_the_engines_chat_body():

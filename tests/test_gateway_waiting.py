@@ -4,6 +4,7 @@ ends (timeout, client gone), re-queueing within ``max_attempts``, and re-admissi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -126,6 +127,12 @@ async def test_an_admitted_request_whose_budget_runs_out_is_a_504_not_scheduled_
     assert 0.15 < time.monotonic() - t0 < 1.0, "the budget, not queue_timeout_s, ends the wait"
     assert await state(aredis, keys, "a") == b"cancelled" and await aredis.zcard(keys.queue) == 0
     assert r.metrics.expired.labels("low")._value.get() == 1
+    held = dataclasses.replace(admitted("long", "low"), patience_s=0.6)  # the router holds it for calm
+    fut = await r.enqueue(held)
+    t0 = time.monotonic()
+    with pytest.raises(QueueTimeout, match=r"not scheduled within 0.6 s"):
+        await r.wait_assignment(held, fut, never())
+    assert time.monotonic() - t0 > 0.5, "its patience, not its class's budget, ends the wait"
 
 
 async def test_without_budgets_only_the_count_and_the_queue_timeout_bound_the_wait(room):
