@@ -106,7 +106,7 @@ class Binding:
         return {
             "mode": "tp" if e else "dp",
             "epoch": e.epoch if e else 0,
-            "pending": self.pending.epoch or (e.changing_to if e else 0),  # a width change is pending too
+            "pending": self._pending_epoch(),
             "paused": self.engine.stash_size(self._stash) if self._stash is not None else 0,
             "group": e.members if e else (),
             "width": e.width if e else 1,
@@ -132,6 +132,10 @@ class Binding:
         }
 
     # --- step boundary ------------------------------------------------------------------------------------
+
+    def _pending_epoch(self) -> int:
+        """The bind read and not applied yet: a pending one, or, bound, a width change (0: none)."""
+        return self.pending.epoch or (self.epoch.changing_to if self.epoch else 0)
 
     def on_step(self, commands: list[Command]) -> None:
         """The scheduler's step boundary: take the router's commands, enter a ready bind, and as a bound leader
@@ -165,8 +169,7 @@ class Binding:
                 self.engine.resume_idle_checks()
             self.on_change()
             return
-        pending = self.pending.epoch or (e.changing_to if e else 0)
-        match intake(cmd, self.index, self.last_epoch, e.epoch if e else 0, pending):
+        match intake(cmd, self.index, self.last_epoch, e.epoch if e else 0, self._pending_epoch()):
             case Intake.BIND if isinstance(cmd, Bind):
                 self.pending.accept(cmd)
             case Intake.WIDTH_CHANGE if isinstance(cmd, Bind) and e is not None:
