@@ -313,6 +313,47 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise InvalidRequest(
             f'modalities must be ["text"] (only text is served); got {req.modalities}', param="modalities"
         )
+    _check_tools(req.tools, req.tool_choice)
+
+
+def _check_tools(tools: Any, choice: Any) -> None:
+    """``tools`` a list of functions with names; ``tool_choice`` one of none / auto / required or a function
+    named among them (the engine's own error for a missing name named no parameter)."""
+    names: list[str] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise InvalidRequest(f"tools must be a list of tools; got {_json_type(tools)}", param="tools")
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise InvalidRequest(
+                    'each tool must be {"type": "function", "function": {"name": ...}}',
+                    param=f"tools[{i}].function.name",
+                )
+            names.append(fn["name"])
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required" and names:
+        return
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+    ):
+        name = choice["function"].get("name")
+        if name in names:
+            return
+        have = ", ".join(map(repr, names)) or "no tools were given"
+        raise InvalidRequest(
+            f"tool_choice names the function {name!r}, which is not among tools ({have})", param="tool_choice"
+        )
+    if choice == "required":
+        raise InvalidRequest('tool_choice "required" needs tools', param="tool_choice")
+    raise InvalidRequest(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; '
+        f"got {choice!r}",
+        param="tool_choice",
+    )
 
 
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"

@@ -94,10 +94,14 @@ def test_sglang_fields_pass_through_refused_ones_say_why_unknown_ones_are_named(
     body = (
         b'{"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]},'
         b' {"role": "tool", "content": "42", "tool_call_id": "c"}], "top_k": 5, "min_p": 0.1,'
-        b' "tools": [{"type": "function"}], "response_format": {"type": "json_object"}}'
+        b' "tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}}'
     )
     out = msgspec.to_builtins(chat(body))
-    assert out["top_k"] == 5 and out["min_p"] == 0.1 and out["tools"] == [{"type": "function"}]
+    assert (
+        out["top_k"] == 5
+        and out["min_p"] == 0.1
+        and out["tools"] == [{"type": "function", "function": {"name": "f"}}]
+    )
     assert out["messages"][1] == {"role": "tool", "content": "42", "tool_call_id": "c"}
     assert "logit_bias" not in out, "fields not sent are not invented"
     for raw, param, words in [
@@ -223,3 +227,43 @@ def test_a_body_nested_too_deeply_is_a_400_not_a_500():
 def test_constrained_requests_are_the_ones_with_a_grammar(extra, pinned):
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
     assert schemas.constrained(chat(msgspec.json.encode(body))) is pinned
+
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "'g'",
+        ),
+        ({"tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "no tools"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice", "'always'"),
+        ({"tools": {"f": 1}}, "tools", "object"),
+        ({"tools": [TOOL, {"type": "function", "function": {}}]}, "tools[1].function.name", "name"),
+    ],
+)
+def test_tool_errors_name_the_parameter(extra, param, says):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(InvalidRequest) as exc:
+        schemas.check_chat(chat(msgspec.json.encode(body)))
+    assert exc.value.param == param
+    assert says in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tool_choice": "none"},
+        {"tool_choice": "auto"},
+        {"tools": [TOOL], "tool_choice": "required"},
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+    ],
+)
+def test_valid_tool_choices_pass(extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
+    schemas.check_chat(chat(msgspec.json.encode(body)))
