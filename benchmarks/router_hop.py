@@ -15,7 +15,8 @@ round-robin over the same two ``loadgen.fake_server`` engines (their own process
   (max_tokens 2) through each target in turn (a fresh random order per round): requests/s, TTFT p50/p99 and added
   p50/p99 (minus direct's in the same round), and each process's CPU per request (from ``/proc``).
 - At that rate: direct, ours and ``--pace`` (sglang-router) in turn, open loop at ``--pace``'s median saturated
-  rate, ``--rounds`` times: TTFT p50/p99 and added p50/p99 (minus direct's in the same round).
+  rate, ``--rounds`` times: TTFT p50/p99 and added p50/p99 (minus direct's in the same round); then direct and
+  ours at each of ``--at-rates`` (req/s) the same way.
 
 With ``--baseline DIR``, a second gateway runs the code of another checkout (``DIR``: its ``gateway`` package and
 what it imports) against the same Redis, router and engines, as the target ``before``: our gateway before and
@@ -387,11 +388,9 @@ def report_saturated(rounds: list[dict[str, tuple]], names: list[str], clients: 
         )
 
 
-def report_at_rate(at_rate: dict[str, list[tuple]]) -> None:
+def report_at_rate(at_rate: dict[str, list[tuple]], why: str) -> None:
     rate = at_rate["direct"][0][2]
-    print(
-        f" open loop at {rate:.0f} req/s (the pace-setter's saturated rate), streaming max_tokens 2: per round"
-    )
+    print(f" open loop at {rate:.0f} req/s ({why}), streaming max_tokens 2: per round")
     added: dict[str, list[tuple[float, float]]] = {}
     for i, direct in enumerate(at_rate["direct"]):
         d = [x[1] for x in direct[0] if x[0] == 200]
@@ -433,6 +432,12 @@ def main() -> None:
         default="sglang-router",
         choices=[r.name for r in RUST],
         help="after the saturated rounds, ours and this one open loop at its saturated rate (the added p99 there)",
+    )
+    p.add_argument(
+        "--at-rates",
+        default="",
+        metavar="R,R",
+        help="also run direct and ours open loop at these rates (req/s), after the pace-setter's",
     )
     a = p.parse_args()
     try:
@@ -476,19 +481,22 @@ def main() -> None:
                     r[t.name] = (res, took, {k: cpu_s(v) - before[k] for k, v in pids.items()})
                 sat_rounds.append(r)
             print(f"round {i + 1} of {a.rounds} done", file=sys.stderr, flush=True)
-        at_rate: dict[str, list[tuple]] = {}
+        at_rates: list[tuple[str, dict[str, list[tuple]]]] = []
         pace = next((t for t in rust if t.name == a.pace), None)
+        ours = [t for t in targets if t.name == "direct" or t.name.startswith("ours") or t.name == "before"]
+        paces: list[tuple[float, str, list[Target]]] = []
         if (
             sat_rounds and pace is not None
         ):  # open loop at the pace-setter's saturated rate: the p99 added there
             rate = statistics.median(len([x for x in sr[pace.name][0] if x[0] == 200]) / sr[pace.name][1] for sr in sat_rounds)  # fmt: skip
-            paced = [
-                t for t in targets if t.name == "direct" or t.name.startswith("ours") or t.name == "before"
-            ]
-            paced.append(pace)
+            paces.append((rate, f"{pace.name}'s saturated rate", [*ours, pace]))
+        paces += [(float(x), "--at-rates", ours) for x in filter(None, a.at_rates.split(","))]
+        for rate, why, paced in paces:
+            at_rate: dict[str, list[tuple]] = {}
             for _ in range(a.rounds):
                 for t in random.sample(paced, len(paced)):
                     at_rate.setdefault(t.name, []).append(run(offered(t.port, rate, a.requests)) + (rate,))
+            at_rates.append((why, at_rate))
     print(f"router hop: {a.rounds} interleaved rounds on {os.cpu_count()} cores (logs in {stack.tmp})")
     for note in notes:
         print(f" {note}")
@@ -496,8 +504,8 @@ def main() -> None:
         report_light(light_rounds, names)
     if sat_rounds:
         report_saturated(sat_rounds, names, a.clients)
-    if at_rate:
-        report_at_rate(at_rate)
+    for why, at_rate in at_rates:
+        report_at_rate(at_rate, why)
 
 
 if __name__ == "__main__":
