@@ -216,9 +216,12 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
         r.delete(keys.ready(cfg.engine))
     launch_id = uuid.uuid4().hex[:12]
     # Same process group as this launcher: whoever kills the worker's group kills the server with it; and the
-    # server gets SIGTERM when the launcher dies alone (kill -9), so a restarted launcher finds its port free.
+    # server gets SIGKILL when the launcher dies alone (kill -9), so a restarted launcher finds its port free (on
+    # SIGTERM SGLang would finish its requests first, serving on unseen by the router).
     proc = subprocess.Popen(
-        sglang_command(cfg), env=sglang_env(cfg, launch_id), preexec_fn=dies_with(os.getpid())
+        sglang_command(cfg),
+        env=sglang_env(cfg, launch_id),
+        preexec_fn=dies_with(os.getpid(), signal.SIGKILL),
     )
     draining = threading.Event()
     ready = threading.Event()
