@@ -162,6 +162,16 @@ def error_status(doc: dict) -> int:
 
 
 _PYDANTIC_ITEM = re.compile(r"^\s*(\{'type': .*\})\s*$", re.MULTILINE)
+# a native library's log prefix in a message: "[07:56:08] /project/cpp/regex_converter.cc:83: "
+_SOURCE_AT = re.compile(r"(?:\[\d\d:\d\d:\d\d\]\s*)?(?:/[\w.+-]+)+\.(?:cc|cpp|cxx|c|h|hpp|rs|py):\d+:\s*")
+# SGLang's grammar errors ("Failed to compile regex grammar: ...") by the parameter that carried the grammar
+_GRAMMAR = re.compile(r"Failed to compile (json|regex|ebnf|structural_tag) grammar")
+_GRAMMAR_PARAM = {
+    "json": "response_format",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "structural_tag": "response_format",
+}
 
 
 def readable_message(message: str) -> tuple[str, str | None]:
@@ -180,7 +190,9 @@ def readable_message(message: str) -> tuple[str, str | None]:
         if isinstance(item, dict) and isinstance(item.get("loc"), tuple):
             found.append((_param(item["loc"]), str(item.get("msg", ""))))
     if not found:
-        return re.sub(r"\n\s*\n", "\n", text), None
+        text = _SOURCE_AT.sub("", re.sub(r"\n\s*\n", "\n", text))
+        grammar = _GRAMMAR.search(text)
+        return text, _GRAMMAR_PARAM[grammar.group(1)] if grammar else None
     said = "; ".join(f"{param}: {msg}" if param else msg for param, msg in found[:3])
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
     return f"invalid request: {said}{more}", found[0][0] or None

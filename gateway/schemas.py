@@ -11,6 +11,7 @@ here are accepted and not forwarded (:data:`GATEWAY_ONLY`, :func:`for_engine`); 
 from __future__ import annotations
 
 import re
+import typing
 from typing import Any, Literal
 
 import msgspec
@@ -228,8 +229,27 @@ _TYPE_NAMES = {
 }  # fmt: skip
 
 
+_ENUM = re.compile(r"Invalid enum value (.+?)(?: - at `|$)")
+_PART_TYPE = re.compile(r"content\[\d+\]\.type$")
+
+
+def _enum_words(value: str, param: str | None) -> str:
+    """A value outside a field's set, in words with the values it takes (msgspec names neither)."""
+    if param and _PART_TYPE.search(param):
+        return (
+            f"{param}: only text content parts are served (got {value}: image, audio and file input are not)"
+        )
+    allowed = {"service_tier": tuple(SERVICE_TIER_PRIORITY), "role": typing.get_args(Role)}
+    name = (param or "").rsplit(".", 1)[-1]
+    if name in allowed:
+        return f"{param} must be one of {', '.join(allowed[name])}; got {value}"
+    return f"{param or 'a field'} does not take the value {value}"
+
+
 def readable(msg: str, param: str | None) -> str:
     """msgspec's validation message in words: ``max_tokens must be an integer or null, got a string``."""
+    if m := _ENUM.search(msg):
+        return _enum_words(m.group(1), param)
     if m := _EXPECTED.search(msg):
         want = " or ".join(_TYPE_NAMES.get(t, t) for t in m.group(1).split(" | "))
         got = _TYPE_NAMES.get(m.group(2), m.group(2))
@@ -264,6 +284,37 @@ def check_sampling(req: _Sampling) -> None:
     ids = req.stop_token_ids
     if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
         raise InvalidRequest("stop_token_ids must be a list of token ids", param="stop_token_ids")
+    _check_response_format(req.response_format)
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+
+
+def _check_response_format(fmt: Any) -> None:
+    """``response_format`` as OpenAI's (or SGLang's ``structural_tag``); a ``json_schema`` one carries its schema
+    (the engine's own error named an internal field, ``schema_``, and no parameter)."""
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise InvalidRequest(
+            f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}; got {fmt!r}",
+            param="response_format.type" if isinstance(fmt, dict) else "response_format",
+        )
+    if kind != "json_schema":
+        return
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest(
+            'response_format of type json_schema needs json_schema: {"name": ..., "schema": {...}}',
+            param="response_format.json_schema",
+        )
+    schema = spec.get("schema", spec.get("schema_"))
+    if not isinstance(schema, dict | bool):
+        raise InvalidRequest(
+            "response_format.json_schema.schema must be a JSON schema (an object)",
+            param="response_format.json_schema.schema",
+        )
 
 
 def _number(v: Any) -> bool:

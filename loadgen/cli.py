@@ -86,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a workload against an OpenAI-style endpoint and report serving metrics.",
         formatter_class=HelpFormatter,
     )
-    r.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (without /v1)")
+    r.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server's base URL (a trailing /v1 is taken off)"
+    )
     r.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     r.add_argument(
         "--api-key",
@@ -207,6 +209,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def base_url(url: str) -> str:
+    """The server's base URL: ``--url`` as given, or an OpenAI client's base URL (ending in ``/v1``) without it."""
+    url = url.rstrip("/")
+    return url.removesuffix("/v1")
+
+
 def discover_model(url: str, api_key: str | None = None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -275,9 +283,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         )
     requests = plan(workload, PromptMaker(a.tokenizer), trace)
     api_key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    base = base_url(a.url)
     cfg = runner.RunConfig(
-        base_url=a.url.rstrip("/"),
-        model=a.model or discover_model(a.url, api_key),
+        base_url=base,
+        model=a.model or discover_model(base, api_key),
         api=a.api,
         timeout_s=a.timeout,
         max_concurrency=a.max_concurrency,

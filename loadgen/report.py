@@ -128,18 +128,27 @@ def compare(summaries: dict[str, dict]) -> str:
 
 
 class Progress:
-    """A live progress line on stderr, redrawn at most ``hz`` times a second (cheap at hundreds of req/s)."""
+    """A live progress line on stderr, redrawn at most ``hz`` times a second (cheap at hundreds of req/s); where
+    stderr is no terminal (a log file, a pipe), a line at each tenth of the run instead of redraws."""
 
     def __init__(self, total: int, stream=sys.stderr, hz: float = 8.0, enabled: bool = True) -> None:
         self.total, self.stream, self.period, self.enabled = total, stream, 1.0 / hz, enabled
         self.done = self.failed = 0
         self._last = 0.0
+        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._tenth = 0
 
     def __call__(self, rec: RequestRecord) -> None:
         if rec.warmup:
             return
         self.done += 1
         self.failed += not rec.ok
+        if self.enabled and not self._tty:
+            if (tenth := 10 * self.done // max(1, self.total)) > self._tenth:
+                self._tenth = tenth
+                self.stream.write(f"  {self.done}/{self.total} done, failed {self.failed}\n")
+                self.stream.flush()
+            return
         now = time.monotonic()
         if self.enabled and (now - self._last >= self.period or self.done == self.total):
             self._last = now

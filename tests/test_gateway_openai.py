@@ -361,6 +361,15 @@ def test_an_engines_validation_error_is_told_in_words_with_its_param_and_no_serv
     )
     plain = "Input length (4095 tokens) exceeds the maximum allowed length (4090 tokens)"
     assert engine_fields.readable_message(plain) == (plain, None)
+    grammar = (
+        "Failed to compile regex grammar: [07:56:08] /project/cpp/regex_converter.cc:83: Regex parsing error at "
+        "position 4: The parenthesis is not closed."
+    )
+    assert engine_fields.readable_message(grammar) == (
+        "Failed to compile regex grammar: Regex parsing error at position 4: The parenthesis is not closed.",
+        "regex",
+    )
+    assert engine_fields.readable_message("Failed to compile json grammar: x")[1] == "response_format"
 
 
 def test_an_error_sglang_streams_is_read_from_its_event():

@@ -360,3 +360,12 @@ def test_help_has_the_whole_description_and_every_default(capsys):
     for default in ("(default: 1.0)", "(default: 32:256)", "(default: normal=1)", "(default: no limit)",
                     "(default: env OPENAI_API_KEY, else none)", "(default: 300.0)"):  # fmt: skip
         assert default in text
+
+
+def test_an_openai_style_base_url_ending_in_v1_is_taken_as_the_server(fake, tmp_path):
+    out = tmp_path / "v1"
+    rc = main(
+        ["run", "--url", fake + "/v1/", "-n", "4", "--rate", "inf", "--output-tokens", "3", "--out", str(out)]
+    )
+    assert rc == 0
+    assert json.loads(out.with_suffix(".json").read_text())["summary"]["completed"] == 4

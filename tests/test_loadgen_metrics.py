@@ -1,5 +1,6 @@
 """Metric code on synthetic event streams with hand-computed expectations."""
 
+import io
 import math
 
 import pytest
@@ -207,3 +208,27 @@ def test_peak_is_never_below_the_mean_rate():
         end = max(r.event_times[-1] for r in recs)
         bucket = float(rng.choice([0.5, 1.0, 10.0]))
         assert peak_output_throughput(recs, bucket) >= sum(r.output_tokens for r in recs) / end - 1e-9
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_redraws_on_a_terminal_and_writes_tenths_elsewhere(tty):
+    out = _Stream(tty)
+    progress = report.Progress(20, stream=out, hz=1e9)
+    for i in range(20):
+        progress(rec(i, 0.0, [0.1], 1, error="x" if i == 3 else None))
+    text = out.getvalue()
+    if tty:
+        assert text.count("\r") == 20 and text.endswith("20/20  failed 1\n")
+    else:
+        assert "\r" not in text and text.splitlines() == [
+            f"  {2 * k}/20 done, failed {int(2 * k > 3)}" for k in range(1, 11)
+        ]

@@ -267,3 +267,55 @@ def test_tool_errors_name_the_parameter(extra, param, says):
 def test_valid_tool_choices_pass(extra):
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
     schemas.check_chat(chat(msgspec.json.encode(body)))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "param"),
+    [
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
+        ({"type": "xml"}, "response_format.type"),
+        ("json", "response_format"),
+    ],
+)
+def test_response_format_errors_name_the_parameter(fmt, param):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+    with pytest.raises(InvalidRequest) as exc:
+        schemas.check_chat(chat(msgspec.json.encode(body)))
+    assert exc.value.param == param
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "text"},
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    ],
+)
+def test_valid_response_formats_pass(fmt):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+    schemas.check_chat(chat(msgspec.json.encode(body)))
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+            "only text content parts are served",
+        ),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "one of system, user"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "service_tier": "gold"},
+            "service_tier",
+            "one of priority, default",
+        ),
+    ],
+)
+def test_a_value_outside_a_fields_set_is_told_with_the_values_it_takes(body, param, says):
+    with pytest.raises(InvalidRequest) as exc:
+        chat(msgspec.json.encode({"model": "m", **body}))
+    assert exc.value.param == param
+    assert says in str(exc.value) and "Invalid enum" not in str(exc.value)

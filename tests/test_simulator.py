@@ -689,3 +689,29 @@ def test_a_request_still_running_at_the_horizon_is_not_served():
     sim = Simulator(SimConfig(engines=2, cost=SMALL, horizon_s=0.5), [SimRequest(0.0, "normal", 200, 60)])
     (record,) = sim.run()
     assert record.event_times and not record.ok and record.error == "not served"
+
+
+def test_prefill_attention_is_quadratic_in_the_prompt_and_split_over_a_group():
+    m = CostModel()
+    one = lambda n, w=1: m.step_ms(w, n, 0, 0, False, n * n / 2)  # noqa: E731 - one prompt in one step
+    linear = lambda n: m.step_ms(1, n, 0, 0, False)  # noqa: E731
+    # a short prompt's prefill is nearly all GEMMs; at 64k tokens attention is already most of it
+    assert one(1024) / linear(1024) < 1.05
+    assert one(65536) > 2 * linear(65536)
+    assert one(65536, 8) - m.step_ms(8, 65536, 0, 0, False) == pytest.approx(m.attn_ms(65536**2 / 2) / 8)
+    assert m.sp_step_ms(8, 65536, 0, 0, 65536**2 / 2) - m.sp_step_ms(8, 65536, 0, 0) == pytest.approx(
+        m.attn_ms(65536**2 / 2) / 8
+    )
+    free = dataclasses.replace(m, prefill_attn_ms_per_mpair=0.0)
+    assert free.step_ms(1, 65536, 0, 0, False, 65536**2 / 2) == linear(65536)
+
+
+def test_a_chunked_prefill_pays_attention_over_the_chunks_before_it():
+    """Chunks of one prompt attend to everything before them: the sum over chunks is the whole prompt's causal
+    count, so chunking changes the steps, not the attention's total."""
+    cfg = SimConfig(engines=1, mode="dp")
+    prompt = 4 * cfg.cost.chunk_tokens
+    alone = Simulator(cfg, [SimRequest(0.0, "normal", prompt, 1)]).run()[0]
+    free = dataclasses.replace(cfg, cost=dataclasses.replace(cfg.cost, prefill_attn_ms_per_mpair=0.0))
+    linear = Simulator(free, [SimRequest(0.0, "normal", prompt, 1)]).run()[0]
+    assert alone.ttft - linear.ttft == pytest.approx(cfg.cost.attn_ms(prompt * prompt / 2) / 1000, rel=0.01)
