@@ -1,8 +1,9 @@
 """Step-time cost model for the simulator: how long one engine (or TP group) takes for one scheduler step.
 
 A continuous-batching step at width ``w`` costs a fixed overhead, the model's weight read (memory-bound, split
-over ``w`` GPUs) or its prefill compute, whichever is larger, the attention/KV read of the decoding sequences, and
-``log2(w)`` all-reduce rounds. Merged groups (dynamic binding) pay ``merged_overhead`` on top of the static TP
+over ``w`` GPUs) or its prefill compute, whichever is larger, the attention/KV read of the decoding sequences, the
+prefill chunks' attention (quadratic in a prompt: each chunk attends to the tokens before it), and ``log2(w)``
+all-reduce rounds. Merged groups (dynamic binding) pay ``merged_overhead`` on top of the static TP
 layout they emulate.
 
 The default, :data:`H200_LLAMA70B`, is one H200 per engine serving Llama-3-70B (FP8 weights, about 70 GB), set so
@@ -14,7 +15,11 @@ the model reproduces the published numbers it can be checked against (see :func:
 - prior-art notes (published Flying Serving code, Llama-3-70B): a merged width-2 group costs about 1 % TPOT over
   the static layout;
 - KV capacity: 141 GB - 70 GB weights - activations, at 160 KB per token (80 layers x 8 KV heads x 128 x K,V,
-  FP8): about 350 K tokens per GPU.
+  FP8): about 350 K tokens per GPU;
+- prefill attention: 4.4 ms per million (query, key) pairs at width 1 (80 layers x 64 heads x 128 x 4 FLOPs a
+  pair at about 600 TFLOP/s of bf16 flash attention), which with GEMMs at bf16 reproduces one H200's measured
+  prefill of 16,384 against 4,096 tokens (``benchmarks/layer_compute.py``). A 4,096-token prompt's attention is
+  8 % of its prefill; a 500,000-token prompt's is about 550 GPU-seconds, ten times its GEMMs.
 
 KV transformation costs are the router's own model (:mod:`router.transform_cost`); the simulator charges them
 the same way.
@@ -76,6 +81,9 @@ class CostModel:
     sp_host_ms_per_seq: float = (
         0.006  # per sequence: the one SP scheduler's unsplit host work (calibrated, above)
     )
+    # prefill attention: per million (query, key) pairs at width 1, all layers (bf16 flash attention at about
+    # 600 TFLOP/s: 80 layers x 64 heads x 128 x 4 FLOPs a pair; the H200 measurement in docs/benchmarks.md agrees)
+    prefill_attn_ms_per_mpair: float = 4.4
 
     def transform_ms(self, moved: list[tuple[float, float]]) -> float:
         """One KV transformation: ``moved`` holds each member's (sent, received) KV tokens, counted as head slices
@@ -84,29 +92,50 @@ class CostModel:
             moved, self.kv_bytes_per_token, self.link_gbps, self.transform_fixed_ms, self.transform_overlap
         )
 
+    def attn_ms(self, pairs: float) -> float:
+        """Prefill attention at width 1 for ``pairs`` (query, key) pairs (a chunk of ``c`` tokens after ``p``
+        cached ones: ``c * (p + c / 2)``, causal): quadratic in the prompt, it is most of a long prompt's cost."""
+        return pairs / 1e6 * self.prefill_attn_ms_per_mpair
+
     def step_ms(
-        self, width: int, prefill_tokens: int, decode_seqs: int, context_tokens: int, merged: bool
+        self,
+        width: int,
+        prefill_tokens: int,
+        decode_seqs: int,
+        context_tokens: int,
+        merged: bool,
+        attn_pairs: float = 0.0,
     ) -> float:
         w = width
         tokens = prefill_tokens + decode_seqs
         body = max(self.weight_read_ms, tokens * self.prefill_ms_per_token) / w  # memory- or compute-bound
         body += context_tokens / 1000 * self.kv_ms_per_1k_tokens / w + decode_seqs * self.decode_ms_per_seq
+        body += self.attn_ms(attn_pairs) / w  # heads split over the group
         comm = (self.allreduce_ms + tokens * self.allreduce_ms_per_token) * math.log2(w) if w > 1 else 0.0
         t = self.overhead_ms + body + comm
         return t * (1 + self.merged_overhead) if merged and w > 1 else t
 
-    def sp_step_ms(self, sp: int, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+    def sp_step_ms(
+        self, sp: int, prefill_tokens: int, decode_seqs: int, context_tokens: int, attn_pairs: float = 0.0
+    ) -> float:
         """One step of Shift Parallelism's base configuration, sequence parallelism over ``sp`` GPUs."""
         per_gpu = -(-(prefill_tokens + decode_seqs) // sp)  # each rank's slice, padded
         body = max(
             self.weight_read_ms, per_gpu * self.prefill_ms_per_token
         )  # every rank reads all the weights
         body += context_tokens / 1000 * self.kv_ms_per_1k_tokens / sp  # head-parallel attention
+        body += self.attn_ms(attn_pairs) / sp
         host = decode_seqs * (self.decode_ms_per_seq / sp + self.sp_host_ms_per_seq)
         comm = self.sp_alltoall_ms + per_gpu * self.allreduce_ms_per_token
         return self.overhead_ms + body + host + comm
 
-    def mixed_step_ms(self, sp: int, local: tuple[int, int, int], group: tuple[int, int, int]) -> float:
+    def mixed_step_ms(
+        self,
+        sp: int,
+        local: tuple[int, int, int],
+        group: tuple[int, int, int],
+        attn_pairs: tuple[float, float] = (0.0, 0.0),
+    ) -> float:
         """One member's share of a bound group's *mixed* step: its own DP work ``local`` (prefill tokens, decoding
         sequences, their context) and its slice of the group's ``group`` in sequence parallelism, in one pass over
         its full weights; the all-to-alls carry the group's tokens only (the member's own attend to its own KV)."""
@@ -115,18 +144,25 @@ class CostModel:
         per_gpu = -(-(gp + gd) // sp)  # its slice of the group's tokens, padded
         body = max(self.weight_read_ms, (lp + ld + per_gpu) * self.prefill_ms_per_token)
         body += lctx / 1000 * self.kv_ms_per_1k_tokens + gctx / 1000 * self.kv_ms_per_1k_tokens / sp
+        body += self.attn_ms(attn_pairs[0]) + self.attn_ms(attn_pairs[1]) / sp  # (local, group) prefill pairs
         host = ld * self.decode_ms_per_seq + gd * (self.decode_ms_per_seq / sp + self.sp_host_ms_per_seq)
         comm = self.sp_alltoall_ms + per_gpu * self.allreduce_ms_per_token
         return self.overhead_ms + body + host + comm
 
     def shift_step_ms(
-        self, sp: int, threshold: int, prefill_tokens: int, decode_seqs: int, context_tokens: int
+        self,
+        sp: int,
+        threshold: int,
+        prefill_tokens: int,
+        decode_seqs: int,
+        context_tokens: int,
+        attn_pairs: float = 0.0,
     ) -> tuple[float, bool]:
         """(ms, shifted): full TP over the ``sp`` GPUs when the step batches at most ``threshold`` tokens (the
         shift configuration), else sequence parallelism (the base configuration)."""
         if prefill_tokens + decode_seqs <= threshold:
-            return self.step_ms(sp, prefill_tokens, decode_seqs, context_tokens, merged=False), True
-        return self.sp_step_ms(sp, prefill_tokens, decode_seqs, context_tokens), False
+            return self.step_ms(sp, prefill_tokens, decode_seqs, context_tokens, False, attn_pairs), True
+        return self.sp_step_ms(sp, prefill_tokens, decode_seqs, context_tokens, attn_pairs), False
 
     def shift_kv_tokens(self, sp: int) -> int:
         """KV tokens per GPU under Shift Parallelism: the TP-sharded second copy (1/sp of the weights) is resident
@@ -180,7 +216,9 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[Point]:
     6.4) and Shift Parallelism's (seed 001: Figure 1 and section 4, Llama-70B on 8 GPUs: one 4,096-token prompt's
     TTFT at low traffic, TP8 1.56x and DP 6x SP8's; saturated throughput per GPU against DP, TP8 0.54, SP8 0.82).
     The model follows Flying Serving's where the two cannot both be met: its TP side is set by TP2's decode
-    (Table 1), which puts TP8's all-reduces (three rounds) above what seed 001 measured."""
+    (Table 1), which puts TP8's all-reduces (three rounds) above what seed 001 measured. The prefill attention
+    term is checked against one H200's bf16 prefill of a 70B layer stack at 4,096 and 16,384 tokens (the linear
+    part at bf16, twice the FP8 cost)."""
     ctx = 4 * 1200  # four sequences of about 1200 tokens decoding (3-5 req/s, Table 1)
     dp = m.step_ms(1, 0, 4, ctx, merged=False)
     tp = m.step_ms(2, 0, 4, ctx, merged=False)
@@ -190,10 +228,12 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[Point]:
     sp8 = n / m.sp_step_ms(8, 0, n, n * 1200)
     prompt = 4096  # one request at low traffic: its TTFT is one prefill step
     ttft = {
-        "dp": m.step_ms(1, prompt, 0, 0, merged=False),
-        "tp8": m.step_ms(8, prompt, 0, 0, merged=False),
-        "sp8": m.sp_step_ms(8, prompt, 0, 0),
+        "dp": m.step_ms(1, prompt, 0, 0, False, prompt * prompt / 2),
+        "tp8": m.step_ms(8, prompt, 0, 0, False, prompt * prompt / 2),
+        "sp8": m.sp_step_ms(8, prompt, 0, 0, prompt * prompt / 2),
     }
+    bf16 = dataclasses.replace(m, prefill_ms_per_token=2 * m.prefill_ms_per_token)  # the measurement's GEMMs
+    alone = lambda n: bf16.step_ms(1, n, 0, 0, False, n * n / 2)  # noqa: E731 - one prompt's prefill, causal
     paper = "Shift Parallelism paper: "  # seed 001
     return [
         Point("saturated throughput per GPU, static TP2 / DP", sat(2) / 2 / sat(1), 2530 / 3164),
@@ -201,6 +241,11 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[Point]:
         Point("saturated throughput per GPU, SP8 (shift's base) / DP", sp8 / 8 / sat(1), 0.82),
         Point(f"{paper}TTFT of one 4,096-token prompt, TP8 / SP8", ttft["tp8"] / ttft["sp8"], 1.56, False),
         Point(f"{paper}TTFT of one 4,096-token prompt, DP / SP8", ttft["dp"] / ttft["sp8"], 6.0, False),
+        Point(
+            "prefill of 16,384 / 4,096 tokens, one H200, bf16 (benchmarks/layer_compute.py)",
+            alone(16384) / alone(4096),
+            4171.1 / 933.8,
+        ),
         Point("TPOT static DP, 4 running (ms)", dp, 32.0),
         Point("TPOT static TP2, 4 running (ms)", tp, 22.0),
         Point("merged TP2 / static TP2 TPOT", merged / tp, 1.01),

@@ -158,11 +158,11 @@ class Unit:
         if work is None:
             return
         prefill, decode, tokens, ctx = work
-        ms = self.step_ms(tokens, len(decode), ctx)
+        ms = self.step_ms(tokens, len(decode), ctx, attn_pairs(prefill))
         self.stepping = True
         self.sim.at(self.sim.now + ms / 1000, self.end_step, prefill, decode)
 
-    def step_ms(self, prefill_tokens: int, decode_seqs: int, ctx: int) -> float:
+    def step_ms(self, prefill_tokens: int, decode_seqs: int, ctx: int, pairs: float = 0.0) -> float:
         cost = self.sim.cfg.cost
         if not self.shift:
             tokens = prefill_tokens + decode_seqs
@@ -170,12 +170,12 @@ class Unit:
                 self.sim.stats["sp_steps"] += (
                     1  # the worker's choose_mode: SP above the threshold, as shift's base
                 )
-                return cost.sp_step_ms(self.width, prefill_tokens, decode_seqs, ctx)
+                return cost.sp_step_ms(self.width, prefill_tokens, decode_seqs, ctx, pairs)
             if self.width > 1 and self.merged:
                 self.sim.stats["tp_steps"] += 1
-            return cost.step_ms(self.width, prefill_tokens, decode_seqs, ctx, self.merged)
+            return cost.step_ms(self.width, prefill_tokens, decode_seqs, ctx, self.merged, pairs)
         ms, shifted = cost.shift_step_ms(
-            self.width, self.sim.cfg.shift_threshold, prefill_tokens, decode_seqs, ctx
+            self.width, self.sim.cfg.shift_threshold, prefill_tokens, decode_seqs, ctx, pairs
         )
         self.sim.shift_steps.append((self.sim.now, ms / 1000, shifted))
         return ms
@@ -392,6 +392,12 @@ class Engine:
         self.paused_running, self.paused_queue, self.adopted = [], [], ([], [])
 
 
+def attn_pairs(prefill: list[tuple[Req, int]]) -> float:
+    """The (query, key) pairs a step's prefill chunks attend over: each chunk's tokens to the prompt's cached or
+    prefilled tokens before it and, causally, to each other."""
+    return sum(take * (r.prefilled + take / 2) for r, take in prefill)
+
+
 def kv_in_use(r: Req) -> int:
     """KV tokens a request holds now (a retracted one recomputes from -generated)."""
     return r.prefilled + r.generated
@@ -522,7 +528,10 @@ class SimGroup:
         cost, w = self.sim.cfg.cost, len(members)
         ms = max(
             cost.mixed_step_ms(
-                w, (mine[2], len(mine[1]), mine[3]) if mine else (0, 0, 0), (tokens, len(decode), ctx)
+                w,
+                (mine[2], len(mine[1]), mine[3]) if mine else (0, 0, 0),
+                (tokens, len(decode), ctx),
+                (attn_pairs(mine[0]) if mine else 0.0, attn_pairs(prefill)),
             )
             for mine in local.values()
         )
