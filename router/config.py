@@ -86,7 +86,7 @@ class PolicyConfig:
         "rate regime: light at most this many admissions per second per engine (well above a quiet period's rate, "
         "so a burst's end binds the load groups within seconds)",
     )
-    busy_rate: float = setting(1.25, "rate regime: busy above this many admissions per second per engine")
+    busy_rate: float = setting(1.5, "rate regime: busy above this many admissions per second per engine")
     rate_tau_s: float = setting(2.5, "seconds: time constant of the admission rate's exponential average")
     busy_wait_s: float = setting(0.1, "seconds: busy once a normal request has waited this long in the queue")
     keep_s: float = setting(
