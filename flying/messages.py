@@ -83,8 +83,9 @@ class Assignment(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class FastTarget(msgspec.Struct, frozen=True, kw_only=True):
-    """Router -> gateways' admission script (``flying:router:fast``): where a short normal or low priority request
-    arriving before the next round goes at once, without waiting for that round, while the queue is empty: to
+    """Router -> gateways' admission script (``flying:router:fast``): where a short request arriving before the
+    next round goes at once, without waiting for that round, while the queue is empty (a high-priority one only to
+    a bound group's member, where the round would put it too): to
     ``engine`` (a member of a bound group when ``epoch`` > 0) while its inflight set holds fewer than ``cap`` requests and
     the request's KV (prompt + max_tokens) is at most ``max_kv``. ``affinity``: a request carrying a prefix chain
     (``QueuedRequest.prefix``) does not take it: the router places it by prefix (cache-aware DP dispatch)."""

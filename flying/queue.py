@@ -51,23 +51,24 @@ _ADMIT = """
 -- Over one: {-4, limit (1 requests/s, 2 tokens/min), ms until it would fit}, nothing taken.
 -- Refusals return {code, n}: {-1, depth} the queue is full; {-3, ahead} max_ahead requests of this class or
 -- higher already wait (the estimated wait is too long). Queued: the arrival sequence. Fast path (the queue is
--- empty, normal or low priority, a target the router published has a free slot and KV for it, and is not an
--- affinity target while the request has a prefix chain): assigned at once to the least loaded such target,
+-- empty, a target the router published has a free slot and KV for it, is not an affinity target while the
+-- request has a prefix chain, and is a bound group's member if the request is of high priority): assigned at once to the least loaded such target,
 -- returns {seq, engine, url, epoch} (the reply is the gateway's assignment: nothing is published).
 -- Early dispatch (ARGV[13] an engine): the gateway sent the request to that engine while this script ran; it
 -- is assigned there by the fast path if that engine is a fast-path target for it now, else {-5} and nothing
 -- is written (the gateway takes it back and admits it again, without).
 local function takes(t)  -- the request's KV fits the target, an affinity target takes it only without a prefix
-  -- chain (ARGV[8] bit 1), a follower only when it is not leader-only (bit 2)
+  -- chain (ARGV[8] bit 1), a follower only when it is not leader-only (bit 2), a high-priority request only a
+  -- bound group's member (where the round would place it too; a DP engine: the round may bind it a group)
   local flags = tonumber(ARGV[8])
   return tonumber(ARGV[5]) <= t.max_kv and not (t.affinity and flags %% 2 == 1)
-    and not (t.follower and flags >= 2)
+    and not (t.follower and flags >= 2) and (tonumber(ARGV[2]) > 0 or (t.epoch or 0) > 0)
 end
 local function held(t)
   return redis.call('SCARD', ARGV[7] .. t.engine)
 end
 local function fast_targets(depth)
-  local raw = depth == 0 and tonumber(ARGV[2]) > 0 and redis.call('GET', KEYS[6])
+  local raw = depth == 0 and redis.call('GET', KEYS[6])
   return raw and cjson.decode(raw) or {}
 end
 local depth = redis.call('ZCARD', KEYS[1])

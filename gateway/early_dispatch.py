@@ -1,7 +1,7 @@
 """Early dispatch: at light load a request goes to its engine while its admission runs, not after it.
 
-With the queue empty, the admission script assigns a normal or low priority request at once to a fast-path target
-the router published (:class:`flying.messages.FastTarget`), so the gateway's path was two round trips in a row: to
+With the queue empty, the admission script assigns a request (one of high priority only to a bound group) at once
+to a fast-path target the router published (:class:`flying.messages.FastTarget`), so the gateway's path was two round trips in a row: to
 Redis, then to the engine. When the gateway's last look at the cluster (:class:`gateway.cluster_view.ClusterView`,
 every ``monitor_s``) saw an empty queue and a target with room for the request, it sends the request to that
 target first and admits it naming that engine (``RequestQueue.admit(sent_to=...)``); the two round trips overlap.
@@ -68,9 +68,9 @@ class EarlyDispatch:
     def target(self, rec: QueuedRequest) -> FastTarget | None:
         """Where ``rec`` may go early, if anywhere: the queue was empty at the last look (at most ``FRESH_S``
         ago), no early request was declined within ``backoff_s``, and a target fits it as the script checks
-        (KV, prefix affinity, a constrained request only to a leader; high priority never takes the fast path)."""
+        (KV, prefix affinity, a constrained request only to a leader, a high-priority one only to a bound group)."""
         c, now = self.cluster, time.monotonic()
-        if not self.enabled or rec.priority == "high" or c.depth or now - c.observed_at > FRESH_S:
+        if not self.enabled or c.depth or now - c.observed_at > FRESH_S:
             return None
         if (tenant := tenants.current.get()) is not None and (tenant.requests_per_s or tenant.tokens_per_min):
             return None  # a tenant over its limit would be refused by the script: not sent first
@@ -88,6 +88,7 @@ class EarlyDispatch:
             if rec.kv_tokens <= t.max_kv
             and not (t.affinity and rec.prefix)
             and not (t.follower and rec.leader_only)
+            and (t.epoch > 0 or rec.priority != "high")
             and load(t) < t.cap
         ]
         return min(fits, key=load, default=None)

@@ -121,14 +121,15 @@ async def test_a_declined_request_is_taken_back_and_served_under_a_fresh_id(gate
 
 
 async def test_only_what_the_fast_path_would_take_goes_early(gateway, aredis, keys):
-    """High priority, a request too large for any target, a non-empty queue, a stale view: nothing goes early."""
+    """High priority (with DP targets), a request too large for any target, a non-empty queue, a stale view:
+    nothing goes early."""
     await observed_targets(gateway, aredis, keys)
     early, cluster = gateway.early, gateway.cluster
     short = QueuedRequest(
         id="s", priority="normal", model="m", prompt_tokens=4, max_tokens=4, gateway="g", enqueued_at=0
     )
     assert early.target(short) is not None
-    assert early.target(QueuedRequest(**{**_fields(short), "priority": "high"})) is None
+    assert early.target(QueuedRequest(**{**_fields(short), "priority": "high"})) is None, "DP targets only"
     huge = QueuedRequest(**{**_fields(short), "prompt_tokens": 10**7})
     assert early.target(huge) is None
     cluster.depth = 3
@@ -152,6 +153,15 @@ async def test_a_constrained_request_goes_early_only_to_a_groups_leader(gateway,
     leader = FastTarget(engine=0, url="http://e0", epoch=4, cap=8, max_kv=10_000)
     cluster.fast = [follower, leader]
     assert early.target(pinned) == leader
+
+
+async def test_a_high_priority_request_goes_early_to_a_bound_group(gateway, aredis, keys):
+    early, cluster = gateway.early, gateway.cluster
+    cluster.depth, cluster.observed_at = 0, time.monotonic()
+    member = FastTarget(engine=1, url="http://e1", epoch=4, cap=8, max_kv=10_000, follower=True)
+    cluster.fast = [FastTarget(engine=3, url="http://e3", cap=8, max_kv=10_000), member]
+    high = QueuedRequest(id="h", priority="high", model="m", prompt_tokens=4, max_tokens=4, gateway="g", enqueued_at=0)  # fmt: skip
+    assert early.target(high) == member
 
 
 def _fields(rec: QueuedRequest) -> dict:

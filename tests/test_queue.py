@@ -152,7 +152,8 @@ async def test_reap_drops_only_stale_inflight_entries(aredis, keys, queue):
 async def test_fast_path_assigns_at_admission_while_the_queue_is_empty(aredis, keys, queue):
     """With targets published, a normal or low request admitted to an empty queue is assigned at once to the
     least loaded target with a free slot and KV for it (the reply is the assignment: nothing is published on the
-    gateway's channel); high priority, a non-empty queue, a full target or too much KV: queued for the router."""
+    gateway's channel); high priority (to DP targets), a non-empty queue, a full target or too much KV: queued for
+    the router."""
     from flying.messages import FastTarget, encode
 
     q = queue
@@ -267,6 +268,24 @@ async def test_a_leader_only_request_takes_no_followers_fast_path(aredis, keys, 
     leader = FastTarget(engine=0, url="http://e0", epoch=4, cap=4, max_kv=100)
     await aredis.set(keys.fast_path, encode([follower, leader]))
     assert (await q.admit(msgspec.structs.replace(mk("j2"), leader_only=True))).engine == 0
+
+
+async def test_a_high_priority_request_takes_the_fast_path_only_to_a_bound_group(aredis, keys, queue):
+    """High priority goes to a bound group's member at once (where the round would place it: a group with room),
+    never to a DP engine (the round may bind it a group of its own); early dispatch alike."""
+    from flying.messages import FastTarget, encode
+
+    q = queue
+    await aredis.set(keys.fast_path, encode([FastTarget(engine=0, url="http://e0", cap=4, max_kv=100)]))
+    assert await q.admit(mk("h", "high")) is None, "DP targets: queued for the round"
+    with pytest.raises(EarlyDeclined):
+        await q.admit(mk("h-early", "high"), sent_to=0)
+    await q.finish("h", "cancelled")
+    group = [FastTarget(engine=2, url="http://e2", epoch=7, cap=4, max_kv=100)]
+    await aredis.set(keys.fast_path, encode(group))
+    assert (await q.admit(mk("h2", "high"))).engine == 2
+    assert (await q.get("h2"))["epoch"] == "7"
+    assert (await q.admit(mk("h3", "high"), sent_to=2)).engine == 2
 
 
 class LosesTheFirstReply(AutoPipeline):
