@@ -33,7 +33,7 @@ def kept(reqs: list[SimRequest], keep: str) -> list[SimRequest]:
     return [r for r in reqs if r.prompt <= LONG_TOKENS or (keep == "high only" and r.priority == "high")]
 
 
-def one_seed(seed: int) -> tuple[int, dict[str, dict], int]:
+def one_seed(seed: int) -> tuple[int, dict[str, dict], int, dict[str, float]]:
     reqs = paper_workload(seed=seed)
     phase = lambda t: two_level_phase(t, 60.0, 30.0)  # noqa: E731  (paper_workload's low_s and burst_s)
     out = {"dp": summarize(Simulator(SimConfig(mode="dp"), reqs).run(), phase)}
@@ -46,7 +46,8 @@ def one_seed(seed: int) -> tuple[int, dict[str, dict], int]:
 def demand(reqs: list[SimRequest]) -> dict[str, float]:
     """The long prompts' prefill (GEMMs and attention, GPU-seconds at width 1) as a share of what the node's GPUs
     do over the trace's span: all long requests, and the high-priority ones alone."""
-    cost, cfg = SimConfig().cost, SimConfig()
+    cfg = SimConfig()
+    cost = cfg.cost
     gpu_s = lambda n: (n * cost.prefill_ms_per_token + cost.attn_ms(n * n / 2)) / 1000  # noqa: E731
     span = max(r.at for r in reqs) * cfg.engines
     longs = [r for r in reqs if r.prompt > LONG_TOKENS]

@@ -162,16 +162,27 @@ def error_status(doc: dict) -> int:
 
 
 _PYDANTIC_ITEM = re.compile(r"^\s*(\{'type': .*\})\s*$", re.MULTILINE)
-# a native library's log prefix in a message: "[07:56:08] /project/cpp/regex_converter.cc:83: "
-_SOURCE_AT = re.compile(r"(?:\[\d\d:\d\d:\d\d\]\s*)?(?:/[\w.+-]+)+\.(?:cc|cpp|cxx|c|h|hpp|rs|py):\d+:\s*")
-# SGLang's grammar errors ("Failed to compile regex grammar: ...") by the parameter that carried the grammar
-_GRAMMAR = re.compile(r"Failed to compile (json|regex|ebnf|structural_tag) grammar")
-_GRAMMAR_PARAM = {
-    "json": "response_format",
-    "regex": "regex",
-    "ebnf": "ebnf",
-    "structural_tag": "response_format",
-}
+# a native library's log prefix in a message: "[07:56:08] /project/cpp/regex_converter.cc:83: " (found by its
+# end, then back to the path's start: one pattern for the whole path would backtrack on long path-like text)
+_SOURCE_END = re.compile(r"\.(?:cc|cpp|cxx|c|h|hpp|rs|py):\d+:\s*")
+_STAMP = re.compile(r"\[\d\d:\d\d:\d\d\]\s?")
+# SGLang's regex grammar errors ("Failed to compile regex grammar: ...") come from the regex field alone (JSON
+# and EBNF grammars may come from response_format, json_schema or the tools: no param is named for them)
+_REGEX_GRAMMAR = re.compile(r"Failed to compile regex grammar")
+
+
+def _without_sources(text: str) -> str:
+    out, last = [], 0
+    for m in _SOURCE_END.finditer(text):
+        start = max(text.rfind(" ", last, m.start()), text.rfind("\n", last, m.start())) + 1
+        if start < last or not text.startswith("/", start):
+            continue
+        stamp = text.rfind("[", last, start)
+        if stamp >= 0 and _STAMP.fullmatch(text, stamp, start):
+            start = stamp
+        out.append(text[last:start])
+        last = m.end()
+    return "".join(out) + text[last:]
 
 
 def readable_message(message: str) -> tuple[str, str | None]:
@@ -190,9 +201,8 @@ def readable_message(message: str) -> tuple[str, str | None]:
         if isinstance(item, dict) and isinstance(item.get("loc"), tuple):
             found.append((_param(item["loc"]), str(item.get("msg", ""))))
     if not found:
-        text = _SOURCE_AT.sub("", re.sub(r"\n\s*\n", "\n", text))
-        grammar = _GRAMMAR.search(text)
-        return text, _GRAMMAR_PARAM[grammar.group(1)] if grammar else None
+        text = _without_sources(re.sub(r"\n\s*\n", "\n", text))
+        return text, "regex" if _REGEX_GRAMMAR.search(text) else None
     said = "; ".join(f"{param}: {msg}" if param else msg for param, msg in found[:3])
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
     return f"invalid request: {said}{more}", found[0][0] or None

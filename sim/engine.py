@@ -393,9 +393,10 @@ class Engine:
 
 
 def attn_pairs(prefill: list[tuple[Req, int]]) -> float:
-    """The (query, key) pairs a step's prefill chunks attend over: each chunk's tokens to the prompt's cached or
-    prefilled tokens before it and, causally, to each other."""
-    return sum(take * (r.prefilled + take / 2) for r, take in prefill)
+    """The (query, key) pairs a step's prefill chunks attend over: each chunk's tokens to the tokens before it
+    (cached or prefilled; a retracted request recomputes its prompt and its output so far, from ``prefilled`` =
+    ``-generated``) and, causally, to each other."""
+    return sum(take * (r.prefilled + r.generated + take / 2) for r, take in prefill)
 
 
 def kv_in_use(r: Req) -> int:

@@ -6,6 +6,7 @@ router in a thread; the engine answers as SGLang does, extra fields included (te
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -369,7 +370,12 @@ def test_an_engines_validation_error_is_told_in_words_with_its_param_and_no_serv
         "Failed to compile regex grammar: Regex parsing error at position 4: The parenthesis is not closed.",
         "regex",
     )
-    assert engine_fields.readable_message("Failed to compile json grammar: x")[1] == "response_format"
+    assert engine_fields.readable_message("Failed to compile json grammar: x")[1] is None  # (tools or format)
+    assert engine_fields.readable_message("x /a/b.py:3: y, and /c/d.cc:9: z") == ("x y, and z", None)
+    slow = "/a" * 20_000 + ".py is not a file"
+    t0 = time.perf_counter()
+    assert engine_fields.readable_message(slow) == (slow, None)
+    assert time.perf_counter() - t0 < 0.1, "a path-like message must not make the path pattern backtrack"
 
 
 def test_an_error_sglang_streams_is_read_from_its_event():
