@@ -379,7 +379,7 @@ def _check_tools(tools: Any, choice: Any) -> None:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise InvalidRequest(
                     'each tool must be {"type": "function", "function": {"name": ...}}',
-                    param=f"tools[{i}].function.name",
+                    param=f"tools[{i}].function" + (".name" if isinstance(fn, dict) else ""),
                 )
             names.append(fn["name"])
     if choice is None or choice in ("none", "auto"):

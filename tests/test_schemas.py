@@ -245,6 +245,7 @@ TOOL = {"type": "function", "function": {"name": "f"}}
         ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice", "'always'"),
         ({"tools": {"f": 1}}, "tools", "object"),
         ({"tools": [TOOL, {"type": "function", "function": {}}]}, "tools[1].function.name", "name"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "name"),
     ],
 )
 def test_tool_errors_name_the_parameter(extra, param, says):
