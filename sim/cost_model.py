@@ -93,8 +93,8 @@ class CostModel:
         )
 
     def attn_ms(self, pairs: float) -> float:
-        """Prefill attention at width 1 for ``pairs`` (query, key) pairs (a chunk of ``c`` tokens after ``p``
-        cached ones: ``c * (p + c / 2)``, causal): quadratic in the prompt, it is most of a long prompt's cost."""
+        """Prefill attention at width 1 for ``pairs`` (query, key) pairs (:func:`causal_pairs`): quadratic in the
+        prompt, it is most of a long prompt's cost."""
         return pairs / 1e6 * self.prefill_attn_ms_per_mpair
 
     def step_ms(
@@ -170,6 +170,12 @@ class CostModel:
         return self.kv_tokens - int(self.weight_gb * 1e9 / sp / self.kv_bytes_per_token)
 
 
+def causal_pairs(before: int, tokens: int) -> float:
+    """The (query, key) pairs a prefill chunk of ``tokens`` attends over after ``before`` tokens of its sequence:
+    each to all before it and, causally, to each other (a whole prompt of ``n``: ``causal_pairs(0, n)``)."""
+    return tokens * (before + tokens / 2)
+
+
 H200_LLAMA70B = CostModel()
 
 
@@ -228,12 +234,12 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[Point]:
     sp8 = n / m.sp_step_ms(8, 0, n, n * 1200)
     prompt = 4096  # one request at low traffic: its TTFT is one prefill step
     ttft = {
-        "dp": m.step_ms(1, prompt, 0, 0, False, prompt * prompt / 2),
-        "tp8": m.step_ms(8, prompt, 0, 0, False, prompt * prompt / 2),
-        "sp8": m.sp_step_ms(8, prompt, 0, 0, prompt * prompt / 2),
+        "dp": m.step_ms(1, prompt, 0, 0, False, causal_pairs(0, prompt)),
+        "tp8": m.step_ms(8, prompt, 0, 0, False, causal_pairs(0, prompt)),
+        "sp8": m.sp_step_ms(8, prompt, 0, 0, causal_pairs(0, prompt)),
     }
     bf16 = dataclasses.replace(m, prefill_ms_per_token=2 * m.prefill_ms_per_token)  # the measurement's GEMMs
-    alone = lambda n: bf16.step_ms(1, n, 0, 0, False, n * n / 2)  # noqa: E731 - one prompt's prefill, causal
+    alone = lambda n: bf16.step_ms(1, n, 0, 0, False, causal_pairs(0, n))  # noqa: E731 - one prompt's prefill
     paper = "Shift Parallelism paper: "  # seed 001
     return [
         Point("saturated throughput per GPU, static TP2 / DP", sat(2) / 2 / sat(1), 2530 / 3164),

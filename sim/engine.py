@@ -14,6 +14,7 @@ from flying.prefix import BLOCK
 from router.engine_view import EngineView
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.config import SimConfig
+from sim.cost_model import causal_pairs
 from sim.prefix_cache import PrefixCache
 from sim.workload import SimRequest
 from worker_ext.intake import Intake, intake
@@ -396,7 +397,7 @@ def attn_pairs(prefill: list[tuple[Req, int]]) -> float:
     """The (query, key) pairs a step's prefill chunks attend over: each chunk's tokens to the tokens before it
     (cached or prefilled; a retracted request recomputes its prompt and its output so far, from ``prefilled`` =
     ``-generated``) and, causally, to each other."""
-    return sum(take * (r.prefilled + r.generated + take / 2) for r, take in prefill)
+    return sum(causal_pairs(r.prefilled + r.generated, take) for r, take in prefill)
 
 
 def kv_in_use(r: Req) -> int:
