@@ -483,14 +483,16 @@ def main() -> None:
             print(f"round {i + 1} of {a.rounds} done", file=sys.stderr, flush=True)
         at_rates: list[tuple[str, dict[str, list[tuple]]]] = []
         pace = next((t for t in rust if t.name == a.pace), None)
-        ours = [t for t in targets if t.name == "direct" or t.name.startswith("ours") or t.name == "before"]
+        ours_and_direct = [
+            t for t in targets if t.name == "direct" or t.name.startswith("ours") or t.name == "before"
+        ]
         paces: list[tuple[float, str, list[Target]]] = []
         if (
             sat_rounds and pace is not None
         ):  # open loop at the pace-setter's saturated rate: the p99 added there
             rate = statistics.median(len([x for x in sr[pace.name][0] if x[0] == 200]) / sr[pace.name][1] for sr in sat_rounds)  # fmt: skip
-            paces.append((rate, f"{pace.name}'s saturated rate", [*ours, pace]))
-        paces += [(float(x), "--at-rates", ours) for x in filter(None, a.at_rates.split(","))]
+            paces.append((rate, f"{pace.name}'s saturated rate", [*ours_and_direct, pace]))
+        paces += [(float(x), "--at-rates", ours_and_direct) for x in filter(None, a.at_rates.split(","))]
         for rate, why, paced in paces:
             at_rate: dict[str, list[tuple]] = {}
             for _ in range(a.rounds):

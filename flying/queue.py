@@ -52,8 +52,8 @@ _ADMIT = """
 -- Refusals return {code, n}: {-1, depth} the queue is full; {-3, ahead} max_ahead requests of this class or
 -- higher already wait (the estimated wait is too long). Queued: the arrival sequence. Fast path (the queue is
 -- empty, a target the router published has a free slot and KV for it, is not an affinity target while the
--- request has a prefix chain, and is a bound group's member if the request is of high priority): assigned at once to the least loaded such target,
--- returns {seq, engine, url, epoch} (the reply is the gateway's assignment: nothing is published).
+-- request has a prefix chain, and is a bound group's member if the request is of high priority): assigned at
+-- once to the least loaded such target, returns {seq, engine, url, epoch} (the reply is the gateway's assignment: nothing is published).
 -- Early dispatch (ARGV[13] an engine): the gateway sent the request to that engine while this script ran; it
 -- is assigned there by the fast path if that engine is a fast-path target for it now, else {-5} and nothing
 -- is written (the gateway takes it back and admits it again, without).

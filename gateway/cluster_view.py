@@ -66,9 +66,8 @@ class ClusterView:
         # event loop does not read as a missing router
         self.lease_missing_since: float | None = None
         self.pooled_context = True  # the router binds groups for long requests (from its published state)
-        self.long_wait_s = (
-            0.0  # how long the router holds such a request of normal priority for calm (the same)
-        )
+        # how long the router holds a long request of normal priority for calm (from its published state too)
+        self.long_wait_s = 0.0
         # at the last observation: the router's fast-path targets, the queue's depth, each live engine's inflight
         self.fast: list[FastTarget] = []
         self.depth = 0

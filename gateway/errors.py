@@ -33,9 +33,7 @@ class APIError(Exception):
         headers = dict(headers or {})
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(self.retry_after_s)
-        if (
-            self.status == 408
-        ):  # (the rest of the request may still arrive: the connection cannot carry another)
+        if self.status == 408:  # the rest of the body may still arrive: the connection cannot carry another
             headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 

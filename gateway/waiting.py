@@ -191,9 +191,8 @@ class WaitingRoom:
         rec = await self.queue.get(adm.record.id)
         attempts = int(rec.get("attempts", 0)) + 1  # (every re-dispatch: its SGLang rid's suffix)
         used = attempts - int(rec.get("parked_attempts", 0))
-        leader_only = (
-            GROUP_LEADER_ONLY.message in why
-        )  # a follower could not run it: from now on, leaders only
+        # a follower could not run it: from now on, leaders only
+        leader_only = GROUP_LEADER_ONLY.message in why
         if leader_only:
             cause = "leader_only"
         elif not counted:

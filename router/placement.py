@@ -343,8 +343,8 @@ def fast_targets(rnd: Round) -> list[FastTarget]:
     """Where :func:`place` would send a short normal request arriving after this round: the light load's group
     (its leader, or, spread, each member with a share of the group's room; a high-priority request goes there
     too, as :func:`place_priority` puts it in a group with room), or the DP engines with a free slot (the
-    admission script picks the least loaded target; not for high priority, which may get a group of its own). None while a group forms (requests wait for it) or when
-    a round would bind or choose among groups for it."""
+    admission script picks the least loaded target; not for high priority, which may get a group of its own).
+    None while a group forms (requests wait for it) or when a round would bind or choose among groups for it."""
     probe = QueuedRequest(id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=rnd.now)  # fmt: skip
     if forming(rnd.groups.values(), rnd.now, rnd.cfg.ack_timeout_s) or not rnd.live:
         return []
