@@ -124,7 +124,8 @@ class Admission:
         up = upstream_body(body, chat, ids if isinstance(ids, list) else None)
         # a text prompt's ids come with the engine's first chunk
         known = up["prompt"] if isinstance(up["prompt"], list) else None
-        resume = Resumable(up, max_tokens, chat=chat, prompt_ids=known)
+        decode = getattr(self.count_tokens, "decode", None) if up.get("skip_special_tokens", True) else None
+        resume = Resumable(up, max_tokens, chat=chat, prompt_ids=known, decode=decode)
         return Admitted(record, "/v1/completions", up, True, resume, patience_s=patience)
 
     def _patience(self, record: QueuedRequest, beats: list) -> float:

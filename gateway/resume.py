@@ -4,6 +4,11 @@ engine's first chunk) and collects the ids of every token streamed. If the engin
 of another engine with the prompt plus the streamed ids as its input and the remaining ``max_tokens``, so the
 client sees one unbroken stream, and greedy output is identical to an uninterrupted run.
 
+SGLang's detokenizer holds back the text of tokens that end in an incomplete UTF-8 character (it sends only the
+whole words before them), so the ids streamed may run ahead of the text the client has. A continuation therefore
+starts after the last token whose text the client has whole (found with the gateway's tokenizer): the engine
+regenerates the held-back tokens, and the part of their text the client already has is dropped from its chunks.
+
 A chat request travels as a completion of its templated prompt; its chunks are turned back into
 ``chat.completion.chunk`` events here (content deltas, the role first, the finish reason, usage with SGLang's
 ``prompt_tokens_details.cached_tokens``), under one id for the whole stream. Chat requests that ask for log-probabilities keep SGLang's chat endpoint (and are not resumed).
@@ -11,6 +16,7 @@ A chat request travels as a completion of its templated prompt; its chunks are t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -19,6 +25,14 @@ from gateway.engine_fields import StreamId
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
+
+DETOKENIZE_CONTEXT = (
+    5  # prompt ids SGLang decodes a request's output after (INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
+)
+HELD_BACK_MAX = (
+    16  # ids at the end a continuation may start before: more than one character's bytes and a word
+)
+Decode = Callable[[list[int]], str]  # token ids to text, as the engine's detokenizer makes it
 
 
 @dataclass
@@ -33,6 +47,9 @@ class Resumable:
     resumed: int = 0  # tokens generated before the current attempt
     stream_id: StreamId = field(default_factory=StreamId)  # every event carries the first attempt's id
     role_sent: bool = False
+    decode: Decode | None = None  # None: a continuation starts after every id streamed
+    shown: list[str] = field(default_factory=list)  # the text the client got, by chunk
+    seen: str = ""  # text the client has that the current attempt regenerates: dropped from its chunks
 
     def event(self, data: bytes | str) -> tuple[dict, bytes | None]:
         """Parse one engine event, record its ids, and return it with the bytes the client gets (None: none)."""
@@ -45,6 +62,10 @@ class Resumable:
             if prompt and self.prompt_ids is None:
                 self.prompt_ids = list(prompt)
             self.generated.extend(choice.pop("token_ids", None) or ())
+            if text := choice.get("text"):
+                if self.seen:
+                    choice["text"] = text = self._unseen(text)
+                self.shown.append(text)
         if self.resumed and isinstance(usage := event.get("usage"), dict):
             self._usage_of_whole(usage)
         if self.chat:
@@ -75,14 +96,41 @@ class Resumable:
             choices.append(choice)
         return event | {"object": "chat.completion.chunk", "choices": choices}
 
+    def _unseen(self, text: str) -> str:
+        """``text`` without what the client already has (``seen``, its start); a sampled continuation that
+        differs from it ends the dropping."""
+        k = 0
+        while k < len(text) and k < len(self.seen) and text[k] == self.seen[k]:
+            k += 1
+        self.seen = self.seen[k:] if k == len(text) else ""
+        return text[k:]
+
     def remaining(self) -> int:
         return self.max_tokens - len(self.generated)
 
     def continuation(self) -> dict:
         """The body that asks another engine for the rest: prompt + streamed ids in, the remaining tokens out."""
         assert self.prompt_ids is not None, "the prompt's ids are known once a token was streamed"
+        if self.decode is not None:
+            context = self.prompt_ids[-DETOKENIZE_CONTEXT:]
+            whole, self.seen = shown_whole(self.decode, context, self.generated, "".join(self.shown))
+            del self.generated[whole:]
         self.resumed = len(self.generated)
         return self.body | {"prompt": self.prompt_ids + self.generated, "max_tokens": self.remaining()}
+
+
+def shown_whole(decode: Decode, context: list[int], ids: list[int], shown: str) -> tuple[int, str]:
+    """How many of ``ids`` (decoded after ``context``) the client has the whole text of (``shown``), and the text
+    it has beyond theirs (words of held-back tokens). All of them, and no text, when the decoder does not make
+    the client's text (it is not the start of all the ids' text) or no such point is near the end."""
+    before = len(decode(context))
+    if not decode(context + ids)[before:].startswith(shown):
+        return len(ids), ""
+    for n in range(len(ids), max(len(ids) - HELD_BACK_MAX, 0) - 1, -1):
+        text = decode(context + ids[:n])[before:]
+        if not text.endswith("\ufffd") and shown.startswith(text):
+            return n, shown[len(text) :]
+    return len(ids), ""
 
 
 def upstream_body(body: dict, chat: bool, prompt_ids: list[int] | None) -> dict:

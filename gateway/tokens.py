@@ -25,6 +25,12 @@ class PromptCounter:
             return self.backend.encode(text, add_special_tokens=special).ids
         return self.tok(text, add_special_tokens=special).input_ids
 
+    def decode(self, ids: list[int]) -> str:
+        """``ids`` as text, special tokens skipped (the engine's default)."""
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=True)
+
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids as the engine's chat endpoint would make them (template, then tokenizer)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
