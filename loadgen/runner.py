@@ -143,7 +143,9 @@ async def run(
             req = requests[group[0]]
             delay = req.at - (time.perf_counter() - t0)
             if delay > 0:
-                await asyncio.sleep(delay)
+                # the event loop may wake a timer up to its clock's resolution early: never send before the schedule
+                while (delay := req.at - (time.perf_counter() - t0)) > 0:
+                    await asyncio.sleep(delay)
             elif -delay * 1000 > cfg.lag_warn_ms and not warned:
                 log.warning(
                     "loadgen is %.0f ms behind schedule; its dispatch lag is in the results", -delay * 1000
