@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tenants", help="each tenant's admitted requests and tokens, and refusals by limit")
     w = sub.add_parser("watch", help="status, refreshed every --interval seconds")
     w.add_argument(
-        "--interval", type=cli.non_negative(float), default=1.0, help="seconds between refreshes (default 1)"
+        "--interval",
+        type=cli.at_least(float, 0.1),
+        default=1.0,
+        help="seconds between refreshes (default 1, at least 0.1)",
     )
     w.add_argument(
         "--count",

@@ -168,11 +168,22 @@ class Admission:
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
         if asked is None:
-            return min(self.config.default_max_tokens, limit - prompt)
+            return self._within(req, min(self.config.default_max_tokens, limit - prompt), "the default")
         if prompt + asked > limit:
             raise ContextTooLong(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt + asked} tokens ({prompt} in the prompt, {asked} in the completion).",
                 param=param,
             )
-        return asked
+        return self._within(req, asked, param)
+
+    @staticmethod
+    def _within(req, max_tokens: int, what: str) -> int:
+        """``max_tokens``, once SGLang's ``min_tokens`` (checked an integer >= 0 by the schema) fits under it."""
+        least = getattr(req, "min_tokens", None)
+        if least is not None and least > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be at most max_tokens ({max_tokens}, {what}); got {least}",
+                param="min_tokens",
+            )
+        return max_tokens

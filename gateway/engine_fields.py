@@ -171,6 +171,22 @@ _STAMP = re.compile(r"\[\d\d:\d\d:\d\d\]\s?")
 _REGEX_GRAMMAR = re.compile(r"Failed to compile regex grammar")
 
 
+# SGLang's sampling-parameter checks begin with the field's name, some of them internal ones: the client's names
+_INTERNAL_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+_SAMPLING_CHECK = re.compile(
+    r"^(temperature|top_p|top_k|min_p|frequency_penalty|presence_penalty|repetition_penalty|logit_bias|"
+    r"max_new_tokens|min_new_tokens|sampling_seed) must "
+)
+_INTERNAL = re.compile(r"\b(" + "|".join(_INTERNAL_NAMES) + r")\b")
+
+
+def _client_names(text: str) -> tuple[str, str | None]:
+    """A sampling-parameter check's message in the client's names, and the parameter it names (None: not one)."""
+    m = _SAMPLING_CHECK.match(text)
+    param = _INTERNAL_NAMES.get(m.group(1), m.group(1)) if m else None
+    return _INTERNAL.sub(lambda x: _INTERNAL_NAMES[x.group(1)], text), param
+
+
 def _without_sources(text: str) -> str:
     out, last = [], 0
     for m in _SOURCE_END.finditer(text):
@@ -201,8 +217,8 @@ def readable_message(message: str) -> tuple[str, str | None]:
         if isinstance(item, dict) and isinstance(item.get("loc"), tuple):
             found.append((_param(item["loc"]), str(item.get("msg", ""))))
     if not found:
-        text = _without_sources(re.sub(r"\n\s*\n", "\n", text))
-        return text, "regex" if _REGEX_GRAMMAR.search(text) else None
+        text, param = _client_names(_without_sources(re.sub(r"\n\s*\n", "\n", text)))
+        return text, "regex" if _REGEX_GRAMMAR.search(text) else param
     said = "; ".join(f"{param}: {msg}" if param else msg for param, msg in found[:3])
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
     return f"invalid request: {said}{more}", found[0][0] or None

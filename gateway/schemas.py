@@ -275,6 +275,10 @@ def check_sampling(req: _Sampling) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4:
         raise InvalidRequest("at most 4 stop sequences are allowed", param="stop")
+    if "" in stops:
+        raise InvalidRequest(
+            "stop sequences must not be empty (an empty one would end every answer at once)", param="stop"
+        )
     if not req.model:
         raise InvalidRequest("model must be a non-empty string", param="model")
     if req.stream_options is not None and not req.stream:
@@ -338,6 +342,10 @@ def _check_extensions(req: _Sampling) -> None:
     if req.top_k is not None and not (_is_int(req.top_k) and (req.top_k == -1 or req.top_k >= 1)):
         raise InvalidRequest(
             f"top_k must be -1 (off) or a positive integer; got {req.top_k!r}", param="top_k"
+        )
+    if req.min_tokens is not None and not (_is_int(req.min_tokens) and req.min_tokens >= 0):
+        raise InvalidRequest(
+            f"min_tokens must be an integer >= 0; got {req.min_tokens!r}", param="min_tokens"
         )
     if req.min_p is not None and not (_number(req.min_p) and 0 <= req.min_p <= 1):
         raise InvalidRequest(f"min_p must be between 0 and 1; got {req.min_p!r}", param="min_p")

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import sys
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -87,7 +88,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     r.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="the server's base URL (a trailing /v1 is taken off)"
+        "--url",
+        type=base_url,
+        default="http://127.0.0.1:8000",
+        help="the server's base URL (a trailing /v1 is taken off)",
     )
     r.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     r.add_argument(
@@ -210,9 +214,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def base_url(url: str) -> str:
-    """The server's base URL: ``--url`` as given, or an OpenAI client's base URL (ending in ``/v1``) without it."""
-    url = url.rstrip("/")
-    return url.removesuffix("/v1")
+    """``--url`` (an ``argparse`` type): the server's base URL as given, or an OpenAI client's base URL (ending in
+    ``/v1``) without it; an http(s) URL with a host."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host, got {url!r}")
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def discover_model(url: str, api_key: str | None = None) -> str:
@@ -283,7 +290,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         )
     requests = plan(workload, PromptMaker(a.tokenizer), trace)
     api_key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    base = base_url(a.url)
+    base = a.url
     cfg = runner.RunConfig(
         base_url=base,
         model=a.model or discover_model(base, api_key),

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import re
 import signal
 import typing
 
@@ -65,7 +66,15 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     try:
         return _config(d, a)
     except ValueError as exc:
-        p.error(str(exc))  # exits
+        p.error(_in_flags(str(exc), p))  # exits
+
+
+def _in_flags(message: str, p: argparse.ArgumentParser) -> str:
+    """A config check's message with the settings it names as ``p``'s flags (``--light-width``)."""
+    names = {a.dest for a in p._actions if a.option_strings}
+    return re.sub(
+        r"\b[a-z][a-z0-9_]*\b", lambda m: "--" + m[0].replace("_", "-") if m[0] in names else m[0], message
+    )
 
 
 def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:

@@ -317,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         "workload's arrival rates and --requests are scaled by it",
     )
     p.add_argument(
-        "--tp-width", type=int, default=d.tp_width, help="static TP width (dynamic's: --policy light_width=W)"
+        "--tp-width",
+        type=int,
+        default=None,
+        help=f"static TP width (default: {d.tp_width}, or the widest below it that splits --engines; dynamic's: "
+        "--policy light_width=W)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--low-s", type=float, default=60.0)
@@ -409,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if unknown := [m or "''" for m in a.modes.split(",") if m not in MODES]:
         p.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
+    if a.tp_width is None:  # the default, narrowed to a width that splits the engines
+        a.tp_width = max(w for w in range(1, min(d.tp_width, max(a.engines, 1)) + 1) if a.engines % w == 0)
     for name in ("requests", "engines", "nodes", "tp_width"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")

@@ -109,9 +109,12 @@ def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redi
     rows = capsys.readouterr().out.splitlines()
     assert [r.split()[:2] for r in rows[1:3]] == [["r0", "high"], ["r1", "normal"]]
     assert rows[-1] == "3 waiting (first 2 shown)"
-    assert main([*args, "watch", "--count", "2", "--interval", "0.01"]) == 0
+    assert main([*args, "watch", "--count", "2", "--interval", "0.1"]) == 0
     watched = capsys.readouterr().out
     assert watched.count("groups: 1") == 2 and "\x1b" not in watched  # not a terminal: no screen clearing
+    with pytest.raises(SystemExit) as refused:  # a busy loop on Redis
+        main([*args, "watch", "--interval", "0"])
+    assert refused.value.code == 2 and "at least 0.1" in capsys.readouterr().err
     assert main([*args, "bind", "1", "2"]) == 2  # overlaps the manual group (0, 1)
     capsys.readouterr()
     assert main([*args, "bind", "0", "1", "2", "3"]) == 0  # contains it: a width change replaces the record

@@ -161,8 +161,17 @@ async def test_no_router_dispatching_is_a_503():
         ({"max_completion_tokens": 0}, InvalidRequest, "max_completion_tokens"),
         ({"max_tokens": 60}, ContextTooLong, "max_tokens"),
         ({"messages": [{"role": "user", "content": "w " * 61}]}, ContextTooLong, "messages"),
+        ({"max_tokens": 3, "min_tokens": 10}, InvalidRequest, "min_tokens"),
+        ({"min_tokens": 17}, InvalidRequest, "min_tokens"),
     ],
-    ids=["max-tokens-0", "max-completion-tokens-0", "over-the-context", "prompt-fills-the-context"],
+    ids=[
+        "max-tokens-0",
+        "max-completion-tokens-0",
+        "over-the-context",
+        "prompt-fills-the-context",
+        "min-over-max",
+        "min-over-the-default",
+    ],  # fmt: skip
 )
 async def test_sizes_the_deployment_cannot_hold_are_refused_naming_the_parameter(fields, error, param):
     with pytest.raises(error) as caught:

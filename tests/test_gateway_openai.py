@@ -372,6 +372,14 @@ def test_an_engines_validation_error_is_told_in_words_with_its_param_and_no_serv
     )
     assert engine_fields.readable_message("Failed to compile json grammar: x")[1] is None  # (tools or format)
     assert engine_fields.readable_message("x /a/b.py:3: y, and /c/d.cc:9: z") == ("x y, and z", None)
+    sampling = (
+        "min_new_tokens must be in [0, max_new_tokens(3)], got 10."  # SGLang's check, its internal names
+    )
+    assert engine_fields.readable_message(sampling) == (
+        "min_tokens must be in [0, max_tokens(3)], got 10.",
+        "min_tokens",
+    )
+    assert engine_fields.readable_message("top_k must be -1 (disable) or at least 1, got 0.")[1] == "top_k"
     slow = "/a" * 20_000 + ".py is not a file"
     t0 = time.perf_counter()
     assert engine_fields.readable_message(slow) == (slow, None)

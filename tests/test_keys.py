@@ -1,4 +1,8 @@
+import re
+from pathlib import Path
+
 from flying.keys import Keys
+from flying.messages import Heartbeat
 
 
 def test_every_key_is_under_the_prefix():
@@ -47,3 +51,10 @@ def test_schema_matches_the_documented_names():
         "flying:router:decisions",
     ):
         assert name in doc, f"{name} not documented in docs/architecture.md"
+
+
+def test_the_heartbeats_documented_fields_are_its_fields():
+    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `flying:worker:{i}` |"))
+    listed = {f.strip() for f in re.search(r"JSON \(([^)]*)\)", row).group(1).split(",")}
+    assert listed == set(Heartbeat.__struct_fields__)

@@ -369,3 +369,11 @@ def test_an_openai_style_base_url_ending_in_v1_is_taken_as_the_server(fake, tmp_
     )
     assert rc == 0
     assert json.loads(out.with_suffix(".json").read_text())["summary"]["completed"] == 4
+
+
+@pytest.mark.parametrize("url", ["notaurl", "localhost:8000", "ftp://host", "http://"])
+def test_a_url_that_is_no_http_url_is_refused_before_anything_runs(url, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--url", url, "--model", "m", "-n", "1", "--out", str(tmp_path / "x")])
+    assert exc.value.code == 2 and "--url: must be an http:// or https:// URL" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "nothing written"

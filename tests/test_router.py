@@ -177,8 +177,12 @@ def test_an_out_of_range_setting_is_a_usage_error_naming_it(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--light-width", "3"])
     assert (
-        exit_.value.code == 2 and "light_width must be a power of two >= 2, got 3" in capsys.readouterr().err
+        exit_.value.code == 2
+        and "--light-width must be a power of two >= 2, got 3" in capsys.readouterr().err
     )
+    with pytest.raises(SystemExit):
+        parse_args(["--lease-ms", "100"])
+    assert "--lease-ms must be >= 500, got 100" in capsys.readouterr().err
     with pytest.raises(ValueError, match="lease_ms must be >= 500, got 100"):
         RouterConfig(lease_ms=100)
 

@@ -648,6 +648,17 @@ def test_a_tp_width_static_tp_does_not_run_is_not_checked(tmp_path):
     assert main([*argv, "--out", str(tmp_path)]) == 0
 
 
+def test_the_default_tp_width_narrows_to_one_that_splits_the_engines(tmp_path):
+    """Not given, --tp-width is 2 where it splits the engines, else the widest below it that does (1 engine: 1)."""
+    import json
+
+    from sim.cli import main
+
+    argv = ["--requests", "20", "--engines", "1", "--modes", "dp,tp", "--low-s", "5", "--burst-s", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["summary"]["tp"]["served"] == 20
+
+
 def test_a_run_that_never_reaches_a_burst_says_so_and_writes_strict_json(tmp_path, capsys):
     """200 requests of the paper workload all arrive in the first low phase: nothing to measure at burst."""
     import json
