@@ -4,10 +4,13 @@ engine's first chunk) and collects the ids of every token streamed. If the engin
 of another engine with the prompt plus the streamed ids as its input and the remaining ``max_tokens``, so the
 client sees one unbroken stream, and greedy output is identical to an uninterrupted run.
 
-SGLang's detokenizer holds back the text of tokens that end in an incomplete UTF-8 character (it sends only the
-whole words before them), so the ids streamed may run ahead of the text the client has. A continuation therefore
-starts after the last token whose text the client has whole (found with the gateway's tokenizer): the engine
-regenerates the held-back tokens, and the part of their text the client already has is dropped from its chunks.
+SGLang's detokenizer holds back the text of tokens that end in an incomplete UTF-8 character (meanwhile it sends
+only the whole words, or CJK characters, before it), so the ids streamed may run ahead of the text the client has;
+a continuation after them would never send that text. A continuation therefore starts after the last token whose
+text the client has whole (found with the gateway's tokenizer), and the engine regenerates the held-back tokens;
+the part of their text the client already has (those words) is dropped from the continuation's chunks. Greedy,
+the regenerated text is the same; sampled, it may differ from those words: the client keeps them and gets the
+rest of the new text.
 
 A chat request travels as a completion of its templated prompt; its chunks are turned back into
 ``chat.completion.chunk`` events here (content deltas, the role first, the finish reason, usage with SGLang's
@@ -16,6 +19,7 @@ A chat request travels as a completion of its templated prompt; its chunks are t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,12 +30,11 @@ from gateway.engine_fields import StreamId
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
-DETOKENIZE_CONTEXT = (
-    5  # prompt ids SGLang decodes a request's output after (INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
-)
-HELD_BACK_MAX = (
-    16  # ids at the end a continuation may start before: more than one character's bytes and a word
-)
+# prompt ids SGLang decodes a request's output after (INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
+DETOKENIZE_CONTEXT = 5
+# ids at the end a continuation may start before: more than one character's bytes and a few words
+HELD_BACK_MAX = 16
+SHOWN_PIECES = 1024  # chunks' texts kept apart before they are joined into one
 Decode = Callable[[list[int]], str]  # token ids to text, as the engine's detokenizer makes it
 
 
@@ -48,7 +51,7 @@ class Resumable:
     stream_id: StreamId = field(default_factory=StreamId)  # every event carries the first attempt's id
     role_sent: bool = False
     decode: Decode | None = None  # None: a continuation starts after every id streamed
-    shown: list[str] = field(default_factory=list)  # the text the client got, by chunk
+    shown: list[str] = field(default_factory=list)  # the text the client got, by chunk (kept with a decoder)
     seen: str = ""  # text the client has that the current attempt regenerates: dropped from its chunks
 
     def event(self, data: bytes | str) -> tuple[dict, bytes | None]:
@@ -62,10 +65,12 @@ class Resumable:
             if prompt and self.prompt_ids is None:
                 self.prompt_ids = list(prompt)
             self.generated.extend(choice.pop("token_ids", None) or ())
-            if text := choice.get("text"):
+            if self.decode is not None and (text := choice.get("text")):
                 if self.seen:
                     choice["text"] = text = self._unseen(text)
                 self.shown.append(text)
+                if len(self.shown) > SHOWN_PIECES:
+                    self.shown[:] = ["".join(self.shown)]
         if self.resumed and isinstance(usage := event.get("usage"), dict):
             self._usage_of_whole(usage)
         if self.chat:
@@ -97,11 +102,9 @@ class Resumable:
         return event | {"object": "chat.completion.chunk", "choices": choices}
 
     def _unseen(self, text: str) -> str:
-        """``text`` without what the client already has (``seen``, its start); a sampled continuation that
-        differs from it ends the dropping."""
-        k = 0
-        while k < len(text) and k < len(self.seen) and text[k] == self.seen[k]:
-            k += 1
+        """``text`` without what the client already has (``seen``, its start); a continuation that differs
+        from it (sampled) ends the dropping."""
+        k = len(os.path.commonprefix([text, self.seen]))
         self.seen = self.seen[k:] if k == len(text) else ""
         return text[k:]
 
@@ -121,15 +124,21 @@ class Resumable:
 
 def shown_whole(decode: Decode, context: list[int], ids: list[int], shown: str) -> tuple[int, str]:
     """How many of ``ids`` (decoded after ``context``) the client has the whole text of (``shown``), and the text
-    it has beyond theirs (words of held-back tokens). All of them, and no text, when the decoder does not make
-    the client's text (it is not the start of all the ids' text) or no such point is near the end."""
-    before = len(decode(context))
-    if not decode(context + ids)[before:].startswith(shown):
+    it has beyond theirs (words of held-back tokens). Looked for among the last ``HELD_BACK_MAX`` ids, decoded
+    after the ids before them (as SGLang decodes); all of them, and no text, when the decoder does not make the
+    client's text or no such point is there."""
+    start = max(0, len(ids) - HELD_BACK_MAX)
+    head = decode(context + ids[:start])[len(decode(context)) :]  # the text of the ids before the window
+    if not shown.startswith(head):
         return len(ids), ""
-    for n in range(len(ids), max(len(ids) - HELD_BACK_MAX, 0) - 1, -1):
-        text = decode(context + ids[:n])[before:]
-        if not text.endswith("\ufffd") and shown.startswith(text):
-            return n, shown[len(text) :]
+    rest, window = shown[len(head) :], (context + ids[:start])[-DETOKENIZE_CONTEXT:]
+    before = len(decode(window))
+    if not decode(window + ids[start:])[before:].startswith(rest):
+        return len(ids), ""
+    for n in range(len(ids), start - 1, -1):
+        text = decode(window + ids[start:n])[before:]
+        if not text.endswith("\ufffd") and rest.startswith(text):
+            return n, rest[len(text) :]
     return len(ids), ""
 
 

@@ -29,8 +29,8 @@ class PromptCounter:
         """``ids`` as text, special tokens skipped (the engine's default)."""
         if self.backend is not None:
             return self.backend.decode(ids, skip_special_tokens=True)
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        return text if isinstance(text, str) else "".join(text)
+        # as SGLang's tokenizer decodes: no clean-up of spaces
+        return str(self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids as the engine's chat endpoint would make them (template, then tokenizer)."""

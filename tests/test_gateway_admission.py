@@ -126,6 +126,18 @@ async def test_a_prompt_cache_key_heads_the_chain_and_is_not_sent_to_the_engine(
     assert decode_chain(keyed.record.prefix) == tuple(block_hashes(list(range(70)), key="k"))
 
 
+async def test_a_resumable_stream_gets_the_counters_decoder_unless_special_tokens_are_kept():
+    class Decoding(CountWords):
+        def decode(self, ids):
+            return ""
+
+    counter = Decoding()
+    adm = await admission(counter=counter).admit(chat(stream=True), "normal")
+    assert adm.resume is not None and adm.resume.decode == counter.decode
+    kept = await admission(counter=counter).admit(chat(stream=True, skip_special_tokens=False), "normal")
+    assert kept.resume is not None and kept.resume.decode is None, "the gateway's text would not be the engine's"
+
+
 async def test_a_stream_that_asks_for_logprobs_keeps_the_engines_own_endpoint():
     adm = await admission().admit(chat(stream=True, logprobs=True), "normal")
     assert adm.stream and adm.path == "/v1/chat/completions" and adm.resume is None
