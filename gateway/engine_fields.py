@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from flying.messages import split_engine_rid
+from flying.sources import without_sources
 
 TOP = ("metadata", "sglext")
 CHOICE = ("matched_stop", "hidden_states", "token_ids", "prompt_token_ids", "response_token_ids", "meta_info")
@@ -162,10 +163,6 @@ def error_status(doc: dict) -> int:
 
 
 _PYDANTIC_ITEM = re.compile(r"^\s*(\{'type': .*\})\s*$", re.MULTILINE)
-# a native library's log prefix in a message: "[07:56:08] /project/cpp/regex_converter.cc:83: " (found by its
-# end, then back to the path's start: one pattern for the whole path would backtrack on long path-like text)
-_SOURCE_END = re.compile(r"\.(?:cc|cpp|cxx|c|h|hpp|rs|py):\d+:\s*")
-_STAMP = re.compile(r"\[\d\d:\d\d:\d\d\]\s?")
 # SGLang's regex grammar errors ("Failed to compile regex grammar: ...") come from the regex field alone (JSON
 # and EBNF grammars may come from response_format, json_schema or the tools: no param is named for them)
 _REGEX_GRAMMAR = re.compile(r"Failed to compile regex grammar")
@@ -187,20 +184,6 @@ def _client_names(text: str) -> tuple[str, str | None]:
     return _INTERNAL.sub(lambda x: _INTERNAL_NAMES[x.group(1)], text), param
 
 
-def _without_sources(text: str) -> str:
-    out, last = [], 0
-    for m in _SOURCE_END.finditer(text):
-        start = max(text.rfind(" ", last, m.start()), text.rfind("\n", last, m.start())) + 1
-        if start < last or not text.startswith("/", start):
-            continue
-        stamp = text.rfind("[", last, start)
-        if stamp >= 0 and _STAMP.fullmatch(text, stamp, start):
-            start = stamp
-        out.append(text[last:start])
-        last = m.end()
-    return "".join(out) + text[last:]
-
-
 def readable_message(message: str) -> tuple[str, str | None]:
     """An engine's error message without its server's file paths and, for a validation error of SGLang's request
     models (pydantic's error dicts, one a line), each as ``<param>: <what>``; with the first error's param."""
@@ -217,7 +200,7 @@ def readable_message(message: str) -> tuple[str, str | None]:
         if isinstance(item, dict) and isinstance(item.get("loc"), tuple):
             found.append((_param(item["loc"]), str(item.get("msg", ""))))
     if not found:
-        text, param = _client_names(_without_sources(re.sub(r"\n\s*\n", "\n", text)))
+        text, param = _client_names(without_sources(re.sub(r"\n\s*\n", "\n", text)))
         return text, "regex" if _REGEX_GRAMMAR.search(text) else param
     said = "; ".join(f"{param}: {msg}" if param else msg for param, msg in found[:3])
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""

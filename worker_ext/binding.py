@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flying.messages import Bind, Command, Release
+from flying.sources import without_sources
 from worker_ext.adoption import Adoption, Work
 from worker_ext.comm_pool import peer_lost
 from worker_ext.epoch import Epoch, Leave, NotEntered
@@ -277,7 +278,7 @@ class Binding:
             if not e.leader:
                 raise  # a follower's follow() aborts the epoch
             e.fail(exc)
-            self.error = f"epoch {e.epoch} aborted: {type(exc).__name__}: {str(exc)[:200]}"
+            self.error = f"epoch {e.epoch} aborted: {type(exc).__name__}: {without_sources(str(exc))[:200]}"
             log.error("engine %d: %s", self.index, self.error, exc_info=None if peer_lost(exc) else exc)
         # The group is gone mid-step. Finish this step alone (the scheduler needs its output), with every request
         # of the batch ending in an abort; the next step boundary ends the epoch (see on_step).
@@ -303,7 +304,7 @@ class Binding:
         try:
             group = self.pool.get(tuple(cmd.members))
         except (KeyError, RuntimeError) as exc:
-            self.error = f"bind {cmd.epoch} refused: {exc}"
+            self.error = f"bind {cmd.epoch} refused: {without_sources(str(exc))}"
             log.error(self.error)
             return False
         width, rank = len(cmd.members), cmd.members.index(self.index)
@@ -366,9 +367,8 @@ class Binding:
         """The group failed before anything moved into it: back to DP with the DP work as it was (paused work
         resumed, adoptable work never left), nothing aborted; the group's communicator is reset."""
         e = self.epoch
-        self.error = (
-            f"epoch {e.epoch if e else '?'} aborted before it began: {type(exc).__name__}: {str(exc)[:200]}"
-        )
+        why = without_sources(str(exc))[:200]  # (a native library's message names its source file)
+        self.error = f"epoch {e.epoch if e else '?'} aborted before it began: {type(exc).__name__}: {why}"
         log.error("engine %d: %s", self.index, self.error)
         if e is not None:
             self.pool.reset(e.group, e.epoch)
@@ -472,7 +472,9 @@ class Binding:
     def abort(self, exc: BaseException) -> None:
         """A member died or stalled: end the epoch here, abort this engine's TP requests, back to DP."""
         e = self.epoch
-        self.error = f"epoch {e.epoch if e else '?'} aborted: {type(exc).__name__}: {str(exc)[:200]}"
+        self.error = (
+            f"epoch {e.epoch if e else '?'} aborted: {type(exc).__name__}: {without_sources(str(exc))[:200]}"
+        )
         log.error("engine %d: %s", self.index, self.error, exc_info=None if peer_lost(exc) else exc)
         if e is not None:
             self.pool.reset(e.group, e.epoch)
