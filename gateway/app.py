@@ -97,6 +97,9 @@ async def completions(request: Request, kind: str) -> Response:
         if status < 500:
             gw.metrics.rejected.labels(str(status), exc.code or "").inc()
         raise
+    except aioredis.RedisError:
+        status = QueueUnavailable.status  # what redis_error answers
+        raise
     finally:
         gw.metrics.child(gw.metrics.requests, request.scope["path"], str(status), seen["priority"]).inc()
 

@@ -5,6 +5,7 @@ Every request accepted before the outage is served; requests during it get 503 w
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -92,6 +93,7 @@ def test_a_redis_restart_that_loses_everything_fails_no_accepted_request(tmp_pat
             took = time.monotonic() - t0
             readmitted = app.state.gateway.readmitted
             health = httpx.get(gw.url + "/health").json()
+            metrics = httpx.get(gw.url + "/metrics").text
     finally:
         server.stop()
     statuses = [s for s, _, _ in before]
@@ -101,6 +103,8 @@ def test_a_redis_restart_that_loses_everything_fails_no_accepted_request(tmp_pat
     for status, retry_after, text in during:
         assert status == 503 and int(retry_after) >= 1, text
     assert health["status"] == "ok" and health["live_workers"] == [0]
+    counted = dict(re.findall(r'flying_gateway_requests_total\{[^}]*status="(\d+)"[^}]*\} (\S+)', metrics))
+    assert "500" not in counted and float(counted["503"]) >= 3, f"a 503 answered is a 503 counted: {counted}"
     print(f"\n30 requests through a Redis restart in {took:.1f} s; {readmitted} re-admitted")
 
 
