@@ -28,6 +28,21 @@ def test_compose_services_and_commands_exist():
         assert "${MODEL_PATH}" in w["command"]
 
 
+def test_the_workers_commands_parse_and_let_them_bind():
+    """Each worker's command is flying-worker's, with the communicator pool's rendezvous on worker0 (without
+    --comm-port an engine never binds: the stack would serve in DP only)."""
+    from worker_ext.launch import parser
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for i in (0, 1):
+        argv = [
+            re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a).replace("${MODEL_PATH}", "/models/m")
+            for a in services[f"worker{i}"]["command"][1:]
+        ]
+        a = parser().parse_args(argv)
+        assert (a.engine, a.num_engines, a.comm_port, a.comm_host) == (i, 2, 29500, "worker0")
+
+
 def test_the_gateway_command_parses():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     argv = [
