@@ -129,7 +129,8 @@ def release(
         if g.state == "parked":
             r.hdel(keys.groups, str(epoch))
         else:
-            g = msgspec.structs.replace(g, state="releasing", since=time.time(), park=park)
+            how = "park" if park else "scatter" if scatter else "retract" if retract else "wait"
+            g = msgspec.structs.replace(g, state="releasing", since=time.time(), park=park, released=how)
             r.hset(keys.groups, str(epoch), encode(g))
     send(r, keys, members, Release(epoch=epoch, retract=retract, scatter=scatter, park=park))
 

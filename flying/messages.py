@@ -227,6 +227,9 @@ Command = Bind | Release
 
 GroupReason = Literal["load", "priority", "long", "manual"]
 GroupState = Literal["binding", "bound", "releasing", "parked"]
+# how a release treats the group's TP requests: they finish in it first (wait), recomputed in DP on the leader
+# (retract), continue in DP on their owners, KV moved (scatter), or as scatter with those no owner holds parked
+ReleaseKind = Literal["wait", "retract", "scatter", "park"]
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True):
@@ -253,6 +256,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     # a parked record: its parked requests the router has counted in the inflight sets (0: none seen yet, as of
     # requests sent to an engine directly); once it had some and has none left, their clients are gone
     parked_requests: int = 0
+    released: ReleaseKind = "wait"  # releasing: how (the router's release, or flyctl's)
 
     @property
     def resumes(self) -> int:

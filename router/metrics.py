@@ -25,9 +25,9 @@ from redis.retry import Retry
 from flying import control, redis_conn
 from flying.breaker import decode_all
 from flying.keys import Keys
-from flying.messages import Group, Release, RouterState, decode
+from flying.messages import Group, RouterState, decode
 from flying.queue import text
-from router.decision import BindMode, Decision, ReleaseMode
+from router.decision import BindMode, Decision
 
 ADMITTED_PREFIX = "admitted_"  # flying:stats's per-priority admission counters: admitted_high, ...
 SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -35,10 +35,6 @@ SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 def bind_mode(g: Group) -> str:
     return BindMode.of(g).value
-
-
-def release_mode(cmd: Release | None) -> str:
-    return ReleaseMode.of(cmd).value
 
 
 class RouterMetrics:
@@ -76,7 +72,6 @@ class RouterMetrics:
             "re-queued for --stall-s (router.watchdog)", registry=r,
         )  # fmt: skip
         self.stalls = Counter("flying_router_stalls", "Stalls the watchdog saw begin", registry=r)
-        self._release_mode: dict[int, str] = {}
         self._rolled_back: set[int] = set()
 
     def observe(self, before: list[Group], d: Decision, assigned: int, now: float | None = None) -> None:
@@ -92,7 +87,6 @@ class RouterMetrics:
                 self.dp_rules.labels(x.rule).inc()
         for g in d.binds:
             self.binds.labels(g.reason, bind_mode(g), "issued").inc()
-        releases = {cmd.epoch: cmd for _, cmd in d.commands if isinstance(cmd, Release)}
         prev = {g.epoch: g for g in before}
         for epoch, g in d.put.items():
             old = prev.get(epoch)
@@ -105,19 +99,16 @@ class RouterMetrics:
                 if old.state == "binding":
                     self.binds.labels(g.reason, bind_mode(g), "rolled_back").inc()
                     self._rolled_back.add(epoch)  # its release undoes a bind that never formed: not a switch
-                mode = release_mode(releases.get(epoch))
-                self._release_mode[epoch] = mode
-                self.releases.labels(g.reason, mode, "issued").inc()
+                self.releases.labels(g.reason, g.released, "issued").inc()
             elif (
                 old.state == "releasing" and g.state == "parked"
             ):  # released: its parked requests keep the record
-                self.releases.labels(old.reason, self._release_mode.pop(epoch, "park"), "done").inc()
+                self.releases.labels(old.reason, old.released, "done").inc()
                 self.switch.labels("release").observe(max(0.0, now - old.since))
         for epoch in d.drop:
             old = prev.get(epoch)
             if old is not None and old.state == "releasing":
-                mode = self._release_mode.pop(epoch, "wait")
-                self.releases.labels(old.reason, mode, "done").inc()
+                self.releases.labels(old.reason, old.released, "done").inc()
                 if epoch in self._rolled_back:
                     self._rolled_back.discard(epoch)
                 else:

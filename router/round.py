@@ -114,7 +114,7 @@ class Round:
         width: int = 0,
     ) -> None:
         """Mark ``g`` releasing and send its members the release (the figures: :class:`ReleaseNote`'s)."""
-        self.put(replace_group(g, state="releasing", since=self.now))
+        self.put(replace_group(g, state="releasing", since=self.now, released=mode.value))
         self.out.release(ReleaseNote(g.epoch, g.members, g.reason, mode, cause, seconds, engines, width))
 
     def bind(

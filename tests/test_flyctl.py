@@ -27,6 +27,8 @@ def test_bind_and_release_write_every_members_stream(sync_redis, keys, redis_ser
     assert decode_command(sync_redis.xrange(keys.commands(3))[-1][1][b"msg"]) == Release(
         epoch=epoch + 1, retract=True
     )
+    records = {g.epoch: g for g in control.groups(sync_redis, keys)}
+    assert (records[epoch].released, records[epoch + 1].released) == ("wait", "retract"), "how, for the metrics"
     assert main([*args, "bind", "1"]) == 2  # a group of one is refused
 
 

@@ -28,7 +28,7 @@ def test_a_bind_is_issued_then_bound_and_a_release_issued_then_done():
     assert value(m, "flying_router_binds_total", reason="load", mode="adopt", outcome="bound") == 1
     assert value(m, "flying_router_switch_seconds_count", kind="bind") == 1
     assert abs(value(m, "flying_router_switch_seconds_sum", kind="bind") - 0.02) < 1e-9
-    releasing = msgspec.structs.replace(bound, state="releasing", since=101.0)
+    releasing = msgspec.structs.replace(bound, state="releasing", since=101.0, released="scatter")
     d = Decision(put={3: releasing}, commands=[((0, 1), Release(epoch=3, scatter=True))])
     m.observe([bound], d, assigned=0, now=101.0)
     assert value(m, "flying_router_releases_total", reason="load", mode="scatter", outcome="issued") == 1
@@ -36,6 +36,14 @@ def test_a_bind_is_issued_then_bound_and_a_release_issued_then_done():
     assert value(m, "flying_router_releases_total", reason="load", mode="scatter", outcome="done") == 1
     assert abs(value(m, "flying_router_switch_seconds_sum", kind="release") - 0.5) < 1e-9
     assert value(m, "flying_router_rounds_total") == 4
+
+
+def test_a_release_flyctl_sent_is_counted_done_with_its_mode():
+    """flyctl writes the releasing record itself (the router issued nothing): its mode comes from the record."""
+    m = RouterMetrics()
+    releasing = msgspec.structs.replace(BINDING, state="releasing", reason="manual", released="retract")
+    m.observe([releasing], Decision(drop=[3]), assigned=0, now=101.5)
+    assert value(m, "flying_router_releases_total", reason="manual", mode="retract", outcome="done") == 1
 
 
 def test_a_bind_released_before_it_bound_is_rolled_back():
@@ -141,7 +149,7 @@ def test_a_scrape_with_redis_down_still_answers_with_the_routers_own_series():
 def test_a_parking_release_is_done_when_its_record_turns_parked():
     m = RouterMetrics()
     bound = msgspec.structs.replace(BINDING, state="bound")
-    releasing = msgspec.structs.replace(BINDING, state="releasing", since=10.0, park=True)
+    releasing = msgspec.structs.replace(BINDING, state="releasing", since=10.0, park=True, released="park")
     m.observe([bound], Decision(put={3: releasing}, commands=[((0, 1), Release(epoch=3, park=True))]), 0)
     assert value(m, "flying_router_releases_total", reason="load", mode="park", outcome="issued") == 1
     parked = msgspec.structs.replace(releasing, state="parked")
