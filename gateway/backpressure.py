@@ -187,10 +187,15 @@ class Backpressure:
     def free_rate(self, priority: Priority) -> float | None:
         """Requests per second the deployment serves to ``priority`` and the classes above it once those above
         have been served (None while the capacity is unknown; at least a twentieth of the capacity, so a
-        prediction stays finite)."""
-        rate = self.capacity()
+        prediction stays finite). A capacity not measured yet is only a lower bound (what the window saw
+        finish: few, while long streams run), which the classes above may well outrun at light load: it is
+        taken whole, not less their arrivals."""
+        measured = self.rate.per_s()
+        rate = measured or self.capacity()
         if not rate:
             return None
+        if not measured:
+            return rate
         return max(rate - self.arrivals.above(priority), rate / 20)
 
     def limits(self, priority: Priority) -> Limits:

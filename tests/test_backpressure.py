@@ -284,3 +284,20 @@ def test_a_gateway_that_has_not_watched_a_whole_window_bounds_a_new_backlog_by_c
     assert bp.capacity() == pytest.approx(0.3) and bp.limits("normal") == Limits(850, 4)
     bp.rate.sample(10.5, -1)  # the counter went back (Redis lost it): a new start
     assert bp.rate.lower_bound_per_s() is None
+
+
+def test_long_streams_at_light_load_do_not_starve_low_priority_on_a_lower_bound():
+    """Light load with long streams: few requests finish in a window while higher classes arrive at 3/s, and the
+    engines report a moment's waiting (SGLang queues what arrives within a step). The capacity is then only a lower
+    bound (3 served in 10 s), which the arrivals above outrun: a low request with nothing ahead is admitted, not
+    refused with a 66-s prediction (as when the arrivals above were taken off the bound)."""
+    from gateway.cluster_view import Tick
+
+    bp = Backpressure(max_queue=1000, budgets=BUDGETS)
+    for i in range(49):  # 12 s: 3 high + normal admitted a second, 3 finished in the last 10 s
+        t = i * 0.25
+        waiting = 1 if t >= 11.5 else 0  # the last 0.5 s: a moment's waiting in an engine
+        bp.observe(Tick(t, assigned=0, depth=0, admitted=(int(t), 2 * int(t), 0), completed=min(3, i // 16), engine_waiting=waiting))  # fmt: skip
+    assert bp.rate.per_s() is None and bp.capacity() == pytest.approx(0.3)
+    assert bp.free_rate("low") == pytest.approx(0.3), "the bound whole: the arrivals above outrun it"
+    assert bp.limits("low") == Limits(600, 17) and not bp.limits("low").full
