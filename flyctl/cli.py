@@ -23,6 +23,7 @@ flyctl resume EPOCH [--wait S]     bind a parked group's engines again, in order
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -114,6 +115,7 @@ def _engine_row(r: redis.Redis, keys: Keys, e: int, hb: Heartbeat, breaker: Brea
         f"{hb.waiting:>4} {hb.paused:>6} {hb.free_kv_tokens:>8} {hit:>9} {hb.bind_ms:>8.1f} {hb.release_ms:>10.1f} "
         f"{f'{hb.steps_sp}/{hb.steps_tp}':>13} {breaker_cell(breaker):>12}  "
         + (f"parked: epoch {', '.join(map(str, hb.parked))}  " if hb.parked else "")
+        + ("" if hb.pool_ready else "communicator pool connecting: binds refused  ")
         + f"{hb.switch_error}"
     )
 
@@ -306,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flyctl: cannot reach Redis at {where}: {redis_conn.explain(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # the reader left (flyctl watch | head): stop quietly, and quietly at exit too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 0
 

@@ -337,9 +337,11 @@ class Dispatcher:
             if down_since is not None:
                 log.warning("redis is back after %.1f s; resuming", time.monotonic() - down_since)
                 down_since, backoff = None, 0.1
-        if self.leader:
+        leading = self.leader
+        if leading:
             with contextlib.suppress(aioredis.RedisError):
                 await self.release_lease()
+        log.info("router %s stopped%s", self.router_id, "; lease released" if leading else "")
         await self.close()
 
     async def close(self) -> None:

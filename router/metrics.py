@@ -134,6 +134,7 @@ class ClusterCollector(Collector):
         self, r: redis.Redis, keys: Keys, router_id: str, leading: Callable[[], bool] = lambda: False
     ) -> None:
         self.r, self.keys, self.router_id, self.leading = r, keys, router_id, leading
+        self.group_labels: set[tuple[str, str, str]] = set()  # flying_groups' series exported so far (then 0)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily("flying_router_redis_up", "1 while this router could read Redis at the scrape")
@@ -288,11 +289,13 @@ class ClusterCollector(Collector):
         fam = GaugeMetricFamily(
             "flying_groups", "TP groups by width, reason and state", labels=["width", "reason", "state"]
         )
-        counts = collections.Counter(
+        counts: collections.Counter[tuple[str, str, str]] = collections.Counter(
             (str(g.width), g.reason, g.state) for g in control.groups(self.r, self.keys)
         )
-        for labels, n in sorted(counts.items()):
-            fam.add_metric(list(labels), n)
+        # a series once there reads 0 when its groups are gone, not no data
+        self.group_labels |= counts.keys()
+        for labels in sorted(self.group_labels):
+            fam.add_metric(list(labels), counts.get(labels, 0))
         yield fam
         raw = self.r.get(self.keys.router_state)
         state = decode(raw, RouterState) if raw else RouterState()

@@ -28,7 +28,9 @@ def test_bind_and_release_write_every_members_stream(sync_redis, keys, redis_ser
         epoch=epoch + 1, retract=True
     )
     records = {g.epoch: g for g in control.groups(sync_redis, keys)}
-    assert (records[epoch].released, records[epoch + 1].released) == ("wait", "retract"), "how, for the metrics"
+    assert (records[epoch].released, records[epoch + 1].released) == ("wait", "retract"), (
+        "how, for the metrics"
+    )
     assert main([*args, "bind", "1"]) == 2  # a group of one is refused
 
 
@@ -269,3 +271,32 @@ def test_release_park_then_resume_binds_the_same_engines_in_order_and_a_plain_re
     assert main([*args, "release", "50", "0", "1"]) == 0  # a parked epoch: its requests end
     assert decode_command(sync_redis.xrange(keys.commands(0))[-1][1][b"msg"]) == Release(epoch=50)
     assert sync_redis.hget(keys.groups, "50") is None
+
+
+def test_watch_into_a_pipe_that_closes_ends_quietly(redis_server, keys):
+    """``flyctl watch | head -1``: the reader leaves; flyctl stops with status 0 and no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flyctl.cli", "--redis-url", redis_server.url, "--key-prefix", keys.prefix,
+         "watch", "--interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline()
+    proc.stdout.close()  # the reader is gone: the next refresh's write breaks the pipe
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
+
+
+def test_status_says_when_an_engines_pool_is_still_connecting(sync_redis, keys, redis_server, capsys):
+    """A restarted engine serves before its communicator pool has connected; a bind then is refused: said."""
+    args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    _beat(sync_redis, keys, 0, "", 0)
+    hb = Heartbeat(engine=1, url="u", pid=1, model="m", launch_id="L1", num_engines=2, pool_ready=False)
+    sync_redis.set(keys.worker(1), encode(hb))
+    sync_redis.set(keys.ready(1), "L1")
+    sync_redis.sadd(keys.workers, 1)
+    assert main([*args, "status"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["0"], ["1"])}  # fmt: skip
+    assert "pool connecting" in rows["1"] and "pool connecting" not in rows["0"]

@@ -135,7 +135,9 @@ async def test_a_resumable_stream_gets_the_counters_decoder_unless_special_token
     adm = await admission(counter=counter).admit(chat(stream=True), "normal")
     assert adm.resume is not None and adm.resume.decode == counter.decode
     kept = await admission(counter=counter).admit(chat(stream=True, skip_special_tokens=False), "normal")
-    assert kept.resume is not None and kept.resume.decode is None, "the gateway's text would not be the engine's"
+    assert kept.resume is not None and kept.resume.decode is None, (
+        "the gateway's text would not be the engine's"
+    )
 
 
 async def test_a_stream_that_asks_for_logprobs_keeps_the_engines_own_endpoint():

@@ -5,6 +5,7 @@ Every request accepted before the outage is served; requests during it get 503 w
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 
@@ -129,10 +130,11 @@ async def test_with_aof_a_restart_keeps_the_queue(tmp_path, keys):
         server.stop()
 
 
-async def test_a_stopped_router_hands_its_lease_over_at_once(aredis, keys):
+async def test_a_stopped_router_hands_its_lease_over_at_once(aredis, keys, caplog):
     from router.config import RouterConfig
     from router.dispatcher import Dispatcher
 
+    caplog.set_level(logging.INFO, logger="flying.router")
     first, second = (
         Dispatcher(RouterConfig(key_prefix=keys.prefix, lease_ms=10_000), aredis) for _ in range(2)
     )
@@ -144,6 +146,7 @@ async def test_a_stopped_router_hands_its_lease_over_at_once(aredis, keys):
     stop.set()
     await asyncio.wait_for(task, 5)
     assert await second.hold_lease(), "no 10 s wait for the lease to expire"
+    assert f"router {first.router_id} stopped; lease released" in caplog.text, "a stop is logged"
     await second.release_lease()
     assert not await aredis.exists(keys.router_lease)
 

@@ -94,6 +94,10 @@ def test_the_cluster_collector_reads_queue_engines_groups_and_regime(sync_redis,
     assert value(m, "flying_router_regime", regime="light") == 1
     assert value(m, "flying_router_leader") == 1
     assert value(m, "flying_router_redis_up") == 1
+    sync_redis.delete(keys.groups)  # released: the series reads 0 (sum(flying_groups) is 0, not no data)
+    assert (
+        m.registry.get_sample_value("flying_groups", {"width": "2", "reason": "load", "state": "bound"}) == 0
+    )
 
 
 def test_the_switch_histogram_leaves_out_the_release_of_a_bind_that_never_formed():

@@ -18,9 +18,11 @@ from flying.sources import without_sources
             "RuntimeError: Connection closed by peer [127.0.0.1]:35407",
         ),
         ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out", "Timed out"),
-        ("relative/path.py:3: is kept, as is [not a source]", "relative/path.py:3: is kept, as is [not a source]"),
+        (
+            "relative/path.py:3: is kept, as is [not a source]",
+            "relative/path.py:3: is kept, as is [not a source]",
+        ),
     ],
 )
 def test_source_locations_are_taken_out(message, clean):
     assert without_sources(message) == clean
-
