@@ -51,7 +51,12 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
             lines.append(node_header(node, engines))
         lines += [_engine_row(r, keys, e, hb, breakers.get(e)) for e, hb in engines.items()]
     registered = sorted(int(x) for x in r.smembers(keys.workers))
-    for e in (e for e in registered if e not in beats):  # registered once, no live heartbeat now
+    for e in (e for e in registered if e not in beats):  # registered once, not live now
+        # its engine beats, its launcher withdrew the ready key (or has not set it yet)
+        if r.exists(keys.worker(e)) and not r.exists(keys.ready(e)):
+            left = r.scard(keys.inflight(e))
+            lines.append(f"{e:>6} not live: draining ({left} requests to finish) or still starting")
+            continue
         lines.append(
             f"{e:>6} down: no live heartbeat (stopped, or its worker died); breaker {breaker_cell(breakers.get(e))}"
         )
@@ -101,8 +106,9 @@ def breaker_cell(b: Breaker | None) -> str:
     """An engine's circuit breaker in ``flyctl status``: closed, open (seconds to its probe), half_open."""
     if b is None or b.dispatchable:
         return "closed"
-    if b.state.value == "open":
-        return f"open {max(0.0, b.until - time.time()):.0f}s"
+    if b.state.value == "open":  # seconds to its probe; past it, probed once the engine is live again
+        left = b.until - time.time()
+        return f"open {left:.0f}s" if left >= 0.5 else "open, probe due"
     return b.state.value
 
 

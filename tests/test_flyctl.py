@@ -300,3 +300,27 @@ def test_status_says_when_an_engines_pool_is_still_connecting(sync_redis, keys, 
     assert main([*args, "status"]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["0"], ["1"])}  # fmt: skip
     assert "pool connecting" in rows["1"] and "pool connecting" not in rows["0"]
+
+
+def test_status_tells_a_draining_engine_from_a_dead_one(sync_redis, keys, redis_server, capsys):
+    """Both left the live set; one still beats (its launcher withdrew the ready key to drain), one does not."""
+    args = ["--redis-url", redis_server.url, "--key-prefix", keys.prefix]
+    for e in (0, 1):
+        _beat(sync_redis, keys, e, "", 0)
+    sync_redis.delete(keys.ready(0))  # draining: no new work, 2 requests to finish
+    sync_redis.sadd(keys.inflight(0), "a", "b")
+    sync_redis.delete(keys.ready(1), keys.worker(1))  # dead: no heartbeat either
+    assert main([*args, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "0 not live: draining (2 requests to finish)" in out
+    assert "1 down: no live heartbeat" in out
+
+
+def test_an_open_breaker_shows_the_seconds_to_its_probe_then_that_it_is_due():
+    from flyctl.cli import breaker_cell
+    from flying.breaker import Breaker, BreakerState
+
+    assert breaker_cell(None) == "closed"
+    assert breaker_cell(Breaker(BreakerState.OPEN, until=time.time() + 7.2)) == "open 7s"
+    assert breaker_cell(Breaker(BreakerState.OPEN, until=time.time() - 30)) == "open, probe due"
+    assert breaker_cell(Breaker(BreakerState.HALF_OPEN)) == "half_open"
