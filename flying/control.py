@@ -123,16 +123,16 @@ def release(
     DP on the leader, recomputed), at once with ``scatter`` (they continue in DP on their owners, KV moved), or
     at once with ``park`` (as scatter, and those no member holds alone stay parked, KV kept, until
     :func:`resume`). Releasing a parked epoch ends its parked requests."""
+    cmd = Release(epoch=epoch, retract=retract, scatter=scatter, park=park)
     raw = r.hget(keys.groups, str(epoch))
     if raw is not None:
         g = decode(raw, Group)
         if g.state == "parked":
             r.hdel(keys.groups, str(epoch))
         else:
-            how = "park" if park else "scatter" if scatter else "retract" if retract else "wait"
-            g = msgspec.structs.replace(g, state="releasing", since=time.time(), park=park, released=how)
+            g = msgspec.structs.replace(g, state="releasing", since=time.time(), park=park, released=cmd.kind)
             r.hset(keys.groups, str(epoch), encode(g))
-    send(r, keys, members, Release(epoch=epoch, retract=retract, scatter=scatter, park=park))
+    send(r, keys, members, cmd)
 
 
 def resume(r: redis.Redis, keys: Keys, epoch: int) -> tuple[int, tuple[int, ...]]:

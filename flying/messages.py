@@ -222,14 +222,20 @@ class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
     scatter: bool = False
     park: bool = False
 
+    @property
+    def kind(self) -> ReleaseKind:
+        if self.park:
+            return "park"
+        return "scatter" if self.scatter else "retract" if self.retract else "wait"
 
+
+# how a release treats the group's TP requests: they finish in it first (wait), recomputed in DP on the leader
+# (retract), continue in DP on their owners, KV moved (scatter), or as scatter with those no owner holds parked
+ReleaseKind = Literal["wait", "retract", "scatter", "park"]
 Command = Bind | Release
 
 GroupReason = Literal["load", "priority", "long", "manual"]
 GroupState = Literal["binding", "bound", "releasing", "parked"]
-# how a release treats the group's TP requests: they finish in it first (wait), recomputed in DP on the leader
-# (retract), continue in DP on their owners, KV moved (scatter), or as scatter with those no owner holds parked
-ReleaseKind = Literal["wait", "retract", "scatter", "park"]
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True):

@@ -179,9 +179,11 @@ class Backpressure:
     def capacity(self) -> float | None:
         """The measured capacity; while requests wait but it cannot be measured yet, the window's lower bound;
         None with nothing waiting and nothing measured, or before a whole window has been watched."""
-        rate = self.rate.per_s()
-        if rate:
-            return rate
+        return self.rate.per_s() or self._bound()
+
+    def _bound(self) -> float | None:
+        """The window's lower bound on the capacity, while requests wait (None otherwise, or before a whole
+        window has been watched)."""
         return self.rate.lower_bound_per_s() if self.backlogged else None
 
     def free_rate(self, priority: Priority) -> float | None:
@@ -190,12 +192,9 @@ class Backpressure:
         prediction stays finite). A capacity not measured yet is only a lower bound (what the window saw
         finish: few, while long streams run), which the classes above may well outrun at light load: it is
         taken whole, not less their arrivals."""
-        measured = self.rate.per_s()
-        rate = measured or self.capacity()
+        rate = self.rate.per_s()
         if not rate:
-            return None
-        if not measured:
-            return rate
+            return self._bound()
         return max(rate - self.arrivals.above(priority), rate / 20)
 
     def limits(self, priority: Priority) -> Limits:

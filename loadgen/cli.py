@@ -290,10 +290,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         )
     requests = plan(workload, PromptMaker(a.tokenizer), trace)
     api_key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    base = a.url
     cfg = runner.RunConfig(
-        base_url=base,
-        model=a.model or discover_model(base, api_key),
+        base_url=a.url,
+        model=a.model or discover_model(a.url, api_key),
         api=a.api,
         timeout_s=a.timeout,
         max_concurrency=a.max_concurrency,

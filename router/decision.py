@@ -60,11 +60,7 @@ class ReleaseMode(StrEnum):
 
     @classmethod
     def of(cls, cmd: Release | None) -> ReleaseMode:
-        if cmd is None:
-            return cls.WAIT
-        if cmd.park:
-            return cls.PARK
-        return cls.SCATTER if cmd.scatter else cls.RETRACT if cmd.retract else cls.WAIT
+        return cls.WAIT if cmd is None else cls(cmd.kind)
 
     def command(self, epoch: int) -> Release:
         return Release(

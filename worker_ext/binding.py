@@ -278,7 +278,7 @@ class Binding:
             if not e.leader:
                 raise  # a follower's follow() aborts the epoch
             e.fail(exc)
-            self.error = f"epoch {e.epoch} aborted: {type(exc).__name__}: {without_sources(str(exc))[:200]}"
+            self.error = f"epoch {e.epoch} aborted: {_why(exc)}"
             log.error("engine %d: %s", self.index, self.error, exc_info=None if peer_lost(exc) else exc)
         # The group is gone mid-step. Finish this step alone (the scheduler needs its output), with every request
         # of the batch ending in an abort; the next step boundary ends the epoch (see on_step).
@@ -367,8 +367,7 @@ class Binding:
         """The group failed before anything moved into it: back to DP with the DP work as it was (paused work
         resumed, adoptable work never left), nothing aborted; the group's communicator is reset."""
         e = self.epoch
-        why = without_sources(str(exc))[:200]  # (a native library's message names its source file)
-        self.error = f"epoch {e.epoch if e else '?'} aborted before it began: {type(exc).__name__}: {why}"
+        self.error = f"epoch {e.epoch if e else '?'} aborted before it began: {_why(exc)}"
         log.error("engine %d: %s", self.index, self.error)
         if e is not None:
             self.pool.reset(e.group, e.epoch)
@@ -472,12 +471,16 @@ class Binding:
     def abort(self, exc: BaseException) -> None:
         """A member died or stalled: end the epoch here, abort this engine's TP requests, back to DP."""
         e = self.epoch
-        self.error = (
-            f"epoch {e.epoch if e else '?'} aborted: {type(exc).__name__}: {without_sources(str(exc))[:200]}"
-        )
+        self.error = f"epoch {e.epoch if e else '?'} aborted: {_why(exc)}"
         log.error("engine %d: %s", self.index, self.error, exc_info=None if peer_lost(exc) else exc)
         if e is not None:
             self.pool.reset(e.group, e.epoch)
             self.engine.drop_tp_requests()
             self.engine.end_group_lost(list(self.ownership.take_owned().values()))
             self._unbind("aborted")
+
+
+def _why(exc: BaseException) -> str:
+    """A failure as the heartbeat's ``switch_error`` says it: its type and message, without a native library's
+    source locations, at most 200 characters of it."""
+    return f"{type(exc).__name__}: {without_sources(str(exc))[:200]}"
