@@ -4,8 +4,10 @@ TTL), and rides out Redis losing its data or restarting."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -92,7 +94,9 @@ def test_drain_withdraws_readiness_then_waits_for_assigned_requests(sync_redis, 
     try:
         stop = threading.Event()
         sync_redis.sadd(keys.inflight(0), "a", "b")
-        t = threading.Thread(target=launch.keep_ready, args=(sync_redis, keys.ready(0), "L1", proc, stop))
+        t = threading.Thread(
+            target=launch.keep_ready, args=(sync_redis, keys.ready(0), "L1", proc, stop.is_set)
+        )
         t.start()
         wait_for(lambda: sync_redis.exists(keys.ready(0)), 2)
         stop.set()  # SIGTERM
@@ -227,3 +231,81 @@ def test_a_missing_model_directory_is_a_usage_error_in_words(capsys, tmp_path):
     with pytest.raises(SystemExit) as exited:
         launch.main(["--engine", "0", "--num-engines", "1", "--port", "1234", "--model-path", str(tmp_path / "no"), "--device", "cpu"])  # fmt: skip
     assert exited.value.code == 2 and "config.json (a model directory)" in capsys.readouterr().err
+
+
+def traced_lines(target, at: int | None, on_line) -> int:
+    """Run ``target`` in a thread, tracing the lines it runs in this launcher's module and in ``threading``;
+    call ``on_line()`` at line number ``at`` (as a signal handler would run there). Returns how many such lines
+    ran, or -1 when ``target`` was still running 2 s later."""
+    seen = [0]
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename not in (launch.__file__, threading.__file__):
+            return None
+        if event == "line":
+            if seen[0] == at:
+                on_line()
+            seen[0] += 1
+        return tracer
+
+    def traced():
+        sys.settrace(tracer)
+        try:
+            target()
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=traced, daemon=True)
+    t.start()
+    t.join(2)
+    return -1 if t.is_alive() else seen[0]
+
+
+def test_the_stop_signal_lands_at_any_line_of_the_ready_loop_and_it_still_ends(monkeypatch, sync_redis, keys):
+    """A signal handler runs between any two lines of the main thread, the launcher's among them. Called at each
+    line the ready-key loop runs (in this module and in threading), the SIGTERM handler returns, asks for a drain,
+    and the loop ends at its next refresh. (A handler that took a lock the interrupted code held, as
+    threading.Event.set does inside Event.wait, hung the launcher for good.)"""
+    monkeypatch.setattr(launch, "READY_REFRESH_S", 0.005)
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        calls = [0]
+
+        def twice() -> bool:  # a dry run: two refreshes, then stop
+            calls[0] += 1
+            return calls[0] > 2
+
+        lines = traced_lines(
+            lambda: launch.keep_ready(sync_redis, keys.ready(0), "L1", proc, twice), None, bool
+        )
+        assert lines > 5
+        for at in range(lines):
+            life = launch.Lifecycle()
+            life.serving()
+
+            def ready_loop(life=life):
+                assert launch.keep_ready(sync_redis, keys.ready(0), "L1", proc, life.is_draining) is None
+
+            def sigterm(life=life):
+                life.on_signal(signal.SIGTERM, None)
+
+            assert traced_lines(ready_loop, at, sigterm) >= 0, f"still waiting after a signal at line {at}"
+            assert life.is_draining()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_signal_or_one_before_serving_stops_the_launcher():
+    early = launch.Lifecycle()
+    with pytest.raises(SystemExit) as exc:
+        early.on_signal(signal.SIGTERM, None)
+    assert exc.value.code == 128 + signal.SIGTERM
+    life = launch.Lifecycle()
+    life.serving()
+    life.on_signal(signal.SIGINT, None)
+    assert life.is_draining()
+    with pytest.raises(SystemExit):
+        life.on_signal(signal.SIGINT, None)
+    life.cleaning_up()
+    life.on_signal(signal.SIGTERM, None)  # ignored while the launcher cleans up

@@ -21,13 +21,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from flying import cli, logs, redis_conn, settings
 from flying.keys import Keys
@@ -211,7 +214,11 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
         # process is joined, never stopped), so the launcher would wait out ready_timeout_s
         raise SystemExit(f"flying-worker: engine {cfg.engine}: cannot serve on {cfg.host}:{cfg.port}: {why}")
     keys = Keys(cfg.key_prefix)
-    r = redis_conn.sync_client(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    # one retry: its loops retry every READY_REFRESH_S, and redis-py's default (ten, backed off) would hold a
+    # refresh or a drain ~25 s against a Redis that does not answer
+    r = redis_conn.sync_client(
+        cfg.redis_url, socket_timeout=2, socket_connect_timeout=2, retry=Retry(NoBackoff(), 1)
+    )
     with contextlib.suppress(redis.RedisError):
         r.delete(keys.ready(cfg.engine))
     launch_id = uuid.uuid4().hex[:12]
@@ -223,37 +230,59 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
         env=sglang_env(cfg, launch_id),
         preexec_fn=dies_with(os.getpid(), signal.SIGKILL),
     )
-    draining = threading.Event()
-    ready = threading.Event()
-
-    def stop(signum, frame):
-        if ready.is_set() and not draining.is_set():  # first signal once serving: drain
-            draining.set()
-            return
-        _terminate(proc)
-        with contextlib.suppress(redis.RedisError):
-            r.delete(keys.ready(cfg.engine))
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    life = Lifecycle()
+    signal.signal(signal.SIGTERM, life.on_signal)
+    signal.signal(signal.SIGINT, life.on_signal)
     try:
         try:
             wait_healthy(proc, cfg.url, ready_timeout_s)
         except NotReady as exc:
             raise SystemExit(f"flying-worker: sglang: {exc}") from None
         print(f"flying-worker: engine {cfg.engine} ready at {cfg.url}", flush=True)
-        ready.set()
-        rc = keep_ready(r, keys.ready(cfg.engine), launch_id, proc, draining)
-        if draining.is_set():
+        life.serving()
+        rc = keep_ready(r, keys.ready(cfg.engine), launch_id, proc, life.is_draining)
+        if life.is_draining():
             drain(r, keys.ready(cfg.engine), keys.inflight(cfg.engine), proc, drain_grace_s)
             return 0
-        assert rc is not None  # keep_ready returns None only once stopped, and only draining stops it
+        if rc is None:  # keep_ready returns None only once stopped, and only draining stops it
+            raise RuntimeError("the ready key's refresh stopped without a drain")
         return rc
     finally:
+        life.cleaning_up()
         _terminate(proc)
         with contextlib.suppress(redis.RedisError):
             r.delete(keys.ready(cfg.engine))
+
+
+class Lifecycle:
+    """What the launcher's SIGTERM/SIGINT handler sees and changes: plain flags, no lock. The handler runs between
+    two bytecodes of the main thread, so a lock that code may hold at that moment (threading.Event's, a Redis
+    connection pool's, Popen.wait's) would deadlock the launcher if the handler took it too. The first signal once
+    serving asks for a drain; any other stops the launcher (SystemExit, whose cleanup stops the engine)."""
+
+    def __init__(self) -> None:
+        self._ready = False
+        self._draining = False
+        self._exiting = False
+
+    def serving(self) -> None:
+        self._ready = True
+
+    def cleaning_up(self) -> None:
+        """From now on a signal is ignored: the cleanup under way ends soon."""
+        self._exiting = True
+
+    def is_draining(self) -> bool:
+        return self._draining
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._exiting:
+            return
+        if self._ready and not self._draining:
+            self._draining = True
+            return
+        self._exiting = True
+        raise SystemExit(128 + signum)
 
 
 def drain(r: redis.Redis, ready_key: str, inflight_key: str, proc: subprocess.Popen, grace_s: float) -> int:
@@ -277,12 +306,17 @@ def drain(r: redis.Redis, ready_key: str, inflight_key: str, proc: subprocess.Po
 
 
 def keep_ready(
-    r: redis.Redis, key: str, launch_id: str, proc: subprocess.Popen, stop: threading.Event | None = None
+    r: redis.Redis,
+    key: str,
+    launch_id: str,
+    proc: subprocess.Popen,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> int | None:
-    """Refresh the ready key while ``proc`` lives (and until ``stop``); return its exit code (None: stopped).
+    """Refresh the ready key while ``proc`` lives (and until ``stopped()``); return its exit code (None: stopped).
+    It polls ``stopped`` every refresh, so a signal handler can stop it by setting a flag (no lock to take).
     Redis errors (an outage, a restart) are ridden out: the key is written again as soon as Redis answers."""
     down_since: float | None = None
-    while proc.poll() is None and not (stop is not None and stop.is_set()):
+    while proc.poll() is None and not stopped():
         try:
             r.set(key, launch_id, px=READY_TTL_MS)
             if down_since is not None:
@@ -294,10 +328,7 @@ def keep_ready(
             if down_since is None:
                 log.warning("redis unavailable (%r); retrying every %.2f s", exc, READY_REFRESH_S)
                 down_since = time.monotonic()
-        if stop is not None:
-            stop.wait(READY_REFRESH_S)
-        else:
-            time.sleep(READY_REFRESH_S)
+        time.sleep(READY_REFRESH_S)
     return proc.poll()
 
 
