@@ -17,10 +17,18 @@ from flying.messages import Priority, QueuedRequest, engine_rid, engine_rids
 from flying.prefix import block_hashes, encode_chain
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
+from gateway.engine_fields import StreamId
 from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
 from gateway.metrics import GatewayMetrics
 from gateway.resume import Resumable, upstream_body
-from gateway.schemas import NOT_RESUMABLE, ChatCompletionRequest, constrained, requested_max_tokens
+from gateway.schemas import (
+    NOT_RESUMABLE,
+    ChatCompletionRequest,
+    ServiceTier,
+    answer_tier,
+    constrained,
+    requested_max_tokens,
+)
 
 SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
 OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event loop
@@ -42,6 +50,7 @@ class Admitted:
     # seconds it may wait for its assignment beyond its class's budget: a long-context request of normal or low
     # priority, which the router holds for a calm period (up to twice its long_wait_s)
     patience_s: float = 0.0
+    service_tier: ServiceTier | None = None  # what a chat answer says it was served at (schemas.answer_tier)
 
     def renamed(self, rid: str) -> Admitted:
         """The same request under id ``rid`` (its record; SGLang runs it as ``<rid>~0``)."""
@@ -119,14 +128,17 @@ class Admission:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         patience = self._patience(record, beats)
         keep = req.logprobs or req.n > 1 or (not chat and req.echo) or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)  # fmt: skip
+        tier = answer_tier(req, priority)
         if not req.stream or keep:  # the engine's own endpoint
-            return Admitted(record, path, body, bool(req.stream), patience_s=patience)
+            return Admitted(record, path, body, bool(req.stream), patience_s=patience, service_tier=tier)
         up = upstream_body(body, chat, ids if isinstance(ids, list) else None)
         # a text prompt's ids come with the engine's first chunk
         known = up["prompt"] if isinstance(up["prompt"], list) else None
         decode = getattr(self.count_tokens, "decode", None) if up.get("skip_special_tokens", True) else None
-        resume = Resumable(up, max_tokens, chat=chat, prompt_ids=known, decode=decode)
-        return Admitted(record, "/v1/completions", up, True, resume, patience_s=patience)
+        resume = Resumable(
+            up, max_tokens, chat=chat, prompt_ids=known, decode=decode, stream_id=StreamId(tier=tier)
+        )
+        return Admitted(record, "/v1/completions", up, True, resume, patience_s=patience, service_tier=tier)
 
     def _patience(self, record: QueuedRequest, beats: list) -> float:
         """A request no engine holds alone, of normal or low priority, waits for a calm period up to the router's

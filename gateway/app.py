@@ -176,7 +176,7 @@ async def answer_one(request: Request, gw: Gateway, req, priority: Priority, t0:
         assert reply.unstarted is not None
         return RelayResponse(reply.stream, headers, reply.unstarted, disconnected)
     disconnected.cancel()
-    return json_reply(gw, reply, headers)
+    return json_reply(gw, reply, headers, schemas.answer_tier(req, priority))
 
 
 async def answer_response(
@@ -192,7 +192,7 @@ async def answer_response(
     if isinstance(served, Response):
         return served
     reply, headers, disconnected = served
-    draft = responses.Draft(asked)
+    draft = responses.Draft(asked, schemas.answer_tier(req, priority))
     if reply.stream is not None:
         assert reply.unstarted is not None
         return RelayResponse(responses.events(draft, reply.stream), headers, reply.unstarted, disconnected)
@@ -236,9 +236,10 @@ class EncodedJSON(JSONResponse):
         return _encode(content)
 
 
-def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
-    """A non-streaming answer as the client gets it: SGLang's extra fields removed, an engine's error in OpenAI's
-    shape (both kept as they are with ``raw_engine_fields``)."""
+def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str], tier: str | None = None) -> Response:
+    """A non-streaming answer as the client gets it: SGLang's extra fields removed, the ``service_tier`` it was
+    served at added (``tier``; a chat answer's), an engine's error in OpenAI's shape (all kept as they are with
+    ``raw_engine_fields``)."""
     raw = gw.config.raw_engine_fields
     if reply.raw is not None:
         content = reply.raw if raw else engine_fields.openai_error(reply.raw)
@@ -247,7 +248,7 @@ def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str]) -> Response:
         reply.body
         if raw
         else engine_fields.openai_error_doc(reply.body)
-        or engine_fields.clean(reply.body, headers.get("X-Request-Id"))
+        or engine_fields.clean(reply.body, headers.get("X-Request-Id"), tier)
     )
     return EncodedJSON(body, status_code=reply.status, headers=headers)
 

@@ -34,12 +34,15 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-def clean(doc: Any, request_id: str | None = None) -> Any:
+def clean(doc: Any, request_id: str | None = None, tier: str | None = None) -> Any:
     """``doc`` (a decoded response or chunk) without SGLang's fields and with the request's id (``request_id``,
-    the one ``X-Request-Id`` echoes; else the one its engine answered under), changed in place; returned."""
+    the one ``X-Request-Id`` echoes; else the one its engine answered under) and, given one, the ``service_tier``
+    it was served at, changed in place; returned."""
     strip(doc)
     if isinstance(doc, dict) and "id" in doc:
         doc["id"] = request_id if request_id is not None else public_id(doc["id"])
+        if tier is not None:
+            doc["service_tier"] = tier
     return doc
 
 
@@ -78,20 +81,25 @@ def strip(doc: Any) -> bool:
 
 class StreamId:
     """The one id every chunk of a stream carries, as OpenAI's do: the request's, or else its first chunk's
-    (SGLang streams each of ``n`` choices under an id of its own)."""
+    (SGLang streams each of ``n`` choices under an id of its own); and the ``service_tier`` a chat stream's chunks
+    carry (None: none)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("tier", "value")
 
-    def __init__(self, value: str | None = None) -> None:
+    def __init__(self, value: str | None = None, tier: str | None = None) -> None:
         # the request's id when known (SGLang names n > 1 choices' chunks its own way)
         self.value: Any = value
+        self.tier = tier
 
     def apply(self, event: Any) -> None:
-        """Give ``event`` the stream's id (the first non-empty one seen is the stream's, as :func:`public_id`)."""
+        """Give ``event`` the stream's id (the first non-empty one seen is the stream's, as :func:`public_id`)
+        and its tier."""
         if isinstance(event, dict) and "id" in event:
             if not self.value:
                 self.value = public_id(event["id"])
             event["id"] = self.value
+            if self.tier is not None:
+                event["service_tier"] = self.tier
 
 
 def clean_sse(line: str, stream_id: StreamId | None = None) -> tuple[bytes, Any]:

@@ -140,7 +140,7 @@ class Relay:
         ``max_attempts``); any other broken stream ends with an error event. One generator, reading ``resp``
         through coroutines: the hot path has no generator per layer."""
         state, error, batch = "cancelled", "client disconnected", first
-        stream_id = engine_fields.StreamId(adm.record.id)
+        stream_id = engine_fields.StreamId(adm.record.id, adm.service_tier)
         try:
             while True:
                 try:

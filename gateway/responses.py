@@ -196,8 +196,9 @@ def _message(item: Any, param: str) -> Message:
 class Draft:
     """What a response says about itself, apart from its output: ids, the request's echoed settings."""
 
-    def __init__(self, req: ResponsesRequest) -> None:
+    def __init__(self, req: ResponsesRequest, tier: str | None = None) -> None:
         self.req = req
+        self.tier = tier  # the service_tier it is served at (schemas.answer_tier)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = time.time()
@@ -214,7 +215,7 @@ class Draft:
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "temperature": req.temperature, "top_p": req.top_p, "tool_choice": "auto", "tools": [],
             "metadata": req.metadata or {}, "text": {"format": text_format(req)},
-            "truncation": req.truncation or "disabled", "usage": usage,
+            "truncation": req.truncation or "disabled", "usage": usage, "service_tier": self.tier,
         }  # fmt: skip
 
     def message(self, text: str | None, status: str) -> dict:

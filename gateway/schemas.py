@@ -25,6 +25,14 @@ PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 SERVICE_TIER_PRIORITY: dict[str, Priority] = {
     "priority": "high", "default": "normal", "auto": "normal", "scale": "normal", "flex": "low",
 }  # fmt: skip
+# the tier a chat answer says it was served at (OpenAI's ``service_tier`` in the response): its final priority's
+PRIORITY_TIER: dict[Priority, ServiceTier] = {"high": "priority", "normal": "default", "low": "flex"}
+
+
+def answer_tier(req: Any, priority: Priority) -> ServiceTier | None:
+    """The ``service_tier`` an answer to ``req`` served at ``priority`` carries: chat answers (and the Responses
+    API's) have the field, as OpenAI's do; completions have none."""
+    return PRIORITY_TIER[priority] if isinstance(req, ChatCompletionRequest) else None
 
 
 class TextPart(msgspec.Struct, kw_only=True):

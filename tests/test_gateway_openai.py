@@ -213,6 +213,35 @@ def test_the_priority_header_wins_over_service_tier(client, engine):
     assert engine.calls[-1][1]["priority"] == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_answer_names_the_tier_it_was_served_at(client, stream):
+    """As OpenAI's: ``service_tier`` in the answer and in every chunk, the one its final priority is (a header
+    that overrides the request's tier is what it was served at); completions have no such field."""
+    cases = [
+        ({"service_tier": "flex"}, {}, "flex"),
+        ({}, {}, "default"),
+        ({"service_tier": "auto"}, {}, "default"),
+        ({"service_tier": "flex"}, {"X-Priority": "high"}, "priority"),
+        ({"service_tier": "flex", "logprobs": True}, {}, "flex"),
+    ]  # fmt: skip (logprobs: not resumable)
+    for body, headers, tier in cases:
+        kwargs = dict(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                      extra_body=body, extra_headers=headers)  # fmt: skip
+        if stream:
+            chunks = list(client.chat.completions.create(**kwargs, stream=True))
+            assert chunks and {c.service_tier for c in chunks} == {tier}, (body, headers)
+            for c in chunks:
+                no_extras(c)
+        else:
+            answer = client.chat.completions.create(**kwargs)
+            assert answer.service_tier == tier, (body, headers)
+            no_extras(answer)
+    done = client.completions.create(
+        model="tiny-llama", prompt="hi", max_tokens=2, extra_body={"service_tier": "flex"}
+    )
+    assert "service_tier" not in done.model_dump(exclude_unset=True)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [({"best_of": 3}, "best_of"), ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {}}, "audio"),

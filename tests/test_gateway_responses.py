@@ -107,10 +107,13 @@ def test_refused_fields_sent_as_null_are_accepted(http):
 def test_the_priority_header_and_service_tier_apply(client, engine):
     client.responses.create(model="tiny-llama", input="hi", extra_headers={"X-Priority": "high"})
     assert engine.calls[-1][1]["priority"] == 2
-    client.responses.create(
+    out = client.responses.create(
         model="tiny-llama", input="hi", service_tier="flex", store=True, metadata={"a": "b"}
     )
     assert engine.calls[-1][1]["priority"] == 0
+    assert out.service_tier == "flex", "the tier it was served at"
+    events = list(client.responses.create(model="tiny-llama", input="hi", stream=True, extra_headers={"X-Priority": "high"}))  # fmt: skip
+    assert {e.response.service_tier for e in events if hasattr(e, "response")} == {"priority"}
 
 
 @pytest.mark.parametrize(

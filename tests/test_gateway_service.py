@@ -39,12 +39,12 @@ EVENTS[-1]["choices"][0]["finish_reason"] = "length"
 
 
 def chat_chunks(words=WORDS) -> list[dict]:
-    """What the client gets: chat chunks under the first event's id, the role first."""
+    """What the client gets: chat chunks under the first event's id, the role first, at the tier served."""
     out = []
     for i, w in enumerate(words):
         delta = {"role": "assistant", "content": w} if i == 0 else {"content": w}
         finish = "length" if i == len(WORDS) - 1 else None
-        out.append({"id": "c0", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})  # fmt: skip
+        out.append({"id": "c0", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], "service_tier": "default"})  # fmt: skip
     return out
 
 
