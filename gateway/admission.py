@@ -35,6 +35,9 @@ OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event lo
 # SGLang refuses a prompt of min(context length, KV) - 6 tokens or more (its scheduler's max_req_input_len), after
 # the request has waited its turn: the gateway refuses it at the door instead
 PROMPT_RESERVE = 7
+# SGLang ends a request's output 2 tokens short of min(context length, KV): its max_req_len is that minus 1, and its
+# scheduler caps max_new_tokens at max_req_len - prompt - 1; the gateway admits only what the engine will produce
+OUTPUT_RESERVE = 2
 PATIENCE_MARGIN_S = 30.0  # beyond twice long_wait_s: a group binds and prefills before its assignment
 
 
@@ -179,12 +182,14 @@ class Admission:
                 f"{limit - PROMPT_RESERVE}; the prompt has {prompt} tokens.",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
+        room = limit - OUTPUT_RESERVE  # prompt + completion
         if asked is None:
-            return self._within(req, min(self.config.default_max_tokens, limit - prompt), "the default")
-        if prompt + asked > limit:
+            return self._within(req, min(self.config.default_max_tokens, room - prompt), "the default")
+        if prompt + asked > room:
             raise ContextTooLong(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt + asked} tokens ({prompt} in the prompt, {asked} in the completion).",
+                f"This model's maximum context length is {limit} tokens, of which a request may use {room} (prompt "
+                f"and completion). However, you requested {prompt + asked} tokens ({prompt} in the prompt, {asked} "
+                "in the completion).",
                 param=param,
             )
         return self._within(req, asked, param)

@@ -190,6 +190,10 @@ def constrained(req: object) -> bool:
 
 
 MAX_N = 16  # choices per request (each holds its own KV for its output)
+# SGLang's "whole vocabulary" top_k (sampling_params.TOP_K_ALL); its sampler holds top_k in an int32 tensor, so a
+# larger one stopped the engine's scheduler with an overflow, killing every request on it
+TOP_K_MAX = 1 << 30
+MAX_LOGPROBS = 20  # top log-probabilities per token (a completion's logprobs, a chat's top_logprobs)
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 _AT = re.compile(r"at `\$\.?([^`]*)`")
 
@@ -206,7 +210,12 @@ def decode_struct(body: bytes, type_: type[msgspec.Struct], refused: dict[str, s
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=type_)
+        try:
+            return msgspec.json.decode(body, type=type_)
+        except msgspec.ValidationError:
+            if (without := _without_nulls(body)) is None:
+                raise
+            return msgspec.convert(without, type=type_)
     except msgspec.ValidationError as exc:
         msg = str(exc)
         if u := _UNKNOWN.search(msg):
@@ -227,6 +236,19 @@ def decode_struct(body: bytes, type_: type[msgspec.Struct], refused: dict[str, s
         raise InvalidRequest("request body is nested too deeply to be read") from None
     except ValueError as exc:  # UnicodeDecodeError (invalid UTF-8) and any other decoding failure
         raise InvalidRequest(f"request body is not valid UTF-8 JSON: {exc}") from None
+
+
+def _without_nulls(body: bytes) -> dict | None:
+    """The body's object without its top-level nulls (None when it has none): OpenAI's optional fields sent as
+    null mean their defaults (``stream``, ``n``, ``audio``, ...), as clients that send every field do. Tried only
+    when the body does not fit as it is, so a valid request pays nothing for it."""
+    try:
+        doc = msgspec.json.decode(body)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or None not in doc.values():
+        return None
+    return {k: v for k, v in doc.items() if v is not None}
 
 
 _EXPECTED = re.compile(r"Expected `([^`]*)`, got `([^`]*)`")
@@ -347,9 +369,11 @@ def _check_extensions(req: _Sampling) -> None:
                     f"logit_bias values must be between -100 and 100; got {bias!r} for {key}",
                     param="logit_bias",
                 )
-    if req.top_k is not None and not (_is_int(req.top_k) and (req.top_k == -1 or req.top_k >= 1)):
+    if req.top_k is not None and not (
+        _is_int(req.top_k) and (req.top_k == -1 or 1 <= req.top_k <= TOP_K_MAX)
+    ):
         raise InvalidRequest(
-            f"top_k must be -1 (off) or a positive integer; got {req.top_k!r}", param="top_k"
+            f"top_k must be -1 (off) or an integer from 1 to {TOP_K_MAX}; got {req.top_k!r}", param="top_k"
         )
     if req.min_tokens is not None and not (_is_int(req.min_tokens) and req.min_tokens >= 0):
         raise InvalidRequest(
@@ -372,8 +396,8 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise InvalidRequest("messages must contain at least one message", param="messages")
     if all(not m.text() for m in req.messages):
         raise InvalidRequest("no message has any content", param="messages")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("logprobs must be true when top_logprobs is used", param="top_logprobs")
     if req.modalities is not None and req.modalities != ["text"]:
@@ -429,6 +453,13 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of 
 def check_completion(req: CompletionRequest) -> None:
     check_sampling(req)
     prompts(req.prompt)
+    # more than the vocabulary stopped the engine's scheduler (top-k over the vocabulary: index out of range)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"logprobs must be between 0 and {MAX_LOGPROBS} (the most likely tokens to return at each position); "
+            f"got {req.logprobs}",
+            param="logprobs",
+        )
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest(
             f"best_of must equal n (every sequence generated is returned); got best_of={req.best_of}, n={req.n}",

@@ -11,7 +11,7 @@ import pytest
 
 from flying.messages import Heartbeat
 from flying.prefix import block_hashes, decode_chain, key_hash
-from gateway.admission import PROMPT_RESERVE, Admission, Admitted
+from gateway.admission import OUTPUT_RESERVE, PROMPT_RESERVE, Admission, Admitted
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
 from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
@@ -55,7 +55,7 @@ ENGINE = Heartbeat(
 
 
 def admission(beats=(ENGINE,), router: bool = True, counter=None, **config) -> Admission:
-    cfg = GatewayConfig(model_path="unused", default_max_tokens=16, **config)
+    cfg = GatewayConfig(model_path="unused", **({"default_max_tokens": 16} | config))
     return Admission(cfg, FakeCluster(list(beats), router), counter or CountWords())  # type: ignore[arg-type]
 
 
@@ -101,7 +101,7 @@ async def test_a_fresh_id_when_none_is_given_and_the_default_max_tokens_within_t
     assert a.record.id != b.record.id and len(a.record.id) == 32
     assert a.record.max_tokens == 16, "the default"
     long = await admission().admit(chat(messages=[{"role": "user", "content": "w " * 50}]), "normal")
-    assert long.record.max_tokens == 64 - 53, "what the context has left"
+    assert long.record.max_tokens == 64 - OUTPUT_RESERVE - 53, "what the context has left"
 
 
 async def test_a_streaming_chat_request_travels_as_a_resumable_token_id_completion():
@@ -215,6 +215,20 @@ async def test_logit_bias_names_token_ids_of_the_vocabulary():
     with pytest.raises(InvalidRequest, match=r"vocabulary \(0 to 1023\); got 99999999") as caught:
         await counted.admit(chat(logit_bias={"12": 1, "99999999": 5}), "normal")
     assert caught.value.param == "logit_bias"
+
+
+async def test_prompt_and_completion_fit_in_what_sglang_will_produce():
+    """SGLang ends an output 2 tokens short of the context (max_req_len = context - 1, output < max_req_len -
+    prompt): a request admitted gets every token it asked for, one that asks for more is refused at the door."""
+    prompt = list(range(40))
+    room = 64 - OUTPUT_RESERVE - len(prompt)
+    ok = await admission().admit(completion(prompt=prompt, max_tokens=room), "normal")
+    assert ok.record.max_tokens == ok.body["max_tokens"] == room
+    with pytest.raises(ContextTooLong, match=f"a request may use {64 - OUTPUT_RESERVE}") as caught:
+        await admission().admit(completion(prompt=prompt, max_tokens=room + 1), "normal")
+    assert caught.value.param == "max_tokens"
+    default = await admission(default_max_tokens=10_000).admit(completion(prompt=prompt), "normal")
+    assert default.record.max_tokens == room, "the default fits too"
 
 
 async def test_a_prompt_within_the_last_tokens_that_sglang_keeps_is_refused_at_the_door():

@@ -100,7 +100,7 @@ def test_a_json_schema_text_format_becomes_the_chats_response_format(client, eng
 
 
 def test_refused_fields_sent_as_null_are_accepted(http):
-    body = {"model": "tiny-llama", "input": "hi", "previous_response_id": None, "conversation": None, "background": False}  # fmt: skip
+    body = {"model": "tiny-llama", "input": "hi", "previous_response_id": None, "conversation": None, "background": False, "stream": None}  # fmt: skip
     assert http.post("/v1/responses", json=body).status_code == 200
 
 

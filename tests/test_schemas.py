@@ -57,6 +57,8 @@ def test_type_errors_name_the_parameter(body, param):
         ('"top_k": -5', "top_k"),
         ('"top_k": 0', "top_k"),
         ('"top_k": 2.5', "top_k"),
+        ('"top_k": 100000000000000', "top_k"),  # over int32: it stopped the engine's scheduler
+        ('"top_k": 1073741825', "top_k"),
         ('"min_p": 1.5', "min_p"),
         ('"repetition_penalty": -1', "repetition_penalty"),
         ('"repetition_penalty": "x"', "repetition_penalty"),
@@ -72,6 +74,45 @@ def test_value_errors_name_the_parameter(extra, param):
     with pytest.raises(InvalidRequest) as exc:
         chat(body)
     assert exc.value.param == param
+
+
+def test_top_k_up_to_sglangs_whole_vocabulary_value_passes():
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": 1073741824}'
+    assert chat(body).top_k == 1 << 30
+
+
+@pytest.mark.parametrize("logprobs", [-1, 21, 100000])
+def test_a_completions_logprobs_beyond_the_bound_is_refused(logprobs):
+    """More than the vocabulary stopped the engine's scheduler (and every request on it): refused at the door."""
+    req = schemas.decode(
+        msgspec.json.encode({"model": "m", "prompt": "x", "logprobs": logprobs}), schemas.CompletionRequest
+    )
+    with pytest.raises(InvalidRequest, match="logprobs must be between 0 and 20") as exc:
+        schemas.check_completion(req)
+    assert exc.value.param == "logprobs"
+    ok = schemas.decode(b'{"model": "m", "prompt": "x", "logprobs": 20}', schemas.CompletionRequest)
+    schemas.check_completion(ok)
+
+
+def test_optional_fields_sent_as_null_mean_their_defaults():
+    """Clients that send every field send OpenAI's optional ones as null: accepted as if absent, refused fields
+    included; a body that is wrong apart from its nulls is told what is wrong."""
+    nulls = {"stream": None, "n": None, "audio": None, "prediction": None, "web_search_options": None,
+             "stream_options": None, "temperature": None}  # fmt: skip
+    req = chat(msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "x"}], **nulls}))
+    assert req.stream is False and req.n == 1
+    done = schemas.decode(
+        b'{"model": "m", "prompt": "x", "stream": null, "n": null}', schemas.CompletionRequest
+    )
+    assert done.stream is False and done.n == 1
+    with pytest.raises(InvalidRequest) as exc:
+        chat(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": null, "n": "2"}')
+    assert exc.value.param == "n"
+    with pytest.raises(InvalidRequest, match="audio is not supported here") as exc:
+        chat(
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": null, "audio": {"voice": "a"}}'
+        )
+    assert exc.value.param == "audio"
 
 
 def test_empty_messages_are_rejected():

@@ -128,6 +128,11 @@ HOSTILE = [
         400,
     ),
     ("nested garbage", b'{"model": "tiny-llama", "messages": [[[[[]]]]]}', 400),
+    (
+        "top_k over int32 (it stopped the engine's scheduler)",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_k": 100000000000000}',
+        400,
+    ),
 ]
 
 
@@ -163,6 +168,32 @@ def test_bad_priority_header(cluster):
         timeout=30,
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "X-Priority"
+
+
+def test_completion_logprobs_over_the_vocabulary_is_refused_not_run(cluster):
+    """The engine's scheduler stopped on it (top-k over the vocabulary), and the retry stopped the next engine."""
+    resp = httpx.post(
+        cluster.config.gateway_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 100000},
+        timeout=30,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "logprobs", resp.text
+
+
+def test_a_request_that_fills_the_context_gets_every_token_it_was_admitted_for(cluster):
+    """SGLang stops an output 2 tokens short of the context: the gateway admits prompt + max_tokens up to that,
+    and the engine then produces all of them."""
+    prompt = [5] * 3000
+    url = cluster.config.gateway_url + "/v1/completions"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 100_000, "ignore_eos": True, "temperature": 0}
+    refused = httpx.post(url, json=body, timeout=30)
+    assert refused.status_code == 400, refused.text
+    room = int(re.search(r"a request may use (\d+)", refused.json()["error"]["message"]).group(1))
+    fits = room - len(prompt)
+    assert httpx.post(url, json=body | {"max_tokens": fits + 1}, timeout=30).status_code == 400
+    answer = httpx.post(url, json=body | {"max_tokens": fits}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == fits, "every token admitted, none cut short"
 
 
 def test_gateway_healthy_and_queue_clean_after_hostile_traffic(cluster):
