@@ -201,7 +201,7 @@ class Draft:
         self.tier = tier  # the service_tier it is served at (schemas.answer_tier)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
-        self.created_at = time.time()
+        self.created_at = int(time.time())  # seconds, an integer as OpenAI's
 
     def response(
         self, status: str, output: list[dict], usage: dict | None, finish: str | None = None

@@ -141,7 +141,12 @@ def _parser() -> argparse.ArgumentParser:
         default="normal=1",
         help=f"shares of the classes {', '.join(PRIORITIES)}, e.g. high=0.2,normal=0.8",
     )
-    m.add_argument("--long-share", type=float, default=0.0, help="share of long-context requests")
+    m.add_argument(
+        "--long-share",
+        type=float,
+        default=0.0,
+        help="share of long-context requests (in sessions: of turns whose message is long)",
+    )
     m.add_argument(
         "--long-input-tokens", type=_words(Lengths.parse), default="2048:4096", help="their prompt tokens"
     )

@@ -209,7 +209,12 @@ def _sessions(
     for k in range(w.num_requests):
         prio = str(rng.choice(names, p=shares))
         for t in range(s.turns):
-            n_in, n_out = w.input_tokens.sample(rng), w.output_tokens.sample(rng)
+            # a turn's message is long at long_share (a pasted document): the session's later turns carry it too
+            long = w.long_share > 0 and rng.random() < w.long_share
+            n_in = (w.long_input_tokens if long else w.input_tokens).sample(rng)
+            n_out = w.output_tokens.sample(rng)
             turn = Turn(k, t, systems[k % len(systems)])
-            out.append(PlannedRequest(float(times[k]), prio, prompts(n_in, rng), n_out, n_in, turn=turn))
+            out.append(
+                PlannedRequest(float(times[k]), prio, prompts(n_in, rng), n_out, n_in, long, turn=turn)
+            )
     return out

@@ -58,6 +58,11 @@ class TargetResult:
     ratios: tuple[float, ...]  # one per seed (NaN: a metric the seed's run has no value for)
 
     @property
+    def measured(self) -> int:
+        """Seeds whose run has a value for the target (a short run may reach no burst)."""
+        return sum(1 for x in self.ratios if not math.isnan(x))
+
+    @property
     def met_seeds(self) -> int:
         return sum(1 for x in self.ratios if self.target.meets(x, self.target.seed_bound))
 
@@ -97,8 +102,13 @@ def seeds_table(results: Sequence[TargetResult], seeds: Sequence[int]) -> str:
     for r in results:
         t = r.target
         op = ">=" if t.higher else "<="
+        bounds = f"{op} {t.mean_bound:.2f} / {op} {t.seed_bound:.2f}"
+        if not r.measured:
+            lines.append(f"| {t.what} | {bounds} | not measured | - | - | not measured |")
+            continue
+        unmeasured = len(seeds) - r.measured
+        met = f"{r.met_seeds} of {len(seeds)}" + (f" ({unmeasured} not measured)" if unmeasured else "")
         lines.append(
-            f"| {t.what} | {op} {t.mean_bound:.2f} / {op} {t.seed_bound:.2f} | {r.met_seeds} of {len(seeds)} "
-            f"| {r.mean:.3f} | {r.worst:.3f} | {'yes' if r.met else 'no'} |"
+            f"| {t.what} | {bounds} | {met} | {r.mean:.3f} | {r.worst:.3f} | {'yes' if r.met else 'no'} |"
         )
     return "\n".join(lines)

@@ -25,6 +25,7 @@ def test_a_text_response(client, engine):
     )
     no_extras(out)
     assert out.status == "completed" and out.output_text == " w0 w1 w2"
+    assert float(out.created_at).is_integer(), "whole seconds, as OpenAI's (the SDK types it a float)"
     assert (
         out.usage.input_tokens == 2 + 3 + 2 and out.usage.output_tokens == 3 and out.usage.total_tokens == 10
     )

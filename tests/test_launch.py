@@ -309,3 +309,37 @@ def test_a_second_signal_or_one_before_serving_stops_the_launcher():
         life.on_signal(signal.SIGINT, None)
     life.cleaning_up()
     life.on_signal(signal.SIGTERM, None)  # ignored while the launcher cleans up
+
+
+SERVES_THEN_EXITS = """
+import http.server, sys, threading, time
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+s = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+threading.Thread(target=s.serve_forever, daemon=True).start()
+time.sleep(1.5)
+sys.exit(3)
+"""
+
+
+def test_the_launcher_says_when_its_sglang_server_stops_and_exits_with_its_code(
+    monkeypatch, redis_server, sync_redis, keys, caplog
+):
+    port = free_port()
+    cfg = launch.WorkerConfig(engine=2, num_engines=4, model_path="m", port=port, redis_url=redis_server.url,
+                              key_prefix=keys.prefix)  # fmt: skip
+    monkeypatch.setattr(
+        launch, "sglang_command", lambda c: [sys.executable, "-c", SERVES_THEN_EXITS, str(c.port)]
+    )
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with caplog.at_level("ERROR", logger="flying.worker"):
+            assert launch.run(cfg, ready_timeout_s=20) == 3
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert "engine 2: the SGLang server stopped (exit code 3)" in caplog.text
+    assert not sync_redis.exists(keys.ready(2)), "no longer ready"

@@ -1,3 +1,4 @@
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -104,6 +105,20 @@ def test_sessions_plan_every_turn_with_its_sessions_system_prompt():
     assert all(len(r.prompt.split()) == 6 for r in reqs)
     no_system = plan(Workload(num_requests=2, sessions=Sessions(system_prompts=0, turns=2)))
     assert {r.turn.system for r in no_system} == {""}
+
+
+def test_sessions_have_long_turns_at_the_long_share():
+    from loadgen.workload import Sessions
+
+    w = Workload(num_requests=40, input_tokens=Lengths("fixed", 6, 6), long_share=0.25,
+                 long_input_tokens=Lengths("fixed", 300, 300), sessions=Sessions(system_prompts=2, turns=3))  # fmt: skip
+    reqs = plan(w)
+    long = [r for r in reqs if r.long]
+    assert 10 <= len(long) <= 50 and {r.input_tokens for r in long} == {300}
+    assert all(len(r.prompt.split()) == 300 for r in long) and all(r.turn is not None for r in long)
+    assert {r.input_tokens for r in reqs if not r.long} == {6}
+    short = plan(dataclasses.replace(w, long_share=0.0))
+    assert not any(r.long for r in short), "none without a long share"
 
 
 def test_bad_sessions_and_a_trace_replayed_as_sessions_are_refused():

@@ -40,6 +40,24 @@ def test_a_target_is_met_by_its_mean_and_by_every_seed():
     )
 
 
+def test_a_target_no_seed_could_measure_is_said_so_not_failed():
+    """A short run reaches no burst: its burst target is not measured (NaN), not missed."""
+    runs = {
+        0: summary(0.9, 0.95, math.nan, 1.02),
+        1: summary(1.0, 1.0, math.nan, 1.0),
+        2: summary(1.0, 1.0, 1.0, 1.0),
+    }
+    results, _ = over_seeds([0, 1], runs.__getitem__)
+    table = seeds_table(results, [0, 1])
+    assert (
+        "| P90 TTFT at burst, dynamic / static DP | <= 1.05 / <= 1.10 | not measured | - | - | not measured |"
+        in table
+    )
+    assert "nan" not in table
+    some, _ = over_seeds([0, 2], runs.__getitem__)
+    assert "| 1 of 2 (1 not measured) | 1.000 | 1.000 | no |" in seeds_table(some, [0, 2])
+
+
 def test_flying_sim_seeds_writes_the_targets_table(tmp_path, capsys):
     from sim.cli import main
 

@@ -246,6 +246,8 @@ def run(cfg: WorkerConfig, ready_timeout_s: float = 300, drain_grace_s: float = 
             return 0
         if rc is None:  # keep_ready returns None only once stopped, and only draining stops it
             raise RuntimeError("the ready key's refresh stopped without a drain")
+        how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+        log.error("engine %d: the SGLang server stopped (%s); the launcher exits with it", cfg.engine, how)
         return rc
     finally:
         life.cleaning_up()
