@@ -54,7 +54,7 @@ class Deployment:
         hb.start()
         stop_ready = threading.Event()
         r = redis_conn.sync_client(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
-        args = (r, self.keys.ready(i), "L", proc, stop_ready)
+        args = (r, self.keys.ready(i), "L", proc, stop_ready.is_set)
         threading.Thread(target=launch.keep_ready, args=args, daemon=True).start()
         self.engines.append(Engine(proc, url, hb, stop_ready))
         return self.engines[-1]
