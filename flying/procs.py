@@ -99,6 +99,12 @@ def stop_all(procs: list[subprocess.Popen[bytes] | None], timeout_s: float = 15)
         stop(proc, timeout_s=timeout_s)
 
 
+# SGLang's /health generates one token and answers a second after it asked (it sleeps 1 s, then looks): a try must
+# wait longer than that (with a 1-s timeout the answer raced the client's timer, and a worker could stay "not ready"
+# for minutes while its server was up)
+HEALTH_TRY_S = 5.0
+
+
 def wait_healthy(
     proc: subprocess.Popen[bytes] | None, url: str, timeout_s: float, path: str = "/health"
 ) -> None:
@@ -108,7 +114,8 @@ def wait_healthy(
         if proc is not None and proc.poll() is not None:
             raise NotReady(f"process exited with code {proc.returncode} before {url} was ready")
         try:
-            if httpx.get(url + path, timeout=1).status_code == 200:
+            try_s = min(HEALTH_TRY_S, max(deadline - time.monotonic(), 0.1))
+            if httpx.get(url + path, timeout=try_s).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

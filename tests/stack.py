@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import redis
 import uvicorn
 
@@ -104,6 +105,19 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+def gateway_on_port(port: str) -> psutil.Process:
+    """The gateway process serving ``port`` among this test run's descendants (a full run has other gateways
+    alive; a child another test left unreaped is a zombie, without a command line, and is skipped)."""
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "gateway.main" in cmd and f"--port {port} " in f"{cmd} ":
+            return p
+    raise LookupError(f"no gateway process serves port {port}")
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from flying.keys import Keys
 from gateway.config import GatewayConfig
 from gateway.connections import ConnectionLimits, raw_response
 from gateway.errors import HeadersTooLarge
-from tests.stack import gateway_process
+from tests.stack import gateway_on_port, gateway_process
 
 MAX_CONNECTIONS = 8
 ARGS = ("--max-header-bytes", "4096", "--max-header-count", "20", "--max-url-bytes", "1024",
@@ -189,13 +189,8 @@ def stalled_gateway(redis_server, tiny_model, tmp_path_factory) -> Iterator[tupl
     logs = tmp_path_factory.mktemp("stall")
     timeouts = ("--keep-alive-timeout-s", str(STALL_TIMEOUT_S), "--header-timeout-s", str(STALL_TIMEOUT_S))
     with gateway_process(redis_server.url, keys, tiny_model, logs, args=timeouts) as url:
-        port = url.rsplit(":", 1)[1]  # this test's gateway (a full run has other gateways alive)
-        gw = next(
-            p
-            for p in psutil.Process().children(recursive=True)
-            if "gateway.main" in (cmd := " ".join(p.cmdline())) and f"--port {port} " in f"{cmd} "
-        )
-        yield int(port), gw
+        port = url.rsplit(":", 1)[1]
+        yield int(port), gateway_on_port(port)
 
 
 def response_or_error(s: socket.socket) -> int | str:

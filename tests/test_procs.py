@@ -3,6 +3,7 @@ parent."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -12,9 +13,13 @@ import sys
 import time
 
 import pytest
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
 
 from flying import procs
 from flying.parent_death import dies_with
+from tests.stack import ServerThread
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
@@ -82,3 +87,18 @@ def test_spawned_from_the_main_thread_it_dies_with_its_parent_killed_by_sigkill(
         for pid in (main_child, thread_child):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_health_endpoint_that_answers_after_a_second_is_seen_ready():
+    """SGLang's /health answers a second after it is asked (it generates a token, sleeps 1 s, then looks); a
+    readiness poll that gave each try one second raced that answer and could miss it for minutes."""
+
+    async def slow_health(request):
+        await asyncio.sleep(1)
+        return Response(status_code=200)
+
+    app = Starlette(routes=[Route("/health", slow_health), Route("/up", lambda r: Response(status_code=200))])
+    with ServerThread(app, health_path="/up") as server:
+        t0 = time.monotonic()
+        procs.wait_healthy(None, server.url, 10)
+        assert time.monotonic() - t0 < 3

@@ -8,7 +8,6 @@ import signal
 import time
 
 import httpx
-import psutil
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -23,7 +22,7 @@ from gateway.auth import RequireKey
 from gateway.errors import QueueFullError
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import OverPriority, PriorityNotAllowed, Tenant, Tenants, read_book
-from tests.stack import gateway_process
+from tests.stack import gateway_on_port, gateway_process
 from tests.test_gateway_waiting import admitted, room  # noqa: F401 - the fixture
 from tests.test_queue import mk
 
@@ -198,12 +197,7 @@ def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_
             f"{url}/v1/chat/completions", json=body, headers={**b, "X-Priority": "high"}
         ).is_success
         f.write_text('[[tenant]]\nname = "c"\nkey = "kc"\nmax_priority = "low"\nover_priority = "refuse"\n')
-        port = url.rsplit(":", 1)[1]  # this test's gateway (a full run has other gateways alive)
-        gw = next(
-            p
-            for p in psutil.Process().children(recursive=True)
-            if "gateway.main" in (cmd := " ".join(p.cmdline())) and f"--port {port} " in f"{cmd} "
-        )
+        gw = gateway_on_port(url.rsplit(":", 1)[1])
         gw.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
         while httpx.get(f"{url}/v1/models", headers=a).status_code != 401:
