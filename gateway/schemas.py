@@ -295,8 +295,8 @@ def check_sampling(req: _Sampling) -> None:
         raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
     if req.temperature is not None and not 0 <= req.temperature <= 2:
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
-    if req.top_p is not None and not 0 < req.top_p <= 1:
-        raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+    if req.top_p is not None and not 0 <= req.top_p <= 1:
+        raise InvalidRequest("top_p must be between 0 and 1", param="top_p")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if v is not None and not -2 <= v <= 2:
@@ -519,9 +519,12 @@ def split_prompts(req: CompletionRequest) -> list[CompletionRequest]:
 
 
 def for_engine(req: _Sampling) -> _Sampling:
-    """``req`` without the fields the gateway accepts but does not forward (:data:`GATEWAY_ONLY`)."""
-    drop = {f: None for f in GATEWAY_ONLY if getattr(req, f, None) is not None}
-    return msgspec.structs.replace(req, **drop) if drop else req
+    """``req`` without the fields the gateway accepts but does not forward (:data:`GATEWAY_ONLY`); ``top_p`` 0,
+    which OpenAI takes as "the most likely token only" and SGLang refuses, as ``top_k`` 1."""
+    change: dict[str, Any] = {f: None for f in GATEWAY_ONLY if getattr(req, f, None) is not None}
+    if req.top_p == 0:
+        change.update(top_p=None, top_k=1)
+    return msgspec.structs.replace(req, **change) if change else req
 
 
 def requested_max_tokens(req: _Sampling) -> tuple[int | None, str]:

@@ -40,6 +40,20 @@ class WorkerUnavailable(Exception):
         self.engine_fault, self.counted = engine_fault, counted
 
 
+def unreachable(exc: BaseException) -> str:
+    """Why an engine could not be reached, in words and without its address (the message reaches clients; the
+    engine's number, which the callers add, is what ``flyctl status`` lists)."""
+    if isinstance(exc, TimeoutError):
+        return "the engine did not answer in time"
+    if isinstance(exc, ConnectionRefusedError):
+        return "the engine refused the connection"
+    if isinstance(exc, ConnectionResetError):
+        return f"the engine's connection ended: {exc}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"the engine could not be reached ({exc.strerror})"
+    return f"the engine could not be reached ({type(exc).__name__})"
+
+
 class StreamBroken(Exception):
     """The engine's connection failed or closed in the middle of a response."""
 
@@ -331,7 +345,7 @@ class Upstream:
                 if conn is not None:
                     conn.close()
                 if not reused:
-                    raise WorkerUnavailable(f"{url}: {exc!r}") from exc
+                    raise WorkerUnavailable(unreachable(exc)) from exc
             except BaseException:  # cancelled (its client left): a connection mid-request cannot be reused
                 if conn is not None:
                     conn.close()
@@ -348,7 +362,7 @@ class Upstream:
         try:
             await resp.aread()
         except StreamBroken as exc:
-            raise WorkerUnavailable(f"{url}: {exc}") from exc
+            raise WorkerUnavailable(str(exc)) from exc
         except BaseException:  # cancelled (its client left) with the answer half read: not reusable
             await resp.aclose()
             raise

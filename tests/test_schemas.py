@@ -42,7 +42,8 @@ def test_type_errors_name_the_parameter(body, param):
         ('"n": 17', "n"),
         ('"temperature": -1', "temperature"),
         ('"temperature": 3', "temperature"),
-        ('"top_p": 0', "top_p"),
+        ('"top_p": -0.1', "top_p"),
+        ('"top_p": 1.5', "top_p"),
         ('"presence_penalty": 9', "presence_penalty"),
         ('"stop": ["a", "b", "c", "d", "e"]', "stop"),
         ('"stop": ""', "stop"),
@@ -74,6 +75,16 @@ def test_value_errors_name_the_parameter(extra, param):
     with pytest.raises(InvalidRequest) as exc:
         chat(body)
     assert exc.value.param == param
+
+
+def test_top_p_zero_is_the_most_likely_token_as_openai_takes_it():
+    req = chat(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0, "top_k": 50}')
+    sent = msgspec.to_builtins(schemas.for_engine(req))
+    assert sent["top_k"] == 1 and "top_p" not in sent  # SGLang refuses top_p 0; top_k 1 is the same choice
+    kept = schemas.for_engine(
+        chat(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0.5}')
+    )
+    assert kept.top_p == 0.5 and kept.top_k is None
 
 
 def test_top_k_up_to_sglangs_whole_vocabulary_value_passes():

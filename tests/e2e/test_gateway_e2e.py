@@ -224,6 +224,16 @@ def test_greedy_text_identical_to_a_stock_sglang_server(oai, stock_server):
         assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
 
 
+def test_top_p_zero_answers_the_greedy_text(oai, stock_server):
+    """OpenAI takes ``top_p`` 0 (SGLang refuses it): the gateway sends it as ``top_k`` 1, the greedy choice."""
+    stock = openai.OpenAI(base_url=stock_server + "/v1", api_key="unused", max_retries=0)
+    ours = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=1.0, top_p=0
+    )
+    theirs = stock.chat.completions.create(model="x", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert ours.choices[0].message.content == theirs.choices[0].message.content
+
+
 def test_streamed_greedy_text_identical_to_a_stock_sglang_server(oai, stock_server):
     """A streaming chat request travels upstream as a token-id completion of the templated prompt (so it can
     resume elsewhere): the client's chunks say what stock SGLang's chat endpoint says."""
