@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import msgspec
 import redis
 
 from flyctl.nodes import by_node, cross_node, node_header
@@ -44,7 +45,12 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
         f"{'wait':>4} {'paused':>6} {'free KV':>8} {'cache hit':>9} {'bind ms':>8} {'release ms':>10} {'steps sp/tp':>13} {'breaker':>12}  error"
     ]
     beats = control.status(r, keys)
-    breakers = decode_all(r.hgetall(keys.breakers))
+    unreadable: list[str] = []  # keys whose values this flyctl cannot read: said, the rest still shown
+    try:
+        breakers = decode_all(r.hgetall(keys.breakers))
+    except (msgspec.MsgspecError, ValueError) as exc:
+        unreadable.append(f"{keys.breakers} ({exc})")
+        breakers = {}
     nodes = by_node(beats)
     for node, engines in nodes.items():
         if node or len(nodes) > 1:  # (engines that announce no node: one unnamed node, shown as before)
@@ -63,7 +69,11 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     if not beats:
         lines.append("no live engines")
     raw = r.get(keys.router_state)
-    state = decode(raw, RouterState) if raw else None
+    try:
+        state = decode(raw, RouterState) if raw else None
+    except msgspec.MsgspecError as exc:
+        unreadable.append(f"{keys.router_state} ({exc})")
+        state = None
     lease = r.get(keys.router_lease)
     regime = "no router state" if state is None else ("busy: DP only" if state.busy else "light: TP groups")
     if state is not None and (held := {e: t for e, t in state.suspect.items() if t > time.time()}):
@@ -71,7 +81,11 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
             f"{e} ({t - time.time():.0f} s)" for e, t in held.items()
         )
     lines.append(f"router: {'lease held by ' + text(lease) if lease else 'none holds the lease'}; {regime}")
-    groups = control.groups(r, keys)
+    try:
+        groups = control.groups(r, keys)
+    except msgspec.MsgspecError as exc:
+        unreadable.append(f"{keys.groups} ({exc})")
+        groups = []
     lines.append(f"groups: {len(groups) or 'none'}")
     now = time.time()
     for g in groups:
@@ -86,6 +100,7 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
     total = sum(n for n, _ in depths.values())
     parts = ", ".join(f"{name} {n} (oldest {age:.2f} s)" for name, (n, age) in depths.items() if n)
     lines.append(f"queue: {total} waiting" + (f": {parts}" if parts else ""))
+    lines += [f"unreadable (not written by this version?): {u}" for u in unreadable]
     return "\n".join(lines)
 
 

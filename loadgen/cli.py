@@ -31,6 +31,7 @@ from loadgen.workload import Lengths, PromptMaker, Sessions, Workload, parse_mix
 T = TypeVar("T")
 
 API_KEY_ENV = "OPENAI_API_KEY"  # as the openai client reads it
+DEFAULT_REQUESTS = 100  # -n without a trace
 DESCRIPTION = " ".join(__doc__.split("\n\n")[0].replace("``", "").split())
 
 
@@ -67,7 +68,19 @@ def _slo(spec: str) -> dict[str, float]:
             out[key] = float(val)
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad SLO {part!r}: {val!r} is not a number of ms") from None
+        if not out[key] > 0:
+            raise argparse.ArgumentTypeError(f"bad SLO {part!r}: a bound is above 0 ms")
     return out
+
+
+def _share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"a share is from 0 to 1, got {share:g}")
+    return share
 
 
 def _priority_slo(spec: str) -> tuple[str, dict[str, float]]:
@@ -101,7 +114,13 @@ def _parser() -> argparse.ArgumentParser:
         "else none)",
     )
     r.add_argument("--api", choices=("chat", "completions"), default="chat", help="which endpoint")
-    r.add_argument("-n", "--num-requests", type=cli.positive(int), default=100, help="requests (or sessions)")
+    r.add_argument(
+        "-n",
+        "--num-requests",
+        type=cli.positive(int),
+        default=None,
+        help=f"requests (or sessions) (default: {DEFAULT_REQUESTS}; with --trace, every row of the trace)",
+    )
     a = r.add_argument_group("arrivals")
     a.add_argument(
         "--arrival", choices=("constant", "poisson", "gamma", "two-level"), default="poisson", help="process"
@@ -122,11 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     a.add_argument(
         "--trace-columns",
-        default="native",
-        help="native | burstgpt | azure | timestamp=COL,input_tokens=COL,...",
+        default=None,
+        help="the trace's columns: native | burstgpt | azure | timestamp=COL,input_tokens=COL,... (default: native)",
     )
     a.add_argument("--trace-time-unit", choices=("s", "ms"), default="s", help="the trace's timestamps' unit")
-    a.add_argument("--trace-speed", type=float, default=1.0, help="replay speed-up factor")
+    a.add_argument("--trace-speed", type=cli.positive(float), default=1.0, help="replay speed-up factor")
     m = r.add_argument_group("request mix")
     m.add_argument(
         "--input-tokens",
@@ -143,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--long-share",
-        type=float,
+        type=_share,
         default=0.0,
         help="share of long-context requests (in sessions: of turns whose message is long)",
     )
@@ -164,12 +183,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--system-prompts",
-        type=int,
+        type=non_negative(int),
         default=0,
         help="distinct system prompts the sessions take in turn (0: none)",
     )
-    s.add_argument("--system-prompt-words", type=int, default=1500, help="words in each system prompt")
-    s.add_argument("--turns", type=int, default=1, help="questions per session")
+    s.add_argument(
+        "--system-prompt-words", type=cli.positive(int), default=1500, help="words in each system prompt"
+    )
+    s.add_argument("--turns", type=cli.positive(int), default=1, help="questions per session")
     c = r.add_argument_group("client")
     c.add_argument(
         "--max-concurrency",
@@ -274,11 +295,19 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise SystemExit(f"loadgen: --tokenizer {a.tokenizer}: no tokenizer.json there (a model directory)")
     if a.out is not None:
         _check_out(a.out)
+    if a.trace_columns is not None and a.trace is None:
+        raise SystemExit("loadgen: --trace-columns describes a --trace file; none was given")
+    trace = None
+    if a.trace:
+        columns = parse_columns(a.trace_columns or "native")
+        trace = read_trace(a.trace, columns, a.trace_time_unit, a.trace_speed, a.num_requests)
+        if not trace:
+            raise SystemExit(f"loadgen: {a.trace}: the trace has no rows")
     arrivals = Arrivals(
         a.arrival, a.rate, a.burstiness, a.low_rate, a.burst_rate, a.low_duration, a.burst_duration
     )
     workload = Workload(
-        a.num_requests,
+        a.num_requests or (len(trace) if trace else DEFAULT_REQUESTS),
         arrivals,
         a.input_tokens,
         a.output_tokens,
@@ -288,11 +317,6 @@ def cmd_run(a: argparse.Namespace) -> int:
         a.seed,
         sessions(a),
     )
-    trace = None
-    if a.trace:
-        trace = read_trace(
-            a.trace, parse_columns(a.trace_columns), a.trace_time_unit, a.trace_speed, a.num_requests
-        )
     requests = plan(workload, PromptMaker(a.tokenizer), trace)
     api_key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
     cfg = runner.RunConfig(

@@ -43,6 +43,8 @@ class Lengths:
             raise ValueError(f"bad length spec {spec!r}") from None
         if len(nums) != (1 if parts[0] == "fixed" else 2) or min(nums) < 0:
             raise ValueError(f"bad length spec {spec!r}; e.g. 128, 64:256, normal:200:50, lognormal:200:0.6")
+        if nums[0] < 1:  # a fixed length, a range's low end, a distribution's mean or median
+            raise ValueError(f"bad length spec {spec!r}: at least 1 token")
         if parts[0] == "uniform" and nums[0] > nums[1]:
             raise ValueError(f"bad length spec {spec!r}: low > high")
         return cls(parts[0], nums[0], nums[1] if len(nums) > 1 else nums[0])

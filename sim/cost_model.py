@@ -186,6 +186,10 @@ COST_FACTORS: dict[str, tuple[str, ...]] = {
 }
 
 
+POSITIVE_COSTS = ("weight_read_ms", "kv_tokens", "max_running", "chunk_tokens", "kv_bytes_per_token", "link_gbps",
+                  "weight_gb")  # fmt: skip
+
+
 def with_overrides(m: CostModel, text: str) -> CostModel:
     """``allreduce=2,alltoall=0.5`` (factors: :data:`COST_FACTORS`) or ``FIELD=VALUE`` (a field's new value,
     e.g. ``switch_ms=30``), comma-separated -> ``m`` changed so."""
@@ -197,6 +201,8 @@ def with_overrides(m: CostModel, text: str) -> CostModel:
             x = float(value)
         except ValueError:
             raise ValueError(f"--cost {item!r}: expected NAME=NUMBER") from None
+        if not x >= 0:
+            raise ValueError(f"--cost {item!r}: a cost or a factor is at least 0")
         if name in COST_FACTORS:
             changes |= {f: getattr(m, f) * x for f in COST_FACTORS[name]}
         elif name in fields and name != "name":
@@ -204,6 +210,10 @@ def with_overrides(m: CostModel, text: str) -> CostModel:
         else:
             known = ", ".join([*COST_FACTORS, *(f for f in fields if f != "name")])
             raise ValueError(f"--cost {item!r}: unknown {name!r} (one of {known})")
+    if zero := [f for f in POSITIVE_COSTS if changes.get(f, 1) <= 0]:
+        raise ValueError(f"--cost {text!r}: {', '.join(zero)} must be above 0")
+    if changes.get("transform_overlap", 0) > 1:
+        raise ValueError(f"--cost {text!r}: transform_overlap is a share, 0 to 1")
     return dataclasses.replace(m, name=f"{m.name} ({text})", **changes) if changes else m
 
 

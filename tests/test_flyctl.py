@@ -324,3 +324,14 @@ def test_an_open_breaker_shows_the_seconds_to_its_probe_then_that_it_is_due():
     assert breaker_cell(Breaker(BreakerState.OPEN, until=time.time() + 7.2)) == "open 7s"
     assert breaker_cell(Breaker(BreakerState.OPEN, until=time.time() - 30)) == "open, probe due"
     assert breaker_cell(Breaker(BreakerState.HALF_OPEN)) == "half_open"
+
+
+def test_status_says_which_keys_it_cannot_read_and_shows_the_rest(sync_redis, keys, redis_server, capsys):
+    sync_redis.set(keys.router_state, "nonsense")
+    sync_redis.hset(keys.groups, "3", '{"members": "x"}')
+    sync_redis.hset(keys.breakers, "0", "[]")
+    assert main(["--redis-url", redis_server.url, "--key-prefix", keys.prefix, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "queue: 0 waiting" in out and "router: none holds the lease; no router state" in out
+    for key in (keys.router_state, keys.groups, keys.breakers):
+        assert f"unreadable (not written by this version?): {key} (" in out

@@ -272,6 +272,12 @@ def test_bad_arguments_say_what_is_wrong_before_anything_runs(args, words, capsy
         (["--max-concurrency", "-1"], "argument --max-concurrency: must be at least 1"),
         (["--max-concurrency", "0"], "argument --max-concurrency: must be at least 1"),
         (["-n", "0"], "argument -n/--num-requests: must be at least 1"),
+        (["--output-tokens", "0"], "bad length spec '0': at least 1 token"),
+        (["--input-tokens", "0:64"], "bad length spec '0:64': at least 1 token"),
+        (["--slo", "ttft=-5"], "bad SLO 'ttft=-5': a bound is above 0 ms"),
+        (["--long-share", "1.5"], "argument --long-share: a share is from 0 to 1, got 1.5"),
+        (["--turns", "0"], "argument --turns: must be at least 1"),
+        (["--trace-speed", "0"], "argument --trace-speed: must be above 0"),
         (["--priority-mix", "urgent=1"], "unknown class 'urgent' (the classes are high, normal, low)"),
     ],
 )
@@ -279,6 +285,24 @@ def test_values_that_would_spoil_the_run_are_refused_when_parsed(args, words, ca
     with pytest.raises(SystemExit) as exc:
         main(["run", "--url", "http://127.0.0.1:9", "--model", "m", *args])
     assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_trace_columns_without_a_trace_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--url", "http://127.0.0.1:9", "--model", "m", "--trace-columns", "burstgpt"])
+    assert "--trace-columns describes a --trace file; none was given" in str(exc.value.code)
+
+
+def test_a_trace_is_replayed_whole_unless_n_cuts_it(fake, tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "timestamp,input_tokens,output_tokens\n" + "".join(f"{i / 1000},4,2\n" for i in range(130))
+    )
+    base = ["run", "--url", fake, "--trace", str(trace), "--quiet"]
+    assert main([*base, "--out", str(tmp_path / "all")]) == 0
+    assert json.loads((tmp_path / "all.json").read_text())["summary"]["requests"] == 130  # more than -n's 100
+    assert main([*base, "-n", "7", "--out", str(tmp_path / "cut")]) == 0
+    assert json.loads((tmp_path / "cut.json").read_text())["summary"]["requests"] == 7
 
 
 def test_a_trace_with_an_unknown_priority_names_the_row(tmp_path, capsys):

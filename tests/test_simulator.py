@@ -631,6 +631,21 @@ def test_with_the_defaults_a_burst_releases_the_node_and_its_end_binds_it_again_
         (["--tp-width", "3"], "--tp-width 3 does not split the 8 engines per node"),
         (["--tp-width", "4", "--engines", "6", "--nodes", "2"], "engines in DP); choose one of 1, 2, 3, 6"),
         (["--out", "/proc/nope"], "--out /proc/nope: cannot make the folder"),
+        (["--cost", "chunk_tokens=0"], "chunk_tokens must be above 0"),  # it hung
+        (["--cost", "allreduce=-1"], "a cost or a factor is at least 0"),
+        (["--low-s", "0"], "--low-s must be above 0"),
+        (["--shift-threshold", "-5"], "argument --shift-threshold: must be at least 0"),
+        (["--policy", "spread_ownership=ture"], "'ture' is not a bool"),
+        (["--preset", "azure", "--seeds", "0-1"], "--seeds runs the paper workload"),
+        (["--workload", "shared-prefix", "--seeds", "0-1"], "--seeds runs the paper workload"),
+        (
+            ["--preset", "azure", "--input", "5:10"],
+            "--input shapes the paper workload; --preset azure brings its own",
+        ),
+        (["--workload", "shared-prefix", "--session-rate", "0"], "--session-rate must be above 0"),
+        (["--workload", "shared-prefix", "--user", "300:50"], "--user: expected lo:hi with 1 <= lo <= hi"),
+        (["--workload", "shared-prefix", "--max-turns", "0"], "--max-turns must be at least 1"),
+        (["--workload", "shared-prefix", "--think-s", "-1"], "--think-s must be at least 0"),
     ],
 )
 def test_bad_arguments_are_usage_errors_that_say_what_is_wrong(args, words, tmp_path, capsys):
@@ -667,7 +682,8 @@ def test_a_run_that_never_reaches_a_burst_says_so_and_writes_strict_json(tmp_pat
 
     assert main(["--requests", "200", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "- dynamic / static DP, P90 TTFT at burst: no requests in bursts: not measured" in out
+    assert "- P90 TTFT at burst, dynamic / static DP: no requests in bursts: not measured" in out
+    assert "- P90 TTFT at low load, dynamic / shift: " in out and "is judged by --seeds): " in out
     assert "nan" not in out and "seed 001" not in out
     assert "- Shift Parallelism paper: TTFT of one 4,096-token prompt, TP8 / SP8:" in out
     doc = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
