@@ -42,6 +42,11 @@ def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return _number(kind, lambda v: v > 0, "at least 1" if kind is int else "above 0")
 
 
+def share(text: str) -> float:
+    """An ``argparse`` type: a share, a float from 0 to 1."""
+    return float(_number(float, lambda v: 0 <= v <= 1, "from 0 to 1")(text))
+
+
 def at_least(kind: type[int] | type[float], low: float) -> Callable[[str], int | float]:
     """An ``argparse`` type: an int or float of at least ``low``."""
     return _number(kind, lambda v: v >= low, f"at least {low:g}")

@@ -73,16 +73,6 @@ def _slo(spec: str) -> dict[str, float]:
     return out
 
 
-def _share(text: str) -> float:
-    try:
-        share = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= share <= 1:
-        raise argparse.ArgumentTypeError(f"a share is from 0 to 1, got {share:g}")
-    return share
-
-
 def _priority_slo(spec: str) -> tuple[str, dict[str, float]]:
     priority, sep, rest = spec.partition(":")
     if not sep or priority not in PRIORITIES:
@@ -162,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--long-share",
-        type=_share,
+        type=cli.share,
         default=0.0,
         help="share of long-context requests (in sessions: of turns whose message is long)",
     )

@@ -275,7 +275,7 @@ def test_bad_arguments_say_what_is_wrong_before_anything_runs(args, words, capsy
         (["--output-tokens", "0"], "bad length spec '0': at least 1 token"),
         (["--input-tokens", "0:64"], "bad length spec '0:64': at least 1 token"),
         (["--slo", "ttft=-5"], "bad SLO 'ttft=-5': a bound is above 0 ms"),
-        (["--long-share", "1.5"], "argument --long-share: a share is from 0 to 1, got 1.5"),
+        (["--long-share", "1.5"], "argument --long-share: must be from 0 to 1, got 1.5"),
         (["--turns", "0"], "argument --turns: must be at least 1"),
         (["--trace-speed", "0"], "argument --trace-speed: must be above 0"),
         (["--priority-mix", "urgent=1"], "unknown class 'urgent' (the classes are high, normal, low)"),
