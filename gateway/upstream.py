@@ -23,6 +23,7 @@ CONNECT_TIMEOUT_S = 3.0
 DRAIN_S = (
     1.0  # a stream given up after its last event: how long its end may take before the connection closes
 )
+ABORTS_AT_ONCE = 32  # abort POSTs in flight per gateway process (the rest wait their turn)
 MAX_IDLE = 512  # pooled keep-alive connections per engine (fewer: a burst beyond them reconnects, and churns)
 PAUSE_BYTES = 1 << 20  # an unread body this large pauses reading from the engine
 _encode = msgspec.json.Encoder().encode
@@ -277,6 +278,9 @@ class Upstream:
         )
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._keys: dict[str, tuple[str, int]] = {}
+        # aborts in flight at most: a batch of prompts x n choices whose client left is one POST per choice, and
+        # thousands at once starved the event loop in httpx's pool (each waiting request scans every connection)
+        self._aborts = asyncio.Semaphore(ABORTS_AT_ONCE)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -373,7 +377,8 @@ class Upstream:
         ids SGLang runs it as (one per choice)."""
 
         async def one(rid: str) -> None:
-            with contextlib.suppress(httpx.HTTPError):
-                await self.client.post(f"{url}/abort_request", json={"rid": rid}, timeout=5)
+            async with self._aborts:
+                with contextlib.suppress(httpx.HTTPError):
+                    await self.client.post(f"{url}/abort_request", json={"rid": rid}, timeout=5)
 
         await asyncio.gather(*(one(rid) for rid in rids))

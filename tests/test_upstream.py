@@ -191,3 +191,34 @@ async def _closed(writer) -> bool:
     ``asyncio.start_server``'s)."""
     reader = writer._protocol._stream_reader
     return await reader.read() == b""
+
+
+async def test_a_flood_of_aborts_goes_out_a_few_at_a_time_and_every_one_arrives():
+    """A batch of prompts x n choices whose client left is one abort per choice: thousands at once starved the
+    gateway's event loop in httpx's pool; they go out at most ABORTS_AT_ONCE at a time."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from gateway.upstream import ABORTS_AT_ONCE
+    from tests.stack import ServerThread
+
+    seen: list[str] = []
+    now = peak = 0
+
+    async def abort(request):
+        nonlocal now, peak
+        now += 1
+        peak = max(peak, now)
+        await asyncio.sleep(0.01)
+        seen.append((await request.json())["rid"])
+        now -= 1
+        return Response()
+
+    routes = [Route("/abort_request", abort, methods=["POST"]), Route("/health", lambda _: Response())]
+    with ServerThread(Starlette(routes=routes)) as server:
+        up = Upstream(read_timeout_s=5)
+        rids = [f"r~0_{i}" for i in range(400)]
+        await up.abort(server.url, *rids)
+        await up.close()
+    assert sorted(seen) == sorted(rids) and peak <= ABORTS_AT_ONCE <= 32
