@@ -118,6 +118,10 @@ class FakeEngine:
         running, waiting, _ = stash
         return len(running) + len(waiting)
 
+    def stashed_rids(self, stash: tuple[Any, list[Any], Any]) -> set[str]:
+        running, waiting, _ = stash
+        return {r.rid for r in running + waiting}
+
     def restore_dp_work(self, stash: tuple[Any, list[Any], Any]) -> None:
         running, waiting, _ = stash
         self.running_reqs += running

@@ -177,6 +177,33 @@ def test_an_adoption_a_member_cannot_hold_falls_back_to_a_hard_bind():
     assert [r.rid for r in engine.running_reqs] == ["dp-1"]
 
 
+def test_an_abort_of_paused_dp_work_is_applied_once_the_release_puts_it_back():
+    """SGLang looks for an aborted request in its queues and batches, not in the DP work a bind set aside: the abort
+    is kept and applied again when that work is back, so it ends there instead of running for a client gone."""
+    b, engine, _, _, _ = make(running_reqs=[FakeReq("dp-1~0_0", kv_len=3)], waiting_reqs=[FakeReq("dp-2~0")])
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    b.note_abort("dp-1~0")  # a prefix of the paused request's rid (its choice 0)
+    b.note_abort("tp-9~0")  # not set aside: SGLang's own handling was all it needed
+    b.on_step([])
+    assert "abort dp-1~0" not in engine.calls, "bound: the paused request is out of SGLang's queues"
+    b.on_step([Release(epoch=1)])
+    assert b.epoch is None and [r.rid for r in engine.running_reqs] == ["dp-1~0_0"]
+    b.on_step([])
+    assert [c for c in engine.calls if c.startswith("abort ")] == ["abort dp-1~0"]
+    b.on_step([])
+    assert [c for c in engine.calls if c.startswith("abort ")] == ["abort dp-1~0"], "applied once"
+
+
+def test_an_abort_of_dp_work_held_back_for_a_sequential_bind_is_applied_when_it_is_let_in():
+    b, engine, _, _, _ = make(waiting_reqs=[FakeReq("w-1~0")], running_reqs=[FakeReq("r-1~0")])
+    b.on_step([Bind(epoch=1, members=(0, 1), preempt="sequential")])
+    assert [r.rid for r in b.pending.peek_held()] == ["w-1~0"]
+    b.note_abort("w-1~0")
+    b.on_step([Release(epoch=1)])  # the pending bind is rolled back: held work comes back
+    b.on_step([])
+    assert "abort w-1~0" in engine.calls
+
+
 def test_the_heartbeat_counts_the_dp_work_a_bind_paused_until_the_release_resumes_it():
     """The router cannot see a stash: an adoption that fell back to a hard bind looks like one that adopted, unless
     the engine says how many DP requests it set aside (``paused``)."""

@@ -95,6 +95,9 @@ class Binding:
         self.epoch: Epoch | None = None
         self.last_epoch = 0  # the newest epoch this engine has bound (or seen rolled back)
         self._stash: Stash | None = None  # the paused DP work, while bound
+        self._aborted_aside: list[
+            str
+        ] = []  # clients' aborts of DP work set aside (paused or held): for later
         self._dp_limits: RequestLimits | None = None  # the engine's own limits, while bound
         self.bind_ms = self.release_ms = 0.0
         self.error = ""
@@ -138,9 +141,23 @@ class Binding:
         """The bind read and not applied yet: a pending one, or, bound, a width change (0: none)."""
         return self.pending.epoch or (self.epoch.changing_to if self.epoch else 0)
 
+    def note_abort(self, rid: str) -> None:
+        """A client's abort, after SGLang's own handling: one of the DP requests set aside (paused under the group,
+        or held back for a pending bind) is out of SGLang's sight; the abort is applied again once they are back
+        in its queues (:meth:`on_step`), so they end there instead of running for nobody."""
+        aside = self.engine.stashed_rids(self._stash) if self._stash is not None else set()
+        aside |= {r.rid for r in self.pending.peek_held()}
+        if any(r.startswith(rid) for r in aside):
+            self._aborted_aside.append(rid)
+
     def on_step(self, commands: list[Command]) -> None:
         """The scheduler's step boundary: take the router's commands, enter a ready bind, and as a bound leader
         take what members relayed (aborts, new requests) and release (or keep the group alive)."""
+        if self._aborted_aside and self._stash is None and not self.pending.held:
+            aborted, self._aborted_aside = self._aborted_aside, []
+            for rid in aborted:  # the work set aside is back in SGLang's queues: its own abort ends it now
+                self.engine.abort(rid)
+            log.info("engine %d: %d aborts of DP work that was set aside applied", self.index, len(aborted))
         for cmd in commands:
             self._take(cmd)
         if self.epoch is None:

@@ -33,6 +33,7 @@ def register() -> None:
     _setup_logs(os.environ.get(settings.LOG_FORMAT, "text"))
     sglang_patches.apply_scheduler_hooks(on_init=_on_scheduler_init, on_step=_on_step)
     sglang_patches.apply_forward_hook(_around_forward)
+    sglang_patches.apply_abort_hook(_on_abort)
     from worker_ext.sglang_patches import requests
 
     requests.apply_output_hook()
@@ -50,6 +51,11 @@ def _setup_logs(fmt: str) -> None:
         ours.addHandler(logs.handler("json"))
         ours.propagate = False
         sglang_patches.apply_request_log_handler(logs.handler("json", sys.stdout))
+
+
+def _on_abort(scheduler, rid: str) -> None:
+    if _binding is not None:
+        _binding.note_abort(rid)
 
 
 def _around_forward(original, runner, forward_batch, *args, **kwargs):

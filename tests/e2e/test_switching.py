@@ -124,6 +124,32 @@ def test_hard_preempted_dp_request_keeps_its_kv(cluster):
     assert got["meta_info"]["num_retractions"] == 0  # SGLang's own recompute counter for the request
 
 
+def test_an_abort_of_paused_dp_work_ends_it_when_the_release_puts_it_back(cluster):
+    """SGLang's abort looks in its queues and batches, not in DP work a hard bind set aside: the worker applies the
+    abort again once the release puts that work back, so it ends at once instead of decoding for a client gone."""
+    url = worker_url(cluster, 0)
+    body = {"text": PROMPTS[1], "rid": "paused-abort-1",
+            "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    got: dict = {}
+    t = threading.Thread(
+        target=lambda: got.update(httpx.post(url + "/generate", json=body, timeout=300).json())
+    )
+    t.start()
+    time.sleep(0.6)  # decoding
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1))
+    beats = wait_mode(cluster, (0, 1), "tp")
+    assert beats[0].paused == 1, beats[0]
+    assert httpx.post(url + "/abort_request", json={"rid": "paused-abort-1"}, timeout=10).status_code == 200
+    time.sleep(0.5)
+    control.release(r, cluster.keys, (0, 1), epoch)
+    wait_mode(cluster, (0, 1), "dp")
+    t.join(20)
+    assert not t.is_alive(), "the aborted request still decodes after the release"
+    meta = got["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 3000, meta
+
+
 def test_a_retracting_release_resumes_paused_dp_work_at_once(cluster):
     """The policy's bounded deferral: a hard bind paused a DP request; a release with retraction does not wait for
     the group's long TP request (it continues in DP on the leader), the paused request resumes on its own KV."""

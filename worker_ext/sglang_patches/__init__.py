@@ -113,6 +113,23 @@ def apply_scheduler_hooks(on_init: Callable[[Any], None], on_step: Callable[[Any
     HookRegistry.register(f"{SCHEDULER}.ingest_requests", after_ingest, HookType.AFTER)
 
 
+def apply_abort_hook(on_abort: Callable[[Any, str], None]) -> None:
+    """Call ``on_abort(scheduler, rid)`` after SGLang's own handling of a client's abort of ``rid`` (and of every
+    rid that begins with it): SGLang looks in its queues and batches only, not in DP work set aside under a bound
+    group (:func:`stash_dp_work`), so the binding keeps such aborts for when that work is back."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    require(callable(getattr(Scheduler, "abort_request", None)), "Scheduler.abort_request missing")
+
+    def after_abort(result, scheduler, recv_req, *args, **kwargs):
+        if recv_req.rid and not recv_req.abort_all:
+            on_abort(scheduler, recv_req.rid)
+        return result
+
+    HookRegistry.register(f"{SCHEDULER}.abort_request", after_abort, HookType.AFTER)
+
+
 def scheduler_tp_rank(scheduler: Any) -> int:
     from sglang.srt.runtime_context import get_parallel
 
