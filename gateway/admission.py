@@ -29,9 +29,13 @@ from gateway.schemas import (
     constrained,
     requested_max_tokens,
 )
+from gateway.tokens import LONG_TEXT_CHARS
 
 SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
-OFF_LOOP_CHARS = 8192  # prompts longer than this are tokenized off the event loop
+OFF_LOOP_CHARS = (
+    LONG_TEXT_CHARS  # prompts longer than this are tokenized off the event loop, one at a time (a
+)
+# few megabyte prompts tokenized at once took the cores from the event loop)
 # SGLang refuses a prompt of min(context length, KV) - 6 tokens or more (its scheduler's max_req_input_len), after
 # the request has waited its turn: the gateway refuses it at the door instead
 PROMPT_RESERVE = 7
@@ -82,6 +86,7 @@ class Admission:
         self.config = config
         self.cluster = cluster
         self.count_tokens = count_tokens
+        self._off_loop = asyncio.Semaphore(1)  # long prompts tokenized at once
         self.metrics = metrics or GatewayMetrics()
 
     async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:
@@ -102,7 +107,8 @@ class Admission:
         self._check_vocabulary(req)
         size = sum(len(m.text()) for m in req.messages) if chat else len(req.prompt)
         if size > OFF_LOOP_CHARS:  # a long prompt is tokenized on a thread: other requests keep flowing
-            ids = await asyncio.to_thread(self._tokens, req, chat)
+            async with self._off_loop:
+                ids = await asyncio.to_thread(self._tokens, req, chat)
         else:
             ids = self._tokens(req, chat)
         prompt = ids if isinstance(ids, int) else len(ids)

@@ -7,6 +7,11 @@ from collections.abc import Callable
 
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
+# Text this long is encoded without holding the GIL (the Rust backend's ``encode`` holds it throughout: a 4 MB
+# prompt stopped the gateway's event loop for 3 s even from another thread; ``encode_batch`` releases it), and the
+# gateway tokenizes it on a thread.
+LONG_TEXT_CHARS = 8192
+
 
 class PromptCounter:
     def __init__(self, tokenizer_path: str) -> None:
@@ -22,6 +27,8 @@ class PromptCounter:
     def ids(self, text: str, special: bool) -> list[int]:
         """``text``'s token ids; ``special``: with the tokenizer's special tokens (e.g. BOS) added."""
         if self.backend is not None:
+            if len(text) > LONG_TEXT_CHARS:
+                return self.backend.encode_batch([text], add_special_tokens=special)[0].ids
             return self.backend.encode(text, add_special_tokens=special).ids
         return self.tok(text, add_special_tokens=special).input_ids
 

@@ -96,9 +96,14 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(redis_server, sync_
 
     class Where(CountWords):
         threads: list[str] = []
+        now = peak = 0
 
         def chat_ids(self, req):
             self.threads.append(threading.current_thread().name)
+            Where.now += 1
+            Where.peak = max(Where.peak, Where.now)
+            time.sleep(0.05)
+            Where.now -= 1
             return super().chat_ids(req)
 
     announce_engine(sync_redis, keys, context_len=10**6, max_total_tokens=10**6, free_kv_tokens=10**6)
@@ -116,6 +121,8 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(redis_server, sync_
         assert adm.record.prompt_tokens == OFF_LOOP_CHARS + 3
         main = threading.current_thread().name
         assert Where.threads[0] == main and Where.threads[1] != main
+        await asyncio.gather(*(gw.admit(long, "normal") for _ in range(4)))
+        assert Where.peak == 1, "long prompts are tokenized one at a time (each thread takes a core)"
     finally:
         await gw.stop()
         await gw.r.aclose()

@@ -12,7 +12,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest, Message
 from gateway.tokens import PromptCounter
 
 TEXTS = ["hi", "", "  leading and trailing  ", "<s>special</s> tokens <|user|> inside", "ünïcødé 日本語 🙂",
-         "line\nbreaks\r\n and\ttabs", "a" * 5000]  # fmt: skip
+         "line\nbreaks\r\n and\ttabs", "a" * 5000, "the river and the sea 🙂 " * 2000]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,30 @@ def test_a_conversation_of_every_role_renders_as_apply_chat_template_does(tok, c
     req = ChatCompletionRequest(model="m", messages=[Message(role=r, content=c) for r, c in messages])
     rendered = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, tokenize=False)  # fmt: skip
     assert counter.chat_ids(req) == tok(rendered, add_special_tokens=False).input_ids
+
+
+async def test_a_long_text_is_tokenized_without_holding_the_event_loop(counter):
+    """The backend's ``encode`` holds the GIL throughout: a megabyte prompt on another thread stopped the gateway's
+    event loop until it was done. A long text goes through ``encode_batch``, which releases it."""
+    import asyncio
+    import time
+
+    from gateway.tokens import LONG_TEXT_CHARS
+
+    text = "hello world " * 100_000
+    assert len(text) > LONG_TEXT_CHARS
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.002)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.01)
+    t0, before = time.perf_counter(), ticks
+    await asyncio.to_thread(counter.ids, text, False)
+    took, ran = time.perf_counter() - t0, ticks - before
+    ticker.cancel()
+    assert ran >= 20, f"the loop ticked {ran} times in {took:.2f} s"
