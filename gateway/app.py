@@ -9,6 +9,7 @@ import gc
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import AsyncGenerator, Callable
 
 import msgspec
@@ -43,6 +44,7 @@ from gateway.errors import (
     PayloadTooLarge,
     QueueUnavailable,
     RequestTimeout,
+    UnsupportedMediaType,
 )
 from gateway.hot_routes import HotRoutesApp
 from gateway.metrics import GatewayMetrics
@@ -80,7 +82,27 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
         raise RequestTimeout(
             f"the request body did not arrive within {timeout_s:g} s ({came} came)"
         ) from None
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding")
+    return body if encoding is None else decoded_body(body, encoding, limit)
+
+
+def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
+    """A body sent with ``Content-Encoding`` gzip or deflate, decompressed (at most ``limit`` bytes of it: 413);
+    another encoding is a 415."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise UnsupportedMediaType(f"Content-Encoding {encoding} is not supported (gzip, deflate or none)")
+    d = zlib.decompressobj(wbits=47)  # a gzip or a zlib header, found in the data
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidRequest(f"the request body is not valid {encoding} data ({exc})") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise PayloadTooLarge(f"the decompressed request body exceeds the limit of {limit} bytes")
+    return out
 
 
 async def completions(request: Request, kind: str) -> Response:
@@ -139,8 +161,15 @@ def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
         gw: Gateway = request.app.state.gateway
         explicit = header is not None or req.priority is not None or req.service_tier is not None
         if explicit and tenant.over_priority is tenancy.OverPriority.REFUSE:
+            source = (
+                "X-Priority"
+                if header is not None
+                else "priority"
+                if req.priority is not None
+                else "service_tier"
+            )
             try:
-                tenant.priority(asked)
+                tenant.priority(asked, source)
             except tenancy.PriorityNotAllowed:
                 gw.metrics.tenant_rejected.labels(tenant.name, "max_priority").inc()
                 request.app.state.tenants.refused(tenant.name, "max_priority")

@@ -69,6 +69,11 @@ class PayloadTooLarge(APIError):
     code = "payload_too_large"
 
 
+class UnsupportedMediaType(APIError):
+    status = 415
+    code = "unsupported_media_type"
+
+
 class QueueFullError(APIError):
     """Backpressure: the queue is full for this priority, or the wait it predicts is too long."""
 

@@ -27,6 +27,7 @@ from gateway.schemas import (
     ServiceTier,
     StreamOptions,
     check_chat,
+    check_metadata,
     decode_struct,
 )
 
@@ -86,6 +87,7 @@ def decode(body: bytes) -> ResponsesRequest:
         if getattr(req, name):
             raise InvalidRequest(f"{name} is not supported here: {why}", param=name)
     response_format(req)  # (checks text.format)
+    check_metadata(req.metadata)
     return req
 
 

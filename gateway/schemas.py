@@ -114,7 +114,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
     top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: Any = None
     separate_reasoning: Any = None
     stream_reasoning: Any = None
@@ -313,12 +313,33 @@ def check_sampling(req: _Sampling) -> None:
         raise InvalidRequest("model must be a non-empty string", param="model")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    check_metadata(req.metadata)
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise InvalidRequest("seed must be a 64-bit integer", param="seed")
     ids = req.stop_token_ids
     if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
         raise InvalidRequest("stop_token_ids must be a list of token ids", param="stop_token_ids")
     _check_response_format(req.response_format)
+
+
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """``metadata`` within OpenAI's bounds (16 pairs, keys up to 64 characters, values up to 512)."""
+    if metadata is None:
+        return
+    if len(metadata) > METADATA_PAIRS:
+        raise InvalidRequest(
+            f"metadata holds at most {METADATA_PAIRS} pairs; got {len(metadata)}", param="metadata"
+        )
+    for k, v in metadata.items():
+        if len(k) > METADATA_KEY_CHARS or len(v) > METADATA_VALUE_CHARS:
+            raise InvalidRequest(
+                f"metadata keys are at most {METADATA_KEY_CHARS} characters and values at most "
+                f"{METADATA_VALUE_CHARS}; {k[:70]!r} is not",
+                param="metadata",
+            )
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
@@ -404,6 +425,12 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise InvalidRequest(
             f'modalities must be ["text"] (only text is served); got {req.modalities}', param="modalities"
         )
+    for i, m in enumerate(req.messages):
+        if m.role == "tool" and not (isinstance(m.tool_call_id, str) and m.tool_call_id):
+            raise InvalidRequest(
+                "a tool message answers a tool call: its tool_call_id is required",
+                param=f"messages[{i}].tool_call_id",
+            )
     _check_tools(req.tools, req.tool_choice)
 
 

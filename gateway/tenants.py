@@ -72,16 +72,17 @@ class Tenant:
             if value is not None and not value > 0:
                 raise ValueError(f"tenant {self.name}: {limit} must be > 0, got {value!r}")
 
-    def priority(self, asked: Priority) -> Priority:
+    def priority(self, asked: Priority, param: str = "X-Priority") -> Priority:
         """The priority this tenant's request runs at: ``asked``, or its highest if ``asked`` is above it (raises
-        PriorityNotAllowed instead when its ``over_priority`` is REFUSE)."""
+        PriorityNotAllowed naming ``param``, where the priority came from, when its ``over_priority`` is
+        REFUSE)."""
         top = self.lowered(asked)
         if top == asked:
             return asked
         if self.over_priority is OverPriority.REFUSE:
             raise PriorityNotAllowed(
                 f"this API key may use priority {top} at most; the request asks for {asked}",
-                param="X-Priority",
+                param=param,
             )
         return top
 

@@ -112,6 +112,24 @@ def test_routes_methods_body_size(client):
     assert_error(client.post("/v1/chat/completions", content=b"x" * (5 * 1024 * 1024)), 413)
 
 
+def test_a_gzip_body_is_read_and_other_encodings_are_a_415(client):
+    import gzip
+    import json
+
+    body = json.dumps({"model": "tiny-llama", "messages": [], "max_tokens": 4}).encode()
+    sent = client.post(
+        "/v1/chat/completions", content=gzip.compress(body), headers={"content-encoding": "gzip"}
+    )
+    assert_error(sent, 400)  # the body was read: its empty messages are what is wrong
+    assert "messages must contain at least one message" in sent.json()["error"]["message"]
+    assert_error(client.post("/v1/chat/completions", content=body, headers={"content-encoding": "br"}), 415)
+    assert_error(
+        client.post("/v1/chat/completions", content=b"not gzip", headers={"content-encoding": "gzip"}), 400
+    )
+    bomb = gzip.compress(b" " * (5 * 1024 * 1024))  # a few kB that unpack beyond the body limit
+    assert_error(client.post("/v1/chat/completions", content=bomb, headers={"content-encoding": "gzip"}), 413)
+
+
 def test_health_and_models(client, sync_redis, keys):
     assert client.get("/health").json()["live_workers"] == []
     fake_worker(sync_redis, keys, context_len=64, kv=100)

@@ -58,7 +58,13 @@ def test_type_errors_name_the_parameter(body, param):
         ('"top_k": -5', "top_k"),
         ('"top_k": 0', "top_k"),
         ('"top_k": 2.5', "top_k"),
-        ('"top_k": 100000000000000', "top_k"),  # over int32: it stopped the engine's scheduler
+        ('"top_k": 100000000000000', "top_k"),
+        ('"parallel_tool_calls": "no"', "parallel_tool_calls"),
+        ('"metadata": {' + ", ".join(f'"k{i}": "v"' for i in range(17)) + "}", "metadata"),
+        (
+            '"metadata": {"k": "' + "v" * 513 + '"}',
+            "metadata",
+        ),  # over int32: it stopped the engine's scheduler
         ('"top_k": 1073741825', "top_k"),
         ('"min_p": 1.5', "min_p"),
         ('"repetition_penalty": -1', "repetition_penalty"),
@@ -75,6 +81,17 @@ def test_value_errors_name_the_parameter(extra, param):
     with pytest.raises(InvalidRequest) as exc:
         chat(body)
     assert exc.value.param == param
+
+
+def test_a_tool_message_names_the_call_it_answers():
+    body = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]}'
+    )
+    with pytest.raises(InvalidRequest) as exc:
+        chat(body)
+    assert exc.value.param == "messages[1].tool_call_id"
+    ok = b'{"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]}'
+    assert chat(ok).messages[1].tool_call_id == "c1"
 
 
 def test_top_p_zero_is_the_most_likely_token_as_openai_takes_it():

@@ -211,7 +211,11 @@ def test_a_gateway_process_refuses_a_priority_above_the_tenants_and_reloads_its_
             "asking for no priority runs at the tenant's highest, not the refused default"
         )
         refused = httpx.post(f"{url}/v1/chat/completions", json=body, headers={**c, "X-Priority": "normal"})
-        assert refused.status_code == 403
+        assert refused.status_code == 403 and refused.json()["error"]["param"] == "X-Priority"
+        tier = httpx.post(f"{url}/v1/chat/completions", json={**body, "service_tier": "default"}, headers=c)
+        assert tier.status_code == 403 and tier.json()["error"]["param"] == "service_tier", (
+            "where it was asked"
+        )
     assert 'flying_gateway_tenant_rejected_total{reason="max_priority",tenant="team-a"} 1.0' in metrics
     assert 'flying_gateway_tenant_requests_total{tenant="team-b"} 1.0' in metrics
     lowered = (
