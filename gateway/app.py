@@ -153,7 +153,12 @@ def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
     tenant's highest if it asks for more (the request log line then names the one asked for too), or refused (403)
     for a tenant that refuses instead; a request that asks for none runs at the default or its tenant's highest,
     whichever is lower. Noted for the metrics and the request log."""
-    header = request.headers.get("x-priority")
+    headers = request.headers.getlist("x-priority")
+    if len(set(headers)) > 1:
+        raise InvalidRequest(
+            f"send one X-Priority header; got {len(headers)}: {', '.join(headers)}", param="X-Priority"
+        )
+    header = headers[0] if headers else None
     asked = schemas.resolve_priority(header, req.priority, req.service_tier)
     info, priority = request_info(request.scope), asked
     tenant = tenancy.current.get()

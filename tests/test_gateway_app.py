@@ -112,6 +112,13 @@ def test_routes_methods_body_size(client):
     assert_error(client.post("/v1/chat/completions", content=b"x" * (5 * 1024 * 1024)), 413)
 
 
+def test_two_different_priority_headers_are_a_400(client):
+    headers = [("X-Priority", "high"), ("X-Priority", "low")]
+    resp = client.post("/v1/chat/completions", json=ok_body(), headers=headers)
+    assert_error(resp, 400)
+    assert resp.json()["error"]["param"] == "X-Priority" and "send one X-Priority header" in resp.text
+
+
 def test_a_gzip_body_is_read_and_other_encodings_are_a_415(client):
     import gzip
     import json
