@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -32,10 +33,9 @@ from gateway.schemas import (
 from gateway.tokens import LONG_TEXT_CHARS
 
 SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first
-OFF_LOOP_CHARS = (
-    LONG_TEXT_CHARS  # prompts longer than this are tokenized off the event loop, one at a time (a
-)
-# few megabyte prompts tokenized at once took the cores from the event loop)
+OFF_LOOP_CHARS = LONG_TEXT_CHARS  # prompts longer than this are tokenized off the event loop ...
+HUGE_PROMPT_CHARS = 1 << 18  # ... and longer than this, one at a time (seconds of a core each: a few megabyte
+# prompts tokenized at once took the cores from everything else)
 # SGLang refuses a prompt of min(context length, KV) - 6 tokens or more (its scheduler's max_req_input_len), after
 # the request has waited its turn: the gateway refuses it at the door instead
 PROMPT_RESERVE = 7
@@ -86,7 +86,9 @@ class Admission:
         self.config = config
         self.cluster = cluster
         self.count_tokens = count_tokens
-        self._off_loop = asyncio.Semaphore(1)  # long prompts tokenized at once
+        self._huge = threading.Semaphore(
+            1
+        )  # huge prompts tokenized at once (held by the thread that tokenizes)
         self.metrics = metrics or GatewayMetrics()
 
     async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:
@@ -107,8 +109,7 @@ class Admission:
         self._check_vocabulary(req)
         size = sum(len(m.text()) for m in req.messages) if chat else len(req.prompt)
         if size > OFF_LOOP_CHARS:  # a long prompt is tokenized on a thread: other requests keep flowing
-            async with self._off_loop:
-                ids = await asyncio.to_thread(self._tokens, req, chat)
+            ids = await asyncio.to_thread(self._tokens_off_loop, req, chat, size > HUGE_PROMPT_CHARS)
         else:
             ids = self._tokens(req, chat)
         prompt = ids if isinstance(ids, int) else len(ids)
@@ -168,6 +169,14 @@ class Admission:
                 f"logit_bias keys must be token ids of the model's vocabulary (0 to {vocab - 1}); got {top}",
                 param="logit_bias",
             )
+
+    def _tokens_off_loop(self, req, chat: bool, huge: bool) -> list[int] | int:
+        """:meth:`_tokens` on a worker thread; a huge prompt waits there for the one permit (a client that leaves
+        meanwhile does not free it before its tokenizing ends)."""
+        if not huge:
+            return self._tokens(req, chat)
+        with self._huge:
+            return self._tokens(req, chat)
 
     def _tokens(self, req, chat: bool) -> list[int] | int:
         """The chat prompt's token ids, or a completion prompt's length; a prompt the tokenizer or chat

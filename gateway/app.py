@@ -93,7 +93,7 @@ def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
     encoding = encoding.strip().lower()
     if encoding in ("", "identity"):
         return body
-    if encoding not in ("gzip", "deflate"):
+    if encoding not in ("gzip", "x-gzip", "deflate"):
         raise UnsupportedMediaType(f"Content-Encoding {encoding} is not supported (gzip, deflate or none)")
     d = zlib.decompressobj(wbits=47)  # a gzip or a zlib header, found in the data
     try:
@@ -102,6 +102,8 @@ def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
         raise InvalidRequest(f"the request body is not valid {encoding} data ({exc})") from None
     if len(out) > limit or d.unconsumed_tail:
         raise PayloadTooLarge(f"the decompressed request body exceeds the limit of {limit} bytes")
+    if not d.eof or d.unused_data:  # cut short, or more after its end: not one whole stream
+        raise InvalidRequest(f"the request body is not one whole {encoding} stream")
     return out
 
 

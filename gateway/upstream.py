@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
@@ -23,7 +24,9 @@ CONNECT_TIMEOUT_S = 3.0
 DRAIN_S = (
     1.0  # a stream given up after its last event: how long its end may take before the connection closes
 )
-ABORTS_AT_ONCE = 32  # abort POSTs in flight per gateway process (the rest wait their turn)
+ABORTS_AT_ONCE = 32  # abort POSTs in flight to one engine (the rest wait their turn) ...
+ABORTS_IN_ALL = 128  # ... and to all engines, per gateway process
+ABORT_TIMEOUT_S = 2.0  # an engine that does not take an abort in this time is not waited for
 MAX_IDLE = 512  # pooled keep-alive connections per engine (fewer: a burst beyond them reconnects, and churns)
 PAUSE_BYTES = 1 << 20  # an unread body this large pauses reading from the engine
 _encode = msgspec.json.Encoder().encode
@@ -50,8 +53,8 @@ def unreachable(exc: BaseException) -> str:
         return "the engine refused the connection"
     if isinstance(exc, ConnectionResetError):
         return f"the engine's connection ended: {exc}"
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"the engine could not be reached ({exc.strerror})"
+    if isinstance(exc, OSError) and exc.errno:  # (its strerror may be asyncio's, naming the address)
+        return f"the engine could not be reached ({os.strerror(exc.errno)})"
     return f"the engine could not be reached ({type(exc).__name__})"
 
 
@@ -279,8 +282,10 @@ class Upstream:
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._keys: dict[str, tuple[str, int]] = {}
         # aborts in flight at most: a batch of prompts x n choices whose client left is one POST per choice, and
-        # thousands at once starved the event loop in httpx's pool (each waiting request scans every connection)
-        self._aborts = asyncio.Semaphore(ABORTS_AT_ONCE)
+        # thousands at once starved the event loop in httpx's pool (each waiting request scans every connection);
+        # per engine too, so that one that does not answer holds up no other engine's aborts
+        self._aborts = asyncio.Semaphore(ABORTS_IN_ALL)
+        self._engine_aborts: dict[str, asyncio.Semaphore] = {}
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -376,9 +381,11 @@ class Upstream:
         """Stop a request on its engine (SGLang keeps decoding after a client disconnect otherwise): each of the
         ids SGLang runs it as (one per choice)."""
 
+        engine = self._engine_aborts.setdefault(url, asyncio.Semaphore(ABORTS_AT_ONCE))
+
         async def one(rid: str) -> None:
-            async with self._aborts:
+            async with engine, self._aborts:
                 with contextlib.suppress(httpx.HTTPError):
-                    await self.client.post(f"{url}/abort_request", json={"rid": rid}, timeout=5)
+                    await self.client.post(f"{url}/abort_request", json={"rid": rid}, timeout=ABORT_TIMEOUT_S)
 
         await asyncio.gather(*(one(rid) for rid in rids))

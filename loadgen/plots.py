@@ -22,7 +22,7 @@ PANELS = (
 def _values(xs: list) -> list[float]:
     """A series' values, the last one repeated: drawn as steps, each value spans its bucket, the last one too."""
     vals = [math.nan if v is None else float(v) for v in xs]
-    return vals + vals[-1:]
+    return vals + vals[-1:]  # (none: none)
 
 
 def panel_lines(series: dict) -> dict[str, dict[str, Line]]:
@@ -30,7 +30,8 @@ def panel_lines(series: dict) -> dict[str, dict[str, Line]]:
     :func:`loadgen.metrics.timeseries` (or a result file's copy of it; older files have no per-priority or failure
     series, and those lines are missing)."""
     t = list(series["t"])
-    t.append(t[-1] + (t[-1] - t[-2] if len(t) > 1 else 1.0) if t else 0.0)  # the last bucket's end
+    if t:
+        t.append(t[-1] + (t[-1] - t[-2] if len(t) > 1 else 1.0))  # the last bucket's end
     ttft = {"all": (t, _values(series["ttft_p90_ms"]))}
     by_prio = series.get("ttft_p90_ms_by_priority", {})
     if len(by_prio) > 1:

@@ -133,6 +133,14 @@ def test_a_gzip_body_is_read_and_other_encodings_are_a_415(client):
     assert_error(
         client.post("/v1/chat/completions", content=b"not gzip", headers={"content-encoding": "gzip"}), 400
     )
+    for broken in (
+        gzip.compress(body)[:-6],
+        gzip.compress(body) + gzip.compress(body),
+        gzip.compress(body) + b"x",
+    ):
+        resp = client.post("/v1/chat/completions", content=broken, headers={"content-encoding": "gzip"})
+        assert_error(resp, 400)
+        assert "not one whole gzip stream" in resp.text  # cut short, two streams, trailing bytes
     bomb = gzip.compress(b" " * (5 * 1024 * 1024))  # a few kB that unpack beyond the body limit
     assert_error(client.post("/v1/chat/completions", content=bomb, headers={"content-encoding": "gzip"}), 413)
 

@@ -66,3 +66,8 @@ def test_compare_plot_has_a_column_per_run(tmp_path):
     out = timeline({"overload": overload_run(), "calm": ok_run}, tmp_path / "c.png")
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert not plt.get_fignums()  # closed
+
+
+def test_a_run_with_no_requests_still_plots(tmp_path):
+    out = timeline({"empty": timeseries([])}, tmp_path / "empty.png")
+    assert out.stat().st_size > 1000

@@ -222,3 +222,46 @@ async def test_a_flood_of_aborts_goes_out_a_few_at_a_time_and_every_one_arrives(
         await up.abort(server.url, *rids)
         await up.close()
     assert sorted(seen) == sorted(rids) and peak <= ABORTS_AT_ONCE <= 32
+
+
+async def test_an_engine_that_takes_no_aborts_holds_up_no_other_engines_aborts():
+    """Aborts wait their turn per engine: a stalled engine's own queue of aborts does not hold another's."""
+    import time
+
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from tests.stack import ServerThread
+
+    async def slow(request):
+        await asyncio.sleep(10)  # longer than an abort is waited for
+        return Response()
+
+    async def fast(request):
+        return Response()
+
+    health = Route("/health", lambda _: Response())
+    with (
+        ServerThread(Starlette(routes=[Route("/abort_request", slow, methods=["POST"]), health])) as stalled,
+        ServerThread(Starlette(routes=[Route("/abort_request", fast, methods=["POST"]), health])) as fine,
+    ):
+        up = Upstream(read_timeout_s=5)
+        stuck = asyncio.create_task(up.abort(stalled.url, *(f"s~0_{i}" for i in range(100))))
+        await asyncio.sleep(0.2)
+        t0 = time.perf_counter()
+        await up.abort(fine.url, *(f"f~0_{i}" for i in range(50)))
+        assert time.perf_counter() - t0 < 1.5, "the healthy engine's aborts waited behind the stalled one's"
+        stuck.cancel()
+        await up.close()
+
+
+def test_why_an_engine_cannot_be_reached_names_no_address():
+    from gateway.upstream import unreachable
+
+    assert unreachable(OSError(113, "Connect call failed ('10.0.0.5', 30001)")) == (
+        "the engine could not be reached (No route to host)"
+    )
+    assert unreachable(ConnectionRefusedError(111, "Connect call failed ('10.0.0.5', 30001)")) == (
+        "the engine refused the connection"
+    )
