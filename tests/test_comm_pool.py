@@ -142,26 +142,28 @@ def test_a_restarted_member_rejoins_its_groups(restarted):
     """Kill one engine's process and start a new one (a new launch id): the survivor rebuilds the group with it
     (engine 0 hosts the rendezvous store: when it restarts, the survivor reconnects to the new one)."""
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    cmds = {e: ctx.Queue() for e in (0, 1)}
+    port = free_port()
+    # a queue each way per process: a process killed just after a put can leave its queue's lock held (its feeder
+    # thread releases it after the bytes are out), and a queue shared with the survivor would then block it
+    cmds, outs = {e: ctx.Queue() for e in (0, 1)}, {e: ctx.Queue() for e in (0, 1)}
     ids = {0: "A0", 1: "A1"}
-    procs = {e: ctx.Process(target=_restartable, args=(e, port, ids[e], cmds[e], out)) for e in (0, 1)}
+    procs = {e: ctx.Process(target=_restartable, args=(e, port, ids[e], cmds[e], outs[e])) for e in (0, 1)}
     for p in procs.values():
         p.start()
 
     def reduce_all():
         for e in (0, 1):
             cmds[e].put(ids[e ^ 1])
-        return dict((e, (total, rebuilds)) for e, total, rebuilds in (out.get(timeout=120) for _ in range(2)))
+        return {e: (total, rebuilds) for e, total, rebuilds in (outs[e].get(timeout=120) for e in (0, 1))}
 
     try:
         assert {e: t for e, (t, _) in reduce_all().items()} == {0: 3.0, 1: 3.0}
         procs[restarted].kill()
         procs[restarted].join(10)
         ids[restarted] = "B" + str(restarted)
-        cmds[restarted] = ctx.Queue()  # the killed reader may have died holding the old queue's lock
+        cmds[restarted], outs[restarted] = ctx.Queue(), ctx.Queue()  # (the killed one's may be locked)
         procs[restarted] = ctx.Process(
-            target=_restartable, args=(restarted, port, ids[restarted], cmds[restarted], out)
+            target=_restartable, args=(restarted, port, ids[restarted], cmds[restarted], outs[restarted])
         )
         procs[restarted].start()
         got = reduce_all()
