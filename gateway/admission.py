@@ -86,9 +86,8 @@ class Admission:
         self.config = config
         self.cluster = cluster
         self.count_tokens = count_tokens
-        self._huge = threading.Semaphore(
-            1
-        )  # huge prompts tokenized at once (held by the thread that tokenizes)
+        # huge prompts tokenized at once (the permit is held by the thread that tokenizes)
+        self._huge = threading.Semaphore(1)
         self.metrics = metrics or GatewayMetrics()
 
     async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:

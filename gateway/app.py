@@ -166,15 +166,9 @@ def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
     tenant = tenancy.current.get()
     if tenant is not None:
         gw: Gateway = request.app.state.gateway
-        explicit = header is not None or req.priority is not None or req.service_tier is not None
-        if explicit and tenant.over_priority is tenancy.OverPriority.REFUSE:
-            source = (
-                "X-Priority"
-                if header is not None
-                else "priority"
-                if req.priority is not None
-                else "service_tier"
-            )
+        source = schemas.priority_param(header, req.priority, req.service_tier)
+        explicit = source is not None
+        if source is not None and tenant.over_priority is tenancy.OverPriority.REFUSE:
             try:
                 tenant.priority(asked, source)
             except tenancy.PriorityNotAllowed:

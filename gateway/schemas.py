@@ -561,6 +561,12 @@ def requested_max_tokens(req: _Sampling) -> tuple[int | None, str]:
     return req.max_tokens, "max_tokens"
 
 
+def priority_param(header: str | None, body: str | None, service_tier: str | None) -> str | None:
+    """Where a request asks for its priority, in :func:`resolve_priority`'s order (None: it asks for none)."""
+    asked = (("X-Priority", header), ("priority", body), ("service_tier", service_tier))
+    return next((param for param, value in asked if value is not None), None)
+
+
 def resolve_priority(header: str | None, body: str | None, service_tier: str | None = None) -> Priority:
     """X-Priority header, else body field ``priority``, else OpenAI's ``service_tier`` (SERVICE_TIER_PRIORITY),
     else normal. An empty header is no header (a client that sets it from an unset variable)."""

@@ -154,7 +154,8 @@ def target_line(t: Target, ratio: float) -> str:
         return f"- {t.what}: {UNMEASURED[t.metric]}: not measured"
     sign = ">=" if t.higher else "<="
     met = "met" if t.meets(ratio, t.seed_bound) else "NOT met"
-    return f"- {t.what}: {ratio:.3f} (a seed's bound {sign} {t.seed_bound:.2f}; the mean's, {sign} {t.mean_bound:.2f}, is judged by --seeds): {met}"
+    bounds = f"a seed's bound {sign} {t.seed_bound:.2f}; the mean's, {sign} {t.mean_bound:.2f}, is judged by --seeds"
+    return f"- {t.what}: {ratio:.3f} ({bounds}): {met}"
 
 
 # metrics compared against the best other system on a trace or preset (higher is better only for throughput)
@@ -321,10 +322,8 @@ def paper_shape(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """The paper workload's options, checked and defaulted in place; refused where another workload is run."""
     given = [name for name, _, _ in PAPER_SHAPE if getattr(a, _dest(name)) is not None]
     if a.workload == "shared-prefix":
-        other, given = (
-            "--workload shared-prefix",
-            [g for g in given if g != "--output"],
-        )  # its answers' lengths
+        other = "--workload shared-prefix"
+        given = [g for g in given if g != "--output"]  # (its answers' lengths)
     else:
         other = "--trace" if a.trace else f"--preset {a.preset}" if a.preset in SYNTHETIC else ""
     if other and given:

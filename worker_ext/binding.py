@@ -95,9 +95,8 @@ class Binding:
         self.epoch: Epoch | None = None
         self.last_epoch = 0  # the newest epoch this engine has bound (or seen rolled back)
         self._stash: Stash | None = None  # the paused DP work, while bound
-        self._aborted_aside: list[
-            str
-        ] = []  # clients' aborts of DP work set aside (paused or held): for later
+        # clients' aborts of DP work set aside (paused or held), applied once it is back in SGLang's queues
+        self._aborted_aside: list[str] = []
         self._dp_limits: RequestLimits | None = None  # the engine's own limits, while bound
         self.bind_ms = self.release_ms = 0.0
         self.error = ""
