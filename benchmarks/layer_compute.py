@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim.cost_model import H200_LLAMA70B  # noqa: E402
+from flying.cost_model import H200_LLAMA70B  # noqa: E402
 
 HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS = 8192, 28672, 64, 8, 128, 80
 

@@ -7,7 +7,7 @@ transformation costs :func:`kv_transform_ms`: a fixed part plus the bytes of the
 (the larger of what it sends and what it receives) over the link bandwidth, paid as a stall of the group (adopt) or
 of the members' first DP step (scatter), since the workers exchange at a step boundary. Calibration:
 
-- bytes: 160 KB per token (Llama-3-70B, FP8 KV: :data:`sim.cost_model.H200_LLAMA70B`), a head slice is ``1/d`` of it;
+- bytes: 160 KB per token (Llama-3-70B, FP8 KV: :data:`flying.cost_model.H200_LLAMA70B`), a head slice is ``1/d`` of it;
 - bandwidth: H200 NVLink 4 is 450 GB/s per direction per GPU; we take 360 GB/s (80 %, what NCCL's all-to-all and
   send/recv reach on NVLink-4 class nodes) per member, in each direction at once;
 - fixed: 4 ms, the upper end of Gyges' (seed 002, section 6.2.1) "basic" KV transformation, 3.15-4 ms for
@@ -24,19 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from flying.cost_model import kv_transform_ms
 from router.config import PolicyConfig
 from router.engine_view import EngineView
-
-
-def kv_transform_ms(
-    moved: list[tuple[float, float]], bytes_per_token: int, gbps: float, fixed_ms: float, overlap: float = 0.0
-) -> float:
-    """Fixed cost + the busiest member's moved bytes (max of sent and received) over the link bandwidth; members
-    exchange in parallel. ``moved``: (sent, received) KV tokens per member, as whole-token equivalents."""
-    busiest = max((max(s, r) for s, r in moved), default=0.0)
-    if busiest <= 0:
-        return fixed_ms
-    return fixed_ms + (1 - overlap) * busiest * bytes_per_token / (gbps * 1e9) * 1000
 
 
 def adopt_moves(tokens: list[float]) -> list[tuple[float, float]]:

@@ -29,12 +29,12 @@ import typing
 from pathlib import Path
 
 from flying import cli
+from flying.cost_model import calibration, with_overrides
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.results import finite
 from loadgen.trace import PRESETS, read_trace
 from router.policy import PolicyConfig
 from sim.config import Mode, SimConfig
-from sim.cost_model import calibration, with_overrides
 from sim.plots import burst_spans, mode_counts, plot, shift_share
 from sim.prefix_report import prefix_table, ratios, summarize_prefix
 from sim.prefix_workload import shared_prefix_workload
@@ -349,7 +349,12 @@ def _dest(option: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     d = SimConfig()
     p = argparse.ArgumentParser(prog="flying-sim", description=DESCRIPTION)
-    p.add_argument("--requests", type=int, default=4000, help="requests in the workload (per node)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests in the workload (per node; default 4000, a --trace's all)",
+    )
     p.add_argument("--engines", type=int, default=d.engines, help="engines per node")
     p.add_argument(
         "--nodes",
@@ -376,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="CSV trace instead of the synthetic workload (a real Azure or BurstGPT trace: add --preset azure / "
         "burstgpt for its column names)",
+    )
+    p.add_argument(
+        "--trace-speed",
+        type=float,
+        default=1.0,
+        help="with --trace: replay this many times faster (arrival times divided by it), as loadgen's",
     )
     p.add_argument(
         "--preset",
@@ -448,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dpi", type=cli.positive(int), default=100, help="timeline.png's resolution")
     a = p.parse_args(argv)
+    if a.requests is None:
+        a.requests = 10**9 if a.trace else 4000
     paper_shape(a, p)
     if unknown := [m or "''" for m in a.modes.split(",") if m not in MODES]:
         p.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
@@ -461,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} is a share, 0 to 1, got {getattr(a, name)}")
     if "tp" in a.modes.split(",") and (why := tp_width_problem(a.tp_width, a.engines)):
         p.error(why)
+    if a.trace_speed != 1.0 and not a.trace:
+        p.error("--trace-speed needs --trace")
+    if not a.trace_speed > 0:
+        p.error(f"--trace-speed must be above 0, got {a.trace_speed:g}")
     if a.trace and not Path(a.trace).is_file():
         p.error(f"--trace: no such file: {a.trace}")
     if why := out_problem(a.out):
@@ -487,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         return prefix_main(a, d)
     if a.trace:
         try:
-            rows = read_trace(a.trace, PRESETS[TRACE_COLUMNS.get(a.preset, a.preset)], limit=a.requests)
+            columns = PRESETS[TRACE_COLUMNS.get(a.preset, a.preset)]
+            rows = read_trace(a.trace, columns, speed=a.trace_speed, limit=a.requests)
         except (OSError, ValueError) as e:
             p.error(f"--trace: {e}")
         reqs = [SimRequest(r.at, r.priority or "normal", r.input_tokens, r.output_tokens) for r in rows]

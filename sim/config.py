@@ -9,8 +9,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flying.cost_model import H200_LLAMA70B, CostModel
 from router.config import PolicyConfig
-from sim.cost_model import H200_LLAMA70B, CostModel
 
 Mode = Literal["dynamic", "dp", "tp", "shift"]
 

@@ -9,12 +9,12 @@ import collections
 from collections.abc import Callable
 from typing import Literal, Protocol
 
+from flying.cost_model import causal_pairs
 from flying.messages import Bind, Heartbeat, QueuedRequest, Release
 from flying.prefix import BLOCK
 from router.engine_view import EngineView
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.config import SimConfig
-from sim.cost_model import causal_pairs
 from sim.prefix_cache import PrefixCache
 from sim.workload import SimRequest
 from worker_ext.intake import Intake, intake

@@ -5,7 +5,7 @@ heartbeats, :meth:`router.engine_view.EngineView.from_heartbeat`) and applies ea
 (:func:`router.decision.plan`). The engines are :mod:`sim.engine`; the workloads :mod:`sim.workload` and
 :mod:`sim.prefix_workload`; the settings :class:`sim.config.SimConfig`.
 
-Each engine is a continuous-batching scheduler whose step times come from :mod:`sim.cost_model`; a bound group is
+Each engine is a continuous-batching scheduler whose step times come from :mod:`flying.cost_model`; a bound group is
 one scheduler at its width with the members' pooled KV. Commands behave as the workers' (worker_ext.binding) do:
 a member acknowledges a bind on reading it (``pending``), applies it at its next step boundary (hard: its DP work
 pauses with its KV kept; sequential: once its running DP requests finish), the group forms when every member is
@@ -16,7 +16,7 @@ router outage is just time in which no decisions are taken.
 KV transformation (``SimConfig.kv_transform``: the engines report ``kv_transform`` and apply it). A bind with
 ``adopt`` is applied at the member's next step boundary like a hard one, but its running and waiting DP requests
 become the group's (running ones keep their KV and progress); the group forms ``switch_ms`` plus the transformation
-(:meth:`sim.cost_model.CostModel.transform_ms` over each member's moved head slices) after the last member
+(:meth:`flying.cost_model.CostModel.transform_ms` over each member's moved head slices) after the last member
 arrives. Every request is *owned* by the engine it was dispatched to (for a TP dispatch the group's member the
 policy named, :func:`router.placement.owner`) and stays assigned there. A release with ``scatter`` takes effect at
 the leader's next step boundary: each running TP request goes back to DP on its owner with its KV if the owner's
@@ -26,7 +26,7 @@ members resume DP after ``switch_ms`` plus the transformation. A release with ``
 Static baselines run the same machinery: ``dp`` with every use case off, ``tp`` with every engine in a permanent
 (unmerged) group of ``tp_width``. ``shift`` is Shift Parallelism (seed 001): one permanent scheduler over all the
 engines whose every step runs in sequence parallelism, or in full TP when it batches at most ``shift_threshold``
-tokens (:meth:`sim.cost_model.CostModel.shift_step_ms`), with as many running requests and prefill tokens per
+tokens (:meth:`flying.cost_model.CostModel.shift_step_ms`), with as many running requests and prefill tokens per
 step per GPU as a DP engine and the KV that the second, TP-sharded weight copy leaves.
 
 For pictures the simulator records each engine's mode whenever it changes (:attr:`Simulator.track`:

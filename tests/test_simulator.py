@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flying.cost_model import CostModel, calibration, with_overrides
 from flying.messages import Bind, Group, Release
 from router.transform_cost import adopt_moves, scatter_moves
 from sim.cli import flat_period
 from sim.config import SimConfig
-from sim.cost_model import CostModel, calibration, with_overrides
 from sim.plots import mode_counts
 from sim.simulator import Simulator
 from sim.workload import SimRequest, paper_workload
@@ -620,6 +620,7 @@ def test_with_the_defaults_a_burst_releases_the_node_and_its_end_binds_it_again_
         (["--long-share", "2"], "--long-share is a share, 0 to 1"),
         (["--trace", "/nonexistent.csv"], "--trace: no such file"),
         (["--policy", "light_width"], "--policy light_width: expected FIELD=VALUE"),
+        (["--trace-speed", "2"], "--trace-speed needs --trace"),
         (["--policy", "light_rate=abc"], "'abc' is not a float"),
         (["--policy", "regime=bogus"], "regime must be one of inflight, rate"),
         (["--seeds", "3-1"], "no seeds (FROM-TO needs FROM <= TO)"),

@@ -1,4 +1,4 @@
-"""Step-time cost model for the simulator: how long one engine (or TP group) takes for one scheduler step.
+"""The step-time cost model the router's planner and the simulator share: how long one unit's step takes.
 
 A continuous-batching step at width ``w`` costs a fixed overhead, the model's weight read (memory-bound, split
 over ``w`` GPUs) or its prefill compute, whichever is larger, the attention/KV read of the decoding sequences, the
@@ -48,7 +48,16 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from router.transform_cost import kv_transform_ms
+
+def kv_transform_ms(
+    moved: list[tuple[float, float]], bytes_per_token: int, gbps: float, fixed_ms: float, overlap: float = 0.0
+) -> float:
+    """Fixed cost + the busiest member's moved bytes (max of sent and received) over the link bandwidth; members
+    exchange in parallel. ``moved``: (sent, received) KV tokens per member, as whole-token equivalents."""
+    busiest = max((max(s, r) for s, r in moved), default=0.0)
+    if busiest <= 0:
+        return fixed_ms
+    return fixed_ms + (1 - overlap) * busiest * bytes_per_token / (gbps * 1e9) * 1000
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,27 @@ class CostModel:
         comm = self.sp_alltoall_ms + per_gpu * self.allreduce_ms_per_token
         return self.overhead_ms + body + host + comm
 
+    def group_step_ms(
+        self,
+        width: int,
+        sp_threshold: int,
+        prefill_tokens: float,
+        decode_seqs: float,
+        context_tokens: float,
+        attn_pairs: float = 0.0,
+    ) -> float:
+        """One step of a unit the router can form: a DP engine (width 1), or a bound group of ``width`` whose steps
+        of at least ``sp_threshold`` batched tokens run sequence-parallel and smaller ones merged TP (0: TP only),
+        as the workers choose (worker_ext.sequence_parallel)."""
+        tokens = prefill_tokens + decode_seqs
+        if width > 1 and sp_threshold and tokens >= max(sp_threshold, width):
+            return self.sp_step_ms(
+                width, int(prefill_tokens), int(decode_seqs), int(context_tokens), attn_pairs
+            )
+        return self.step_ms(
+            width, int(prefill_tokens), int(decode_seqs), int(context_tokens), True, attn_pairs
+        )
+
     def shift_step_ms(
         self,
         sp: int,
@@ -239,7 +269,10 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[Point]:
     dp = m.step_ms(1, 0, 4, ctx, merged=False)
     tp = m.step_ms(2, 0, 4, ctx, merged=False)
     merged = m.step_ms(2, 0, 4, ctx, merged=True)
-    sat = lambda w: w * m.max_running / m.step_ms(w, 0, w * m.max_running, w * m.max_running * 1200, False)  # noqa: E731
+
+    def sat(w: int) -> float:
+        return w * m.max_running / m.step_ms(w, 0, w * m.max_running, w * m.max_running * 1200, False)
+
     n = 8 * m.max_running  # Shift Parallelism's base config, SP 8, as busy per GPU as a saturated DP engine
     sp8 = n / m.sp_step_ms(8, 0, n, n * 1200)
     prompt = 4096  # one request at low traffic: its TTFT is one prefill step
@@ -249,7 +282,10 @@ def calibration(m: CostModel = H200_LLAMA70B) -> list[Point]:
         "sp8": m.sp_step_ms(8, prompt, 0, 0, causal_pairs(0, prompt)),
     }
     bf16 = dataclasses.replace(m, prefill_ms_per_token=2 * m.prefill_ms_per_token)  # the measurement's GEMMs
-    alone = lambda n: bf16.step_ms(1, n, 0, 0, False, causal_pairs(0, n))  # noqa: E731 - one prompt's prefill
+
+    def alone(n: int) -> float:  # one prompt's prefill
+        return bf16.step_ms(1, n, 0, 0, False, causal_pairs(0, n))
+
     paper = "Shift Parallelism paper: "  # seed 001
     return [
         Point("saturated throughput per GPU, static TP2 / DP", sat(2) / 2 / sat(1), 2530 / 3164),

@@ -1,0 +1,189 @@
+"""The planner: per node, the width its load groups should have (1: DP), chosen by predicting each candidate.
+
+Each round the node's demand (:class:`Demand`: the work queued and running on it, the measured arrival rate and
+token mix) is played forward over ``horizon_s`` through every candidate width with the shared cost model
+(:mod:`flying.cost_model`): width 1 is static DP, a width-w group runs its large steps sequence-parallel and its
+small ones TP, so the candidates span static DP, static TP and Shift Parallelism. The prediction is a fluid one
+(:func:`forecast`): one representative unit of each candidate, its prefill backlog and decoding batch advanced in
+a few slices of the horizon. A candidate other than the current width pays its switch (``switch_ms`` and the KV
+transformation of the running requests) as a stall at the start, so hysteresis comes from what a switch costs,
+plus :data:`MARGIN` against near-ties. The objective (:func:`score`) is the predicted TTFT of each priority class
+against its target, weighted by the class's share of arrivals; requests still waiting at the horizon count with
+the time their backlog takes to drain, so a candidate cannot look good by starving the queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flying.cost_model import CostModel
+
+SLICES = 8  # steps of the fluid prediction over the horizon
+MARGIN = 0.1  # a switch must predict a score this much (relative) better than keeping the current width
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one node must serve: measured arrivals (``rate`` per second, their mean ``prompt`` and ``output``
+    tokens, ``high_share`` of them high priority) and the work it holds now (``backlog``: prompt tokens not yet
+    prefilled, queued or on its engines; ``decoding``: running sequences), over ``engines`` engines."""
+
+    engines: int
+    rate: float
+    prompt: float
+    output: float
+    backlog: float = 0.0
+    decoding: float = 0.0
+    high_share: float = 0.0
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Per-class TTFT targets (ms) the objective measures against, and the prediction's horizon (s)."""
+
+    high_ms: float = 200.0
+    normal_ms: float = 1000.0
+    horizon_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """One candidate's prediction: mean TTFT of normal work and of high priority (ms), output tokens per second
+    over the horizon, the switch's stall (ms) and the objective (lower is better)."""
+
+    width: int
+    ttft_ms: float
+    high_ttft_ms: float
+    tpot_ms: float
+    tokens_per_s: float
+    stall_ms: float
+    score: float
+
+    def __str__(self) -> str:
+        where = "DP" if self.width == 1 else f"width {self.width}"
+        return f"{where}: TTFT {self.ttft_ms:.0f} ms, TPOT {self.tpot_ms:.0f} ms predicted"
+
+
+def forecast(
+    cost: CostModel, width: int, d: Demand, t: Targets, sp_threshold: int, stall_ms: float = 0.0
+) -> Forecast:
+    """Play ``d`` forward over ``t.horizon_s`` on the node's engines grouped at ``width`` (units of ``width``
+    engines, the arrivals spread evenly over them), after a stall of ``stall_ms`` (a switch). Each slice of the
+    horizon first drains the unit's backlog in full chunks, then runs steady steps that prefill what arrived
+    during the step before (or, where the arrivals outrun full chunks, the backlog grows)."""
+    units = max(1, d.engines // width)
+    sp = width > 1 and sp_threshold > 0
+    chunk = cost.chunk_tokens * (width if sp else 1)
+    cap = cost.max_running * (width if sp else 1)
+    prompt, output = max(d.prompt, 1.0), max(d.output, 1.0)
+    ctx = prompt + output / 2  # a decoding sequence's mean context
+
+    def step_s(p: float, b: float) -> float:
+        return cost.group_step_ms(width, sp_threshold, p, b, b * ctx, p * prompt / 2) / 1000
+
+    inflow = d.rate / units * prompt  # prompt tokens arriving per second at one unit
+    # prompt tokens to prefill (a request prefills on one unit: a backlog of k requests keeps at most k busy) and
+    # decoding sequences
+    x, b = d.backlog / min(units, max(1.0, d.backlog / prompt)), min(d.decoding / units, cap)
+    stall = stall_ms / 1000
+    waited = (x + inflow * stall / 2) / prompt * stall  # request-seconds spent waiting for a first token
+    x += inflow * stall
+    arrivals = x / prompt + inflow * max(t.horizon_s - stall, 0.0) / prompt
+    tokens = busy_s = 0.0
+    dt = max(t.horizon_s - stall, 0.0) / SLICES
+
+    def run(seconds: float, step: float, prefilled: float) -> None:
+        nonlocal b, tokens, busy_s
+        n = seconds / step
+        tokens += n * b
+        busy_s += n * b * step
+        b = min(cap, max(0.0, b + prefilled / prompt - b * min(1.0, n / output)))
+
+    for _ in range(SLICES):
+        left = dt
+        if x > 0 and b < cap:  # drain the backlog in full chunks
+            s_full = step_s(chunk, b)
+            net = chunk / s_full - inflow
+            took = min(dt, x / net) if net > 0 else dt
+            x_end = max(0.0, x - net * took)
+            waited += (x + x_end) / 2 / prompt * took
+            run(took, s_full, x + inflow * took - x_end)
+            x, left = x_end, dt - took
+        if left <= 0:
+            continue
+        step = step_s(0.0, b)
+        p = 0.0
+        for _ in range(2) if b < cap else ():  # steady: a step prefills what arrived during the one before
+            p = min(chunk, inflow * step)
+            step = step_s(p, b)
+        p = min(chunk, inflow * step) if b < cap else 0.0
+        grow = max(0.0, inflow - p / step)  # what the steps cannot keep up with
+        waited += (inflow * step / 2 + (x + grow * left / 2)) / prompt * left
+        run(left, step, p / step * left)
+        x += grow * left
+    one = cost.group_step_ms(width, sp_threshold, prompt, b, b * ctx, prompt * prompt / 2)
+    full = step_s(chunk, b)
+    drain_s = x / chunk * full  # what is left at the horizon still waits for its backlog to drain
+    waited += x / prompt * drain_s / 2
+    ttft = (waited / arrivals * 1000 if arrivals > 0 else 0.0) + one
+    high = stall_ms + one  # high priority jumps the queue: one step of its own (after a switch)
+    tpot = busy_s / tokens * 1000 if tokens > 0 else cost.group_step_ms(width, sp_threshold, 0, 1, ctx)
+    return Forecast(width, ttft, high, tpot, units * tokens / max(t.horizon_s, 1e-9), stall_ms, 0.0)
+
+
+def score(f: Forecast, d: Demand, t: Targets) -> float:
+    """The objective: each class's predicted TTFT over its target, weighted by its share of the arrivals. (A
+    candidate that cannot keep up shows it here too: its backlog grows, or its decoding batch fills and stops
+    its prefills.)"""
+    return (1 - d.high_share) * f.ttft_ms / t.normal_ms + d.high_share * f.high_ttft_ms / t.high_ms
+
+
+def switch_ms(cost: CostModel, now: int, width: int, d: Demand, sp_threshold: int) -> float:
+    """The stall of going from width ``now`` to ``width``: each switch (a bind or a release; both, to change a
+    group's width) waits for the members' step boundary (about one step at the current width), then costs
+    ``switch_ms`` plus moving the running requests' KV head slices among the members ((w-1)/w of their context)."""
+    if width == now:
+        return 0.0
+    wide = max(now, width)
+    units = max(1, d.engines // now)
+    ctx = d.prompt + d.output / 2
+    per_member = d.decoding / max(d.engines, 1) * ctx * (wide - 1) / wide
+    b = d.decoding / units
+    p = min(d.backlog / units, cost.chunk_tokens * (now if now > 1 and sp_threshold else 1))
+    boundary = cost.group_step_ms(now, sp_threshold, p, b, b * ctx, p * d.prompt / 2)
+    switches = 2 if now > 1 and width > 1 else 1
+    return switches * (boundary + cost.switch_ms) + cost.transform_ms([(per_member, per_member)])
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A node's choice: the width it takes (``best``), the prediction for keeping its current width (``keep``)
+    and the best other candidate (``runner_up``)."""
+
+    best: Forecast
+    keep: Forecast
+    runner_up: Forecast | None
+
+    @property
+    def width(self) -> int:
+        return self.best.width
+
+    def __str__(self) -> str:
+        other = self.runner_up if self.runner_up is not None else self.keep
+        return f"{self.best}; {other}"
+
+
+def choose(cost: CostModel, widths: list[int], now: int, d: Demand, t: Targets, sp_threshold: int) -> Choice:
+    """Predict every candidate width in ``widths`` (``now``: the current one, kept unless another scores
+    :data:`MARGIN` better) and choose."""
+    cands = []
+    for w in widths:
+        f = forecast(cost, w, d, t, sp_threshold, switch_ms(cost, now, w, d, sp_threshold))
+        cands.append(dataclasses.replace(f, score=score(f, d, t)))
+    keep = next((c for c in cands if c.width == now), cands[0])
+    best = min(cands, key=lambda c: (c.score, c.width))
+    if best.width != keep.width and best.score > keep.score * (1 - MARGIN):
+        best = keep
+    others = [c for c in cands if c.width != best.width]
+    return Choice(best, keep, min(others, key=lambda c: c.score) if others else None)
