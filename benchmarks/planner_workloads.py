@@ -67,8 +67,11 @@ def main() -> None:
     p.add_argument("--traces", type=Path, help="folder with the Azure 2023 trace CSVs")
     p.add_argument("--speeds", default="1,2,3", help="trace speeds (1: as recorded)")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--only", default="", help="comma-separated workload names to run (default: all)")
     a = p.parse_args()
     jobs = workloads(a.traces, [float(x) for x in a.speeds.split(",")])
+    if a.only:
+        jobs = [j for j in jobs if j[0] in a.only.split(",")]
     print("| workload | " + " | ".join(m[0] for m in METRICS) + " |")
     print("|---" * (len(METRICS) + 1) + "|", flush=True)
     sums: dict[str, list[float]] = {m[0]: [] for m in METRICS}

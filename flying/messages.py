@@ -281,16 +281,27 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
 class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     """Load-adaptation state (``flying:router:state``), so a restarted router keeps its regime."""
 
-    busy: bool = True  # True: keep engines in DP (queue building); False: light load, TP groups allowed
-    calm_since: float = 0.0  # since when load has been light (0: it is not)
-    changed_at: float = 0.0
+    busy: bool = True  # every node's planned width is 1 (DP everywhere); False: some node binds load groups
+    changed_at: float = 0.0  # when ``busy`` last changed
+    widths: dict[
+        str, int
+    ] = {}  # node (its name, or its first engine) -> its planned load width (router.regime)
+    planned_at: float = 0.0  # when the widths were planned (0: never)
     long_context: bool = (
         True  # the router binds groups for requests one engine cannot hold (gateways admit them)
     )
     suspect: dict[int, float] = {}  # engine -> until when it is not picked for a bind (it failed one)
-    rate: float = 0.0  # admissions per second, exponentially weighted (the "rate" regime)
-    rate_ts: float = 0.0  # when ``rate`` was last updated (0: never)
-    admitted: int = 0  # the admission counter (``flying:stats`` admitted) at that time
+    rate: float = 0.0  # admissions per second, exponentially weighted (the planner's arrivals)
+    prompt_rate: float = 0.0  # ... their prompt tokens per second
+    output_rate: float = 0.0  # ... their max_tokens per second
+    high_rate: float = 0.0  # ... high-priority admissions per second
+    rate_ts: float = 0.0  # when the rates were last updated (0: never)
+    admitted: int = (
+        0  # the counters (``flying:stats`` admitted, admitted_prompt_tokens, admitted_output_tokens,
+    )
+    prompt_tokens: int = 0  # admitted_high) at that time
+    output_tokens: int = 0
+    high: int = 0
     recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (PolicyConfig.spread_s)
     long_waits: dict[str, float] = {}  # long requests waiting for calm -> since when (router.long_wait)
     # how long a long request of normal or low priority may wait for calm (PolicyConfig.long_wait_s; 0: it does not

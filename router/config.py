@@ -12,7 +12,6 @@ from flying.logs import LogFormat
 from flying.messages import Preempt
 
 DispatchRule = Literal["cache-aware", "least-loaded"]
-Regime = Literal["inflight", "rate"]
 T = TypeVar("T")
 
 
@@ -43,10 +42,15 @@ class PolicyConfig:
     )
     priority: bool = setting(True, "bind a priority_width group for a high-priority request")
     long_context: bool = setting(True, "bind a group whose pooled KV holds a request one engine's KV cannot")
-    light_width: int = setting(
-        8,
-        "engines per group formed under light load (a power of two; at most all engines): SP prefill scales "
-        "with the width",
+    max_width: int = setting(
+        8, "widest load group the planner considers (a power of two; at most a node's engines): 1 keeps DP"
+    )
+    ttft_target_high_ms: float = setting(
+        200.0, "milliseconds: the TTFT high-priority requests are planned for"
+    )
+    ttft_target_normal_ms: float = setting(1000.0, "milliseconds: the TTFT other requests are planned for")
+    horizon_s: float = setting(
+        10.0, "seconds the planner predicts ahead (arrival rates are averaged over half of it)"
     )
     priority_width: int = setting(2, "engines per group bound for a high-priority request (a power of two)")
     priority_preempt: Preempt = setting(
@@ -69,33 +73,8 @@ class PolicyConfig:
         "... a load or priority group running no long request takes w times this many under light load (its "
         "large steps run sequence-parallel: about what its members would hold in DP)",
     )
-    regime: Regime = setting(
-        "rate", "what judges light and busy load: queued + inflight requests, or the admission rate"
-    )
-    light_load: float = setting(
-        0.4, "light: queued + inflight at most this share of the groups' capacity (for calm_s)"
-    )
-    calm_s: float = setting(
-        0.0,
-        "seconds of light load before load groups form (the rate regime's average already smooths: 0 binds as "
-        "soon as a burst has passed)",
-    )
-    busy_load: float = setting(0.5, "busy: queued + inflight above this share of the groups' capacity")
-    light_rate: float = setting(
-        1.0,
-        "rate regime: light at most this many admissions per second per engine (well above a quiet period's rate, "
-        "so a burst's end binds the load groups within seconds)",
-    )
-    busy_rate: float = setting(1.5, "rate regime: busy above this many admissions per second per engine")
-    rate_tau_s: float = setting(2.5, "seconds: time constant of the admission rate's exponential average")
-    busy_wait_s: float = setting(0.1, "seconds: busy once a normal request has waited this long in the queue")
     keep_s: float = setting(
         1.0, "seconds: a priority or long-context group without TP work for this long is released"
-    )
-    long_calm_rate: float = setting(
-        0.75,
-        "rate regime: a long request of normal or low priority waits while admissions exceed this many per second "
-        "per engine (stricter than light_rate: a long prefill started near a burst holds its group into it)",
     )
     long_max_share: float = setting(
         0.5, "long-context groups hold at most this share of the engines (one always allowed)"
@@ -149,20 +128,6 @@ class PolicyConfig:
         "half a node's engines; the width its KV needs if wider): parked for a burst, its request's KV head slices "
         "leave each member more room for DP",
     )
-    drain_inflight: int = setting(
-        0,
-        "light load: a load block wider than drain_width whose members hold more than this many DP requests each "
-        "(a burst's backlog, which DP decodes faster than a bound group) stays in DP while the least loaded "
-        "drain_width block of its node binds for the new requests; it binds whole (widening the narrow group) "
-        "once it holds at most this many a member (0: off, a block binds whole up to adopt_max_inflight; on, "
-        "peak throughput rises and low-load latency with it: docs/benchmarks.md)",
-    )
-    drain_width: int = setting(4, "engines of the narrow load group bound while a burst's backlog drains")
-    drain_s: float = setting(
-        0.0,
-        "seconds: drain_inflight holds a block back at most this long after load turned light; then it adopts its "
-        "backlog, widening the narrow group (0: until the backlog has drained)",
-    )
     kv_bytes_per_token: int = setting(
         163_840, "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)"
     )
@@ -190,31 +155,23 @@ class PolicyConfig:
     balance_rel_threshold: float = setting(1.5, "... and max exceeds this times min (then least loaded)")
 
     def __post_init__(self) -> None:
-        for name, allowed in (
-            ("regime", typing.get_args(Regime)),
-            ("dispatch", typing.get_args(DispatchRule)),
-        ):
+        for name, allowed in (("dispatch", typing.get_args(DispatchRule)),):
             _require(
                 getattr(self, name) in allowed,
                 f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}",
             )
-        for name in ("light_width", "priority_width", "drain_width"):
+        for name in ("priority_width",):
             w = getattr(self, name)
             _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")
         w = self.long_min_width
         _require(w >= 1 and w & (w - 1) == 0, f"long_min_width must be a power of two >= 1, got {w}")
         for name in ("max_inflight_per_worker", "tp_inflight_per_engine", "sp_inflight_per_engine"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("light_load", "calm_s", "drain_inflight", "drain_s"):
-            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("long_wait_s", "long_calm_rate"):
-            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("busy_wait_s", "rate_tau_s"):
+        w = self.max_width
+        _require(w >= 1 and w & (w - 1) == 0, f"max_width must be a power of two >= 1, got {w}")
+        _require(self.long_wait_s >= 0, f"long_wait_s must be >= 0, got {self.long_wait_s}")
+        for name in ("ttft_target_high_ms", "ttft_target_normal_ms", "horizon_s"):
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
-        _require(
-            0 <= self.light_rate <= self.busy_rate,
-            f"need 0 <= light_rate <= busy_rate, got {self.light_rate} and {self.busy_rate}",
-        )
         _require(
             0 < self.ack_timeout_s <= self.bind_timeout_s,
             f"need 0 < ack_timeout_s <= bind_timeout_s, got {self.ack_timeout_s} and {self.bind_timeout_s}",

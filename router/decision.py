@@ -2,7 +2,7 @@
 
 The policy (:func:`router.policy.decide`) states every group change as a value: a :class:`BindNote` (the group's
 reason and :class:`BindMode`), a :class:`ReleaseNote` (its :class:`ReleaseCause` and :class:`ReleaseMode`), a
-:class:`RegimeNote`, a :class:`DistrustNote`. Log text is made from them (``str(note)``), never parsed back.
+:class:`PlanNote`, a :class:`DistrustNote`. Log text is made from them (``str(note)``), never parsed back.
 
 Both appliers, the live router (:mod:`router.dispatcher`, against Redis) and the simulator (:mod:`sim.simulator`,
 as events), apply a decision through :func:`plan`: it numbers the new groups and lists, in the order that keeps
@@ -29,6 +29,7 @@ from flying.messages import (
     Release,
     RouterState,
 )
+from router.planner import Choice, Demand
 from router.prefix_index import PrefixIndex
 
 # why a DP dispatch went where it did: followed its prefix; least loaded because dispatch is least-loaded, the
@@ -172,20 +173,24 @@ class BindNote:
 
 
 @dataclass(frozen=True)
-class RegimeNote:
-    """The load regime changed: ``busy`` (back to DP) or light (TP groups allowed), and the figures that said so."""
+class PlanNote:
+    """Node ``node`` changes its load width from ``was`` to the planner's choice (1: DP), with the predictions
+    it compared (the chosen width's and the best other's) and the demand they were made for."""
 
-    busy: bool
-    demand: int  # queued + inflight requests
-    rate: float  # admissions per second
-    engines: int
-    oldest_s: float = 0.0  # the longest wait of a normal request in the queue
+    node: str
+    was: int
+    plan: Choice
+    demand: Demand
+
+    @property
+    def busy(self) -> bool:
+        return self.plan.width == 1
 
     def __str__(self) -> str:
-        if self.busy:
-            return (f"load rising ({self.demand} requests, {self.rate:.1f}/s, oldest waits {self.oldest_s:.2f} s): "
-                    "back to DP")  # fmt: skip
-        return f"light load ({self.demand} requests, {self.rate:.1f}/s on {self.engines} engines): TP groups allowed"
+        d, w = self.demand, self.plan.width
+        what = "back to DP" if w == 1 else f"load groups of width {w}"
+        mix = f"{d.rate:.1f} req/s of {d.prompt:.0f}/{d.output:.0f} tokens, {d.backlog:.0f} queued"
+        return f"node {self.node}: {what} ({self.plan}; {mix})"
 
 
 @dataclass(frozen=True)
@@ -238,7 +243,7 @@ class LongWaitNote:
         return f"{what} waits for calm, at most {self.bound_s:g} s: {self.cause} ({self.demand} requests)"
 
 
-Note = BindNote | ReleaseNote | RegimeNote | DistrustNote | LongWaitNote
+Note = BindNote | ReleaseNote | PlanNote | DistrustNote | LongWaitNote
 
 
 @dataclass(frozen=True)
@@ -331,7 +336,7 @@ def log_entry(note: Note, ts: float, epoch: int = 0) -> DecisionEvent:
         case ReleaseNote():
             return DecisionEvent(ts=ts, kind="release", text=text, epoch=note.epoch, members=note.members,
                                  reason=note.reason, cause=note.cause.value)  # fmt: skip
-        case RegimeNote():
+        case PlanNote():
             return DecisionEvent(ts=ts, kind="regime", text=text, busy=note.busy)
         case DistrustNote():
             return DecisionEvent(ts=ts, kind="distrust", text=text, members=note.engines)

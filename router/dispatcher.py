@@ -143,9 +143,7 @@ class Dispatcher:
         held = [sorted({text(x) for m in g.members for x in next(sets)}) for g in counted]
         self._note_liveness({hb.engine for hb in beats})
         state = (
-            decode(raw_state, RouterState)
-            if raw_state
-            else RouterState(busy=True, calm_since=0.0, changed_at=time.time())
+            decode(raw_state, RouterState) if raw_state else RouterState(busy=True, changed_at=time.time())
         )
         views = [EngineView.from_heartbeat(hb, counts[hb.engine]) for hb in beats]
         if forgotten := self.prefixes.sync(views):

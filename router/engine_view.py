@@ -31,12 +31,19 @@ class EngineView:
     parked: tuple[int, ...] = ()  # epochs whose requests are parked on it
     group: tuple[int, ...] = ()  # the members of the epoch it is bound in (the first: its leader)
     pool_ready: bool = True  # its communicator pool is built (a restarted engine's takes a while: no binds)
+    running: int = 0  # sequences in its running batch (its heartbeat's; bound: the group's, on the leader)
 
     @property
     def dp_room(self) -> int:
         """The most KV a DP request sent here may need: the engine's KV, or, while it holds parked requests (their
         head slices stay until a resume), its free KV (conservatively: its running DP requests free theirs)."""
         return min(self.max_total_tokens, self.free_kv_tokens) if self.parked else self.max_total_tokens
+
+    @property
+    def node_key(self) -> str:
+        """Its node's key in the router's state (``RouterState.widths``): the node's name, or its pool's first
+        engine where nodes have no names."""
+        return self.node or str(self.pool_first)
 
     @property
     def pool(self) -> tuple[str, int, int]:
@@ -68,4 +75,5 @@ class EngineView:
             parked=hb.parked,
             group=hb.group,
             pool_ready=hb.pool_ready,
+            running=hb.running,
         )

@@ -29,14 +29,12 @@ from router.round import Round
 
 
 def unrest(rnd: Round, request: str = "", turn: bool = True) -> WaitCause | None:
-    """Why the load is not calm for a long request now (None: it is calm): it is not light by the regime's
-    measure (rate: admissions above ``long_calm_rate`` per engine; inflight: demand above ``light_load`` of the groups'
-    capacity; either without the regime's hysteresis), more queued and inflight requests than the groups would hold (``tp_inflight_per_engine`` per engine:
-    a burst's backlog), or another long request runs (one at a time keeps most of the node serving the rest)."""
+    """Why the load is not calm for a long request now (None: it is calm): the planner keeps every node in DP
+    and some work is queued or running,
+    more queued and inflight requests than the groups would hold (``tp_inflight_per_engine`` per engine: a burst's
+    backlog), or another long request runs (one at a time keeps most of the node serving the rest)."""
     cfg, n = rnd.cfg, len(rnd.live)
-    if cfg.regime == "rate" and rnd.out.state.rate > cfg.long_calm_rate * n:
-        return WaitCause.BUSY
-    if cfg.regime == "inflight" and rnd.s.demand > cfg.light_load * cfg.tp_inflight_per_engine * n:
+    if rnd.out.state.busy and rnd.s.demand > 0:  # (an idle cluster is calm whatever the plan)
         return WaitCause.BUSY
     if rnd.s.demand > cfg.tp_inflight_per_engine * n:
         return WaitCause.BACKLOG

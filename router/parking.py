@@ -46,13 +46,8 @@ def can_park(rnd: Round, g: Group) -> bool:
 
 
 def surge(rnd: Round) -> bool:
-    """A burst, by the regime's own measure (admissions above ``busy_rate`` per engine, or demand above
-    ``busy_load`` of the groups' capacity), not merely a queue: a group serving a long request holds fewer
-    requests, so its own queue would park it under light load."""
-    cfg, n = rnd.cfg, len(rnd.live)
-    if cfg.regime == "rate":
-        return rnd.out.state.rate > cfg.busy_rate * n
-    return rnd.s.demand > cfg.busy_load * cfg.tp_inflight_per_engine * n
+    """A burst: the planner predicts no node to serve better bound (:mod:`router.regime`)."""
+    return rnd.out.state.busy
 
 
 def parks(rnd: Round) -> bool:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
 
 from flying.groups import widths as group_widths
 from flying.messages import FastTarget, Group, GroupReason, GroupState, QueuedRequest
@@ -158,77 +157,40 @@ def adopt_fits(rnd: Round, ms: tuple[int, ...]) -> float:
 
 
 def load_binds(rnd: Round) -> None:
-    """Light load: blocks bind one after another, as wide as ``light_width`` (up to all engines: a group's
-    prefill runs sequence-parallel over its members, so it scales with the width), narrower where no wide block
-    can bind (its engines are held by other groups, or its backlog must drain in DP first). A block whose engines
-    are idle binds at once; a busy one binds at once with its DP work kept running beside the group's steps where
-    its members run mixed steps (:func:`may_keep`), else by adoption where its members transform KV and the
-    transformation is cheap (``adopt_max_ms``), otherwise it drains first (sequential: its engines get no new work
-    while the rest of the cluster takes it), so no request is paused or recomputed. At most half of the blocks
-    still in DP drain at the same time. Per node: a node whose load groups of this light period are chosen binds
-    no narrower ones beside them, nor does one while a group of it is being released (widened, say: its block
-    binds whole next); the other nodes still bind theirs. A block wider than ``drain_width`` holding
-    a burst's backlog (:func:`holds_backlog`) stays in DP, which decodes it faster; its node binds one
-    ``drain_width`` block meanwhile (the least loaded), for the new requests, widened once the backlog has
-    drained (:func:`router.releases.widen_block`)."""
-    if rnd.out.state.busy or not rnd.cfg.load_adaptation:
+    """Every node the planner gave a width of 2 or more (:mod:`router.regime`) binds its free blocks of that width
+    as load groups, once no load group of another width remains on it (those are released first). A block whose
+    engines are idle binds at once; a busy one binds at once with its DP work kept running beside the group's
+    steps where its members run mixed steps (:func:`may_keep`), else by adoption where its members transform KV
+    and the transformation is cheap (``adopt_max_ms``), otherwise it drains first (sequential: its engines get no
+    new work while the rest of the cluster takes it), at most half of the node's blocks at a time."""
+    if not rnd.cfg.load_adaptation:
         return
     if any(need_width(r.kv_tokens, rnd.s.engines) not in (1, None) for r in rnd.s.waiting):
         return  # a long request waits for engines: leave them to it
-    held: set[tuple[str, int, int]] = set()  # nodes whose wider blocks hold a backlog
-    for width in sorted(
-        (w for w in group_widths(rnd.engines_n()) if 2 <= w <= rnd.load_width()), reverse=True
-    ):
-        chosen = {  # nodes whose load groups of this light period are chosen: no narrower ones beside them;
-            # nor beside a group being released (widened: its block binds whole once the release is done)
-            rnd.live[g.leader].pool
-            for g in [*rnd.groups.values(), *rnd.out.binds]
-            if (g.reason == "load" or g.state == "releasing") and g.leader in rnd.live
-        }
-        bind_blocks(rnd, width, chosen, held)
+    for pool, width in rnd.plan.items():
+        other = any(
+            (g.reason == "load" and g.width != width) or g.state == "releasing"
+            for g in rnd.groups.values()
+            if g.leader in rnd.live and rnd.live[g.leader].pool == pool
+        )
+        if width >= 2 and not other:
+            bind_blocks(rnd, width, pool)
 
 
-def holds_backlog(rnd: Round, ms: tuple[int, ...]) -> bool:
-    """Block ``ms`` is wider than ``drain_width`` and its members hold more than ``drain_inflight`` DP requests
-    each (0: never): a burst's backlog, which its engines decode faster in DP than bound; at most ``drain_s``
-    after load turned light (0: no limit)."""
-    cfg = rnd.cfg
-    if cfg.drain_s and rnd.now - rnd.out.state.changed_at >= cfg.drain_s:
-        return False  # waited drain_s since load turned light: the block adopts its backlog now
-    return (
-        bool(cfg.drain_inflight)
-        and len(ms) > cfg.drain_width
-        and rnd.block_load(ms) > cfg.drain_inflight * len(ms)
-    )
-
-
-def bind_blocks(
-    rnd: Round,
-    width: int,
-    chosen: AbstractSet[tuple[str, int, int]] = frozenset(),
-    held: set[tuple[str, int, int]] | None = None,
-) -> None:
-    """Bind the free blocks of ``width`` that may bind now (see :func:`load_binds`), outside the ``chosen``
-    nodes' pools. ``held``: the nodes whose wider blocks hold a backlog (this call adds those of ``width``'s);
-    at ``drain_width`` one block of each binds."""
-    held = set() if held is None else held
-    sets = [ms for ms in rnd.free_sets(width) if rnd.live[ms[0]].pool not in chosen]
-    draining = sum(1 for g in rnd.groups.values() if g.reason == "load" and g.state == "binding")
+def bind_blocks(rnd: Round, width: int, pool: tuple[str, int, int]) -> None:
+    """Bind node ``pool``'s free blocks of ``width`` that may bind now (see :func:`load_binds`)."""
+    sets = [ms for ms in rnd.free_sets(width) if rnd.live[ms[0]].pool == pool]
+    draining = sum(
+        1
+        for g in rnd.groups.values()
+        if g.reason == "load" and g.state == "binding" and rnd.live.get(g.leader, None) is not None
+        and rnd.live[g.leader].pool == pool
+    )  # fmt: skip
     in_dp = len(sets) + draining
-    narrow: set[tuple[str, int, int]] = set()  # held nodes whose drain_width block binds this round
     for ms in sets:  # least loaded first
-        pool = rnd.live[ms[0]].pool
-        keep = bool(rnd.block_load(ms)) and may_keep(rnd, ms)
-        if not keep and holds_backlog(rnd, ms):
-            held.add(pool)
-            continue  # it decodes its backlog in DP; a narrow block of its node takes the new requests
-        if pool in narrow:
-            continue
-        if pool in held and width == rnd.cfg.drain_width:
-            narrow.add(pool)  # (its least loaded block: if that one cannot bind now, none of the node's does)
         if not rnd.block_load(ms):
             rnd.bind(ms, "load", "hard")
-        elif keep:  # its backlog runs on beside the group's steps, at DP's rate
+        elif may_keep(rnd, ms):  # its backlog runs on beside the group's steps, at DP's rate
             rnd.bind(ms, "load", "hard", keep=True)
         elif rnd.kv.possible(ms) and rnd.block_load(ms) > adopt_fits(rnd, ms):
             continue  # it serves its backlog in DP (new work goes to the groups) and adopts once it fits

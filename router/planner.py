@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from flying.cost_model import CostModel
 
 SLICES = 8  # steps of the fluid prediction over the horizon
-MARGIN = 0.1  # a switch must predict a score this much (relative) better than keeping the current width
+MARGIN = 0.05  # a switch must predict a score this much (relative) better than keeping the current width
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Targets:
 
     high_ms: float = 200.0
     normal_ms: float = 1000.0
-    horizon_s: float = 5.0
+    horizon_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -140,20 +140,15 @@ def score(f: Forecast, d: Demand, t: Targets) -> float:
 
 
 def switch_ms(cost: CostModel, now: int, width: int, d: Demand, sp_threshold: int) -> float:
-    """The stall of going from width ``now`` to ``width``: each switch (a bind or a release; both, to change a
-    group's width) waits for the members' step boundary (about one step at the current width), then costs
-    ``switch_ms`` plus moving the running requests' KV head slices among the members ((w-1)/w of their context)."""
+    """The stall of going from width ``now`` to ``width``: ``switch_ms`` for each switch (a bind or a release;
+    both, to change a group's width), plus moving the running requests' KV head slices among the members ((w-1)/w
+    of their context). (The wait for the members' step boundary is no stall: the step under way completes.)"""
     if width == now:
         return 0.0
     wide = max(now, width)
-    units = max(1, d.engines // now)
-    ctx = d.prompt + d.output / 2
-    per_member = d.decoding / max(d.engines, 1) * ctx * (wide - 1) / wide
-    b = d.decoding / units
-    p = min(d.backlog / units, cost.chunk_tokens * (now if now > 1 and sp_threshold else 1))
-    boundary = cost.group_step_ms(now, sp_threshold, p, b, b * ctx, p * d.prompt / 2)
+    per_member = d.decoding / max(d.engines, 1) * (d.prompt + d.output / 2) * (wide - 1) / wide
     switches = 2 if now > 1 and width > 1 else 1
-    return switches * (boundary + cost.switch_ms) + cost.transform_ms([(per_member, per_member)])
+    return switches * cost.switch_ms + cost.transform_ms([(per_member, per_member)])
 
 
 @dataclass(frozen=True)

@@ -1,44 +1,60 @@
-"""Light or busy load: the regime that says whether load groups may form (paper section 5, load adaptation).
+"""Each node's load width for this round, from the planner (:mod:`router.planner`): 1 keeps its engines in DP,
+w >= 2 binds them into load groups of w engines (their large steps sequence-parallel, small ones TP).
 
-``inflight``: demand (queued + inflight) against the groups' capacity (``light_load`` / ``busy_load`` of
-``tp_inflight_per_engine`` per engine). ``rate``: the admission rate per engine (``light_rate`` / ``busy_rate``,
-an exponential average over ``rate_tau_s``), which sees a burst begin and end at once, where demand lags behind
-the backlog. Either way a normal request that waited ``busy_wait_s`` is *pressure*, light needs none (while
-servable requests wait, groups would only take capacity away), and light must last ``calm_s``. A queue that only waits for load groups forming at their members' next step boundary is not pressure.
+The demand the planner plays forward is measured here: the admission rate and token mix (exponential averages over
+half the planner's horizon, from the gateways' monotonic counters) and, per node, the prompt tokens queued for it (its
+share of the global queue) and on its engines, and its running sequences. The router's state keeps each node's
+width, so a restarted router resumes it. ``busy`` is the planner's verdict, apart from the load groups it allows
+(``load_adaptation``, ``max_width``): no node is predicted to serve better bound, so priority and long-context
+groups take no busy engines and long groups park.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import msgspec
 
+from flying.groups import widths as group_widths
 from flying.messages import Group, RouterState
-from router.config import PolicyConfig
-from router.decision import RegimeNote
+from router.decision import PlanNote
+from router.planner import Demand, Targets, choose
 from router.round import Round
 from router.snapshot import Snapshot
 
-
-@dataclass(frozen=True)
-class Regime:
-    """The verdict of one round: the new state, whether load is pressing (busy thresholds crossed, or normal work
-    waits), and a note when the regime changed."""
-
-    state: RouterState
-    pressure: bool
-    note: RegimeNote | None = None
+DEFAULT_PROMPT = 512.0  # tokens: the mix assumed before any request was measured
+DEFAULT_OUTPUT = 128.0
+PLAN_EVERY_S = 0.05  # seconds: rounds closer together than this keep the widths last planned
 
 
-def admission_rate(state: RouterState, admitted: int, now: float, tau: float) -> RouterState:
-    """Admissions per second: each admission adds 1/tau, the sum decays with time constant tau (exact for any
-    spacing of rounds). A counter that went back (Redis flushed) restarts the count."""
-    new = admitted - state.admitted if state.rate_ts and admitted >= state.admitted else 0
-    dt = max(0.0, now - state.rate_ts) if state.rate_ts else 0.0
-    rate = state.rate * math.exp(-dt / tau) + new / tau
-    return msgspec.structs.replace(state, rate=rate, rate_ts=now, admitted=admitted)
+def ewma(old: float, count: float, was: float, dt: float, tau: float) -> float:
+    """An exponentially weighted rate: each unit counted adds 1/tau, the sum decays with time constant tau."""
+    new = count - was if count >= was else 0.0
+    return old * math.exp(-dt / tau) + new / tau
+
+
+def measure(state: RouterState, s: Snapshot, tau: float) -> RouterState:
+    """The admission rate (requests/s), prompt and output tokens/s and high-priority requests/s, from the counters
+    in ``s``. A counter that went back (Redis flushed) restarts the count."""
+    dt = max(0.0, s.now - state.rate_ts) if state.rate_ts else 0.0
+    if not state.rate_ts or s.admitted < state.admitted:
+        state = msgspec.structs.replace(
+            state, admitted=s.admitted, prompt_tokens=s.prompt_tokens, output_tokens=s.output_tokens,
+            high=s.admitted_high,
+        )  # fmt: skip
+    return msgspec.structs.replace(
+        state,
+        rate=ewma(state.rate, s.admitted, state.admitted, dt, tau),
+        prompt_rate=ewma(state.prompt_rate, s.prompt_tokens, state.prompt_tokens, dt, tau),
+        output_rate=ewma(state.output_rate, s.output_tokens, state.output_tokens, dt, tau),
+        high_rate=ewma(state.high_rate, s.admitted_high, state.high, dt, tau),
+        rate_ts=s.now,
+        admitted=s.admitted,
+        prompt_tokens=s.prompt_tokens,
+        output_tokens=s.output_tokens,
+        high=s.admitted_high,
+    )
 
 
 def forming(groups: Iterable[Group], now: float, ack_timeout_s: float) -> bool:
@@ -55,43 +71,81 @@ def forming(groups: Iterable[Group], now: float, ack_timeout_s: float) -> bool:
     )
 
 
-def judge(s: Snapshot, state: RouterState, cfg: PolicyConfig, groups_forming: bool) -> Regime:
-    """The regime after snapshot ``s``, from the previous ``state``; ``groups_forming``: see :func:`forming`."""
-    n = len({e.engine for e in s.engines})
-    st = admission_rate(state, s.admitted, s.now, cfg.rate_tau_s)
+def node_demand(rnd: Round, pool: tuple[str, int, int], engines: list[int]) -> Demand:
+    """What node ``pool``'s ``engines`` must serve: its share of the arrivals and of the queue, and its work."""
+    st, s = rnd.out.state, rnd.s
+    share = len(engines) / max(len(rnd.live), 1)
     rate = st.rate
-    demand = s.demand
-    oldest = max((s.now - r.enqueued_at for r in s.waiting if s.dp_fit(r)), default=0.0)
-    if not st.busy and groups_forming:
-        oldest = 0.0  # light: the queue waits for groups that form at the members' next step boundary
-    if cfg.regime == "rate":
-        heavy = rate > cfg.busy_rate * n
-        light = rate <= cfg.light_rate * n
-    else:
-        heavy = demand > cfg.busy_load * cfg.tp_inflight_per_engine * n
-        light = demand <= cfg.light_load * cfg.tp_inflight_per_engine * n
-    # pressure: normal work queues, or demand is above what the groups would hold (the busy trigger)
-    pressure = oldest > cfg.busy_wait_s or heavy
-    replace = msgspec.structs.replace
-    if not cfg.load_adaptation or n == 0:
-        return Regime(replace(st, busy=True, calm_since=0.0), pressure)
-    if st.busy:
-        calm = (st.calm_since or s.now) if light else 0.0
-        if light and not pressure and s.now - calm >= cfg.calm_s:
-            note = RegimeNote(busy=False, demand=demand, rate=rate, engines=n)
-            return Regime(replace(st, busy=False, calm_since=calm, changed_at=s.now), pressure, note)
-        return Regime(replace(st, busy=True, calm_since=calm), pressure)
-    if pressure:
-        note = RegimeNote(busy=True, demand=demand, rate=rate, engines=n, oldest_s=oldest)
-        return Regime(replace(st, busy=True, calm_since=0.0, changed_at=s.now), pressure, note)
-    return Regime(st, pressure)
+    prompt = st.prompt_rate / rate if rate > 1e-6 else DEFAULT_PROMPT
+    output = st.output_rate / rate if rate > 1e-6 else DEFAULT_OUTPUT
+    head = [r for r in s.waiting if s.fits_one(r)]
+    queued = sum(r.prompt_tokens for r in head) * (s.queued / len(s.waiting) if s.waiting else 0.0)
+    running = sum(rnd.live[e].running for e in engines)
+    held = sum(rnd.live[e].inflight for e in engines)
+    return Demand(
+        engines=len(engines),
+        rate=rate * share,
+        prompt=prompt,
+        output=output,
+        backlog=queued * share + max(0, held - running) * prompt,
+        decoding=running,
+        high_share=min(1.0, st.high_rate / rate) if rate > 1e-6 else 0.0,
+    )
+
+
+def current_width(rnd: Round, pool: tuple[str, int, int]) -> int:
+    """The width node ``pool`` is planned at (the router's state), else its load groups' (1: none)."""
+    node = pool_name(pool)
+    if node in rnd.out.state.widths:
+        return rnd.out.state.widths[node]
+    return max(
+        (g.width for g in rnd.groups.values() if g.reason == "load" and g.leader in rnd.live
+         and rnd.live[g.leader].pool == pool),
+        default=1,
+    )  # fmt: skip
+
+
+def pool_name(pool: tuple[str, int, int]) -> str:
+    """A node's key in the router's state (as :attr:`EngineView.node_key`)."""
+    return pool[0] or str(pool[1])
 
 
 def update(rnd: Round) -> None:
-    """Judge the round's regime and record it (state, pressure, note)."""
-    verdict = judge(
-        rnd.s, rnd.out.state, rnd.cfg, forming(rnd.groups.values(), rnd.now, rnd.cfg.ack_timeout_s)
+    """Plan every node's width for this round; note each change with the predictions that chose it."""
+    cfg, s = rnd.cfg, rnd.s
+    targets = Targets(cfg.ttft_target_high_ms, cfg.ttft_target_normal_ms, cfg.horizon_s)
+    state = measure(rnd.out.state, s, cfg.horizon_s / 2)
+    rnd.out.state = state
+    pools: dict[tuple[str, int, int], list[int]] = {}
+    for e in s.engines:
+        pools.setdefault(e.pool, []).append(e.engine)
+    if (
+        state.planned_at
+        and 0 <= s.now - state.planned_at < PLAN_EVERY_S
+        and all(pool_name(p) in state.widths for p in pools)
+    ):  # planned a moment ago: the same widths
+        rnd.plan = {pool: state.widths[pool_name(pool)] for pool in pools}
+        return
+    widths: dict[str, int] = {}
+    light = False  # some node is predicted to serve better bound (whether load groups may form or not)
+    for pool, engines in sorted(pools.items(), key=lambda kv: kv[0][1]):
+        node, now = pool_name(pool), current_width(rnd, pool)
+        every = [w for w in group_widths(pool[2]) if w <= len(engines)]
+        if len(every) < 2:
+            widths[node] = 1
+            continue
+        d = node_demand(rnd, pool, engines)
+        choice = choose(s.cost, every, now if now in every else 1, d, targets, s.sp_threshold)
+        light = light or choice.width > 1
+        allowed = [w for w in every if w <= cfg.max_width] if cfg.load_adaptation else [1]
+        if choice.width not in allowed:  # load groups narrower than the best: the best of those allowed
+            choice = choose(s.cost, allowed, now if now in allowed else 1, d, targets, s.sp_threshold)
+        widths[node] = choice.width
+        if choice.width != now and len(allowed) > 1:
+            rnd.out.events.append(PlanNote(node, now, choice, d))
+    busy = not light
+    changed = s.now if busy != state.busy else state.changed_at
+    rnd.out.state = msgspec.structs.replace(
+        state, widths=widths, busy=busy, changed_at=changed, planned_at=s.now
     )
-    rnd.out.state, rnd.pressure = verdict.state, verdict.pressure
-    if verdict.note is not None:
-        rnd.out.events.append(verdict.note)
+    rnd.plan = {pool: widths[pool_name(pool)] for pool in pools}

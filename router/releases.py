@@ -144,7 +144,7 @@ def park(
 
 
 def release_groups(rnd: Round) -> None:
-    """Load groups go when load turns busy; a group that pauses DP work goes after ``max_defer_s``; a priority
+    """Load groups go when the planner changes their node's width; a group that pauses DP work goes after ``max_defer_s``; a priority
     or long group without TP work for ``keep_s`` goes (under light load one of ``light_width`` is kept as a load
     group instead). Operator (manual) groups stay."""
     busy, cfg, s = rnd.out.state.busy, rnd.cfg, rnd.s
@@ -168,10 +168,13 @@ def release_groups(rnd: Round) -> None:
                 g, last_used=rnd.now
             )  # in use, maybe by fast-path requests the round never placed
             rnd.put(g)
-        if g.reason == "load" and busy:
+        if g.reason == "load" and (planned := planned_width(rnd, g)) != g.width:
             # its requests continue in DP (scattered to their owners, or retracted to the leader), unless one
-            # of them needs the group's pooled KV
-            release_now(rnd, g, ReleaseCause.LOAD_ROSE)
+            # of them needs the group's pooled KV; a width change binds the node again at the new width
+            if planned == 1:
+                release_now(rnd, g, ReleaseCause.LOAD_ROSE)
+            else:
+                release_now(rnd, g, ReleaseCause.WIDENING, width=planned)
         elif (
             g.state == "bound"
             and rnd.now - g.since >= cfg.max_defer_s
@@ -185,23 +188,28 @@ def release_groups(rnd: Round) -> None:
                 release_now(rnd, g, why, seconds=after)
             else:
                 rnd.release(g, why, seconds=after)
-        elif not busy and g.state == "bound" and (block := widen_block(rnd, g)) is not None:
+        elif g.state == "bound" and (block := widen_block(rnd, g)) is not None:
             release_now(rnd, g, ReleaseCause.WIDENING, width=len(block))
         elif g.state == "bound" and not tp_busy and not queued_tp and rnd.now - g.last_used >= cfg.keep_s:
-            if not busy and g.width == rnd.load_width() and not rnd.paused_dp(g):
+            if g.width == planned_width(rnd, g) and rnd.cfg.load_adaptation and not rnd.paused_dp(g):
                 rnd.put(replace_group(g, reason="load"))  # light load: keep it, as a load group
-            elif busy or g.reason == "long" or rnd.paused_dp(g):
+            else:  # (not a load group's width, or a long group, or paused DP work beside it)
                 rnd.release(g, ReleaseCause.NO_TP_WORK, seconds=cfg.keep_s)
 
 
+def planned_width(rnd: Round, g: Group) -> int:
+    """The load width the planner chose for ``g``'s node this round (1: DP; a group whose leader is gone: its own)."""
+    leader = rnd.live.get(g.leader)
+    return g.width if leader is None else rnd.load_width(leader.pool)
+
+
 def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
-    """Light load: the ``load_width`` block around load or priority group ``g`` (narrower than that) whose other
-    engines are DP and free, or in such narrower groups, and whose work the wide group can adopt at once (every
-    member transforms KV, at most ``tp_inflight_per_engine`` requests a member): releasing ``g`` by scatter lets the
-    next rounds bind the block at full width (a wider group's SP steps serve its requests faster). None if there
-    is no such block."""
-    width = rnd.load_width()
-    if g.reason not in ("load", "priority") or g.width >= width or rnd.paused_dp(g):
+    """The planned-width block around priority group ``g`` (narrower than that) whose other engines are DP and
+    free, or in such narrower groups, and whose work the wide group can adopt at once (every member transforms KV,
+    at most ``tp_inflight_per_engine`` requests a member): releasing ``g`` by scatter lets the next rounds bind
+    the block at the planned width. None if there is no such block."""
+    width = planned_width(rnd, g)
+    if g.reason != "priority" or g.width >= width or rnd.paused_dp(g) or not rnd.cfg.load_adaptation:
         return None
     block = next((ms for ms in rnd.merge_sets(width) if set(g.members) <= set(ms)), None)
     if block is None or not all(m in rnd.live for m in block) or not rnd.kv.possible(block):
@@ -220,11 +228,7 @@ def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
     load = sum(rnd.dp_inflight[m] for m in set(block) - grouped) + sum(
         rnd.group_n(x) for x in inside.values()
     )
-    cfg = rnd.cfg
-    per = max(cfg.tp_inflight_per_engine, cfg.drain_inflight)  # a backlog it would not adopt drains first ...
-    if cfg.drain_inflight and cfg.drain_s and rnd.now - rnd.out.state.changed_at >= cfg.drain_s:
-        per = max(per, cfg.adopt_max_inflight)  # ... for at most drain_s after load turned light
-    return block if load <= per * width else None
+    return block if load <= rnd.cfg.tp_inflight_per_engine * width else None
 
 
 def release_idle_blocking(rnd: Round, width: int) -> None:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from flying.groups import pool_sets
-from flying.groups import widths as group_widths
 from flying.messages import Group, GroupReason, GroupState, Preempt, QueuedRequest, RouterState
 from router.config import PolicyConfig
 from router.decision import BindMode, BindNote, Decision, ReleaseCause, ReleaseMode, ReleaseNote
@@ -65,7 +64,8 @@ class Round:
         self.tp = {ep: (ld.inflight, ld.kv_tokens) for ep, ld in s.tp_load.items()}
         self.tp_max = {ep: ld.max_kv_tokens for ep, ld in s.tp_load.items()}
         self.reserved: set[int] = set()  # members of binds planned this round
-        self.pressure = False  # set by router.regime
+        # node (pool) -> its load width this round: as last planned, until router.regime plans again
+        self.plan = {e.pool: s.state.widths.get(e.node_key, 1) for e in s.engines}
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
         self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
@@ -234,10 +234,9 @@ class Round:
         """The engines of the largest node's pool (as the heartbeats report it): the widest group there can be."""
         return self._engines_n
 
-    def load_width(self) -> int:
-        """The load groups' width: ``light_width``, or the widest group the cluster has when it has fewer
-        engines (1: none)."""
-        return max(w for w in group_widths(self.engines_n()) if w <= self.cfg.light_width)
+    def load_width(self, pool: tuple[str, int, int]) -> int:
+        """The width the planner chose for node ``pool``'s load groups this round (1: DP)."""
+        return self.plan.get(pool, 1)
 
     # --- blocks of engines --------------------------------------------------------------------------------
 

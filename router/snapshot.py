@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from flying.cost_model import H200_LLAMA70B, CostModel
 from flying.messages import Group, QueuedRequest, RouterState
 from router.engine_view import EngineView
 from router.prefix_index import PrefixIndex
@@ -29,7 +30,12 @@ class Snapshot:
     groups: Sequence[Group]  # the router's group records
     tp_load: Mapping[int, GroupLoad] = field(default_factory=dict)
     state: RouterState = field(default_factory=RouterState)
-    admitted: int = 0  # requests admitted so far (a monotonic counter; the rate regime's input)
+    admitted: int = 0  # requests admitted so far (a monotonic counter; the planner's arrival rate) ...
+    prompt_tokens: int = 0  # ... their prompt tokens ...
+    output_tokens: int = 0  # ... their max_tokens ...
+    admitted_high: int = 0  # ... and those of high priority
+    cost: CostModel = H200_LLAMA70B  # the engines' step times, as the planner predicts them
+    sp_threshold: int = 256  # the workers' SP threshold (batched tokens), where binds do not set one
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
     # engine -> the parked epochs it holds, for every live engine, a dispatchable one or not (None: ``engines``')
     held: Mapping[int, tuple[int, ...]] | None = None

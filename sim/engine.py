@@ -1,6 +1,6 @@
 """The simulator's engine model: a continuous-batching scheduler (:class:`Unit`) per DP engine or TP group, an
 engine (:class:`Engine`) that reads bind and release commands as a worker does (:func:`worker_ext.intake.intake`),
-and a bound group (:class:`SimGroup`) with its adoption and scatter. Step times come from :mod:`sim.cost_model`.
+and a bound group (:class:`SimGroup`) with its adoption and scatter. Step times come from :mod:`flying.cost_model`.
 The event loop that drives them is :class:`sim.simulator.Simulator`, seen here through :class:`Host`."""
 
 from __future__ import annotations
@@ -286,7 +286,17 @@ class Engine:
             free_kv_tokens=kv - self.dp.kv_used - self.parked_kv,
             max_total_tokens=kv,
             ts=self.beat_ts,
+            running=self.decoding(),
         )
+
+    def decoding(self) -> int:
+        """Sequences its running batch decodes (prefill done), as SGLang's ``running``: its DP unit's, or, as a
+        bound group's leader, the group's."""
+        g = self.group
+        unit = g.unit if g is not None and g.members[0] == self.idx else None if g is not None else self.dp
+        if unit is None:
+            return 0
+        return sum(1 for r in unit.running if r.prefilled >= r.spec.prompt)
 
     def view(self) -> EngineView:
         """The router's view of this engine, from the heartbeat it would publish now (kept while nothing the
@@ -302,6 +312,7 @@ class Engine:
             self.beat_ts,
             self.assigned,
             tuple(self.parked),
+            self.decoding(),
         )
         if self._view is None or self._view[0] != key:
             self._view = (key, EngineView.from_heartbeat(self.heartbeat(), self.assigned))

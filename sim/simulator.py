@@ -112,6 +112,8 @@ class Simulator:
         self.dispatched: set[int] = set()
         self.finished = 0
         self.admitted = 0
+        self.admitted_tokens = (0, 0)  # prompt and output tokens admitted (the gateways' counters)
+        self.admitted_high = 0
         self._router_due: float | None = None
         self.bound_at: dict[int, float] = {}
         self.log: list[tuple[float, str]] = []
@@ -186,6 +188,11 @@ class Simulator:
             return
         self.queue[PRIORITY_CLASS[r.spec.priority]][r.q.id] = r
         self.admitted += 1
+        self.admitted_tokens = (
+            self.admitted_tokens[0] + r.spec.prompt,
+            self.admitted_tokens[1] + r.spec.output,
+        )
+        self.admitted_high += r.spec.priority == "high"
         self.poke_router()
 
     def group_max_kv(self, epoch: int) -> int:
@@ -265,7 +272,14 @@ class Simulator:
             tp_load=self.group_loads(),
             state=self.state,
             admitted=self.admitted,
+            prompt_tokens=self.admitted_tokens[0],
+            output_tokens=self.admitted_tokens[1],
+            admitted_high=self.admitted_high,
             prefixes=self.prefixes,
+            cost=self.cfg.cost,
+            sp_threshold=self.policy.sp_threshold
+            if self.policy.sp_threshold is not None
+            else self.cfg.sp_threshold,
         )
 
     def router_round(self) -> None:

@@ -37,5 +37,5 @@ def test_every_policy_field_has_a_help_line():
 
 def test_help_renders_with_the_defaults():
     text = router_parser().format_help()
-    assert "--light-width LIGHT_WIDTH" in text and "(default: 2)" in text
+    assert "--max-width MAX_WIDTH" in text and "(default: 8)" in text
     assert "--log-format {text,json}" in gateway_parser().format_help()

@@ -12,14 +12,19 @@ from router.decision import (
     Decision,
     Dispatch,
     DistrustNote,
-    RegimeNote,
+    PlanNote,
     ReleaseCause,
     ReleaseMode,
     ReleaseNote,
     plan,
 )
+from router.planner import Choice, Demand, Forecast
 
 REQ = QueuedRequest(id="a", priority="normal", model="m", prompt_tokens=1, max_tokens=1, gateway="g", enqueued_at=0.0)  # fmt: skip
+
+
+F1 = Forecast(1, 130.0, 130.0, 30.0, 100.0, 0.0, 0.13)
+F8 = Forecast(8, 40.0, 40.0, 20.0, 100.0, 0.0, 0.04)
 
 
 @pytest.mark.parametrize(
@@ -43,8 +48,8 @@ REQ = QueuedRequest(id="a", priority="normal", model="m", prompt_tokens=1, max_t
         (BindNote((2, 3), "priority", BindMode.HARD, engines=8), "bind (2, 3) (priority, hard preemption; width 2 of 8 engines: SP steps from the workers' threshold, TP below)"),
         (BindNote((0, 1, 2, 3), "load", BindMode.HARD, sp_threshold=1024, engines=4), "bind (0, 1, 2, 3) (load, hard preemption; width 4 of 4 engines: SP steps from 1024 tokens, TP below)"),
         (BindNote((0, 1), "long", BindMode.SEQUENTIAL, sp_threshold=0), "bind (0, 1) (long, sequential preemption; width 2: TP steps)"),
-        (RegimeNote(busy=False, demand=3, rate=1.25, engines=8), "light load (3 requests, 1.2/s on 8 engines): TP groups allowed"),
-        (RegimeNote(busy=True, demand=30, rate=9.0, engines=8, oldest_s=0.3), "load rising (30 requests, 9.0/s, oldest waits 0.30 s): back to DP"),
+        (PlanNote("0", 1, Choice(F8, F1, F1), Demand(8, 1.25, 1000, 100)), "node 0: load groups of width 8 (width 8: TTFT 40 ms, TPOT 20 ms predicted; DP: TTFT 130 ms, TPOT 30 ms predicted; 1.2 req/s of 1000/100 tokens, 0 queued)"),
+        (PlanNote("a", 8, Choice(F1, F8, F8), Demand(8, 30, 1000, 100, 5000)), "node a: back to DP (DP: TTFT 130 ms, TPOT 30 ms predicted; width 8: TTFT 40 ms, TPOT 20 ms predicted; 30.0 req/s of 1000/100 tokens, 5000 queued)"),
         (DistrustNote((1, 2), 10.0), "engines [1, 2] not picked for binds for 10 s"),
     ],
 )  # fmt: skip
@@ -97,7 +102,7 @@ def test_every_bind_carries_the_routers_sp_threshold():
 
 def test_the_decision_log_has_an_entry_per_event_each_bind_with_its_epoch():
     """The router's decision log (flying:router:decisions): the events in order, as values and as the log line."""
-    regime = RegimeNote(busy=False, demand=0, rate=0.2, engines=4)
+    regime = PlanNote("0", 1, Choice(F8, F1, F1), Demand(4, 0.2, 512, 128))
     release = ReleaseNote(4, (0, 1), "load", ReleaseMode.SCATTER, ReleaseCause.LOAD_ROSE)
     binds = [BindNote((0, 1), "load", BindMode.HARD), BindNote((2, 3), "priority", BindMode.HARD)]
     d = Decision(

@@ -141,7 +141,7 @@ def random_snapshot(seed: int) -> tuple[Snapshot, PolicyConfig]:
                       prefix=encode_chain(rng.choice(chains)[: rng.randrange(0, 6)] if rng.random() < 0.7 else []))
         for k in range(rng.randrange(1, 120))
     ]  # fmt: skip
-    state = RouterState(busy=rng.random() < 0.6, calm_since=90.0, recent={e: rng.random() * 3 for e in range(n)},
+    state = RouterState(busy=rng.random() < 0.6, recent={e: rng.random() * 3 for e in range(n)},
                         rate_ts=99.0)  # fmt: skip
     cfg = PolicyConfig(max_inflight_per_worker=rng.choice((4, 8, 16)), spread_s=rng.choice((0.0, 3.0)),
                        dispatch=rng.choice(("cache-aware", "cache-aware", "least-loaded")),

@@ -14,11 +14,10 @@ from router.long_wait import forget_old, unrest, waits
 from router.policy import decide
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import unit_policy
+from tests.policy_settings import BUSY, LIGHT, planned, unit_policy
 
 # light: demand (queued + inflight) at most light_load (0.5) x 4 per engine x 4 engines = 8
 CFG = unit_policy(long_wait_s=30.0)
-LIGHT = RouterState(busy=False)
 
 
 def eng(i: int, inflight: int = 0, epoch: int = 0) -> EngineView:
@@ -44,29 +43,25 @@ def snap(waiting, engines=None, groups=(), now=100.0, state=LIGHT, loads=None) -
 BUSY_ENGINES = [eng(0, 4), eng(1, 4), eng(2, 4), eng(3, 4)]  # demand 16 + queued: not light
 
 
+def replanned(state: RouterState, width: int, now: float) -> RouterState:
+    """``state`` (with its noted waits) as the planner leaves it having chosen ``width`` at ``now``."""
+    return msgspec.structs.replace(state, busy=width == 1, widths={"0": width}, planned_at=now)
+
+
 def test_calm_is_light_load_a_small_backlog_and_no_other_long_request():
     assert unrest(Round(snap([long()]), CFG)) is None
-    assert unrest(Round(snap([long()], BUSY_ENGINES), CFG)) is WaitCause.BUSY
-    backlog = [eng(i, 5) for i in range(4)]  # 20 inflight: above light (8) ...
-    assert (
-        unrest(Round(snap([], backlog), unit_policy(light_load=2.0))) is WaitCause.BACKLOG
-    )  # ... and capacity 16
+    assert unrest(Round(snap([long()], BUSY_ENGINES, state=BUSY), CFG)) is WaitCause.BUSY
+    assert unrest(Round(snap([], state=BUSY), CFG)) is None, "an idle cluster is calm whatever the plan"
+    backlog = [eng(i, 5) for i in range(4)]  # 20 inflight: above the groups' capacity 16
+    assert unrest(Round(snap([], backlog), CFG)) is WaitCause.BACKLOG
     g = Group(epoch=3, members=(0, 1), reason="load", state="bound")
     running = snap([long()], [eng(0, 1, epoch=3), eng(1, 0, epoch=3), eng(2), eng(3)], [g],
                    loads={3: GroupLoad(1, 1500, 1500)})  # fmt: skip
     assert unrest(Round(running, CFG)) is WaitCause.TURN  # the load group runs a long request
 
 
-def test_under_the_rate_regime_calm_is_an_admission_rate_within_long_calm_rate_not_light_rate():
-    cfg = unit_policy(regime="rate", light_rate=1.0, busy_rate=1.25, long_calm_rate=0.75)
-    light = RouterState(busy=False, rate=3.6, rate_ts=100.0)  # 0.9 a second per engine: light, not calm
-    assert unrest(Round(snap([long()], state=light), cfg)) is WaitCause.BUSY
-    calm = RouterState(busy=False, rate=2.8, rate_ts=100.0)  # 0.7 a second per engine
-    assert unrest(Round(snap([long()], state=calm), cfg)) is None
-
-
 def test_a_normal_long_request_waits_while_load_is_not_light_and_the_log_says_why_once():
-    d = decide(snap([long()], BUSY_ENGINES), CFG)
+    d = decide(snap([long()], BUSY_ENGINES, state=BUSY), CFG)
     assert not d.binds and not d.dispatches
     notes = [e for e in d.events if isinstance(e, LongWaitNote)]
     assert notes == [LongWaitNote("L", 1510, WaitCause.BUSY, 30.0, 17)]
@@ -74,7 +69,7 @@ def test_a_normal_long_request_waits_while_load_is_not_light_and_the_log_says_wh
         "long request L (1,510 tokens) waits for calm, at most 30 s: load is not light (17 requests)"
     )
     assert d.state.long_waits == {"L": 100.0}
-    again = decide(snap([long()], BUSY_ENGINES, now=105.0, state=d.state), CFG)
+    again = decide(snap([long()], BUSY_ENGINES, now=105.0, state=replanned(d.state, 1, 105.0)), CFG)
     assert not again.binds and not [e for e in again.events if isinstance(e, LongWaitNote)]  # noted once
 
 
@@ -98,7 +93,7 @@ def test_without_parking_the_bound_ends_the_wait_even_under_load_and_then_it_bin
 
 def test_past_the_bound_a_burst_holds_it_until_twice_the_bound_then_it_binds_and_is_never_parked():
     parking = [dataclasses.replace(e, park=True) for e in BUSY_ENGINES]
-    waiting = decide(snap([long()], parking), CFG).state
+    waiting = replanned(decide(snap([long()], parking, state=BUSY), CFG).state, 1, 130.0)
     assert waiting.busy
     d = decide(snap([long()], parking, now=130.0, state=waiting), CFG)
     assert not d.binds  # bound now, it would be parked in this burst at once
@@ -106,47 +101,9 @@ def test_past_the_bound_a_burst_holds_it_until_twice_the_bound_then_it_binds_and
     assert decide(
         snap([long()], BUSY_ENGINES, now=130.0, state=waiting), CFG
     ).binds  # engines that do not park
-    d = decide(snap([long()], parking, now=160.0, state=d.state), CFG)
+    d = decide(snap([long()], parking, now=160.0, state=replanned(d.state, 1, 160.0)), CFG)
     assert [(g.members, g.reason, g.hold) for g in d.binds] == [((0, 1), "long", True)]
     assert [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BOUND]
-
-
-def test_past_the_bound_it_waits_for_the_regime_to_turn_light_not_just_for_the_surge_to_dip():
-    """Started as soon as the burst's measure dipped, it would be parked when it rose again a moment later: in
-    the simulator a burst bound and parked such a request every second or two, its prefill recomputed each time."""
-    parking = [dataclasses.replace(e, park=True) for e in BUSY_ENGINES]
-    state = decide(snap([long()], parking), CFG).state
-    assert state.busy
-    dip = [
-        dataclasses.replace(eng(i, 3), park=True) for i in range(4)
-    ]  # demand 13: no surge, not light either
-    d = decide(snap([long()], dip, now=131.0, state=state), CFG)
-    assert d.state.busy and not d.binds
-    idle = [dataclasses.replace(eng(i), park=True) for i in range(4)]
-    d = decide(snap([long()], idle, now=132.0, state=d.state), CFG)  # calm, the regime still busy
-    assert d.state.busy and not d.binds
-    d = decide(snap([long()], idle, now=134.5, state=d.state), CFG)  # light: no burst would park it now
-    assert not d.state.busy and [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
-
-
-def test_calm_by_its_own_measure_it_runs_whatever_the_regime_unless_late():
-    """A fresh long request that finds calm runs even while the regime is busy (an operator's long calm_s keeps
-    the engines in DP, not long requests waiting); one past its bound, or queued again after a park, waits for
-    the regime to turn light too (it would be bound and then held, its group idle). Without load adaptation the
-    regime is always busy: that holds nothing."""
-    parking = [dataclasses.replace(eng(i), park=True) for i in range(4)]
-    busy = RouterState(busy=True, calm_since=100.0)
-    d = decide(snap([long()], parking, state=busy), CFG)
-    assert d.state.busy and [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
-    late = [long(at=60.0)]  # waited 40 s, past long_wait_s (30)
-    d = decide(snap(late, parking, state=busy), CFG)
-    assert not d.binds and [e.cause for e in d.events if isinstance(e, LongWaitNote)] == [WaitCause.BUSY]
-    d = decide(snap(late, parking, now=102.5, state=d.state), CFG)  # calm_s later: light
-    assert not d.state.busy and [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]
-    requeued = [msgspec.structs.replace(long(), attempts=1)]  # a park caught it in its prefill
-    assert not decide(snap(requeued, parking, state=busy), CFG).binds
-    fixed = unit_policy(long_wait_s=30.0, load_adaptation=False)
-    assert decide(snap(late, parking, state=RouterState(busy=True)), fixed).binds
 
 
 def test_high_priority_never_waits():
@@ -164,7 +121,7 @@ def test_one_long_request_at_a_time_even_within_a_round():
 def test_in_calm_a_long_request_joins_the_bound_load_group():
     g = Group(epoch=4, members=(0, 1, 2, 3), reason="load", state="bound")
     engines = [eng(i, epoch=4) for i in range(4)]
-    d = decide(snap([long()], engines, [g]), CFG)
+    d = decide(snap([long()], engines, [g], state=planned(4)), CFG)
     assert [(x.request.id, x.epoch) for x in d.dispatches] == [("L", 4)] and not d.binds and not d.commands
 
 
@@ -172,7 +129,7 @@ def test_a_group_running_a_long_request_serves_on_under_busy_load_instead_of_rel
     g = Group(epoch=4, members=(0, 1, 2, 3), reason="load", state="bound")
     engines = [eng(i, 2, epoch=4) for i in range(4)]
     loads = {4: GroupLoad(8, 3000, 1500)}
-    d = decide(snap([short(f"s{i}") for i in range(20)], engines, [g], state=LIGHT, loads=loads), CFG)
+    d = decide(snap([short(f"s{i}") for i in range(20)], engines, [g], state=BUSY, loads=loads), CFG)
     assert d.state.busy and not d.commands
     assert len(d.dispatches) == 20 and {x.epoch for x in d.dispatches} == {4}  # DP has no engine: the group
 

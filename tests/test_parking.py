@@ -3,18 +3,17 @@ members back in DP) and resumed on the same members when calm; a lost member end
 
 from __future__ import annotations
 
-from flying.messages import Group, QueuedRequest, Release, RouterState
+from flying.messages import Group, QueuedRequest, Release
 from router.decision import ReleaseCause, ReleaseMode, plan
 from router.engine_view import EngineView
 from router.parking import resume
 from router.policy import decide
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import unit_policy
+from tests.policy_settings import BUSY, LIGHT, unit_policy
 
 CFG = unit_policy(long_wait_s=30.0)
-BUSY = RouterState(busy=True)
-LIGHT = RouterState(busy=False)
+
 LONG = GroupLoad(1, 1500, 1500)  # one request of 1,500 tokens: more than one engine's 1,000
 
 
@@ -52,8 +51,6 @@ def test_it_keeps_serving_where_a_member_cannot_park_or_it_holds_a_high_priority
     held = snap([eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)], [bound(hold=True)], state=BUSY,
                 loads={3: LONG})  # fmt: skip
     assert not decide(held, CFG).releases
-    queue_only = snap([eng(0, 1, 3), eng(1, 0, 3), eng(2), eng(3)], [bound()], state=BUSY, loads={3: LONG})
-    assert not decide(queue_only, CFG).releases  # busy, but no burst: parking would not help
     assert not decide(
         surge(eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)), unit_policy(park=False)
     ).releases

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from flying.messages import Group, QueuedRequest, RouterState
+from flying.messages import Group, QueuedRequest
 from router.decision import BindMode, BindNote
 from router.engine_view import EngineView
 from router.placement import (
@@ -19,10 +19,9 @@ from router.placement import (
 )
 from router.round import SHORT, USABLE, Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import UNIT_POLICY, unit_policy
+from tests.policy_settings import BUSY, LIGHT, UNIT_POLICY, planned, unit_policy
 
 CFG = UNIT_POLICY
-LIGHT, BUSY = RouterState(busy=False), RouterState(busy=True)
 
 
 def eng(i, inflight=0, cap=1000, epoch=0, kvt=False, mixed=False):
@@ -87,8 +86,10 @@ def test_light_load_binds_a_busy_block_keeping_its_dp_work_where_its_members_run
     """Members that run mixed steps keep their DP requests running beside the group: the block binds at once, a
     backlog and all (no adoption limit, no drain, no narrow block first); ``mixed_steps`` off: as before."""
     loads = (40, 40, 44, 44)  # above adopt_max_inflight and drain_inflight
-    cfg = unit_policy(light_width=4, drain_width=2, drain_inflight=5, adopt_max_inflight=8)
-    r = rnd([eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)], state=LIGHT, cfg=cfg)
+    cfg = unit_policy(max_width=4, adopt_max_inflight=8)
+    r = rnd(
+        [eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)], state=planned(4), cfg=cfg
+    )
     load_binds(r)
     assert [(g.members, g.preempt, g.adopt, g.keep) for g in r.out.binds] == [
         ((0, 1, 2, 3), "hard", False, True)
@@ -96,11 +97,15 @@ def test_light_load_binds_a_busy_block_keeping_its_dp_work_where_its_members_run
     assert r.out.events[0] == BindNote((0, 1, 2, 3), "load", BindMode.KEEP, engines=4)
     assert "DP work kept running beside it" in str(r.out.events[0])
     assert BindMode.of(r.out.binds[0]) is BindMode.KEEP
-    r = rnd([eng(i, inflight=n, kvt=True, mixed=i != 3) for i, n in enumerate(loads)], state=LIGHT, cfg=cfg)
+    r = rnd(
+        [eng(i, inflight=n, kvt=True, mixed=i != 3) for i, n in enumerate(loads)], state=planned(4), cfg=cfg
+    )
     load_binds(r)
-    assert [(g.members, g.keep) for g in r.out.binds] == [((0, 1), True)], "not the block of engine 3"
-    off = unit_policy(light_width=4, drain_width=2, drain_inflight=5, adopt_max_inflight=8, mixed_steps=False)
-    r = rnd([eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)], state=LIGHT, cfg=off)
+    assert not r.out.binds, "engine 3 runs no mixed steps, and the block's backlog is too large to adopt"
+    off = unit_policy(max_width=4, adopt_max_inflight=8, mixed_steps=False)
+    r = rnd(
+        [eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)], state=planned(4), cfg=off
+    )
     load_binds(r)
     assert not any(g.keep for g in r.out.binds), "mixed_steps off: no keep"
 
@@ -194,60 +199,16 @@ def test_fast_targets_of_a_spread_group_are_its_members_sharing_its_room():
     assert [t.cap for t in targets] == [2 + (room + 1) // 2, 1 + room // 2]
 
 
-DRAIN = unit_policy(light_width=4, drain_width=2, drain_inflight=5)  # (the default narrow width is 4)
-
-
-def test_a_block_holding_a_backlog_decodes_it_in_dp_while_one_narrow_block_binds_for_new_requests():
-    """``drain_inflight``: the width-4 block holds 44 DP requests, more than 5 a member, so it is not adopted
-    whole; the least loaded pair of its node is, only that one, and it takes the new requests."""
-    loads = (10, 10, 12, 12)
-    r = rnd([eng(i, inflight=n, kvt=True) for i, n in enumerate(loads)], state=LIGHT, cfg=DRAIN)
-    load_binds(r)
-    assert [(g.members, g.reason, g.adopt) for g in r.out.binds] == [((0, 1), "load", True)]
-    r = rnd(
-        [eng(i, inflight=n, kvt=True) for i, n in enumerate(loads)],
-        state=LIGHT,
-        cfg=unit_policy(light_width=4),
-    )
-    load_binds(r)
-    assert [(g.members, g.adopt) for g in r.out.binds] == [((0, 1, 2, 3), True)], "off: the block binds whole"
-
-
-def test_a_block_whose_backlog_has_drained_binds_whole():
-    r = rnd([eng(i, inflight=n, kvt=True) for i, n in enumerate((5, 5, 5, 5))], state=LIGHT, cfg=DRAIN)
-    load_binds(r)
-    assert [(g.members, g.adopt) for g in r.out.binds] == [((0, 1, 2, 3), True)]
-    r = rnd([eng(i, kvt=True) for i in range(4)], state=LIGHT, cfg=DRAIN)
-    load_binds(r)
-    assert [(g.members, g.preempt) for g in r.out.binds] == [((0, 1, 2, 3), "hard")], "idle: at once"
-
-
 def test_no_narrower_load_group_binds_beside_a_group_being_released():
     """A group released so that its block binds whole (widening): the rest of the block waits for that release
     instead of binding narrower groups that the next round would widen again."""
     g = Group(epoch=4, members=(0, 1), reason="priority", state="releasing")
-    r = rnd(
-        [eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [g], state=LIGHT, cfg=unit_policy(light_width=4)
-    )
+    r = rnd([eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [g], state=LIGHT, cfg=unit_policy())
     load_binds(r)
     assert not r.out.binds
-    r = rnd(
-        [eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [], state=LIGHT, cfg=unit_policy(light_width=4)
-    )
+    r = rnd([eng(0, epoch=4), eng(1, epoch=4), eng(2), eng(3)], [], state=LIGHT, cfg=unit_policy())
     load_binds(r)
     assert [g.members for g in r.out.binds] == [(2, 3)], "(0, 1) no longer in a record: the rest binds"
-
-
-def test_the_backlog_is_waited_for_at_most_drain_s_after_load_turned_light():
-    """``drain_s``: load turned light 6 s ago, more than the 5 s the backlog may be waited for: the block adopts it
-    whole; 3 s ago it still decodes it in DP beside the narrow pair."""
-    loads = (10, 10, 12, 12)
-    cfg = unit_policy(light_width=4, drain_width=2, drain_inflight=5, drain_s=5.0)
-    for changed_at, members in ((94.0, (0, 1, 2, 3)), (97.0, (0, 1))):
-        state = RouterState(busy=False, changed_at=changed_at)
-        r = rnd([eng(i, inflight=n, kvt=True) for i, n in enumerate(loads)], state=state, cfg=cfg)
-        load_binds(r)
-        assert [g.members for g in r.out.binds] == [members], changed_at
 
 
 def test_where_groups_park_a_normal_long_request_binds_at_least_long_min_width_at_most_half_the_node():

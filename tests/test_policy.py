@@ -16,8 +16,11 @@ from tests.policy_settings import UNIT_POLICY, unit_policy
 
 CFG = UNIT_POLICY
 DP_ONLY = PolicyConfig(load_adaptation=False, priority=False, long_context=False, max_inflight_per_worker=8)
-BUSY = RouterState(busy=True)
-LIGHT = RouterState(busy=False)
+from tests.policy_settings import (  # noqa: E402
+    BUSY,
+    LIGHT,  # noqa: E402
+    planned,
+)
 
 
 def req(
@@ -131,7 +134,7 @@ def test_long_request_binds_the_smallest_fitting_group_then_goes_to_its_leader()
 
 def test_long_request_reuses_a_wider_bound_group_instead_of_binding():
     g = bound(3, (0, 1, 2, 3), reason="manual")
-    d = decide(snap([req("long", prompt=1500)], [in_epoch(i, 3) for i in range(4)], [g]), CFG)
+    d = decide(snap([req("long", prompt=1500)], [in_epoch(i, 3) for i in range(4)], [g], state=LIGHT), CFG)
     assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 3)] and not d.binds
 
 
@@ -165,10 +168,10 @@ def test_a_hard_bound_group_without_paused_dp_work_offers_its_whole_kv():
     g = msgspec.structs.replace(bound(1, (0, 1), reason="long"), kv_cap=1500)
     engines = [in_epoch(0, 1), in_epoch(1, 1), eng(2, inflight=1), eng(3, inflight=1)]
     long = req("long", prompt=1800)
-    d = decide(snap([long], engines, [g]), CFG)
+    d = decide(snap([long], engines, [g], state=LIGHT), CFG)
     assert [(x.engine, x.epoch) for x in d.dispatches] == [(0, 1)]
     paused = [in_epoch(0, 1, inflight=2), in_epoch(1, 1)] + engines[2:]  # two paused DP requests on engine 0
-    assert not decide(snap([long], paused, [g]), CFG).dispatches
+    assert not decide(snap([long], paused, [g], state=LIGHT), CFG).dispatches
 
 
 def test_a_hard_long_bind_counts_the_dp_work_sent_to_its_members_in_the_same_round():
@@ -240,8 +243,8 @@ def test_priority_off_sends_high_requests_to_dp():
 def test_idle_priority_group_is_kept_for_keep_s_then_released_under_load():
     g = bound(4, (2, 3), last_used=100.0)
     engines = [eng(0), eng(1), in_epoch(2, 4), in_epoch(3, 4)]
-    assert not decide(snap(engines=engines, groups=[g], now=100.5), CFG).commands
-    d = decide(snap(engines=engines, groups=[g], now=101.1), CFG)
+    assert not decide(snap(engines=engines, groups=[g], now=100.5, state=planned(1, now=100.5)), CFG).commands
+    d = decide(snap(engines=engines, groups=[g], now=101.1, state=planned(1, now=101.1)), CFG)
     assert d.commands == [((2, 3), Release(epoch=4))] and d.put[4].state == "releasing"
 
 
@@ -265,26 +268,6 @@ def test_deferred_dp_work_bounds_how_long_a_group_stays_bound():
 
 
 # --- load adaptation -------------------------------------------------------------------------------------------
-
-
-def test_light_load_must_last_calm_s_before_groups_form():
-    state = RouterState(busy=True)
-    d = decide(snap(now=100.0, state=state), CFG)
-    assert d.state.busy and d.state.calm_since == 100.0 and not d.binds
-    d = decide(snap(now=101.0, state=d.state), CFG)
-    assert d.state.busy and not d.binds
-    d = decide(snap(now=102.1, state=d.state), CFG)
-    assert not d.state.busy
-    assert [(g.members, g.reason) for g in d.binds] == [((0, 1), "load"), ((2, 3), "load")]
-
-
-def test_a_load_spike_resets_the_calm_timer():
-    d = decide(snap(now=100.0, state=BUSY), CFG)
-    spike = [eng(i, inflight=3) for i in range(4)]
-    d = decide(snap(engines=spike, now=101.0, state=d.state), CFG)
-    assert d.state.calm_since == 0.0
-    d = decide(snap(now=102.5, state=d.state), CFG)
-    assert d.state.busy  # calm again only since 102.5
 
 
 def test_light_load_sends_normal_requests_to_load_groups():
@@ -315,9 +298,9 @@ def test_waiting_normal_request_means_busy_and_releases_load_groups():
     g = bound(1, (0, 1), reason="load")
     engines = [in_epoch(0, 1, inflight=8), in_epoch(1, 1), eng(2, inflight=32), eng(3, inflight=32)]
     waiting = [req("old", at=99.5)]
-    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 100, 20)}), CFG)
+    d = decide(snap(waiting, engines, [g], state=BUSY, loads={1: GroupLoad(8, 100, 20)}), CFG)
     assert d.state.busy and d.commands == [((0, 1), Release(epoch=1, retract=True))]  # they continue in DP
-    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 1900, 1500)}), CFG)
+    d = decide(snap(waiting, engines, [g], state=BUSY, loads={1: GroupLoad(8, 1900, 1500)}), CFG)
     # a long one cannot: the group stays bound, taking the work DP has no room for, until the long one ends
     assert d.state.busy and not d.commands and d.put.get(1, g).state == "bound"
     assert [(x.request.id, x.epoch) for x in d.dispatches] == [("old", 1)]
@@ -330,10 +313,13 @@ def test_idle_priority_group_of_light_width_becomes_a_load_group_under_light_loa
     assert d.put[4].reason == "load" and not d.commands
 
 
-def test_load_adaptation_off_stays_busy():
+def test_load_adaptation_off_binds_no_load_groups_though_the_planner_judges_the_load():
     cfg = dataclasses.replace(CFG, load_adaptation=False)
-    d = decide(snap(now=1000.0, state=RouterState(busy=True, calm_since=1.0)), cfg)
-    assert d.state.busy and not d.binds
+    d = decide(snap(now=1000.0, state=RouterState(busy=True)), cfg)
+    assert not d.binds and d.state.widths == {"0": 1}
+    assert not d.state.busy, (
+        "idle: the planner predicts a group serves better (priority groups may take engines)"
+    )
 
 
 # --- group records and safety -----------------------------------------------------------------------------------
@@ -396,16 +382,12 @@ def test_bind_command_carries_the_records_epoch():
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        (dict(light_width=3), "light_width must be a power of two >= 2, got 3"),
+        (dict(max_width=3), "max_width must be a power of two >= 1, got 3"),
         (dict(priority_width=1), "priority_width must be a power of two >= 2, got 1"),
-        (dict(drain_width=6), "drain_width must be a power of two >= 2, got 6"),
-        (dict(drain_inflight=-1), "drain_inflight must be >= 0, got -1"),
-        (dict(drain_s=-1.0), "drain_s must be >= 0, got -1.0"),
         (dict(ack_timeout_s=0), "need 0 < ack_timeout_s <= bind_timeout_s"),
         (dict(cache_threshold=1.5), "cache_threshold 1.5 not in"),
         (dict(balance_rel_threshold=0.5), "balance_rel_threshold must be >= 1, got 0.5"),
         (dict(max_inflight_per_worker=0), "max_inflight_per_worker must be >= 1"),
-        (dict(light_rate=2.0, busy_rate=1.0), "need 0 <= light_rate <= busy_rate"),
     ],
 )
 def test_config_is_validated(bad, message):
@@ -423,11 +405,12 @@ def test_priority_group_never_takes_the_last_dp_engines():
 KVT = dict(kv_transform=True)
 
 
-RATE = dataclasses.replace(CFG, regime="rate", light_rate=0.75, busy_rate=1.0, rate_tau_s=2.0, calm_s=1.0)
+RATE = CFG
 
 
 def rate_state(rate: float, busy: bool, admitted: int = 1000, ts: float = 99.9, **kw) -> RouterState:
-    return RouterState(busy=busy, rate=rate, rate_ts=ts, admitted=admitted, **kw)
+    """The planner chose DP (``busy``) or width 2 a moment ago, at ``rate`` admissions a second."""
+    return planned(1 if busy else 2, rate=rate, rate_ts=ts, admitted=admitted, **kw)
 
 
 def teng(i: int, inflight: int = 0, used: int = 0, cap: int = 100_000, n: int = 4, **kw) -> EngineView:
@@ -494,11 +477,11 @@ def test_load_groups_release_by_scatter_when_load_rises():
     g = bound(1, (0, 1), reason="load")
     engines = [tin_epoch(0, 1, inflight=8), tin_epoch(1, 1), teng(2, inflight=32), teng(3, inflight=32)]
     waiting = [req("old", at=99.5)]
-    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 100, 20)}), CFG)
+    d = decide(snap(waiting, engines, [g], state=BUSY, loads={1: GroupLoad(8, 100, 20)}), CFG)
     assert d.state.busy and d.commands == [((0, 1), Release(epoch=1, scatter=True))]
     assert any("by scatter" in n for n in d.notes)
     # a request that needs the pooled KV cannot go back to one engine: the group stays, serving, until it ends
-    d = decide(snap(waiting, engines, [g], state=LIGHT, loads={1: GroupLoad(8, 190_000, 150_000)}), CFG)
+    d = decide(snap(waiting, engines, [g], state=BUSY, loads={1: GroupLoad(8, 190_000, 150_000)}), CFG)
     assert d.state.busy and not d.commands and d.put.get(1, g).state == "bound"
 
 
@@ -508,10 +491,10 @@ def test_scatter_is_gated_on_kv_transform_and_an_adopted_group_never_retracts():
     engines = [tin_epoch(0, 1, inflight=8), in_epoch(1, 1), teng(2, inflight=32), teng(3, inflight=32)]
     waiting, loads = [req("old", at=99.5)], {1: GroupLoad(8, 100, 20)}
     g = bound(1, (0, 1), reason="load")
-    d = decide(snap(waiting, engines, [g], state=LIGHT, loads=loads), CFG)
+    d = decide(snap(waiting, engines, [g], state=BUSY, loads=loads), CFG)
     assert d.commands == [((0, 1), Release(epoch=1, retract=True))]
     adopted = msgspec.structs.replace(g, adopt=True)
-    d = decide(snap(waiting, engines, [adopted], state=LIGHT, loads=loads), CFG)
+    d = decide(snap(waiting, engines, [adopted], state=BUSY, loads=loads), CFG)
     assert d.commands == [((0, 1), Release(epoch=1))]
 
 
@@ -543,16 +526,20 @@ def test_dp_work_an_adoption_paused_resumes_and_the_block_does_not_adopt_it_agai
     kept it busy and never deferred, so they waited forever. Now the group is released after max_defer_s (by
     scatter) and the block serves its backlog in DP for suspect_s before it may adopt again."""
     cfg = dataclasses.replace(RATE, adopt_max_inflight=128)  # the default: 106 a member may be adopted
-    light = rate_state(0.0, busy=False, admitted=0)
+    light = planned(2, now=100.5)  # (each round below: the planner keeps the pair bound)
+
+    def at(state: RouterState, now: float) -> RouterState:
+        return msgspec.structs.replace(state, planned_at=now, widths={"0": 2}, busy=False)
+
     g = msgspec.structs.replace(bound(4, (0, 1), reason="load", since=100.0, last_used=100.0), adopt=True)
     paused = [tin_epoch(i, 4, n=2, inflight=106, used=4000, paused=106) for i in (0, 1)]
     d = decide(snap(engines=paused, groups=[g], state=light, now=100.5), cfg)
     assert not d.commands and set(d.state.suspect) == {0, 1}
-    d = decide(snap(engines=paused, groups=[g], state=d.state, now=105.0), cfg)
+    d = decide(snap(engines=paused, groups=[g], state=at(d.state, 105.0), now=105.0), cfg)
     assert d.commands == [((0, 1), Release(epoch=4, scatter=True))]
     in_dp = [teng(i, n=2, inflight=106, used=4000) for i in (0, 1)]
-    assert not decide(snap(engines=in_dp, state=d.state, now=106.0), cfg).binds, "distrusted: DP for now"
-    trusted = msgspec.structs.replace(d.state, suspect={})
+    assert not decide(snap(engines=in_dp, state=at(d.state, 106.0), now=106.0), cfg).binds, "distrusted"
+    trusted = msgspec.structs.replace(at(d.state, 106.0), suspect={})
     assert [x.adopt for x in decide(snap(engines=in_dp, state=trusted, now=106.0), cfg).binds] == [True]
 
 
@@ -580,54 +567,6 @@ def test_long_request_adopts_where_hard_preemption_would_pause():
 
 
 # --- the rate regime and hysteresis ------------------------------------------------------------------------------
-
-
-def test_admission_rate_is_an_exponential_average_of_the_admitted_counter():
-    s = dataclasses.replace(snap(state=rate_state(4.0, True, ts=98.0)), admitted=1010)
-    d = decide(s, RATE)
-    import math
-
-    assert d.state.rate == pytest.approx(4.0 * math.exp(-2.0 / 2.0) + 10 / 2.0)
-    assert d.state.admitted == 1010 and d.state.rate_ts == 100.0
-    assert decide(dataclasses.replace(s, admitted=3), RATE).state.rate < 4.0  # a reset counter adds nothing
-
-
-def test_rate_regime_has_a_hysteresis_band_between_light_and_busy():
-    """4 engines: light at most 3/s, busy above 4/s. In between, the regime stays what it was; light needs calm_s
-    of light rate; busy needs no wait (a burst is served in DP at once)."""
-    between = dataclasses.replace(snap(state=rate_state(3.5, busy=False)), admitted=1000)
-    assert not decide(between, RATE).state.busy
-    assert decide(dataclasses.replace(between, state=rate_state(3.5, busy=True)), RATE).state.busy
-    high = dataclasses.replace(snap(state=rate_state(4.5, busy=False)), admitted=1000)
-    assert decide(high, RATE).state.busy
-    low = dataclasses.replace(snap(state=rate_state(2.0, busy=True, calm_since=99.5)), admitted=1000)
-    assert decide(low, RATE).state.busy  # light for 0.5 s only
-    low = dataclasses.replace(low, now=100.6, state=rate_state(2.0, busy=True, calm_since=99.5, ts=100.5))
-    assert not decide(low, RATE).state.busy
-
-
-def test_rate_regime_ignores_demand_a_burst_left_behind():
-    """Hundreds of requests still decode after a burst: the in-flight regime stays busy for tens of seconds, the
-    rate regime goes light once arrivals are low (the backlog is adopted or served in DP)."""
-    engines = [teng(i, inflight=60) for i in range(4)]
-    s = dataclasses.replace(
-        snap(engines=engines, state=rate_state(2.0, True, calm_since=98.0)), admitted=1000
-    )
-    assert not decide(s, RATE).state.busy
-    assert decide(dataclasses.replace(s, state=RouterState(busy=True, calm_since=98.0)), CFG).state.busy
-
-
-def test_no_flip_back_to_busy_while_adoption_groups_form():
-    """Hysteresis: right after load turns light the blocks bind at their next step boundary (a long DP step,
-    maybe); requests queued for those groups are not a sign of load, so the regime does not flap back."""
-    g = bound(1, (0, 1), reason="load", state="binding", since=99.8)
-    engines = [teng(0, pending=1, inflight=9), teng(1, pending=1, inflight=9), teng(2, inflight=9), teng(3)]
-    waiting = [req("a", at=99.5)]
-    st = rate_state(2.0, busy=False)
-    d = decide(dataclasses.replace(snap(waiting, engines, [g], state=st), admitted=1000), RATE)
-    assert not d.state.busy and not d.commands
-    later = dataclasses.replace(snap(waiting, engines, [g], state=st, now=102.0), admitted=1000)
-    assert decide(later, RATE).state.busy  # not formed within ack_timeout_s: a real wait
 
 
 def test_spread_s_counts_recent_dispatches_so_a_fresh_engine_does_not_take_everything():
@@ -788,7 +727,7 @@ def test_light_load_widens_a_narrow_group_once_its_block_can_bind_at_full_width(
     """Under light load a priority (or narrower load) group whose ``light_width`` block is otherwise free DP
     engines with little work is released by scatter, so the block binds at full width (faster SP steps); not
     while busy, not while the block's work exceeds what the wide group takes, not without KV transformation."""
-    wide = unit_policy(light_width=4)
+    wide = unit_policy(max_width=4)
     g = bound(4, (2, 3), last_used=100.0)
     loads = {4: GroupLoad(1, 20)}
     engines = [
@@ -797,15 +736,15 @@ def test_light_load_widens_a_narrow_group_once_its_block_can_bind_at_full_width(
         in_epoch(2, 4, inflight=1, **KVT),
         in_epoch(3, 4, **KVT),
     ]
-    d = decide(snap(engines=engines, groups=[g], loads=loads, state=LIGHT), wide)
+    d = decide(snap(engines=engines, groups=[g], loads=loads, state=planned(4)), wide)
     assert d.commands == [((2, 3), Release(epoch=4, scatter=True))]
     assert any("widening: its block binds at width 4" in str(e) for e in d.events)
     assert not decide(snap(engines=engines, groups=[g], loads=loads, state=BUSY), wide).commands
     assert not decide(snap(engines=engines, groups=[g], loads=loads, state=LIGHT), CFG).commands, "width 2"
     heavy = [eng(0, inflight=20, **KVT), *engines[1:]]  # more than 4 engines x tp_inflight_per_engine 4
-    assert not decide(snap(engines=heavy, groups=[g], loads=loads, state=LIGHT), wide).commands
+    assert not decide(snap(engines=heavy, groups=[g], loads=loads, state=planned(4)), wide).commands
     plain = [eng(0), *engines[1:]]
-    assert not decide(snap(engines=plain, groups=[g], loads=loads, state=LIGHT), wide).commands
+    assert not decide(snap(engines=plain, groups=[g], loads=loads, state=planned(4)), wide).commands
 
 
 # --- nodes: one bind domain each, one global queue ---------------------------------------------------------------
@@ -827,7 +766,7 @@ def node_of(i: int, n: int = 4) -> str:
 
 
 def test_light_load_binds_groups_inside_each_node_and_none_across():
-    d = decide(snap(engines=two_nodes(), state=LIGHT), CFG)
+    d = decide(snap(engines=two_nodes(), state=planned(2, nodes=("a", "b"))), CFG)
     assert d.binds, "light load binds load groups"
     assert {len({node_of(m) for m in g.members}) for g in d.binds} == {1}
     assert {node_of(g.members[0]) for g in d.binds} == {"a", "b"}, "every node binds its own"
@@ -837,8 +776,11 @@ def test_a_group_never_spans_two_small_nodes_even_where_their_engines_are_contig
     """Nodes of two engines: a request that needs four engines' KV has no group to go to (no four-engine
     pool), so nothing binds; one that needs two binds inside a node."""
     es = two_nodes(2)
-    assert decide(snap([req("long4", prompt=3000)], engines=es), CFG).binds == []
-    d = decide(snap([req("long2", prompt=1500)], engines=es), CFG)
+    binds = decide(
+        snap([req("long4", prompt=3000)], engines=es, state=planned(2, nodes=("a", "b"))), CFG
+    ).binds
+    assert all(g.reason == "load" and g.members in ((0, 1), (2, 3)) for g in binds)
+    d = decide(snap([req("long2", prompt=1500)], engines=es, state=planned(2, nodes=("a", "b"))), CFG)
     assert [g.members for g in d.binds] in ([(0, 1)], [(2, 3)])
 
 
@@ -846,7 +788,7 @@ def test_an_engine_whose_heartbeat_names_another_pool_is_not_bound_with_this_one
     """Engine 3 claims node b's pool though its index is in node a's run: the idle (2, 3) set is not a group, so
     the high-priority request binds the busier (0, 1)."""
     es = [node_eng(i, "a", 0, inflight=3) for i in range(2)] + [node_eng(2, "a", 0), node_eng(3, "b", 0)]
-    d = decide(snap([req("p", priority="high")], engines=es, state=LIGHT), CFG)
+    d = decide(snap([req("p", priority="high")], engines=es, state=planned(2, nodes=("a", "b"))), CFG)
     assert [g.members for g in d.binds] == [(0, 1)]
 
 
@@ -887,7 +829,7 @@ def test_a_node_that_comes_back_rejoins_in_dp_and_binds_again_inside_itself():
     back = two_nodes()  # node b's engines beat again: DP, no epoch, new launches
     d = decide(snap([req(f"r{i}") for i in range(8)], engines=back), DP_ONLY)
     assert {x.engine for x in d.dispatches} >= {4, 5, 6, 7}, "its engines take DP work at once"
-    d = decide(snap([req("p", priority="high")], engines=back, state=LIGHT), CFG)
+    d = decide(snap([req("p", priority="high")], engines=back, state=planned(2, nodes=("a", "b"))), CFG)
     assert d.binds and all(len({node_of(m) for m in g.members}) == 1 for g in d.binds)
 
 
@@ -896,9 +838,14 @@ def test_a_node_without_load_groups_binds_its_own_beside_another_nodes():
     still bind theirs (one node's choice does not hold the other's engines in DP)."""
     es = two_nodes(2)
     es = [*es[:2], *(dataclasses.replace(e, mode="tp", epoch=5) for e in es[2:])]
-    d = decide(snap(engines=es, groups=[bound(5, (2, 3), reason="load")], state=LIGHT), CFG)
+    d = decide(
+        snap(engines=es, groups=[bound(5, (2, 3), reason="load")], state=planned(2, nodes=("a", "b"))), CFG
+    )
     assert [g.members for g in d.binds] == [(0, 1)]
-    d = decide(snap(engines=es[:2] + [node_eng(i, "b", 2, 2) for i in (2, 3)], state=LIGHT), CFG)
+    d = decide(
+        snap(engines=es[:2] + [node_eng(i, "b", 2, 2) for i in (2, 3)], state=planned(2, nodes=("a", "b"))),
+        CFG,
+    )
     assert sorted(g.members for g in d.binds) == [(0, 1), (2, 3)]
 
 
@@ -920,5 +867,5 @@ def test_fast_targets_under_light_load_cover_every_nodes_load_group():
     es = [node_eng(i, "a", 0, 2, mode="tp", epoch=5, **KVT) for i in (0, 1)]
     es += [node_eng(i, "b", 2, 2, mode="tp", epoch=6, **KVT) for i in (2, 3)]
     groups = [bound(5, (0, 1), reason="load"), bound(6, (2, 3), reason="load")]
-    d = decide(snap(engines=es, groups=groups, state=LIGHT), CFG)
+    d = decide(snap(engines=es, groups=groups, state=planned(2, nodes=("a", "b"))), CFG)
     assert sorted({(t.engine, t.epoch) for t in d.fast}) == [(0, 5), (1, 5), (2, 6), (3, 6)]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from flying.messages import Group, QueuedRequest, Release, RouterState
+from flying.messages import Group, QueuedRequest, Release
 from router.decision import DistrustNote, ReleaseCause, ReleaseMode
 from router.engine_view import EngineView
 from router.releases import reconcile, release_groups, release_idle_blocking, release_now
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import UNIT_POLICY
+from tests.policy_settings import BUSY, LIGHT, UNIT_POLICY, planned
 
 CFG = UNIT_POLICY
 
@@ -23,9 +23,6 @@ def eng(i, epoch=0, pending=0, inflight=0, cap=1000, ts=100.0, kvt=False, paused
 
 def group(epoch=5, members=(0, 1), reason="priority", state="bound", since=99.0, **kw):
     return Group(epoch=epoch, members=members, reason=reason, state=state, since=since, last_used=since, **kw)
-
-
-BUSY = RouterState(busy=True)
 
 
 def rnd(groups, engines, state=BUSY, waiting=(), loads=None, cfg=CFG, now=100.0):
@@ -156,8 +153,8 @@ def test_load_groups_go_when_load_is_busy_and_idle_ones_after_keep_s():
     assert not r.out.commands, "a high-priority request waits: the idle group is kept for it"
 
 
-def test_under_light_load_an_idle_group_of_light_width_becomes_a_load_group():
-    r = rnd([group(since=98.0)], [eng(0, epoch=5), eng(1, epoch=5)], state=RouterState(busy=False))
+def test_an_idle_group_of_the_planned_width_becomes_a_load_group():
+    r = rnd([group(since=98.0)], [eng(0, epoch=5), eng(1, epoch=5)], state=LIGHT)
     release_groups(r)
     assert r.out.put[5].reason == "load" and not r.out.commands
 
@@ -173,7 +170,7 @@ def test_an_adoption_that_paused_dp_work_distrusts_its_members_and_is_released_a
     """The workers bound hard instead of adopting (a member lacked KV for the slices it would receive): the
     members report the DP work they paused. The group is a hard bind's from then on, and its block does not adopt
     (and pause the same work) again at once after the release."""
-    light = RouterState(busy=False)
+    light = LIGHT
     members = [
         eng(0, epoch=5, inflight=106, kvt=True, paused=106),
         eng(1, epoch=5, inflight=106, kvt=True, paused=106),
@@ -186,7 +183,7 @@ def test_an_adoption_that_paused_dp_work_distrusts_its_members_and_is_released_a
     release_groups(r)
     assert not r.out.commands, "paused for less than max_defer_s"
     g = group(reason="load", since=100.0 - CFG.max_defer_s, adopt=True)
-    r = rnd([g], members, state=RouterState(busy=False, suspect={0: 105.0, 1: 105.0}))
+    r = rnd([g], members, state=planned(2, suspect={0: 105.0, 1: 105.0}))
     reconcile(r)
     assert not r.out.events, "distrusted once, not every round"
     release_groups(r)
@@ -209,26 +206,3 @@ def test_making_room_releases_the_idle_groups_of_one_block():
     r = rnd(groups, [eng(0, epoch=5), eng(1, epoch=5), eng(2, epoch=6), eng(3, epoch=6)], loads={6: GroupLoad(1, 10, 10)})  # fmt: skip
     release_idle_blocking(r, 4)
     assert not r.out.commands, "one of them is busy"
-
-
-def test_a_narrow_load_group_is_widened_once_the_backlog_beside_it_has_drained():
-    """``drain_inflight``: the pair bound while its node's block held a backlog is released by scatter (then the
-    block binds whole) once the block holds at most ``drain_inflight`` requests a member (here 4 + 2 x 8 = 20), not
-    before."""
-    cfg = dataclasses.replace(CFG, light_width=4, drain_inflight=5)
-    light = RouterState(busy=False)
-    for other, widened in ((8, True), (9, False)):
-        es = [eng(0, epoch=5, inflight=2, kvt=True), eng(1, epoch=5, inflight=2, kvt=True), eng(2, inflight=other, kvt=True), eng(3, inflight=other, kvt=True)]  # fmt: skip
-        r = rnd([group(reason="load")], es, state=light, loads={5: GroupLoad(4, 40)}, cfg=cfg)
-        release_groups(r)
-        assert causes(r) == ([(5, ReleaseCause.WIDENING, ReleaseMode.SCATTER)] if widened else []), other
-
-
-def test_a_narrow_load_group_is_widened_drain_s_after_load_turned_light_whatever_the_backlog():
-    cfg = dataclasses.replace(CFG, light_width=4, drain_inflight=5, drain_s=5.0)
-    es = [eng(0, epoch=5, inflight=2, kvt=True), eng(1, epoch=5, inflight=2, kvt=True), eng(2, inflight=20, kvt=True), eng(3, inflight=20, kvt=True)]  # fmt: skip
-    for changed_at, widened in ((94.0, True), (97.0, False)):
-        state = RouterState(busy=False, changed_at=changed_at)
-        r = rnd([group(reason="load")], es, state=state, loads={5: GroupLoad(4, 40)}, cfg=cfg)
-        release_groups(r)
-        assert causes(r) == ([(5, ReleaseCause.WIDENING, ReleaseMode.SCATTER)] if widened else []), changed_at

@@ -143,8 +143,10 @@ async def test_a_round_that_binds_writes_its_decisions_to_the_log(aredis, keys):
     flying:router:decisions, as values and as the router's log lines."""
     for e in (0, 1):
         await beat(aredis, keys, e, num_engines=2)
-    await aredis.set(keys.router_state, encode(RouterState(busy=False, calm_since=time.time() - 10)))
-    d = Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=PolicyConfig(regime="inflight")), aredis)
+    await aredis.set(
+        keys.router_state, encode(RouterState(busy=False, widths={"0": 2}, planned_at=time.time()))
+    )
+    d = Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=PolicyConfig()), aredis)
     await d.round()
     entries = [decode(fields[b"event"], DecisionEvent) for _, fields in await aredis.xrange(keys.decisions)]
     [bind] = [e for e in entries if e.kind == "bind"]
@@ -163,22 +165,24 @@ async def test_snapshot_carries_kv_transform_and_the_admission_counter(aredis, k
     assert s.admitted == 3
 
 
-def test_router_flags_turn_kv_transformation_off_and_pick_the_regime():
+def test_router_flags_turn_kv_transformation_off_and_set_the_planners_targets():
     from router.main import parse_args
 
     assert parse_args([]).policy.kv_transform is True
-    c = parse_args(["--no-kv-transform", "--regime", "rate", "--spread-s", "3"])
-    assert (c.policy.kv_transform, c.policy.regime, c.policy.spread_s) == (False, "rate", 3.0)
+    c = parse_args(
+        ["--no-kv-transform", "--ttft-target-normal-ms", "500", "--max-width", "4", "--spread-s", "3"]
+    )
+    p = c.policy
+    assert (p.kv_transform, p.ttft_target_normal_ms, p.max_width, p.spread_s) == (False, 500.0, 4, 3.0)
 
 
 def test_an_out_of_range_setting_is_a_usage_error_naming_it(capsys):
     from router.main import parse_args
 
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--light-width", "3"])
+        parse_args(["--max-width", "3"])
     assert (
-        exit_.value.code == 2
-        and "--light-width must be a power of two >= 2, got 3" in capsys.readouterr().err
+        exit_.value.code == 2 and "--max-width must be a power of two >= 1, got 3" in capsys.readouterr().err
     )
     with pytest.raises(SystemExit):
         parse_args(["--lease-ms", "100"])
