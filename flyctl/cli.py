@@ -1,7 +1,7 @@
 """``flyctl``: inspect and operate a running deployment through Redis.
 
 flyctl status                      engines by node (mode, epoch, group, load, prefix-cache hit rate, switch
-                                   timings), groups, regime, queue
+                                   timings), groups, each node's planned width, queue
 flyctl queue [-n 20]               the waiting requests in dispatch order
 flyctl watch [--interval 1]        status, refreshed until Ctrl-C
 flyctl tenants                     each tenant's requests and tokens admitted and requests refused by its
@@ -18,6 +18,8 @@ flyctl release EPOCH 0 1 [--retract | --scatter | --park]
                                    and those no engine holds alone stay parked, KV kept, until resumed);
                                    releasing a parked epoch ends its parked requests
 flyctl resume EPOCH [--wait S]     bind a parked group's engines again, in order: its parked requests continue
+flyctl model                       the cost model the router fitted to the engines' steps: each line (ms +
+                                   ms per batched token), its steps and fit error, and the model's fields
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from flying.breaker import Breaker, decode_all
 from flying.keys import Keys
 from flying.messages import Heartbeat, RouterState, decode
 from flying.queue import text
+from router.cost_fit import CostFit
 
 
 def render_status(r: redis.Redis, keys: Keys) -> str:
@@ -75,7 +78,19 @@ def render_status(r: redis.Redis, keys: Keys) -> str:
         unreadable.append(f"{keys.router_state} ({exc})")
         state = None
     lease = r.get(keys.router_lease)
-    regime = "no router state" if state is None else ("busy: DP only" if state.busy else "light: TP groups")
+    if state is None:
+        regime = "no router state"
+    else:
+        planned = ", ".join(
+            f"node {n} {'DP' if w == 1 else f'width {w}'}" for n, w in sorted(state.widths.items())
+        )
+        verdict = "busy: groups take no busy engines" if state.busy else "light: a group serves better"
+        rate = f"{state.rate:.1f} req/s" + (
+            f" of {state.prompt_rate / state.rate:.0f}/{state.output_rate / state.rate:.0f} tokens"
+            if state.rate > 0.01
+            else ""
+        )
+        regime = f"planned: {planned or 'nothing yet'}; {verdict}; arrivals {rate}"
     if state is not None and (held := {e: t for e, t in state.suspect.items() if t > time.time()}):
         regime += "; left out of binds: " + ", ".join(
             f"{e} ({t - time.time():.0f} s)" for e, t in held.items()
@@ -224,6 +239,37 @@ def add_wait(p: argparse.ArgumentParser, otherwise: str) -> None:
     )
 
 
+MODEL_FIELDS = (
+    ("overhead_ms", "ms a step"),
+    ("prefill_ms_per_token", "ms a batched token, one engine"),
+    ("allreduce_ms", "ms an all-reduce round (log2 width rounds a TP step)"),
+    ("allreduce_ms_per_token", "ms a token an all-reduce round"),
+    ("sp_alltoall_ms", "ms the all-to-alls of an SP step"),
+    ("sp_alltoall_ms_per_token", "ms a token of a member's slice, all-to-all"),
+)
+
+
+def render_model(r: redis.Redis, keys: Keys) -> str:
+    """The fitted cost model (``flying:cost_model``): its lines and the fields the planner predicts with."""
+    raw = r.get(keys.cost_model)
+    if not raw:
+        return "no fitted cost model yet: the router plans with its prior (the H200 profile, or CPU's on CPU)"
+    try:
+        fit = decode(raw, CostFit)
+    except msgspec.DecodeError as exc:
+        return f"{keys.cost_model} unreadable: {exc}"
+    lines = [f"cost model: {fit.model.get('name', '?')} (prior: {fit.prior})"]
+    if not fit.curves:
+        lines.append("  no kind of step has enough samples yet: every field is the prior's")
+    for c in fit.curves:
+        what = "DP" if c.mode == "dp" else f"{c.mode.upper()} width {c.width}"
+        lines.append(f"  {what}: {c.ms:.2f} ms + {c.ms_per_token:.4f} ms/token ({c.steps} steps in "
+                     f"{c.buckets} sizes, fit error {100 * c.error:.1f} %)")  # fmt: skip
+    for name, unit in MODEL_FIELDS:
+        lines.append(f"  {name} = {float(fit.model.get(name, 0.0)):.4f} ({unit})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flyctl", description=__doc__.splitlines()[0])
     cli.add_redis_arguments(p)
@@ -234,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("queue", help="the waiting requests in dispatch order")
     q.add_argument("-n", type=cli.non_negative(int), default=20, help="how many waiting requests to list")
     sub.add_parser("tenants", help="each tenant's admitted requests and tokens, and refusals by limit")
+    sub.add_parser("model", help="the cost model the router fitted to the engines' step times")
     w = sub.add_parser("watch", help="status, refreshed every --interval seconds")
     w.add_argument(
         "--interval",
@@ -310,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             return bind_and_wait(r, keys, lambda: control.resume(r, keys, a.epoch)[0], a.wait)
         elif a.cmd == "tenants":
             print(render_tenants(r, keys))
+        elif a.cmd == "model":
+            print(render_model(r, keys))
         elif a.cmd == "queue":
             print(render_queue(r, keys, a.n))
         elif a.cmd == "watch":

@@ -87,6 +87,9 @@ class CostModel:
     sp_alltoall_ms: float = (
         4.0  # Ulysses' all-to-alls, all layers of one step: latency, as one all-reduce round
     )
+    sp_alltoall_ms_per_token: float = (
+        0.008  # ... and volume per token of a member's slice (as an all-reduce's)
+    )
     sp_host_ms_per_seq: float = (
         0.006  # per sequence: the one SP scheduler's unsplit host work (calibrated, above)
     )
@@ -135,7 +138,7 @@ class CostModel:
         body += context_tokens / 1000 * self.kv_ms_per_1k_tokens / sp  # head-parallel attention
         body += self.attn_ms(attn_pairs) / sp
         host = decode_seqs * (self.decode_ms_per_seq / sp + self.sp_host_ms_per_seq)
-        comm = self.sp_alltoall_ms + per_gpu * self.allreduce_ms_per_token
+        comm = self.sp_alltoall_ms + per_gpu * self.sp_alltoall_ms_per_token
         return self.overhead_ms + body + host + comm
 
     def mixed_step_ms(
@@ -155,7 +158,7 @@ class CostModel:
         body += lctx / 1000 * self.kv_ms_per_1k_tokens + gctx / 1000 * self.kv_ms_per_1k_tokens / sp
         body += self.attn_ms(attn_pairs[0]) + self.attn_ms(attn_pairs[1]) / sp  # (local, group) prefill pairs
         host = ld * self.decode_ms_per_seq + gd * (self.decode_ms_per_seq / sp + self.sp_host_ms_per_seq)
-        comm = self.sp_alltoall_ms + per_gpu * self.allreduce_ms_per_token
+        comm = self.sp_alltoall_ms + per_gpu * self.sp_alltoall_ms_per_token
         return self.overhead_ms + body + host + comm
 
     def group_step_ms(
@@ -208,11 +211,37 @@ def causal_pairs(before: int, tokens: int) -> float:
 
 H200_LLAMA70B = CostModel()
 
+# A CPU engine before any of its steps was measured (router.cost_fit replaces it with the fitted curves): compute
+# grows with the batched tokens, a group's collectives go over loopback TCP and cost far more than on NVLink, so a
+# group wins on long prompts only (docs/benchmarks.md, "Sequence-parallel prefill in a bound group": a pair
+# prefills 4,096 tokens 1.55x faster in SP than one engine, 512 tokens about as fast).
+CPU_PRIOR = CostModel(
+    name="CPU (prior)",
+    overhead_ms=10.0,
+    weight_read_ms=0.0,
+    prefill_ms_per_token=0.5,
+    decode_ms_per_seq=0.0,
+    kv_ms_per_1k_tokens=0.0,
+    allreduce_ms=20.0,
+    allreduce_ms_per_token=0.1,
+    merged_overhead=0.0,
+    switch_ms=20.0,
+    kv_tokens=131_072,
+    max_running=64,
+    chunk_tokens=8192,
+    link_gbps=0.3,
+    transform_fixed_ms=10.0,
+    sp_alltoall_ms=10.0,
+    sp_alltoall_ms_per_token=0.2,
+    sp_host_ms_per_seq=0.0,
+    prefill_attn_ms_per_mpair=0.0,
+)
+
 
 # --cost NAME=FACTOR: a collective's cost scaled (every field of it), for the sensitivity table
 COST_FACTORS: dict[str, tuple[str, ...]] = {
     "allreduce": ("allreduce_ms", "allreduce_ms_per_token"),
-    "alltoall": ("sp_alltoall_ms",),
+    "alltoall": ("sp_alltoall_ms", "sp_alltoall_ms_per_token"),
 }
 
 

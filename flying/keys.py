@@ -33,8 +33,13 @@ class Keys:
 
     @property
     def router_state(self) -> str:
-        """STRING (JSON RouterState): the load regime (busy/light) and since when load has been light."""
+        """STRING (JSON RouterState): each node's planned load width, the measured arrival rates and token mix."""
         return f"{self.prefix}:router:state"
+
+    @property
+    def cost_model(self) -> str:
+        """STRING (JSON router.cost_fit.CostFit): the cost model the router fitted to the engines' step costs."""
+        return f"{self.prefix}:cost_model"
 
     @property
     def fast_path(self) -> str:
@@ -60,7 +65,8 @@ class Keys:
 
     @property
     def stats(self) -> str:
-        """HASH of monotonic counters: admitted (and per priority: admitted_high, admitted_normal, admitted_low),
+        """HASH of monotonic counters: admitted (and per priority: admitted_high, admitted_normal, admitted_low; their
+        tokens: admitted_prompt_tokens, admitted_output_tokens, the router planner's token mix),
         assigned, requeued, completed, failed, cancelled."""
         return f"{self.prefix}:stats"
 

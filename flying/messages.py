@@ -99,6 +99,18 @@ class FastTarget(msgspec.Struct, frozen=True, kw_only=True):
     follower: bool = False  # a bound group's follower: no request that is leader_only
 
 
+class StepCost(msgspec.Struct, frozen=True, array_like=True):
+    """What an engine's forwards of one kind have cost since it started (``worker_ext.step_costs``): ``mode``
+    (dp, tp or sp) at ``width`` engines, the ``n`` steps whose batched tokens fell in one power-of-two bucket, their
+    mean ``tokens`` and mean milliseconds ``ms``. The router fits its cost model to them (``router.cost_fit``)."""
+
+    mode: str
+    width: int
+    n: int
+    tokens: float
+    ms: float
+
+
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """Worker -> Redis (``flying:worker:{i}``, PX 3000): a snapshot of the engine written every 50 ms, and at once
     when its mode, epoch or pending bind changes (worker_ext.heartbeat)."""
@@ -141,6 +153,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     )
     steps_tp: int = 0  # forwards this engine ran as a bound group's member in TP mode, since it started ...
     steps_sp: int = 0  # ... and in SP mode (sequence-parallel prefill, worker_ext.sequence_parallel)
+    device: str = ""  # what its forwards run on: "cpu" or "cuda" ("": an older worker)
+    step_costs: tuple[StepCost, ...] = ()  # its forwards' measured cost by mode, width and size
     comm_ms: dict[str, float] = {}  # its bound group's time in each data collective (all_reduce, all_to_all,
     # all_gather), since the group was built
     running: int = 0

@@ -132,8 +132,10 @@ if ARGV[9] ~= '' then
 end
 local seq = redis.call('INCR', KEYS[2])
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[7], 'finish:' .. ARGV[2], pos + 1) end
-redis.call('HSET', KEYS[3], unpack(ARGV, 14))
+redis.call('HSET', KEYS[3], unpack(ARGV, 15))
 redis.call('HINCRBY', KEYS[5], 'admitted', 1)
+redis.call('HINCRBY', KEYS[5], 'admitted_prompt_tokens', ARGV[14])
+redis.call('HINCRBY', KEYS[5], 'admitted_output_tokens', tonumber(ARGV[5]) - tonumber(ARGV[14]))
 redis.call('HINCRBY', KEYS[5], ({'admitted_high', 'admitted_normal', 'admitted_low'})[tonumber(ARGV[2]) + 1], 1)
 do
   local best, best_n = early, 0
@@ -317,7 +319,7 @@ class RequestQueue:
                   k.vclock],
             args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
                   k.inflight_prefix, (1 if req.prefix else 0) + (2 if req.leader_only else 0), c.tenant, c.requests_per_s, c.tokens_per_min,
-                  c.tokens, -1 if sent_to is None else sent_to, *fields],
+                  c.tokens, -1 if sent_to is None else sent_to, req.prompt_tokens, *fields],
         )  # fmt: skip
         if isinstance(out, list) and int(out[0]) == -5:
             raise EarlyDeclined(f"engine {sent_to} is not a fast-path target for request {req.id} now")

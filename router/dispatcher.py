@@ -13,11 +13,13 @@ import time
 import uuid
 
 import httpx
+import msgspec
 import redis.asyncio as aioredis
 
 from flying import control
 from flying.breaker import Breakers, BreakerSettings
 from flying.cancel import reraise_if_cancelled
+from flying.cost_model import CostModel
 from flying.keys import Keys
 from flying.messages import (
     Group,
@@ -32,6 +34,7 @@ from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight,
 from flying.workers import live_heartbeat, registered_engines
 from router.breakers import RouterBreakers
 from router.config import RouterConfig
+from router.cost_fit import CostFit, Fitter
 from router.decision import Decision, Dispatch, plan
 from router.engine_view import EngineView
 from router.metrics import RouterMetrics
@@ -81,6 +84,7 @@ class Dispatcher:
         probe = BreakerSettings(probe_timeout_s=config.breaker_probe_timeout_s)
         self.breakers = RouterBreakers(Breakers(client, self.keys, probe))  # engines left out while failing
         self.watchdog = Watchdog(config.stall_s)
+        self.costs = Fitter()  # the cost model fitted to the engines' step costs (router.cost_fit)
 
     async def hold_lease(self) -> bool:
         """Take or renew the lease; a leader renews once per quarter lease, not every round (a round at light
@@ -113,10 +117,11 @@ class Dispatcher:
         pipe.zcard(k.queue)
         pipe.smembers(k.workers)
         pipe.hgetall(k.groups)
-        pipe.hget(k.stats, "admitted")
+        pipe.hmget(k.stats, ["admitted", "admitted_prompt_tokens", "admitted_output_tokens", "admitted_high"])
         pipe.get(k.router_state)
         pipe.hgetall(k.breakers)
-        ids, queued, registered, group_rows, admitted, raw_state, breakers = await pipe.execute()
+        ids, queued, registered, group_rows, counters, raw_state, breakers = await pipe.execute()
+        admitted, prompt_tokens, output_tokens, high = (int(x or 0) for x in counters)
         ids, engines = [text(x) for x in ids], sorted(int(x) for x in registered)
         groups = control.decode_groups(group_rows)
         counted = [g for g in groups if g.state != "releasing"]
@@ -146,6 +151,8 @@ class Dispatcher:
             decode(raw_state, RouterState) if raw_state else RouterState(busy=True, changed_at=time.time())
         )
         views = [EngineView.from_heartbeat(hb, counts[hb.engine]) for hb in beats]
+        devices = [hb.device for hb in beats]
+        cost = await self._fit_costs(beats, devices)
         if forgotten := self.prefixes.sync(views):
             log.info("engines %s: prefix cache index forgotten (restarted or gone)", forgotten)
         parked = {v.engine: v.parked for v in views}  # (before the breakers: an open one still holds its KV)
@@ -158,10 +165,37 @@ class Dispatcher:
             groups=groups,
             tp_load=await self._group_loads(counted, held, {hb.engine: hb.max_total_tokens for hb in beats}),
             state=state,
-            admitted=int(admitted or 0),
+            admitted=admitted,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            admitted_high=high,
+            cost=cost,
+            sp_threshold=self.config.policy.sp_threshold or Snapshot.sp_threshold,
             prefixes=self.prefixes,
             held=parked,
         )
+
+    async def _fit_costs(self, beats: list[Heartbeat], devices: list[str]) -> CostModel:
+        """Refit the cost model to the live engines' step costs (every few seconds while they change); a new fit
+        is stored in Redis, where a restarted or standby router finds it."""
+        samples = [c for hb in beats for c in hb.step_costs]
+        if (new := self.costs.update(time.monotonic(), samples, devices)) is not None:
+            await self.r.set(self.keys.cost_model, encode(new))
+            self.metrics.observe_fit(new)
+            curves = ", ".join(
+                f"{c.mode}{c.width} {c.ms:.1f} ms + {c.ms_per_token:.4f}/token" for c in new.curves
+            )
+            log.info("cost model refitted (%s prior): %s", new.prior, curves or "no curve yet")
+        return self.costs.model(devices)
+
+    async def load_costs(self) -> None:
+        """Start from the fit a previous router stored (none: the prior)."""
+        raw = await self.r.get(self.keys.cost_model)
+        if raw:
+            try:
+                self.costs = Fitter(decode(raw, CostFit))
+            except msgspec.DecodeError as exc:
+                log.warning("%s unreadable (%s): fitting anew", self.keys.cost_model, exc)
 
     async def _group_loads(
         self, groups: list[Group], held: list[list[str]], kv: dict[int, int]
@@ -364,6 +398,7 @@ class Dispatcher:
                 len(groups),
             )
             self.leader, self._state_written = True, b""  # write the regime again: Redis may have lost it
+            await self.load_costs()
         if await self.round() == 0:
             await self.r.blpop([self.keys.wake], timeout=self.config.poll_s)
         await self.maintenance()

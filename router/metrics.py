@@ -27,6 +27,7 @@ from flying.breaker import decode_all
 from flying.keys import Keys
 from flying.messages import Group, RouterState, decode
 from flying.queue import text
+from router.cost_fit import CostFit
 from router.decision import BindMode, Decision
 
 ADMITTED_PREFIX = "admitted_"  # flying:stats's per-priority admission counters: admitted_high, ...
@@ -72,7 +73,25 @@ class RouterMetrics:
             "re-queued for --stall-s (router.watchdog)", registry=r,
         )  # fmt: skip
         self.stalls = Counter("flying_router_stalls", "Stalls the watchdog saw begin", registry=r)
+        self.fit_error = Gauge(
+            "flying_router_cost_fit_error",
+            "Relative RMS residual of the cost model's fitted line for one kind of step",
+            ["mode", "width"],
+            registry=r,
+        )
+        self.fit_steps = Gauge(
+            "flying_router_cost_fit_steps",
+            "Steps the fitted line was fitted to",
+            ["mode", "width"],
+            registry=r,
+        )
         self._rolled_back: set[int] = set()
+
+    def observe_fit(self, fit: CostFit) -> None:
+        """A new fit of the cost model (router.cost_fit): each line's error and samples."""
+        for c in fit.curves:
+            self.fit_error.labels(c.mode, str(c.width)).set(c.error)
+            self.fit_steps.labels(c.mode, str(c.width)).set(c.steps)
 
     def observe(self, before: list[Group], d: Decision, assigned: int, now: float | None = None) -> None:
         """One applied round: ``before`` is the group records the round started from, ``d`` its decision."""

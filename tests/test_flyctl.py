@@ -98,7 +98,19 @@ def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redi
         _beat(sync_redis, keys, e, "", 0, n=4)
     assert main([*args, "bind", "0", "1"]) == 0
     epoch = int(capsys.readouterr().out)
-    sync_redis.set(keys.router_state, encode(RouterState(busy=False, suspect={3: time.time() + 9.6, 2: 1.0})))
+    sync_redis.set(
+        keys.router_state,
+        encode(
+            RouterState(
+                busy=False,
+                widths={"0": 2},
+                rate=2.0,
+                prompt_rate=1000.0,
+                output_rate=200.0,
+                suspect={3: time.time() + 9.6, 2: 1.0},
+            )
+        ),
+    )
     for i, (prio, cls) in enumerate([("high", 0), ("normal", 1), ("normal", 1)]):
         rid = f"r{i}"
         sync_redis.hset(keys.request(rid), mapping={"id": rid, "priority": prio, "enqueued_at": time.time() - 2,
@@ -106,7 +118,10 @@ def test_status_shows_groups_regime_and_queue_by_priority(sync_redis, keys, redi
         sync_redis.zadd(keys.queue, {rid: cls * CLASS_WEIGHT + i})
     assert main([*args, "status"]) == 0
     out = capsys.readouterr().out
-    assert "light: TP groups; left out of binds: 3 (10 s)" in out  # engine 2's time is over
+    assert (
+        "planned: node 0 width 2; light: a group serves better; arrivals 2.0 req/s of 500/100 tokens" in out
+    )
+    assert "; left out of binds: 3 (10 s)" in out  # engine 2's time is over
     assert f"epoch {epoch:>4}  [0,1]  binding   manual" in out
     assert "queue: 3 waiting: high 1 (oldest 2.0" in out and "normal 2 (oldest 2.0" in out
     assert main([*args, "queue", "-n", "2"]) == 0

@@ -54,6 +54,7 @@ from worker_ext.rank_messages import Forward, Handshake, Noop, ReleasePlan
 from worker_ext.sequence_parallel import StepMode, choose_mode
 from worker_ext.sglang_patches import LOCAL_GROUP, RequestLimits
 from worker_ext.sglang_patches.surface import SchedulerSurface, Stash
+from worker_ext.step_costs import StepCosts
 from worker_ext.step_plan import Shadows, StepPlans
 
 if TYPE_CHECKING:
@@ -78,9 +79,12 @@ class Binding:
         layout: Layout,
         on_change: Callable[[], None] | None = None,
         sp_threshold: int = 0,
+        costs: StepCosts | None = None,
     ) -> None:
         """``on_change``: re-publish the heartbeat (a follower's loop is blocked); ``sp_threshold``: the batched
-        tokens from which a bound step runs sequence-parallel, unless a bind says otherwise (0: never)."""
+        tokens from which a bound step runs sequence-parallel, unless a bind says otherwise (0: never);
+        ``costs``: where its forwards' times are recorded (a CPU engine's, by default)."""
+        self.costs = costs or StepCosts("cpu")
         self.engine, self.index, self.pool, self.layout = engine, index, pool, layout
         self.sp_threshold = sp_threshold
         self.steps = {StepMode.TP: 0, StepMode.SP: 0}  # forwards run while bound, by mode
@@ -130,6 +134,8 @@ class Binding:
             "parked": self.parking.epochs(),
             "steps_tp": self.steps[StepMode.TP],
             "steps_sp": self.steps[StepMode.SP],
+            "device": self.costs.device,
+            "step_costs": self.costs.samples(),
             **({"comm_ms": {k: round(v, 3) for k, v in e.group.spent_ms.items()}} if e else {}),
             **self.adoption.stats,
         }
@@ -277,19 +283,23 @@ class Binding:
         """Every ``ModelRunner.forward``: unbound, as is (the batch is kept as the template followers fill in);
         bound, the leader broadcasts the plan first, and the all-reduces go over the group."""
         e = self.epoch
+        tokens = self.engine.step_tokens(forward_batch)
         if e is None:
             self.plans.keep_template(forward_batch)
-            return original(runner, forward_batch, *args, **kwargs)
+            return self.costs.timed("dp", 1, tokens, lambda: original(runner, forward_batch, *args, **kwargs))
         try:
             if e.leader and not e.failed:
-                mode = choose_mode(self.engine.step_tokens(forward_batch), e.width, e.sp_threshold)
+                mode = choose_mode(tokens, e.width, e.sp_threshold)
                 e.group.broadcast_object(self.plans.plan(forward_batch, self.ownership.take_outbox(), mode))
                 self.plans.sent()
                 self.layout.step_mode(mode)
             if not e.failed:
                 self.steps[self.layout.mode] += 1
                 with self.engine.tp_group(e.group):
-                    return original(runner, forward_batch, *args, **kwargs)
+                    return self.costs.timed(
+                        self.layout.mode.value, e.width, tokens,
+                        lambda: original(runner, forward_batch, *args, **kwargs),
+                    )  # fmt: skip
         except RuntimeError as exc:
             if not e.leader:
                 raise  # a follower's follow() aborts the epoch

@@ -22,7 +22,7 @@ import redis
 
 from flying import redis_conn
 from flying.keys import Keys
-from flying.messages import Heartbeat, encode
+from flying.messages import Heartbeat, StepCost, encode
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class Load(TypedDict, total=False):
     param_bytes: int
     steps_tp: int
     steps_sp: int
+    device: str
+    step_costs: tuple[StepCost, ...]
     comm_ms: dict[str, float]
     running: int
     waiting: int

@@ -97,6 +97,7 @@ def _start_switching(scheduler, config: HeartbeatConfig) -> None:
     from worker_ext.commands import CommandReader
     from worker_ext.layout import Layout
     from worker_ext.sglang_patches.surface import SGLangScheduler
+    from worker_ext.step_costs import StepCosts
 
     num_engines = int(os.environ.get(settings.NUM_ENGINES, "1"))
     port = os.environ.get(settings.COMM_PORT)
@@ -135,6 +136,7 @@ def _start_switching(scheduler, config: HeartbeatConfig) -> None:
         layout,
         on_change=lambda: _beat(scheduler),
         sp_threshold=settings.sp_threshold(),
+        costs=StepCosts("cuda" if device.startswith("cuda") else "cpu"),
     )
 
 

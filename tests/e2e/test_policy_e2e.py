@@ -20,7 +20,8 @@ from tests.e2e.test_switching import wait_mode
 
 pytestmark = pytest.mark.e2e
 MODEL = "tiny-llama"
-# CPU-sized group capacity, quick releases; POLICY is never light (no load groups) unless a test asks for it
+# CPU-sized group capacity, quick releases; POLICY binds no load groups (priority and long-context groups only)
+# unless a test asks for them
 BASE = (
     "--keep-s",
     "1",
@@ -33,8 +34,8 @@ BASE = (
     "--ack-timeout-s",
     "5",
 )
-POLICY = (*BASE, "--calm-s", "3600")
-LOAD_ADAPTING = (*BASE, "--calm-s", "0.5")
+POLICY = (*BASE, "--max-width", "1")
+LOAD_ADAPTING = BASE
 
 
 def restart_router(c, args) -> None:
@@ -202,7 +203,7 @@ def test_requests_an_adoption_paused_instead_of_moving_resume(policy):
     after max_defer_s and they finish in DP, instead of waiting forever in a group that counted them as its own."""
     # two an engine (one runs: its KV holds one; one waits), so that at the adoption every member holds a long
     # prompt in its tree and none has room for the others' slices
-    args = (*LOAD_ADAPTING, "--max-defer-s", "2", "--rate-tau-s", "1", "--max-inflight-per-worker", "2")
+    args = (*LOAD_ADAPTING, "--max-defer-s", "2", "--horizon-s", "2", "--max-inflight-per-worker", "2")
     restart_router(policy, args)
     try:
         long = long_prompt(policy.config.model_path, 370)
