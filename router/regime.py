@@ -71,15 +71,21 @@ def forming(groups: Iterable[Group], now: float, ack_timeout_s: float) -> bool:
     )
 
 
-def node_demand(rnd: Round, pool: tuple[str, int, int], engines: list[int]) -> Demand:
-    """What node ``pool``'s ``engines`` must serve: its share of the arrivals and of the queue, and its work."""
-    st, s = rnd.out.state, rnd.s
+def queued_tokens(s: Snapshot) -> float:
+    """Prompt tokens the whole queue holds for DP or load groups (the head's, scaled to the queue's depth; long
+    requests apart: they wait for groups of their own)."""
+    head = sum(r.prompt_tokens for r in s.waiting if s.fits_one(r))
+    return head * (s.queued / len(s.waiting)) if s.waiting else 0.0
+
+
+def node_demand(rnd: Round, engines: list[int], queued: float) -> Demand:
+    """What a node's ``engines`` must serve: their share of the arrivals and of the ``queued`` prompt tokens, and
+    their own work."""
+    st = rnd.out.state
     share = len(engines) / max(len(rnd.live), 1)
     rate = st.rate
     prompt = st.prompt_rate / rate if rate > 1e-6 else DEFAULT_PROMPT
     output = st.output_rate / rate if rate > 1e-6 else DEFAULT_OUTPUT
-    head = [r for r in s.waiting if s.fits_one(r)]
-    queued = sum(r.prompt_tokens for r in head) * (s.queued / len(s.waiting) if s.waiting else 0.0)
     running = sum(rnd.live[e].running for e in engines)
     held = sum(rnd.live[e].inflight for e in engines)
     return Demand(
@@ -127,6 +133,7 @@ def update(rnd: Round) -> None:
         rnd.plan = {pool: state.widths[pool_name(pool)] for pool in pools}
         return
     widths: dict[str, int] = {}
+    queued = queued_tokens(s)
     light = False  # some node is predicted to serve better bound (whether load groups may form or not)
     for pool, engines in sorted(pools.items(), key=lambda kv: kv[0][1]):
         node, now = pool_name(pool), current_width(rnd, pool)
@@ -134,7 +141,7 @@ def update(rnd: Round) -> None:
         if len(every) < 2:
             widths[node] = 1
             continue
-        d = node_demand(rnd, pool, engines)
+        d = node_demand(rnd, engines, queued)
         choice = choose(s.cost, every, now if now in every else 1, d, targets, s.sp_threshold)
         light = light or choice.width > 1
         allowed = [w for w in every if w <= cfg.max_width] if cfg.load_adaptation else [1]
