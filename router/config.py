@@ -128,13 +128,6 @@ class PolicyConfig:
         "half a node's engines; the width its KV needs if wider): parked for a burst, its request's KV head slices "
         "leave each member more room for DP",
     )
-    kv_bytes_per_token: int = setting(
-        163_840, "bytes of KV per token, for the transformation estimate (Llama-3-70B with FP8 KV)"
-    )
-    kv_link_gbps: float = setting(360.0, "GB/s per member and direction, for the transformation estimate")
-    kv_transform_fixed_ms: float = setting(
-        4.0, "milliseconds: fixed cost per KV transformation, for the estimate"
-    )
     sp_threshold: int | None = setting(
         None,
         "batched tokens: a bound group's steps of at least this many (a prefill's tokens, a decode's sequences) "

@@ -69,7 +69,7 @@ class Round:
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
         self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
-        self.kv = TransformCost(cfg, self.live, self.dp_kv)
+        self.kv = TransformCost(cfg, s.cost, self.live, self.dp_kv)
         self._engines_n = max((e.num_engines for e in s.engines), default=1)
         self._taken: frozenset[int] | None = None  # in_groups(), until a record's members or a bind change it
         # router.dp_dispatch's candidates, built at the round's first DP dispatch

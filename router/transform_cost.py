@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from flying.cost_model import kv_transform_ms
+from flying.cost_model import CostModel
 from router.config import PolicyConfig
 from router.engine_view import EngineView
 
@@ -47,8 +47,10 @@ class TransformCost:
     adoption would stall the group. ``dp_kv``: KV of the DP requests the round has sent each engine so far (the
     caller's dict, read live)."""
 
-    def __init__(self, cfg: PolicyConfig, live: Mapping[int, EngineView], dp_kv: Mapping[int, int]) -> None:
-        self.cfg, self.live, self.dp_kv = cfg, live, dp_kv
+    def __init__(
+        self, cfg: PolicyConfig, cost: CostModel, live: Mapping[int, EngineView], dp_kv: Mapping[int, int]
+    ) -> None:
+        self.cfg, self.cost, self.live, self.dp_kv = cfg, cost, live, dp_kv
 
     def possible(self, members: Sequence[int]) -> bool:
         """Adopt/scatter only where it is on and every member's heartbeat says it applies them."""
@@ -61,9 +63,7 @@ class TransformCost:
 
     def adopt_ms(self, members: Sequence[int]) -> float:
         """Estimated stall of an adoption: every member's DP KV moves (d-1)/d of its head slices."""
-        c = self.cfg
-        moves = adopt_moves([self.used_kv(m) for m in members])
-        return kv_transform_ms(moves, c.kv_bytes_per_token, c.kv_link_gbps, c.kv_transform_fixed_ms)
+        return self.cost.transform_ms(adopt_moves([self.used_kv(m) for m in members]))
 
     def may_adopt(self, members: Sequence[int]) -> bool:
         """Adoption beats draining or pausing the members' DP work when its stall is at most ``adopt_max_ms``
