@@ -259,6 +259,10 @@ class Cluster:
         stop(self.router, sig=sig)
         self.router = None
 
+    def kill_standby(self, sig: int = signal.SIGKILL) -> None:
+        stop(self.standby, sig=sig)
+        self.standby = None
+
     # -- readiness ---------------------------------------------------------------------------------------------
     def client(self) -> redis.Redis:
         return redis_conn.sync_client(self.redis_url)

@@ -1,7 +1,10 @@
-"""``flying-demo``: the main job. Starts Redis, CPU workers (--engines) with the tiny model, the router and the gateway;
-sends a quiet phase of a few requests and then a short burst of mixed-priority streaming requests; prints a summary
-table of the burst, each phase's TTFT and how many of its requests ran in TP groups or in DP, and the mode track
-(when the engines bound and released, and why, from the router's decision log); stops everything it started."""
+"""``flying-demo``: the main job. Starts Redis, CPU workers (--engines) with a generated Llama (hidden 512, 4 layers),
+the router and the gateway; sends long prompts with the router keeping DP (a reference), the same long prompts at
+low load with the router's defaults (it binds the engines: on this CPU a group prefills long prompts faster), then a
+short burst of short mixed-priority requests (it goes back to DP, faster for them); prints a summary table of the
+burst, each phase's TTFT and how many of its requests ran in TP groups or in DP, the bound/DP ratio of the long
+prompts, and the mode track (when the engines bound and released, and why, from the router's decision log); stops
+everything it started."""
 
 from __future__ import annotations
 
@@ -20,8 +23,10 @@ from devstack.redis_server import SentinelSet
 from flying import cli, control, redis_conn
 from loadgen import metrics, report, runner
 from loadgen.arrivals import Arrivals
-from loadgen.workload import PromptMaker, Workload, plan
-from worker_ext.tinymodel import ensure
+from loadgen.workload import Lengths, PromptMaker, Workload, plan
+from worker_ext.tinymodel import TinyLlamaSpec, ensure
+
+DP_ONLY = ("--max-width", "1")  # the reference phase's routers: no load groups
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,14 +39,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quiet-requests",
         type=cli.non_negative(int),
-        default=6,
-        help="requests in the quiet phase before it (0: none)",
+        default=4,
+        help="long-prompt requests in the quiet phase before it, and in its DP reference (0: neither)",
     )
     p.add_argument(
         "--quiet-rate",
         type=cli.positive(float),
-        default=0.5,
+        default=0.25,
         help="the quiet phase's requests per second (Poisson)",
+    )
+    p.add_argument(
+        "--quiet-tokens",
+        default="3000:3500",
+        help="the quiet phase's prompt tokens, lo:hi (uniform; the model's context is 4,096)",
+    )
+    p.add_argument(
+        "--reference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send the quiet phase's prompts first with the router keeping DP (--max-width 1), to compare",
     )
     p.add_argument(
         "--workdir", type=Path, default=Path(".flying"), help="the tiny model, logs and the summary"
@@ -64,7 +80,15 @@ def workloads(a: argparse.Namespace) -> tuple[Workload | None, Workload]:
     """The quiet phase's workload (None: no quiet phase) and the burst's; ValueError when they cannot be made."""
     quiet = None
     if a.quiet_requests:
-        quiet = Workload(num_requests=a.quiet_requests, arrivals=Arrivals("poisson", a.quiet_rate), seed=1)
+        lo, _, hi = a.quiet_tokens.partition(":")
+        quiet = Workload(
+            num_requests=a.quiet_requests,
+            arrivals=Arrivals("poisson", a.quiet_rate),
+            input_tokens=Lengths("uniform", int(lo), int(hi or lo)),
+            output_tokens=Lengths("uniform", 8, 8),
+            priority_mix={"normal": 1.0},
+            seed=1,
+        )
     return quiet, Workload(num_requests=a.requests, arrivals=Arrivals("poisson", a.rate))
 
 
@@ -85,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.time()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    model = ensure(a.workdir / "tiny-llama", seed=0)
-    say(f"tiny model at {model}")
+    model = ensure(a.workdir / "llama-512", seed=0, spec=TinyLlamaSpec.sized(512, 4))
+    say(f"model (hidden 512, 4 layers, random weights) at {model}")
     sentinels = None
     if a.sentinel and not a.redis_url:
         sentinels = SentinelSet(data_dir=a.workdir / "logs" / "redis-sentinel").start()
@@ -101,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             log_dir=a.workdir / "logs",
             redis_url=a.redis_url,
             standby_router=True,
+            router_args=DP_ONLY if quiet is not None and a.reference else (),
         ),
         progress=say,
     )
@@ -109,9 +134,16 @@ def main(argv: list[str] | None = None) -> None:
         say(f"cluster up: gateway {cluster.config.gateway_url}, redis {cluster.redis_url}")
         r = cluster.client()
         phases = []
+        if quiet is not None and a.reference:
+            say(f"reference: {a.quiet_requests} long prompts ({a.quiet_tokens} tokens) at {a.quiet_rate:g} req/s, "
+                "the router keeping DP")  # fmt: skip
+            phases.append(send(cluster, model, "DP ref", quiet, a.quiet_rate))
+            restart_routers(cluster, say)
         if quiet is not None:
             wait_bound(cluster, say)
-            say(f"quiet phase: {a.quiet_requests} streaming requests at {a.quiet_rate:g} req/s")
+            say(
+                f"quiet phase: the same {a.quiet_requests} long prompts at {a.quiet_rate:g} req/s, router defaults"
+            )
             phases.append(send(cluster, model, "quiet", quiet, a.quiet_rate))
         epochs_before = int(r.get(cluster.keys.epoch) or 0)
         say(f"sending {a.requests} streaming requests at {a.rate:g} req/s (high 20%, normal 60%, low 20%)")
@@ -151,12 +183,22 @@ def send(cluster: Cluster, model: Path, name: str, workload: Workload, rate: flo
     return mode_track.Phase(name, records, t0, time.time(), rate, duration)
 
 
+def restart_routers(cluster: Cluster, say: Callable[[str], None]) -> None:
+    """The reference is done: the router and its standby again, with their defaults (the planned widths, the
+    measured rates and the fitted cost model stay in Redis)."""
+    cluster.kill_router(signal.SIGTERM)
+    cluster.kill_standby(signal.SIGTERM)
+    cluster.start_router(())
+    cluster.start_standby(())
+    say("routers restarted with their defaults")
+
+
 def wait_bound(cluster: Cluster, say: Callable[[str], None], timeout_s: float = 10.0) -> None:
-    """Give the router a moment to see the idle cluster as light load and bind its engines."""
+    """Give the router a moment to plan the idle cluster: it binds where a group is predicted faster."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(g.state == "bound" for g in control.groups(cluster.client(), cluster.keys)):
-            say("the router bound the idle engines into a TP group (light load)")
+            say("the router bound the idle engines into a TP group (predicted faster for this token mix)")
             return
         time.sleep(0.2)
     say(f"no TP group bound within {timeout_s:g} s (the mode track says why)")
@@ -168,6 +210,13 @@ def print_modes(cluster: Cluster, phases: list[mode_track.Phase], since: float) 
     print("phases:")
     for p in phases:
         print("  " + mode_track.phase_line(p, mode_track.modes(r, cluster.keys, p.started, p.ended)))
+    named = {p.name: p for p in phases}
+    if (
+        "DP ref" in named
+        and "quiet" in named
+        and (ratio := mode_track.ttft_ratio(named["quiet"], named["DP ref"]))
+    ):
+        print(f"  the long prompts' TTFT p50, router defaults / DP only: {ratio:.2f}")
     events = mode_track.decision_log(r, cluster.keys, since)
     print("mode track (the router's decision log, t from the first phase's start):")
     for line in mode_track.track(events, phases):

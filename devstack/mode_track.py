@@ -64,6 +64,12 @@ def phase_line(p: Phase, m: PhaseModes) -> str:
             f"{m.tp} ran in TP groups, {m.dp} in DP")  # fmt: skip
 
 
+def ttft_ratio(p: Phase, reference: Phase) -> float | None:
+    """``p``'s TTFT p50 over ``reference``'s (None where either has none)."""
+    a, b = (stats([x.ttft for x in q.records if x.ok], 1000)["p50"] for q in (p, reference))
+    return None if math.isnan(a) or math.isnan(b) or not b else a / b
+
+
 def track(events: Sequence[DecisionEvent], phases: Sequence[Phase]) -> list[str]:
     """The decision log as lines ``t=  12.3s <what and why>``, t from the first phase's start, with the phases'
     beginnings marked; distrust entries and regime changes without a bind or release are kept (they say why)."""

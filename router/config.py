@@ -49,6 +49,9 @@ class PolicyConfig:
         200.0, "milliseconds: the TTFT high-priority requests are planned for"
     )
     ttft_target_normal_ms: float = setting(1000.0, "milliseconds: the TTFT other requests are planned for")
+    tpot_target_ms: float = setting(
+        100.0, "milliseconds: the time per output token the planner keeps below (only its excess counts)"
+    )
     horizon_s: float = setting(
         10.0, "seconds the planner predicts ahead (arrival rates are averaged over half of it)"
     )
@@ -69,9 +72,9 @@ class PolicyConfig:
     )
     tp_inflight_per_engine: int = setting(8, "a group of width w takes w times this many TP requests at once")
     sp_inflight_per_engine: int = setting(
-        64,
-        "... a load or priority group running no long request takes w times this many under light load (its "
-        "large steps run sequence-parallel: about what its members would hold in DP)",
+        256,
+        "... a load or priority group running no long request takes w times this many (its large steps run "
+        "sequence-parallel: as many as its members would hold in DP)",
     )
     keep_s: float = setting(
         1.0, "seconds: a priority or long-context group without TP work for this long is released"
@@ -163,7 +166,7 @@ class PolicyConfig:
         w = self.max_width
         _require(w >= 1 and w & (w - 1) == 0, f"max_width must be a power of two >= 1, got {w}")
         _require(self.long_wait_s >= 0, f"long_wait_s must be >= 0, got {self.long_wait_s}")
-        for name in ("ttft_target_high_ms", "ttft_target_normal_ms", "horizon_s"):
+        for name in ("ttft_target_high_ms", "ttft_target_normal_ms", "tpot_target_ms", "horizon_s"):
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _require(
             0 < self.ack_timeout_s <= self.bind_timeout_s,

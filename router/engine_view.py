@@ -32,6 +32,7 @@ class EngineView:
     group: tuple[int, ...] = ()  # the members of the epoch it is bound in (the first: its leader)
     pool_ready: bool = True  # its communicator pool is built (a restarted engine's takes a while: no binds)
     running: int = 0  # sequences in its running batch (its heartbeat's; bound: the group's, on the leader)
+    waiting: int = 0  # requests not yet prefilled, waiting in its scheduler (likewise)
 
     @property
     def dp_room(self) -> int:
@@ -76,4 +77,5 @@ class EngineView:
             group=hb.group,
             pool_ready=hb.pool_ready,
             running=hb.running,
+            waiting=hb.waiting,
         )

@@ -215,6 +215,8 @@ def place_priority(rnd: Round, r: QueuedRequest) -> bool:
     taken = rnd.in_groups()
     light = not rnd.out.state.busy
     for ms in rnd.free_sets(rnd.cfg.priority_width):
+        if rnd.load_width(rnd.live[ms[0]].pool) > 1:
+            continue  # its node's load groups serve it once they form (meanwhile it jumps the queue in DP)
         dp_left = any(e.mode == "dp" and e.engine not in taken and e.engine not in ms for e in rnd.s.engines)
         if dp_left and (light or not rnd.block_load(ms)):
             adopt = keep = False

@@ -45,6 +45,7 @@ class Targets:
     high_ms: float = 200.0
     normal_ms: float = 1000.0
     horizon_s: float = 10.0
+    tpot_ms: float = 100.0
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,15 @@ def forecast(
     waited = (x + inflow * stall / 2) / prompt * stall  # request-seconds spent waiting for a first token
     x += inflow * stall
     arrivals = x / prompt + inflow * max(t.horizon_s - stall, 0.0) / prompt
-    tokens = busy_s = 0.0
+    tokens = busy_s = stepped_s = 0.0
+    steps = 0.0
     dt = max(t.horizon_s - stall, 0.0) / SLICES
 
     def run(seconds: float, step: float, prefilled: float) -> None:
-        nonlocal b, tokens, busy_s
+        nonlocal b, tokens, busy_s, steps, stepped_s
         n = seconds / step
+        steps += n
+        stepped_s += seconds
         tokens += n * b
         busy_s += n * b * step
         b = min(cap, max(0.0, b + prefilled / prompt - b * min(1.0, n / output)))
@@ -127,16 +131,19 @@ def forecast(
     drain_s = x / chunk * full  # what is left at the horizon still waits for its backlog to drain
     waited += x / prompt * drain_s / 2
     ttft = (waited / arrivals * 1000 if arrivals > 0 else 0.0) + one
-    high = stall_ms + one  # high priority jumps the queue: one step of its own (after a switch)
+    # high priority jumps the queue: it waits for the step under way (half a step on average), then its own
+    mean_step = stepped_s / steps * 1000 if steps else one
+    high = stall_ms + mean_step / 2 + one
     tpot = busy_s / tokens * 1000 if tokens > 0 else cost.group_step_ms(width, sp_threshold, 0, 1, ctx)
     return Forecast(width, ttft, high, tpot, units * tokens / max(t.horizon_s, 1e-9), stall_ms, 0.0)
 
 
 def score(f: Forecast, d: Demand, t: Targets) -> float:
-    """The objective: each class's predicted TTFT over its target, weighted by its share of the arrivals. (A
-    candidate that cannot keep up shows it here too: its backlog grows, or its decoding batch fills and stops
-    its prefills.)"""
-    return (1 - d.high_share) * f.ttft_ms / t.normal_ms + d.high_share * f.high_ttft_ms / t.high_ms
+    """The objective: each class's predicted TTFT over its target, weighted by its share of the arrivals, plus how
+    far the predicted time per output token exceeds its target (a hinge: below the target TTFT alone decides; a
+    candidate that cannot keep up shows in both, its backlog grows and its steps lengthen)."""
+    ttft = (1 - d.high_share) * f.ttft_ms / t.normal_ms + d.high_share * f.high_ttft_ms / t.high_ms
+    return ttft + max(0.0, f.tpot_ms / t.tpot_ms - 1.0)
 
 
 def switch_ms(cost: CostModel, now: int, width: int, d: Demand, sp_threshold: int) -> float:

@@ -25,7 +25,7 @@ from router.snapshot import Snapshot
 
 DEFAULT_PROMPT = 512.0  # tokens: the mix assumed before any request was measured
 DEFAULT_OUTPUT = 128.0
-PLAN_EVERY_S = 0.05  # seconds: rounds closer together than this keep the widths last planned
+PLAN_EVERY_S = 0.5  # seconds: rounds closer together than this keep the widths last planned
 
 
 def ewma(old: float, count: float, was: float, dt: float, tau: float) -> float:
@@ -87,13 +87,13 @@ def node_demand(rnd: Round, engines: list[int], queued: float) -> Demand:
     prompt = st.prompt_rate / rate if rate > 1e-6 else DEFAULT_PROMPT
     output = st.output_rate / rate if rate > 1e-6 else DEFAULT_OUTPUT
     running = sum(rnd.live[e].running for e in engines)
-    held = sum(rnd.live[e].inflight for e in engines)
+    waiting = sum(rnd.live[e].waiting for e in engines)
     return Demand(
         engines=len(engines),
         rate=rate * share,
         prompt=prompt,
         output=output,
-        backlog=queued * share + max(0, held - running) * prompt,
+        backlog=queued * share + waiting * prompt,
         decoding=running,
         high_share=min(1.0, st.high_rate / rate) if rate > 1e-6 else 0.0,
     )
@@ -119,7 +119,7 @@ def pool_name(pool: tuple[str, int, int]) -> str:
 def update(rnd: Round) -> None:
     """Plan every node's width for this round; note each change with the predictions that chose it."""
     cfg, s = rnd.cfg, rnd.s
-    targets = Targets(cfg.ttft_target_high_ms, cfg.ttft_target_normal_ms, cfg.horizon_s)
+    targets = Targets(cfg.ttft_target_high_ms, cfg.ttft_target_normal_ms, cfg.horizon_s, cfg.tpot_target_ms)
     state = measure(rnd.out.state, s, cfg.horizon_s / 2)
     rnd.out.state = state
     pools: dict[tuple[str, int, int], list[int]] = {}

@@ -287,16 +287,25 @@ class Engine:
             max_total_tokens=kv,
             ts=self.beat_ts,
             running=self.decoding(),
+            waiting=self.prefilling(),
         )
 
-    def decoding(self) -> int:
-        """Sequences its running batch decodes (prefill done), as SGLang's ``running``: its DP unit's, or, as a
-        bound group's leader, the group's."""
+    def reported_unit(self) -> Unit | None:
+        """The scheduler its heartbeat reports: its DP unit, or, as a bound group's leader, the group's."""
         g = self.group
-        unit = g.unit if g is not None and g.members[0] == self.idx else None if g is not None else self.dp
+        return g.unit if g is not None and g.members[0] == self.idx else None if g is not None else self.dp
+
+    def decoding(self) -> int:
+        """Sequences its running batch decodes (prefill done), as SGLang's ``running``."""
+        unit = self.reported_unit()
+        return 0 if unit is None else sum(1 for r in unit.running if r.prefilled >= r.spec.prompt)
+
+    def prefilling(self) -> int:
+        """Requests not prefilled yet, as SGLang's ``waiting`` (its queue, and those admitted mid-prefill)."""
+        unit = self.reported_unit()
         if unit is None:
             return 0
-        return sum(1 for r in unit.running if r.prefilled >= r.spec.prompt)
+        return len(unit.queue) + sum(1 for r in unit.running if r.prefilled < r.spec.prompt)
 
     def view(self) -> EngineView:
         """The router's view of this engine, from the heartbeat it would publish now (kept while nothing the
@@ -313,6 +322,7 @@ class Engine:
             self.assigned,
             tuple(self.parked),
             self.decoding(),
+            self.prefilling(),
         )
         if self._view is None or self._view[0] != key:
             self._view = (key, EngineView.from_heartbeat(self.heartbeat(), self.assigned))

@@ -15,9 +15,11 @@ from router.snapshot import Snapshot
 CFG = PolicyConfig()
 
 
-def engines(n=8, inflight=0, running=0, node=""):
+def engines(n=8, inflight=0, running=0, waiting=0, node=""):
     return [
-        EngineView(i, f"e{i}", inflight, 350_000, 350_000, num_engines=n, running=running, node=node)
+        EngineView(
+            i, f"e{i}", inflight, 350_000, 350_000, num_engines=n, running=running, waiting=waiting, node=node
+        )
         for i in range(n)
     ]
 
@@ -48,7 +50,7 @@ def test_the_demand_measures_the_token_mix_and_the_first_round_counts_nothing():
 
 
 def test_a_nodes_demand_is_its_share_of_the_queue_and_its_engines_work():
-    es = engines(inflight=10, running=4)
+    es = engines(inflight=10, running=4, waiting=6)
     rnd = Round(snap(waiting=[req("a", 3000), req("b", 1000)], queued=4, es=es), CFG)
     d = node_demand(rnd, [e.engine for e in es], queued_tokens(rnd.s))
     assert d.engines == 8 and d.decoding == 32
