@@ -80,16 +80,31 @@ def workloads(a: argparse.Namespace) -> tuple[Workload | None, Workload]:
     """The quiet phase's workload (None: no quiet phase) and the burst's; ValueError when they cannot be made."""
     quiet = None
     if a.quiet_requests:
-        lo, _, hi = a.quiet_tokens.partition(":")
+        lo, hi = tokens_span(a.quiet_tokens)
         quiet = Workload(
             num_requests=a.quiet_requests,
             arrivals=Arrivals("poisson", a.quiet_rate),
-            input_tokens=Lengths("uniform", int(lo), int(hi or lo)),
+            input_tokens=Lengths("uniform", lo, hi),
             output_tokens=Lengths("uniform", 8, 8),
             priority_mix={"normal": 1.0},
             seed=1,
         )
     return quiet, Workload(num_requests=a.requests, arrivals=Arrivals("poisson", a.rate))
+
+
+CONTEXT = 4096  # the generated model's context: a prompt and its 8 output tokens fit in it
+
+
+def tokens_span(text: str) -> tuple[int, int]:
+    """``lo:hi`` (or one number) prompt tokens within the model's context; ValueError naming the option."""
+    lo, _, hi = text.partition(":")
+    try:
+        span = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"--quiet-tokens: expected lo:hi token counts, got {text!r}") from None
+    if not 1 <= span[0] <= span[1] <= CONTEXT - 8:
+        raise ValueError(f"--quiet-tokens: expected 1 <= lo <= hi <= {CONTEXT - 8}, got {text!r}")
+    return span
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -154,6 +154,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     steps_tp: int = 0  # forwards this engine ran as a bound group's member in TP mode, since it started ...
     steps_sp: int = 0  # ... and in SP mode (sequence-parallel prefill, worker_ext.sequence_parallel)
     device: str = ""  # what its forwards run on: "cpu" or "cuda" ("": an older worker)
+    sp_threshold: int = 0  # its --sp-threshold: a group's steps of this many batched tokens run SP (0: never)
     step_costs: tuple[StepCost, ...] = ()  # its forwards' measured cost by mode, width and size
     comm_ms: dict[str, float] = {}  # its bound group's time in each data collective (all_reduce, all_to_all,
     # all_gather), since the group was built

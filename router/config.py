@@ -38,7 +38,7 @@ class PolicyConfig:
     ``flying-router --help`` shows it (one flag per field), ``flying-sim --policy FIELD=VALUE`` sets it."""
 
     load_adaptation: bool = setting(
-        True, "bind engines into light_width groups under light load (TP latency); DP when busy"
+        True, "bind load groups of the width the planner predicts best (up to max_width); off: DP"
     )
     priority: bool = setting(True, "bind a priority_width group for a high-priority request")
     long_context: bool = setting(True, "bind a group whose pooled KV holds a request one engine's KV cannot")

@@ -170,7 +170,7 @@ class Dispatcher:
             output_tokens=output_tokens,
             admitted_high=high,
             cost=cost,
-            sp_threshold=self.config.policy.sp_threshold or Snapshot.sp_threshold,
+            sp_threshold=sp_threshold(self.config.policy.sp_threshold, beats),
             prefixes=self.prefixes,
             held=parked,
         )
@@ -406,6 +406,15 @@ class Dispatcher:
     async def release_lease(self) -> None:
         """Hand the lease over at once (a standby takes it at its next try instead of after it expires)."""
         await self._release(keys=[self.keys.router_lease], args=[self.router_id])
+
+
+def sp_threshold(policy: int | None, beats: list[Heartbeat]) -> int:
+    """The SP threshold the planner predicts with: the policy's (sent in every bind), else the engines' own (the
+    most common), else the default."""
+    if policy is not None:
+        return policy
+    reported = [hb.sp_threshold for hb in beats if hb.sp_threshold]
+    return max(set(reported), key=reported.count) if reported else Snapshot.sp_threshold
 
 
 def _log_dispatches(dispatches: list[Dispatch], assigned: int) -> None:

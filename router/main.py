@@ -23,7 +23,7 @@ ROUTER_HELP: dict[str, str] = describe(RouterConfig)
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per PolicyConfig field (``--light-width 4``, ``--no-load-adaptation``), defaults from the class."""
+    """One flag per PolicyConfig field (``--max-width 4``, ``--no-load-adaptation``), defaults from the class."""
     g = p.add_argument_group("policy (see router/policy.py)")
     hints = typing.get_type_hints(PolicyConfig)
     for f in dataclasses.fields(PolicyConfig):
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
 
 
 def _in_flags(message: str, p: argparse.ArgumentParser) -> str:
-    """A config check's message with the settings it names as ``p``'s flags (``--light-width``)."""
+    """A config check's message with the settings it names as ``p``'s flags (``--max-width``)."""
     names = {a.dest for a in p._actions if a.option_strings}
     return re.sub(
         r"\b[a-z][a-z0-9_]*\b", lambda m: "--" + m[0].replace("_", "-") if m[0] in names else m[0], message

@@ -145,7 +145,7 @@ def park(
 
 def release_groups(rnd: Round) -> None:
     """Load groups go when the planner changes their node's width; a group that pauses DP work goes after ``max_defer_s``; a priority
-    or long group without TP work for ``keep_s`` goes (under light load one of ``light_width`` is kept as a load
+    or long group without TP work for ``keep_s`` goes (one of its node's planned width is kept as a load
     group instead). Operator (manual) groups stay."""
     busy, cfg, s = rnd.out.state.busy, rnd.cfg, rnd.s
     queued_dp = any(s.dp_fit(r) for r in s.waiting)

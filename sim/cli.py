@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help=f"static TP width (default: {d.tp_width}, or the widest below it that splits --engines; dynamic's: "
-        "--policy light_width=W)",
+        "--policy max_width=W)",
     )
     p.add_argument("--seed", type=int, default=0, help="the workload's random seed")
     g = p.add_argument_group(

@@ -306,7 +306,7 @@ def test_waiting_normal_request_means_busy_and_releases_load_groups():
     assert [(x.request.id, x.epoch) for x in d.dispatches] == [("old", 1)]
 
 
-def test_idle_priority_group_of_light_width_becomes_a_load_group_under_light_load():
+def test_idle_priority_group_of_the_planned_width_becomes_a_load_group():
     g = bound(4, (0, 1), last_used=90.0)
     engines = [in_epoch(0, 4), in_epoch(1, 4), eng(2), eng(3)]
     d = decide(snap(engines=engines, groups=[g], state=LIGHT), CFG)
@@ -724,7 +724,7 @@ def test_fast_targets_of_cache_aware_dp_dispatch_carry_affinity():
 
 
 def test_light_load_widens_a_narrow_group_once_its_block_can_bind_at_full_width():
-    """Under light load a priority (or narrower load) group whose ``light_width`` block is otherwise free DP
+    """A priority group narrower than its node's planned width whose block is otherwise free DP
     engines with little work is released by scatter, so the block binds at full width (faster SP steps); not
     while busy, not while the block's work exceeds what the wide group takes, not without KV transformation."""
     wide = unit_policy(max_width=4)

@@ -327,3 +327,15 @@ async def test_a_parked_request_whose_client_left_ends_its_epoch_on_the_members(
         assert decode_command(fields[b"msg"]) == Release(epoch=3)
     entries = [decode(f[b"event"], DecisionEvent) for _, f in await aredis.xrange(keys.decisions)]
     assert any(e.epoch == 3 and "its parked requests ended" in e.text for e in entries)
+
+
+def test_the_planner_predicts_with_the_policys_sp_threshold_else_the_engines_own():
+    from router.dispatcher import sp_threshold
+
+    beats = [
+        Heartbeat(engine=i, url="u", pid=1, model="m", sp_threshold=t) for i, t in enumerate((512, 512, 256))
+    ]
+    assert (
+        sp_threshold(None, beats) == 512 and sp_threshold(0, beats) == 0 and sp_threshold(128, beats) == 128
+    )
+    assert sp_threshold(None, [Heartbeat(engine=0, url="u", pid=1, model="m")]) == 256, "none reported"

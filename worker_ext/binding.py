@@ -135,6 +135,7 @@ class Binding:
             "steps_tp": self.steps[StepMode.TP],
             "steps_sp": self.steps[StepMode.SP],
             "device": self.costs.device,
+            "sp_threshold": self.sp_threshold,
             "step_costs": self.costs.samples(),
             **({"comm_ms": {k: round(v, 3) for k, v in e.group.spent_ms.items()}} if e else {}),
             **self.adoption.stats,

@@ -55,6 +55,7 @@ class Load(TypedDict, total=False):
     steps_tp: int
     steps_sp: int
     device: str
+    sp_threshold: int
     step_costs: tuple[StepCost, ...]
     comm_ms: dict[str, float]
     running: int
