@@ -21,7 +21,8 @@ from flying.cost_model import CPU_PRIOR, H200_LLAMA70B, CostModel
 from flying.messages import StepCost
 
 MIN_STEPS = 8  # steps a line needs in all ...
-MIN_BUCKETS = 2  # ... over at least this many size buckets
+MIN_BUCKETS = 2  # ... over at least this many size buckets ...
+MIN_SPAN = 4.0  # ... whose sizes span at least this factor (a slope from decode steps of 1-3 tokens is noise)
 
 
 class Curve(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +63,8 @@ def line(points: list[StepCost]) -> tuple[float, float, float] | None:
     residual is over three times the median are dropped and the line fitted again. None if under-determined."""
     pts = [p for p in points if p.n > 0]
     if sum(p.n for p in pts) < MIN_STEPS or len({round(p.tokens) for p in pts}) < MIN_BUCKETS:
+        return None
+    if max(p.tokens for p in pts) < MIN_SPAN * max(min(p.tokens for p in pts), 1.0):
         return None
     fit = _wls(pts)
     if fit is None:

@@ -120,7 +120,7 @@ def update(rnd: Round) -> None:
     """Plan every node's width for this round; note each change with the predictions that chose it."""
     cfg, s = rnd.cfg, rnd.s
     targets = Targets(cfg.ttft_target_high_ms, cfg.ttft_target_normal_ms, cfg.horizon_s, cfg.tpot_target_ms)
-    state = measure(rnd.out.state, s, cfg.horizon_s / 2)
+    state = measure(rnd.out.state, s, cfg.horizon_s / 4)
     rnd.out.state = state
     pools: dict[tuple[str, int, int], list[int]] = {}
     for e in s.engines:

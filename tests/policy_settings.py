@@ -32,3 +32,5 @@ def planned(width: int, now: float = 100.0, nodes: tuple[str, ...] = ("0",), **k
 
 LIGHT = planned(2)
 BUSY = planned(1)
+# light by the planner's verdict, but no load groups (max_width 1, or load adaptation off): priority groups form
+LIGHT_NO_LOAD = RouterState(busy=False, widths={"0": 1}, planned_at=100.0)

@@ -116,3 +116,9 @@ async def test_a_restarted_router_starts_from_the_stored_fit_and_the_heartbeats_
     model = await d._fit_costs([hb], ["cpu"])
     assert model.overhead_ms == pytest.approx(30.0, rel=0.1), "the engines' own steps win"
     assert decode(await aredis.get(keys.cost_model), CostFit).model["overhead_ms"] == model.overhead_ms
+
+
+def test_a_line_over_too_narrow_a_range_of_sizes_is_not_trusted():
+    """Decode steps of 1-3 sequences alone say nothing of what a 3,000-token prefill costs: the prior stays."""
+    narrow = [StepCost("tp", 2, 50, 1, 30.0), StepCost("tp", 2, 50, 2.5, 36.0)]
+    assert line(narrow) is None and not fit(CPU_PRIOR, narrow).curves

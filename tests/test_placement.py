@@ -19,7 +19,7 @@ from router.placement import (
 )
 from router.round import SHORT, USABLE, Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import BUSY, LIGHT, UNIT_POLICY, planned, unit_policy
+from tests.policy_settings import BUSY, LIGHT, LIGHT_NO_LOAD, UNIT_POLICY, planned, unit_policy
 
 CFG = UNIT_POLICY
 
@@ -56,9 +56,9 @@ def test_a_long_request_binds_the_least_loaded_block_it_needs_sequentially_by_de
 
 
 def test_a_high_priority_request_binds_a_block_and_leaves_dp_engines_for_the_rest():
-    r = rnd([eng(0), eng(1)], state=LIGHT)
+    r = rnd([eng(0), eng(1)], state=LIGHT_NO_LOAD)
     assert not place_priority(r, req(priority="high")), "it would take the last DP engines"
-    r = rnd(state=LIGHT)
+    r = rnd(state=LIGHT_NO_LOAD)
     assert place_priority(r, req(priority="high"))
     assert [(g.members, g.reason, g.preempt) for g in r.out.binds] == [((0, 1), "priority", "hard")]
 
@@ -111,7 +111,7 @@ def test_light_load_binds_a_busy_block_keeping_its_dp_work_where_its_members_run
 
 
 def test_a_high_priority_request_binds_a_busy_block_keeping_its_dp_work():
-    r = rnd([eng(i, inflight=3, mixed=True) for i in range(4)], state=LIGHT)
+    r = rnd([eng(i, inflight=3, mixed=True) for i in range(4)], state=LIGHT_NO_LOAD)
     assert place_priority(r, req(priority="high"))
     assert [(g.members, g.reason, g.keep) for g in r.out.binds] == [((0, 1), "priority", True)]
 

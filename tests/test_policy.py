@@ -12,15 +12,10 @@ from flying.messages import Bind, Group, QueuedRequest, Release, RouterState
 from flying.prefix import BLOCK, block_hashes, encode_chain
 from router.policy import EngineView, GroupLoad, PolicyConfig, Snapshot, decide, need_width
 from router.prefix_index import PrefixIndex
-from tests.policy_settings import UNIT_POLICY, unit_policy
+from tests.policy_settings import BUSY, LIGHT, LIGHT_NO_LOAD, UNIT_POLICY, planned, unit_policy
 
 CFG = UNIT_POLICY
 DP_ONLY = PolicyConfig(load_adaptation=False, priority=False, long_context=False, max_inflight_per_worker=8)
-from tests.policy_settings import (  # noqa: E402
-    BUSY,
-    LIGHT,  # noqa: E402
-    planned,
-)
 
 
 def req(
@@ -198,7 +193,7 @@ def test_long_context_off_leaves_long_requests_alone():
 
 def test_high_priority_under_light_load_binds_the_least_loaded_block_with_hard_preemption():
     engines = [eng(0, inflight=5), eng(1, inflight=5), eng(2, inflight=1), eng(3)]
-    d = decide(snap([req("hi", priority="high"), req("n")], engines, state=LIGHT), CFG)
+    d = decide(snap([req("hi", priority="high"), req("n")], engines, state=LIGHT_NO_LOAD), CFG)
     assert [(g.members, g.reason, g.preempt) for g in d.binds] == [((2, 3), "priority", "hard")]
     assert [(x.request.id, x.engine) for x in d.dispatches] == [("n", 0)]  # not onto the engines being bound
 
@@ -500,11 +495,12 @@ def test_scatter_is_gated_on_kv_transform_and_an_adopted_group_never_retracts():
 
 def test_priority_bind_under_light_load_adopts_the_blocks_dp_work_instead_of_pausing_it():
     engines = [teng(0, inflight=5), teng(1, inflight=5), teng(2, inflight=1, used=3000), teng(3)]
+    d = decide(snap([req("hi", priority="high"), req("n")], engines, state=LIGHT_NO_LOAD), CFG)
+    assert [(g.members, g.reason, g.adopt) for g in d.binds] == [((2, 3), "priority", True)]
     d = decide(snap([req("hi", priority="high"), req("n")], engines, state=LIGHT), CFG)
-    assert [(g.members, g.reason, g.adopt) for g in d.binds] == [
-        ((2, 3), "priority", True),
-        ((0, 1), "load", True),
-    ]
+    assert [(g.members, g.reason) for g in d.binds] == [((2, 3), "load"), ((0, 1), "load")], (
+        "a node planned bound: its load groups take the high-priority request"
+    )
     assert d.binds[0].kv_cap > 0  # its adopted requests hold KV: the group's cap counts them
 
 
@@ -788,7 +784,8 @@ def test_an_engine_whose_heartbeat_names_another_pool_is_not_bound_with_this_one
     """Engine 3 claims node b's pool though its index is in node a's run: the idle (2, 3) set is not a group, so
     the high-priority request binds the busier (0, 1)."""
     es = [node_eng(i, "a", 0, inflight=3) for i in range(2)] + [node_eng(2, "a", 0), node_eng(3, "b", 0)]
-    d = decide(snap([req("p", priority="high")], engines=es, state=planned(2, nodes=("a", "b"))), CFG)
+    light = RouterState(busy=False, widths={"a": 1, "b": 1}, planned_at=100.0)
+    d = decide(snap([req("p", priority="high")], engines=es, state=light), CFG)
     assert [g.members for g in d.binds] == [(0, 1)]
 
 

@@ -22,20 +22,23 @@ def test_steps_are_kept_per_mode_width_and_power_of_two_size():
     assert [bucket(t) for t in (0, 1, 2, 3, 4, 127, 128)] == [1, 1, 2, 2, 3, 7, 8]
 
 
-def test_a_forward_is_timed_and_its_result_passed_on():
+def test_a_step_lasts_from_its_forward_to_the_next_and_idle_gaps_are_not_counted(monkeypatch):
+    clock = iter([0.0, 0.010, 0.030, 0.045, 0.200, 0.210])  # (start, end) of three forwards
+    monkeypatch.setattr("worker_ext.step_costs.time.perf_counter", lambda: next(clock))
     c = StepCosts("cpu")
     assert c.timed("tp", 2, 8, lambda: "logits") == "logits"
+    assert not c.samples(), "a step is counted once the next one starts"
+    c.timed("tp", 2, 8, lambda: None)  # starts 20 ms after the first ended: the first lasted 30 ms
+    c.timed("tp", 2, 8, lambda: None)  # starts 155 ms after the second ended: idle, not counted
     (s,) = c.samples()
-    assert (s.mode, s.width, s.n, s.tokens) == ("tp", 2, 1, 8.0) and s.ms >= 0
+    assert (s.mode, s.width, s.n, s.tokens) == ("tp", 2, 1, 8.0) and s.ms == pytest.approx(30.0)
 
 
-def test_on_a_gpu_only_every_nth_forward_is_timed(monkeypatch):
+def test_on_a_gpu_only_every_nth_step_is_sampled():
     c = StepCosts("cuda", cuda_every=4)
-    synced = []
-    monkeypatch.setattr("torch.cuda.synchronize", lambda: synced.append(1))
-    for _ in range(8):
+    for _ in range(9):
         c.timed("dp", 1, 16, lambda: None)
-    assert len(synced) == 2 and c.samples()[0].n == 2
+    assert c.samples()[0].n == 2
 
 
 @pytest.mark.parametrize("mode", ["dp", "tp"])
@@ -46,7 +49,8 @@ def test_the_binding_times_its_forwards_in_either_mode(mode):
     b, *_ = make()
     if mode == "tp":
         b.on_step([Bind(epoch=1, members=(0, 1))])
-    b.around_forward(lambda runner, fb: None, None, {"tokens": [("r", 6, 6)]})
+    for _ in range(2):  # (a step is counted when the next one starts)
+        b.around_forward(lambda runner, fb: None, None, {"tokens": [("r", 6, 6)]})
     st = b.status()
     assert st["device"] == "cpu" and [(s.mode, s.width, s.n) for s in st["step_costs"]] == [
         (mode, 1 if mode == "dp" else 2, 1)
