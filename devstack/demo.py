@@ -32,7 +32,7 @@ DP_ONLY = ("--max-width", "1")  # the reference phase's routers: no load groups
 def parser() -> argparse.ArgumentParser:
     p = cli.parser("flying-demo", " ".join(__doc__.split("\n\n")[0].replace("``", "").split()))
     p.add_argument("--engines", type=cli.positive(int), default=2, help="CPU workers")
-    p.add_argument("--requests", type=cli.positive(int), default=50, help="requests in the burst")
+    p.add_argument("--requests", type=cli.positive(int), default=100, help="requests in the burst")
     p.add_argument(
         "--rate", type=cli.positive(float), default=8.0, help="the burst's requests per second (Poisson)"
     )

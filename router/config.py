@@ -50,7 +50,7 @@ class PolicyConfig:
     )
     ttft_target_normal_ms: float = setting(1000.0, "milliseconds: the TTFT other requests are planned for")
     tpot_target_ms: float = setting(
-        100.0, "milliseconds: the time per output token the planner keeps below (only its excess counts)"
+        150.0, "milliseconds: the time per output token the planner keeps below (only its excess counts)"
     )
     horizon_s: float = setting(
         10.0, "seconds the planner predicts ahead (arrival rates are averaged over half of it)"

@@ -45,7 +45,7 @@ class Targets:
     high_ms: float = 200.0
     normal_ms: float = 1000.0
     horizon_s: float = 10.0
-    tpot_ms: float = 100.0
+    tpot_ms: float = 150.0
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,13 @@ def forming(groups: Iterable[Group], now: float, ack_timeout_s: float) -> bool:
     )
 
 
+def token_mix(st: RouterState) -> tuple[float, float]:
+    """Mean prompt and output tokens of the recent admissions (the defaults before any)."""
+    if st.rate > 1e-6:
+        return st.prompt_rate / st.rate, st.output_rate / st.rate
+    return DEFAULT_PROMPT, DEFAULT_OUTPUT
+
+
 def queued_tokens(s: Snapshot) -> float:
     """Prompt tokens the whole queue holds for DP or load groups (the head's, scaled to the queue's depth; long
     requests apart: they wait for groups of their own)."""
@@ -84,8 +91,7 @@ def node_demand(rnd: Round, engines: list[int], queued: float) -> Demand:
     st = rnd.out.state
     share = len(engines) / max(len(rnd.live), 1)
     rate = st.rate
-    prompt = st.prompt_rate / rate if rate > 1e-6 else DEFAULT_PROMPT
-    output = st.output_rate / rate if rate > 1e-6 else DEFAULT_OUTPUT
+    prompt, output = token_mix(st)
     running = sum(rnd.live[e].running for e in engines)
     waiting = sum(rnd.live[e].waiting for e in engines)
     return Demand(
@@ -120,7 +126,7 @@ def update(rnd: Round) -> None:
     """Plan every node's width for this round; note each change with the predictions that chose it."""
     cfg, s = rnd.cfg, rnd.s
     targets = Targets(cfg.ttft_target_high_ms, cfg.ttft_target_normal_ms, cfg.horizon_s, cfg.tpot_target_ms)
-    state = measure(rnd.out.state, s, cfg.horizon_s / 4)
+    state = measure(rnd.out.state, s, cfg.horizon_s / 2)
     rnd.out.state = state
     pools: dict[tuple[str, int, int], list[int]] = {}
     for e in s.engines:

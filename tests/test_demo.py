@@ -47,5 +47,5 @@ def test_help_has_the_whole_description_and_every_default(capsys):
         demo.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "stops everything it started." in text
-    for default in ("(default: 2)", "(default: 50)", "(default: 8.0)", "(default: 4)", "(default: 0.25)"):
+    for default in ("(default: 2)", "(default: 100)", "(default: 8.0)", "(default: 4)", "(default: 0.25)"):
         assert default in text
