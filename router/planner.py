@@ -8,8 +8,9 @@ small ones TP, so the candidates span static DP, static TP and Shift Parallelism
 a few slices of the horizon. A candidate other than the current width pays its switch (``switch_ms`` and the KV
 transformation of the running requests) as a stall at the start, so hysteresis comes from what a switch costs,
 plus :data:`MARGIN` against near-ties. The objective (:func:`score`) is the predicted TTFT of each priority class
-against its target, weighted by the class's share of arrivals; requests still waiting at the horizon count with
-the time their backlog takes to drain, so a candidate cannot look good by starving the queue.
+against its target, weighted by the class's share of arrivals, plus the predicted TPOT's excess over its target;
+requests still waiting at the horizon count with the time their backlog takes to drain, so a candidate cannot look
+good by starving the queue.
 """
 
 from __future__ import annotations
