@@ -46,8 +46,9 @@ def can_park(rnd: Round, g: Group) -> bool:
 
 
 def surge(rnd: Round) -> bool:
-    """A burst: the planner predicts no node to serve better bound (:mod:`router.regime`)."""
-    return rnd.out.state.busy
+    """A burst: the planner predicts no node to serve better bound (:mod:`router.regime`); without load
+    adaptation there are no bursts to park for (the operator parks)."""
+    return rnd.cfg.load_adaptation and rnd.out.state.busy
 
 
 def parks(rnd: Round) -> bool:
@@ -200,7 +201,8 @@ def resume(rnd: Round) -> None:
     waited long enough), or, one group at a time, where a waiting request can be served nowhere else
     (:func:`blocked`; it too is never parked again). Idle members bind at once, busy ones by adoption where they may
     (their DP work continues in the group), else they drain first."""
-    calm = not rnd.out.state.busy and long_wait.unrest(rnd, turn=False) is None
+    # (calm is the planner's: without load adaptation, parked groups are the operator's to resume)
+    calm = rnd.cfg.load_adaptation and not rnd.out.state.busy and long_wait.unrest(rnd, turn=False) is None
     resuming = any(g.carries and g.state == "binding" for g in rnd.groups.values())
     taken, stuck = rnd.in_groups(), not resuming and blocked(rnd)
     for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):
