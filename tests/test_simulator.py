@@ -342,12 +342,16 @@ def test_light_load_adopts_busy_engines_where_it_used_to_wait_for_them_to_drain(
 def test_engines_without_kv_transform_never_get_adopt_or_scatter():
     """Gating: one engine of four runs an older worker; the policy never sends adopt/scatter to a group with it
     (the simulator asserts it on every command), while the others' groups do use them."""
-    reqs = paper_workload(300, seed=3, low_rate=(2, 4), burst_rate=(20, 30), low_s=6, burst_s=3, long_share=0)
+    # a burst sends the node to DP; its tail, still decoding, is light enough for load groups again
+    reqs = [SimRequest(0.05 * i, "normal", 1500, 300) for i in range(60)]
+    reqs += [SimRequest(6 + 0.5 * i, "normal", 200, 200) for i in range(20)]
     policy = unit_policy(tp_inflight_per_engine=4, max_inflight_per_worker=16)
     sim = Simulator(SimConfig(engines=4, cost=SMALL, policy=policy, no_kv_transform=(1,)), reqs, check=True)
     assert all(r.ok for r in sim.run())
     notes = [n for _, n in sim.log]
     assert any("(2, 3) (load, adoption" in n for n in notes)
+    assert any("(2, 3) (load) by scatter" in n for n in notes)
+    assert any("bind (0, 1) (load, sequential preemption" in n for n in notes)
     assert not any("(0, 1) (load, adoption" in n or ("(0, 1)" in n and "scatter" in n) for n in notes)
 
 
