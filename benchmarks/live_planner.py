@@ -4,8 +4,10 @@ Two CPU workers with a generated Llama of hidden 512 (4 layers, random weights: 
 collectives for long prompts), the router with its defaults against the router keeping DP (``--max-width 1``, the
 same for everything else), the two interleaved in each round. Each round sends, at low load, long prompts (3-4k
 tokens) and then short ones (32-64 tokens), and the table gives the medians over rounds of each phase's TTFT p50,
-and their ratio (defaults / DP only). The routers are restarted between configurations; the fitted cost model
-carries over in Redis, as it would for a restarted router.
+and their ratio (defaults / DP only). The phases are :data:`PAUSE_S` apart: each measures its own mix at low
+load, not the change between them (the planner's token mix averages the admissions over half its horizon, 5 s).
+The routers are restarted between configurations; the fitted cost model carries over in Redis, as it would for a
+restarted router.
 
     PYTHONPATH=. .venv/bin/python benchmarks/live_planner.py --rounds 3
 """
@@ -28,6 +30,7 @@ from loadgen.workload import Lengths, PromptMaker, Workload, plan
 from worker_ext.tinymodel import TinyLlamaSpec, ensure
 
 CONFIGS = {"defaults": (), "DP only": ("--max-width", "1")}
+PAUSE_S = 12.0  # seconds between phases
 
 
 def phase(cluster: Cluster, model: Path, n: int, rate: float, tokens: tuple[int, int], seed: int) -> float:
@@ -62,11 +65,11 @@ def main() -> None:
             for name, args in CONFIGS.items():
                 cluster.kill_router(signal.SIGTERM)
                 cluster.start_router(args)
-                time.sleep(3)  # the router takes the lease, plans the idle node
                 for what, n, rate, tokens in (
                     ("long", a.long, 0.2, (3000, 4000)),
                     ("short", a.short, 1.0, (32, 64)),
                 ):
+                    time.sleep(PAUSE_S)
                     ms = phase(cluster, model, n, rate, tokens, seed=rnd)
                     got.setdefault((name, what), []).append(ms)
                     print(f"round {rnd}: {name}, {what} prompts: TTFT p50 {ms:.0f} ms", flush=True)

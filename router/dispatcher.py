@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -41,6 +42,7 @@ from router.metrics import RouterMetrics
 from router.parking import counts_toward
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
+from router.probe import Prober
 from router.watchdog import MOVES, Change, Progress, Watchdog
 
 log = logging.getLogger("flying.router")
@@ -85,6 +87,9 @@ class Dispatcher:
         self.breakers = RouterBreakers(Breakers(client, self.keys, probe))  # engines left out while failing
         self.watchdog = Watchdog(config.stall_s)
         self.costs = Fitter()  # the cost model fitted to the engines' step costs (router.cost_fit)
+        self.prober = (
+            Prober()
+        )  # measures a group's steps on an idle node where the fit has none (router.probe)
 
     async def hold_lease(self) -> bool:
         """Take or renew the lease; a leader renews once per quarter lease, not every round (a round at light
@@ -265,10 +270,13 @@ class Dispatcher:
 
     async def round(self) -> int:
         """One policy round; returns how many requests were assigned (or groups changed)."""
-        snap = await self.snapshot()
-        d = decide(snap, self.config.policy)
+        snap, policy = await self.snapshot(), self.config.policy
+        if probe := self.prober.widths(snap, self.costs.fit, policy.max_width, policy.load_adaptation):
+            snap = dataclasses.replace(snap, probe=probe)
+        d = decide(snap, policy)
         changed = len(d.binds) + len(d.commands) + len(d.drop)
         assigned = await self.apply(d)
+        self.prober.fire(snap.engines)
         self.metrics.observe(list(snap.groups), d, assigned)
         return assigned + changed
 
@@ -378,6 +386,7 @@ class Dispatcher:
 
     async def close(self) -> None:
         await self.breakers.close()
+        await self.prober.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None

@@ -147,10 +147,13 @@ def update(rnd: Round) -> None:
         if len(every) < 2:
             widths[node] = 1
             continue
+        allowed = [w for w in every if w <= cfg.max_width] if cfg.load_adaptation else [1]
+        if s.probe.get(node) in allowed:  # an idle node the router measures a group's steps on (router.probe)
+            widths[node] = s.probe[node]
+            continue
         d = node_demand(rnd, engines, queued)
         choice = choose(s.cost, every, now if now in every else 1, d, targets, s.sp_threshold)
         light = light or choice.width > 1
-        allowed = [w for w in every if w <= cfg.max_width] if cfg.load_adaptation else [1]
         if choice.width not in allowed:  # load groups narrower than the best: the best of those allowed
             choice = choose(s.cost, allowed, now if now in allowed else 1, d, targets, s.sp_threshold)
         widths[node] = choice.width

@@ -39,6 +39,7 @@ class Snapshot:
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
     # engine -> the parked epochs it holds, for every live engine, a dispatchable one or not (None: ``engines``')
     held: Mapping[int, tuple[int, ...]] | None = None
+    probe: Mapping[str, int] = field(default_factory=dict)  # node -> the width an idle probe plans it at
 
     @cached_property
     def parked_held(self) -> Mapping[int, tuple[int, ...]]:

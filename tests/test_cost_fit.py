@@ -57,7 +57,9 @@ def test_the_fit_recovers_known_lines_and_their_fields():
         assert m.group_step_ms(2, 1, tokens, 0, 0) == pytest.approx(
             TRUE.group_step_ms(2, 1, tokens, 0, 0), rel=0.05
         )
-    assert all(c.error < 0.1 for c in got.curves), "(an SP step pads its tokens to the width: not quite a line)"
+    assert all(c.error < 0.1 for c in got.curves), (
+        "(an SP step pads its tokens to the width: not quite a line)"
+    )
 
 
 def test_a_bucket_of_outliers_is_left_out_of_the_line():
