@@ -24,6 +24,7 @@ class FakeReq:
     shared: int = 0  # tokens of its KV that sit in the prefix tree
     movable: bool = True
     finished_reason: str | None = None
+    to_finish: str | None = None  # an end set outside the output stream (SGLang's abort)
     row: int = -1
     need: int = 0  # KV tokens it may come to hold (prompt and max_new_tokens)
 
@@ -209,10 +210,12 @@ class FakeEngine:
     def progress(self, req: FakeReq) -> tuple[int, int]:
         return len(req.output_ids), 0
 
-    def emitted_since(self, req: FakeReq, sent: tuple[int, int]) -> Emitted:
+    def emitted_since(self, req: FakeReq, sent: tuple[int, int], ending: bool = False) -> Emitted:
         em = Emitted(rid=req.rid, output_ids=req.output_ids[sent[0] :])
         if req.finished():
             em.finished_reason = req.finished_reason
+        elif ending:
+            em.finished_reason = req.to_finish
         return em
 
     def apply_emitted(self, req: FakeReq, em: Emitted) -> None:
@@ -250,11 +253,11 @@ class FakeEngine:
     def stream(self, reqs: list[FakeReq]) -> None:
         self.streamed += [r.rid for r in reqs]
 
-    def apply_output_filter(self, divert: Callable[[Any], bool]) -> None:
-        self.divert = divert
+    def apply_output_filter(self, divert: Callable[[Any], bool], end: Callable[[Any], bool]) -> None:
+        self.divert, self.end = divert, end
 
     def remove_output_filter(self) -> None:
-        self.divert = None
+        self.divert = self.end = None
 
     def end_group_lost(self, reqs: list[FakeReq]) -> None:
         for r in reqs:

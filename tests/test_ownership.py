@@ -53,3 +53,19 @@ def test_forgetting_copies_empties_the_outbox():
     o.divert(copy)
     o.forget_copies()
     assert not o.has_copies and not o.has_outbox
+
+
+def test_a_copy_the_leader_aborts_outside_its_output_stream_ends_on_its_owner():
+    """SGLang aborts the last request a full pool cannot decode through ``send_abort_output``, not the output
+    stream: for a copy, the end goes to its owner (whose client would otherwise wait forever)."""
+    engine = FakeEngine()
+    leader, follower = Ownership(engine), Ownership(FakeEngine())
+    copy, own = FakeReq("r1", output_ids=[5]), FakeReq("r2")
+    leader.add_copy(copy, owner=1)
+    assert not leader.end(own), "the leader's own request: SGLang tells its client itself"
+    copy.to_finish = "abort: out of memory"
+    assert leader.end(copy) and not leader.has_copies
+    mine = FakeReq("r1", output_ids=[5])
+    follower.hold([mine])
+    follower.deliver(leader.take_outbox())
+    assert mine.finished_reason == "abort: out of memory" and follower.owned() == {}

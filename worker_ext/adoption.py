@@ -138,7 +138,7 @@ class Adoption:
                     waiting.append(req)
         engine.queue_back(waiting)
         engine.merge_decoding(copies)
-        engine.apply_output_filter(self.ownership.divert)
+        engine.apply_output_filter(self.ownership.divert, self.ownership.end)
 
     def _follower_adopts(self, held: list[Held], running: list[Req], waiting: list[Req], slots: dict) -> None:
         engine = self.engine

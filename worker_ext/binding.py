@@ -361,7 +361,7 @@ class Binding:
         try:
             self._handshake(e)
             if e.leader:  # output of members' requests goes to them (adopted or new while bound)
-                self.engine.apply_output_filter(self.ownership.divert)
+                self.engine.apply_output_filter(self.ownership.divert, self.ownership.end)
                 self.engine.idle_poll(POLL_S)  # idle, it still reads its members' posts and keeps them alive
             if cmd.adopt:
                 self._adopt(e, work)

@@ -41,12 +41,15 @@ class SubSlotAllocator:
         self.reserve = 0  # virtual slots kept out of available_size() (see keep_back)
 
     def available_size(self) -> int:
-        return max(0, self.base.available_size() * self.width + len(self.free_virtual) - self.reserve)
+        """Free virtual slots less the reserve: negative while the reserve exceeds them, so that SGLang's
+        eviction, which asks the tree for ``need - available_size()``, frees what the reserve covers too (at zero
+        it would evict one step's worth and still find no room)."""
+        return self.base.available_size() * self.width + len(self.free_virtual) - self.reserve
 
     def keep_back(self, n: int) -> None:
         """Report ``n`` virtual slots fewer than are free: a group's leader keeps back the room its tightest
-        member lacks, so that SGLang's own checks (admission, retraction) plan no step a member cannot carve
-        slots for. Allocation itself is not limited."""
+        member lacks (free and evictable), so that SGLang's own checks (admission, retraction) plan no step a
+        member cannot carve slots for. Allocation itself is not limited."""
         self.reserve = max(0, n)
 
     def alloc(self, n: int) -> torch.Tensor | None:

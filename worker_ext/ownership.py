@@ -51,6 +51,15 @@ class Ownership:
             del self._owners[req.rid], self._sent[req.rid]
         return True
 
+    def end(self, req: Req) -> bool:
+        """Leader's abort filter: the scheduler ends a copied request outside its output stream (SGLang aborts
+        the last request a full KV pool cannot decode, say): its owner gets the end and tells its client."""
+        if req.rid not in self._owners:
+            return False
+        self._outbox.append(self.engine.emitted_since(req, self._sent.pop(req.rid), ending=True))
+        del self._owners[req.rid]
+        return True
+
     def send(self, em: Emitted) -> None:
         """Leader: ``em`` goes to its owner with the next message (an end the output path does not see)."""
         self._outbox.append(em)

@@ -157,6 +157,33 @@ def test_sampling_parameters_travel_with_adopted_requests(cluster):
         assert got[i]["meta_info"]["num_retractions"] == 0
 
 
+def test_an_adoption_into_a_leader_whose_prefix_tree_fills_its_pool_continues(cluster):
+    """The leader's pool is nearly all cached prompts (evictable) and it keeps back the room its follower lacks:
+    the adopted request decodes to its end, the leader evicting what it needs (it was aborted for want of KV, and
+    its client, on the follower, was never told)."""
+    urls, n = [worker_url(cluster, i) for i in (0, 1)], 200
+    for i in (0, 1):
+        for k in range(4):  # 4 x 900 of the engines' 4,096 tokens
+            generate(urls[i], [(13 * j + 7 * k + 3 * i) % 900 + 5 for j in range(900)], 1)
+    prompt = [(17 * j + 1) % 900 + 5 for j in range(900)]
+    t0 = time.monotonic()
+    ref = generate(urls[1], prompt, n)
+    wait = (time.monotonic() - t0) * 0.3
+    run = Running([(urls[1], prompt)], n)
+    time.sleep(wait)
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1), adopt=True)
+    wait_mode(cluster, (0, 1), "tp", epoch=epoch)
+    assert all(run.alive()), "the request finished before the bind: make it longer"
+    for t in run.threads:
+        t.join(120)
+    assert not any(run.alive()), "the adopted request hung"
+    (got,) = run.join()
+    control.release(r, cluster.keys, (0, 1), epoch)
+    wait_mode(cluster, (0, 1), "dp")
+    assert got["output_ids"] == ref["output_ids"] and got["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_adopt_scatter_cycles_leave_no_kv_behind(cluster):
     """Repeated adopt/scatter under load: every request completes, SGLang's idle pool checks hold afterwards (a
     leaked slot stops the engine), all KV is free again and the parameters did not grow."""

@@ -162,7 +162,9 @@ def req_from_state(scheduler: Any, st: ReqState) -> Any:
     return req
 
 
-def emitted_since(req: Any, sent: int, sent_logprobs: int) -> Emitted:
+def emitted_since(req: Any, sent: int, sent_logprobs: int, ending: bool = False) -> Emitted:
+    """What ``req`` produced since ``sent`` output ids and ``sent_logprobs`` log-probs; ``ending``: the
+    scheduler ends it outside the output stream (an abort), its ``to_finish`` is the finish reason."""
     lp = req.logprob
     out = Emitted(
         rid=req.rid,
@@ -173,6 +175,8 @@ def emitted_since(req: Any, sent: int, sent_logprobs: int) -> Emitted:
         out.input_logprobs = {n: v for n in INPUT_LOGPROB_LISTS if (v := getattr(lp, n, None)) is not None}
     if req.finished():
         out.finished_reason, out.finished_len = req.finished_reason, req.finished_len
+    elif ending and req.to_finish is not None:
+        out.finished_reason = req.to_finish
     return out
 
 
@@ -198,13 +202,16 @@ def stream(scheduler: Any, reqs: list) -> None:
 
 
 _STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _diverts: dict[int, Callable[[Any], bool]] = {}  # id(output streamer) -> divert, while a filter is applied
+_ends: dict[int, Callable[[Any], bool]] = {}  # id(scheduler) -> divert of an abort, while a filter is applied
 
 
 def apply_output_hook() -> None:
     """Wrap ``SchedulerOutputStreamer.stream_output`` (once per process, at plugin load) so that
     :func:`apply_output_filter` can keep requests away from this engine's detokenizer, and the requests it
     streams to their end are tallied in :data:`~worker_ext.sglang_patches.prefix_cache.tally`."""
+    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -223,15 +230,28 @@ def apply_output_hook() -> None:
 
     HookRegistry.register(f"{_STREAMER}.stream_output", around, HookType.AROUND)
 
+    def around_abort(original, scheduler, abort_req, req, *args, **kwargs):
+        end = _ends.get(id(scheduler))
+        if end is not None and req is not None and end(req):
+            return None
+        return original(scheduler, abort_req, req, *args, **kwargs)
 
-def apply_output_filter(scheduler: Any, divert: Callable[[Any], bool]) -> None:
+    require(callable(getattr(Scheduler, "send_abort_output", None)), "Scheduler.send_abort_output missing")
+    HookRegistry.register(f"{_SCHEDULER}.send_abort_output", around_abort, HookType.AROUND)
+
+
+def apply_output_filter(scheduler: Any, divert: Callable[[Any], bool], end: Callable[[Any], bool]) -> None:
     """Requests for which ``divert(req)`` is true are not sent to this engine's detokenizer (another member
-    streams them); ``divert`` sees each of their outputs. Undone by :func:`remove_output_filter`."""
+    streams them); ``divert`` sees each of their outputs, and ``end`` each abort the scheduler sends outside the
+    output stream (a retraction's, say: true when it went to the member). Undone by
+    :func:`remove_output_filter`."""
     _diverts[id(scheduler.output_streamer)] = divert
+    _ends[id(scheduler)] = end
 
 
 def remove_output_filter(scheduler: Any) -> None:
     _diverts.pop(id(scheduler.output_streamer), None)
+    _ends.pop(id(scheduler), None)
 
 
 def merge_decoding(scheduler: Any, reqs: list) -> None:
