@@ -79,6 +79,11 @@ class Breaker(msgspec.Struct, frozen=True):
     def dispatchable(self) -> bool:
         return self.state is BreakerState.CLOSED
 
+    @property
+    def last_change(self) -> float:
+        """When it last counted a failure, opened, closed or was probed (epoch seconds)."""
+        return max(self.window_start, self.until, self.closed_at, self.probe_until)
+
     def probe_due(self, now: float) -> bool:
         """The back-off is over and no probe is in flight (or the one in flight has timed out)."""
         if self.state is BreakerState.OPEN:

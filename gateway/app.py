@@ -87,6 +87,18 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     return body if encoding is None else decoded_body(body, encoding, limit)
 
 
+# media types read as JSON besides application/json and */*+json: a body without one, and curl's ``-d`` default
+LENIENT_TYPES = frozenset({"", "application/x-www-form-urlencoded"})
+
+
+def check_media_type(header: str | None) -> None:
+    """A body declared as anything but JSON (``text/plain``, a form upload) is a 415, not parsed as JSON."""
+    media = (header or "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or media.endswith("+json") or media in LENIENT_TYPES:
+        return
+    raise UnsupportedMediaType(f"request body is {media}; send it as application/json")
+
+
 def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
     """A body sent with ``Content-Encoding`` gzip or deflate, decompressed (at most ``limit`` bytes of it: 413);
     another encoding is a 415."""
@@ -132,6 +144,7 @@ async def answer(request: Request, kind: str, gw: Gateway, seen: dict[str, str])
     t0 = time.monotonic()
     if request.app.state.drain.draining:
         raise Draining("this gateway is shutting down; retry on another one")
+    check_media_type(request.headers.get("content-type"))
     body = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
     if kind == "responses":
         asked = responses.decode(body)

@@ -60,7 +60,7 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_f
         return self.content or ""
 
 
-class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage in every chunk (SGLang, vLLM)
 

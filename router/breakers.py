@@ -19,6 +19,7 @@ from router.engine_view import EngineView
 
 log = logging.getLogger("flying.router")
 PROBE_PATH = "/health"
+FORGET_S = 3600.0  # seconds after which a gone engine's breaker is dropped
 
 
 class RouterBreakers:
@@ -47,6 +48,18 @@ class RouterBreakers:
             elif b.probe_due(now):
                 self._start_probe(v, b)
         return out
+
+    async def drop_stale(self, live: set[int], now: float) -> list[int]:
+        """Forget the breakers of engines that are not live and whose breaker has not changed for
+        :data:`FORGET_S` (engines long gone, or renumbered); returns those engines."""
+        stale = sorted(
+            e
+            for e, b in (await self.breakers.read()).items()
+            if e not in live and now - b.last_change > FORGET_S
+        )
+        for e in stale:
+            await self.breakers.forget(e)
+        return stale
 
     def _start_probe(self, v: EngineView, b: Breaker) -> None:
         task = asyncio.create_task(self.probe(v.engine, v.url), name=f"breaker-probe-{v.engine}")

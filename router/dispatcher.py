@@ -33,7 +33,7 @@ from flying.messages import (
 )
 from flying.queue import RequestQueue, decode_row, orphans, reap_stale_inflight, text
 from flying.workers import live_heartbeat, registered_engines
-from router.breakers import RouterBreakers
+from router.breakers import FORGET_S, RouterBreakers
 from router.config import RouterConfig
 from router.cost_fit import CostFit, Fitter
 from router.decision import Decision, Dispatch, plan
@@ -293,6 +293,8 @@ class Dispatcher:
             if dropped := await reap_stale_inflight(self.queue, e):
                 log.info("engine %d: dropped %d stale inflight entries", e, dropped)
         await self.watch(engines, now)
+        if gone := await self.breakers.drop_stale(self._live, time.time()):
+            log.info("engines %s: breakers dropped (not live for %.0f s)", gone, FORGET_S)
         lost = await orphans(self.queue, engines)
         self._gateways_gone = {gw: self._gateways_gone.get(gw, now) for gw in lost}
         for gw, held in lost.items():

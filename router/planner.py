@@ -28,7 +28,8 @@ MARGIN = 0.05  # a switch must predict a score this much (relative) better than 
 class Demand:
     """What one node must serve: measured arrivals (``rate`` per second, their mean ``prompt`` and ``output``
     tokens, ``high_share`` of them high priority) and the work it holds now (``backlog``: prompt tokens not yet
-    prefilled, queued or on its engines; ``decoding``: running sequences), over ``engines`` engines."""
+    prefilled, queued or on its engines, in ``waiting`` requests; ``decoding``: running sequences), over
+    ``engines`` engines."""
 
     engines: int
     rate: float
@@ -36,6 +37,7 @@ class Demand:
     output: float
     backlog: float = 0.0
     decoding: float = 0.0
+    waiting: float = 0.0  # (0 with a backlog: as many as the mean prompt makes of it)
     high_share: float = 0.0
 
 
@@ -87,7 +89,8 @@ def forecast(
     inflow = d.rate / units * prompt  # prompt tokens arriving per second at one unit
     # prompt tokens to prefill (a request prefills on one unit: a backlog of k requests keeps at most k busy) and
     # decoding sequences
-    x, b = d.backlog / min(units, max(1.0, d.backlog / prompt)), min(d.decoding / units, cap)
+    waiting = d.waiting if d.waiting > 0 else d.backlog / prompt
+    x, b = d.backlog / min(units, max(1.0, waiting)), min(d.decoding / units, cap)
     stall = stall_ms / 1000
     waited = (x + inflow * stall / 2) / prompt * stall  # request-seconds spent waiting for a first token
     x += inflow * stall
@@ -107,9 +110,10 @@ def forecast(
 
     for _ in range(SLICES):
         left = dt
-        if x > 0 and b < cap:  # drain the backlog in full chunks
-            s_full = step_s(chunk, b)
-            net = chunk / s_full - inflow
+        if x > 0 and b < cap:  # drain the backlog in steps of a full chunk (or all of it, if less)
+            p_full = min(chunk, x)
+            s_full = step_s(p_full, b)
+            net = p_full / s_full - inflow
             took = min(dt, x / net) if net > 0 else dt
             x_end = max(0.0, x - net * took)
             waited += (x + x_end) / 2 / prompt * took

@@ -85,6 +85,12 @@ def queued_tokens(s: Snapshot) -> float:
     return head * (s.queued / len(s.waiting)) if s.waiting else 0.0
 
 
+def queued_requests(s: Snapshot) -> float:
+    """How many requests :func:`queued_tokens` counts."""
+    head = sum(1 for r in s.waiting if s.fits_one(r))
+    return head * (s.queued / len(s.waiting)) if s.waiting else 0.0
+
+
 def node_demand(rnd: Round, engines: list[int], queued: float) -> Demand:
     """What a node's ``engines`` must serve: their share of the arrivals and of the ``queued`` prompt tokens, and
     their own work."""
@@ -100,6 +106,7 @@ def node_demand(rnd: Round, engines: list[int], queued: float) -> Demand:
         prompt=prompt,
         output=output,
         backlog=queued * share + waiting * prompt,
+        waiting=queued_requests(rnd.s) * share + waiting,
         decoding=running,
         high_share=min(1.0, st.high_rate / rate) if rate > 1e-6 else 0.0,
     )

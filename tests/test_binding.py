@@ -9,6 +9,7 @@ import pytest
 
 from flying.messages import Bind, Release
 from tests.fakes import FakeEngine, FakeGroup, FakeLayout, FakePool, FakeReq, FakeStore
+from worker_ext import binding
 from worker_ext.binding import Binding
 from worker_ext.member_relay import POLL_S
 from worker_ext.rank_messages import AdoptManifest, Forward, Handshake, Noop, ReleasePlan
@@ -110,6 +111,23 @@ def test_a_member_lost_during_the_bind_handshake_returns_the_engine_to_dp_with_i
     assert [r.rid for r in engine.running_reqs] == ["dp-1"] and engine.running_reqs[0].kv_len == 5
     assert (layout.width, layout.weights_width, engine.width, engine.bypassed) == (1, 1, 1, False)
     assert b.last_epoch == 1  # not entered again
+
+
+def test_a_switch_error_clears_when_a_later_switch_works_or_after_error_keep_s(monkeypatch):
+    b, _, _, _, _ = make()
+    b.pool.store = None  # refused: no barrier without a store
+    b.on_step([Bind(epoch=1, members=(0, 2), preempt="sequential")])
+    assert "refused" in b.status()["switch_error"]
+    b.on_step([Bind(epoch=2, members=(0, 1))])
+    b.on_step([Release(epoch=2)])
+    assert b.status()["mode"] == "dp" and b.status()["switch_error"] == ""
+    b, _, group, _, _ = make(index=1)
+    group.broken = True
+    b.on_step([Bind(epoch=1, members=(0, 1))])
+    assert b.status()["switch_error"]
+    later = binding.time.monotonic() + binding.ERROR_KEEP_S + 1
+    monkeypatch.setattr(binding.time, "monotonic", lambda: later)
+    assert b.status()["switch_error"] == "", "a stale error leaves the heartbeat"
 
 
 def test_a_wrong_handshake_aborts_the_bind():

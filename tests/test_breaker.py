@@ -140,3 +140,15 @@ async def test_the_router_leaves_an_open_engine_out_and_probes_it_when_due(aredi
     assert (await state(b, 1)).state is BreakerState.CLOSED
     assert [e.engine for e in (await d.snapshot()).engines] == [0, 1]
     await d.close()
+
+
+async def test_the_breakers_of_engines_gone_for_forget_s_are_dropped(breakers):
+    from router.breakers import FORGET_S
+
+    for e in (0, 1, 2):
+        for i in range(3):
+            await breakers.failure(e, T0 + i)
+    rb = RouterBreakers(breakers)
+    assert await rb.drop_stale(live={0}, now=T0 + FORGET_S / 2) == [], "changed too recently"
+    assert await rb.drop_stale(live={0}, now=T0 + 2 * FORGET_S) == [1, 2]
+    assert set(await breakers.read()) == {0}, "a live engine's breaker stays, however old"

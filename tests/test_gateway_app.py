@@ -219,3 +219,30 @@ async def test_a_stream_whose_client_left_before_it_started_is_still_cleaned_up(
     )
     await asyncio.wait_for(response(scope, never, fast_send), 5)
     assert dropped == [] and ran == [1], "a stream that ran cleans up itself"
+
+
+def test_a_body_declared_as_something_other_than_json_is_a_415(client, sync_redis, keys):
+    import json
+
+    fake_worker(sync_redis, keys)
+    body = json.dumps(ok_body(max_tokens=4)).encode()
+    for media in ("text/plain", "text/plain; charset=utf-8", "multipart/form-data; boundary=x"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+            resp = client.post(path, content=body, headers={"content-type": media})
+            assert_error(resp, 415, code="unsupported_media_type")
+            assert "application/json" in resp.json()["error"]["message"]
+    assert sync_redis.zcard(keys.queue) == 0, "nothing was queued"
+    # JSON by any of its names, no type, or curl -d's default is read (empty messages: what is wrong)
+    for media in ("application/json", "application/json; charset=utf-8", "application/vnd.api+json", None,
+                  "application/x-www-form-urlencoded"):  # fmt: skip
+        headers = {"content-type": media} if media else {}
+        bad = json.dumps({"model": "tiny-llama", "messages": []}).encode()
+        assert_error(client.post("/v1/chat/completions", content=bad, headers=headers), 400)
+
+
+def test_unknown_stream_options_are_a_400_naming_them(client):
+    resp = client.post(
+        "/v1/chat/completions", json=ok_body(stream=True, stream_options={"include_usage": True, "usage": 1})
+    )
+    assert_error(resp, 400, param="stream_options.usage")
+    assert "stream_options.usage" in resp.json()["error"]["message"]

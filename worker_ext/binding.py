@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from worker_ext.heartbeat import Load
     from worker_ext.layout import Layout
 
+ERROR_KEEP_S = 600.0  # seconds a failed switch's error stays in the heartbeat (one that works clears it)
 log = logging.getLogger("flying.binding")
 BEAT_S = 0.5  # how often a follower re-publishes its heartbeat (step counts, load) while it follows
 
@@ -103,7 +104,7 @@ class Binding:
         self._aborted_aside: list[str] = []
         self._dp_limits: RequestLimits | None = None  # the engine's own limits, while bound
         self.bind_ms = self.release_ms = 0.0
-        self.error = ""
+        self.error, self._error_at = "", 0.0  # why the last switch failed, and when (time.monotonic)
         self.param_bytes = layout.param_bytes()
 
     # --- state reported in heartbeats ---------------------------------------------------------------------
@@ -119,7 +120,7 @@ class Binding:
             "width": e.width if e else 1,
             "bind_ms": round(self.bind_ms, 3),
             "release_ms": round(self.release_ms, 3),
-            "switch_error": self.error,
+            "switch_error": self.error if time.monotonic() - self._error_at < ERROR_KEEP_S else "",
             "comm_groups": len(self.pool.groups),
             "comm_rebuilds": self.pool.rebuilds,
             "pool_ready": self.pool.ready.is_set(),
@@ -305,7 +306,7 @@ class Binding:
             if not e.leader:
                 raise  # a follower's follow() aborts the epoch
             e.fail(exc)
-            self.error = f"epoch {e.epoch} aborted: {_why(exc)}"
+            self.error, self._error_at = f"epoch {e.epoch} aborted: {_why(exc)}", time.monotonic()
             log.error("engine %d: %s", self.index, self.error, exc_info=None if peer_lost(exc) else exc)
         # The group is gone mid-step. Finish this step alone (the scheduler needs its output), with every request
         # of the batch ending in an abort; the next step boundary ends the epoch (see on_step).
@@ -331,7 +332,10 @@ class Binding:
         try:
             group = self.pool.get(tuple(cmd.members))
         except (KeyError, RuntimeError) as exc:
-            self.error = f"bind {cmd.epoch} refused: {without_sources(str(exc))}"
+            self.error, self._error_at = (
+                f"bind {cmd.epoch} refused: {without_sources(str(exc))}",
+                time.monotonic(),
+            )
             log.error(self.error)
             return False
         width, rank = len(cmd.members), cmd.members.index(self.index)
@@ -394,7 +398,10 @@ class Binding:
         """The group failed before anything moved into it: back to DP with the DP work as it was (paused work
         resumed, adoptable work never left), nothing aborted; the group's communicator is reset."""
         e = self.epoch
-        self.error = f"epoch {e.epoch if e else '?'} aborted before it began: {_why(exc)}"
+        self.error, self._error_at = (
+            f"epoch {e.epoch if e else '?'} aborted before it began: {_why(exc)}",
+            time.monotonic(),
+        )
         log.error("engine %d: %s", self.index, self.error)
         if e is not None:
             self.pool.reset(e.group, e.epoch)
@@ -477,6 +484,8 @@ class Binding:
         self.layout.unbind()
         self.engine.restore_prefix_cache()
         self.epoch = None
+        if why.startswith("released"):
+            self.error = ""  # a switch that worked: the last failure is history
         if not resume:
             return  # a width change: the next bind follows at once, no DP state in between to publish
         self._resume_dp()
@@ -498,7 +507,7 @@ class Binding:
     def abort(self, exc: BaseException) -> None:
         """A member died or stalled: end the epoch here, abort this engine's TP requests, back to DP."""
         e = self.epoch
-        self.error = f"epoch {e.epoch if e else '?'} aborted: {_why(exc)}"
+        self.error, self._error_at = f"epoch {e.epoch if e else '?'} aborted: {_why(exc)}", time.monotonic()
         log.error("engine %d: %s", self.index, self.error, exc_info=None if peer_lost(exc) else exc)
         if e is not None:
             self.pool.reset(e.group, e.epoch)
