@@ -276,7 +276,7 @@ class Dispatcher:
         d = decide(snap, policy)
         changed = len(d.binds) + len(d.commands) + len(d.drop)
         assigned = await self.apply(d)
-        self.prober.fire(snap.engines)
+        self.prober.fire(snap.engines, snap.sp_threshold)
         self.metrics.observe(list(snap.groups), d, assigned)
         return assigned + changed
 

@@ -33,6 +33,7 @@ class EngineView:
     pool_ready: bool = True  # its communicator pool is built (a restarted engine's takes a while: no binds)
     running: int = 0  # sequences in its running batch (its heartbeat's; bound: the group's, on the leader)
     waiting: int = 0  # requests not yet prefilled, waiting in its scheduler (likewise)
+    context_len: int = 0  # the longest request it takes, prompt and output (0: not reported)
 
     @property
     def dp_room(self) -> int:
@@ -78,4 +79,5 @@ class EngineView:
             pool_ready=hb.pool_ready,
             running=hb.running,
             waiting=hb.waiting,
+            context_len=hb.context_len,
         )

@@ -23,9 +23,12 @@ log = logging.getLogger("flying.router")
 IDLE_S = 5.0  # seconds a node must have been idle before it is probed
 BUDGET = 2  # probes in a router's life
 TIMEOUT_S = 60.0  # seconds a probe may take, its group's bind included
-# the probe's prompts (tokens) and outputs: long prompts for SP steps, short ones and shrinking decode batches for TP
-PROMPTS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-OUTPUTS = (16, 14, 12, 10, 8, 6, 4, 2)
+# SP steps: prompts of 1, 2, 4 and 8 times the SP threshold (those the context holds), each 3 times, one after another (a prefill step each,
+# timed by the decode steps after it); TP steps: 8 short prompts at once whose decode batch shrinks from 8 to 1
+SP_FACTORS = (1, 2, 4, 8)
+SP_REPEATS = 3
+TP_PROMPT = 32
+TP_OUTPUTS = (16, 14, 12, 10, 8, 6, 4, 2)
 
 
 def unmeasured(fit: CostFit | None, width: int) -> bool:
@@ -34,16 +37,29 @@ def unmeasured(fit: CostFit | None, width: int) -> bool:
     return ("tp", width) not in have or ("sp", width) not in have
 
 
-def payloads(max_context: int) -> list[dict]:
-    """The probe's requests, as SGLang's native ``/generate`` bodies (token ids: no tokenizer needed)."""
-    return [
-        {
-            "input_ids": [1 + (7 * i) % 97 for i in range(n)],
-            "sampling_params": {"max_new_tokens": out, "temperature": 0.0, "ignore_eos": True},
-        }
-        for n, out in zip(PROMPTS, OUTPUTS)
-        if n + out <= max_context
+def body(tokens: int, out: int, seed: int) -> dict:
+    """One probe request, as SGLang's native ``/generate`` body (token ids: no tokenizer needed; distinct per
+    ``seed``, so that no prefix cache shortens it)."""
+    return {
+        "input_ids": [1 + (7 * i + 13 * seed) % 97 for i in range(tokens)],
+        "sampling_params": {"max_new_tokens": out, "temperature": 0.0, "ignore_eos": True},
+    }
+
+
+def payloads(max_context: int, sp_threshold: int) -> tuple[list[dict], list[dict]]:
+    """The probe's requests: those sent one after another (SP steps), and those sent at once (TP steps)."""
+    sp = [
+        body(f * sp_threshold, 4, seed=len(SP_FACTORS) * r + i)
+        for r in range(SP_REPEATS)
+        for i, f in enumerate(SP_FACTORS)
+        if sp_threshold and f * sp_threshold + 4 <= max_context
     ]
+    tp = [
+        body(TP_PROMPT, out, seed=100 + i)
+        for i, out in enumerate(TP_OUTPUTS)
+        if TP_PROMPT + out <= max_context
+    ]
+    return sp, tp
 
 
 class Prober:
@@ -95,27 +111,24 @@ class Prober:
                 return {node: width}
         return {}
 
-    def fire(self, engines: Sequence[EngineView]) -> None:
+    def fire(self, engines: Sequence[EngineView], sp_threshold: int) -> None:
         """Once the probed node's load group of the probe's width is bound, send its leader the prompts."""
         if self.node is None or self._task is not None:
             return
         for e in engines:
-            if (
-                e.node_key == self.node
-                and e.mode == "tp"
-                and len(e.group) == self.width
-                and e.group[0] == e.engine
-            ):
-                self._task = asyncio.create_task(
-                    self._send(e.url, payloads(e.max_total_tokens // self.width))
-                )
+            leads = e.mode == "tp" and len(e.group) == self.width and e.group[0] == e.engine
+            if e.node_key == self.node and leads:
+                bodies = payloads(min(e.max_total_tokens, e.context_len or e.max_total_tokens), sp_threshold)
+                self._task = asyncio.create_task(self._send(e.url, *bodies))
                 return
 
-    async def _send(self, url: str, bodies: list[dict]) -> None:
+    async def _send(self, url: str, one_by_one: list[dict], at_once: list[dict]) -> None:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=TIMEOUT_S)
         try:
-            await asyncio.gather(*(self._http.post(f"{url}/generate", json=b) for b in bodies))
+            for b in one_by_one:
+                await self._http.post(f"{url}/generate", json=b)
+            await asyncio.gather(*(self._http.post(f"{url}/generate", json=b) for b in at_once))
         except httpx.HTTPError as exc:
             log.warning("probe of node %s: %s", self.node, exc)
 

@@ -15,7 +15,7 @@ from flying.messages import Group
 from router.config import PolicyConfig
 from router.cost_fit import CostFit, Curve
 from router.engine_view import EngineView
-from router.probe import BUDGET, IDLE_S, PROMPTS, Prober, payloads, unmeasured
+from router.probe import BUDGET, IDLE_S, SP_FACTORS, SP_REPEATS, TP_OUTPUTS, Prober, payloads, unmeasured
 from router.regime import update
 from router.round import Round
 from router.snapshot import Snapshot
@@ -92,9 +92,15 @@ def test_the_planner_takes_the_probes_width_for_the_probed_node():
     assert rnd.out.state.widths == {"0": 1}, "never beyond what the operator allows"
 
 
-def test_the_probes_prompts_fit_the_engines_context():
-    assert [len(b["input_ids"]) for b in payloads(100_000)] == list(PROMPTS)
-    assert max(len(b["input_ids"]) + b["sampling_params"]["max_new_tokens"] for b in payloads(1000)) <= 1000
+def test_the_probes_prompts_span_the_sp_threshold_and_fit_the_engines_context():
+    sp, tp = payloads(100_000, 512)
+    assert sorted(len(b["input_ids"]) for b in sp) == sorted([512 * f for f in SP_FACTORS] * SP_REPEATS)
+    assert len({tuple(b["input_ids"]) for b in sp}) == len(sp), "distinct: no prefix cache shortens one"
+    assert [b["sampling_params"]["max_new_tokens"] for b in tp] == list(TP_OUTPUTS)
+    assert all(len(b["input_ids"]) < 512 for b in tp), "below the threshold: TP steps"
+    sp, tp = payloads(1000, 512)
+    assert max(len(b["input_ids"]) + b["sampling_params"]["max_new_tokens"] for b in sp + tp) <= 1000
+    assert payloads(1000, 0)[0] == [], "SP off: no SP prompts"
 
 
 async def test_once_the_group_is_bound_its_leader_gets_the_prompts_and_the_probe_ends_answered():
@@ -114,18 +120,20 @@ async def test_once_the_group_is_bound_its_leader_gets_the_prompts_and_the_probe
     try:
         p.widths(snap(100.0), None, 8, True)
         assert p.widths(snap(100.0 + IDLE_S), None, 8, True) == {"0": 2}
-        p.fire(views())  # not bound yet: nothing sent
+        p.fire(views(), 512)  # not bound yet: nothing sent
         await asyncio.sleep(0.05)
         assert got == []
         bound = [EngineView(e, f"http://127.0.0.1:{port}", 0, 20_000, 20_000, num_engines=2, mode="tp",
                             group=(0, 1)) for e in (0, 1)]  # fmt: skip
-        p.fire(bound)
+        p.fire(bound, 512)
         for _ in range(200):
-            if len(got) == len(payloads(10_000)):
+            if len(got) == sum(map(len, payloads(20_000, 512))):
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)
-        assert sorted(got) == [len(b["input_ids"]) for b in payloads(10_000)]
+        sp, tp = payloads(20_000, 512)
+        assert got[: len(sp)] == [len(b["input_ids"]) for b in sp], "the SP prompts one by one, in order"
+        assert sorted(got[len(sp) :]) == sorted(len(b["input_ids"]) for b in tp)
         assert p.widths(snap(102.0 + IDLE_S, es=bound), None, 8, True) == {}, "answered: the probe ends"
         assert p.node is None
     finally:
