@@ -23,8 +23,9 @@ log = logging.getLogger("flying.router")
 IDLE_S = 5.0  # seconds a node must have been idle before it is probed
 BUDGET = 2  # probes in a router's life
 TIMEOUT_S = 60.0  # seconds a probe may take, its group's bind included
-# SP steps: prompts of 1, 2, 4 and 8 times the SP threshold (those the context holds), each 3 times, one after another (a prefill step each,
-# timed by the decode steps after it); TP steps: 8 short prompts at once whose decode batch shrinks from 8 to 1
+# SP steps: prompts of 1, 2, 4 and 8 times the SP threshold (those the context holds), each 3 times, one after
+# another (a prefill step each, timed by the decode steps after it); TP steps: 8 short prompts at once whose decode
+# batch shrinks from 8 to 1
 SP_FACTORS = (1, 2, 4, 8)
 SP_REPEATS = 3
 TP_PROMPT = 32
