@@ -167,7 +167,7 @@ def test_the_processes_args_parse_with_their_real_parsers_and_read_the_shared_co
 def worker_env(objs: list[Obj], ordinal: int, bin_dir: Path) -> dict[str, str]:
     c = container(objs, "StatefulSet", "worker")
     return {**env_of(objs, c), "POD_NAME": f"worker-{ordinal}", "POD_IP": "10.1.2.3",
-            "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
+            "NODE_NAME": f"gpu-node-{ordinal}", "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
 
 
 def started_engines(objs: list[Obj], ordinal: int, tmp_path: Path) -> list[list[str]]:
@@ -211,13 +211,15 @@ def test_each_worker_pod_starts_one_engine_per_gpu_with_cluster_wide_indices(ove
     sts = one(objs, "StatefulSet", "worker")
     c = container(objs, "StatefulSet", "worker")
     env = env_of(objs, c)
-    gpus, nodes = int(env["GPUS_PER_NODE"]), int(env["NODES"])
-    assert nodes == sts["spec"]["replicas"], "NODES is the worker replicas"
+    gpus, nodes = int(env["GPUS_PER_NODE"]), sts["spec"]["replicas"]
+    assert {"fieldRef": {"fieldPath": "spec.nodeName"}} == next(
+        e["valueFrom"] for e in c["env"] if e["name"] == "NODE_NAME"
+    ), "the engines announce the node the pod runs on"
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == gpus
     assert pod_spec(sts)["nodeSelector"] and pod_spec(sts)["affinity"]["podAntiAffinity"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert len(ports) == gpus and set(ports.values()) == {int(env["ENGINE_PORT"]) + i for i in range(gpus)}
-    engines = set()
+    engines, pools = set(), {}
     for ordinal in range(nodes):
         runs = started_engines(objs, ordinal, tmp_path)
         assert [int(r[0]) for r in runs] == list(range(gpus)), "one GPU each"
@@ -225,11 +227,17 @@ def test_each_worker_pod_starts_one_engine_per_gpu_with_cluster_wide_indices(ove
             monkeypatch.setenv(name, value)
         for run in runs:
             a = worker_parser().parse_args(run[1:])
-            assert a.num_engines == nodes * gpus and a.host == "10.1.2.3" and a.port in ports.values()
+            assert a.host == "10.1.2.3" and a.port in ports.values()
             assert a.redis_url == env[settings.REDIS_URL] and a.device == "cuda" and a.enable_metrics
-            assert (a.comm_port is not None) == bool(env["COMM_PORT"]), "binds exactly where a pool is set"
+            assert a.comm_port is not None and a.comm_host == "127.0.0.1", "binds, rendezvous inside the pod"
+            # the pod's engines are one pool of their own, on the pod's node
+            assert (a.node, a.first_engine, a.num_engines) == (f"gpu-node-{ordinal}", ordinal * gpus, gpus)
+            assert a.first_engine <= a.engine < a.first_engine + a.num_engines
+            assert a.engine not in engines, "every engine index once across the pods"
             engines.add(a.engine)
-    assert engines == set(range(nodes * gpus)), "every engine index once across the pods"
+            pools.setdefault((a.node, a.first_engine, a.num_engines), set()).add(a.engine)
+    assert engines == set(range(nodes * gpus))
+    assert len(pools) == nodes and all(len(p) == gpus for p in pools.values()), "a pool per pod, none across"
     grace = int(env["DRAIN_GRACE_S"])
     assert pod_spec(sts)["terminationGracePeriodSeconds"] > grace, "the engines' drain ends before SIGKILL"
 

@@ -1,7 +1,8 @@
 #!/bin/bash
 # One flying-worker per GPU of this node, each on its own GPU and port. The pod worker-K holds engines
-# K*GPUS_PER_NODE .. K*GPUS_PER_NODE+GPUS_PER_NODE-1 of NODES*GPUS_PER_NODE. With COMM_PORT set the engines build
-# their communicator pool (NCCL over NVLink) with engine 0's rendezvous at COMM_HOST.
+# K*GPUS_PER_NODE .. K*GPUS_PER_NODE+GPUS_PER_NODE-1 (indices are cluster-wide) and announces its node
+# (NODE_NAME). The pod's engines are one pool of their own: with COMM_PORT set they build its communicators (NCCL
+# over NVLink) with the rendezvous on the pod's first engine at COMM_HOST, and groups bind inside the node only.
 #   worker.sh          start the engines; SIGTERM drains every engine (each leaves the live set, lets its
 #                      assigned requests finish), and the pod ends once all have stopped
 #   worker.sh probe    exit 0 if every engine's SGLang server answers /health
@@ -23,8 +24,8 @@ trap stop TERM INT  # before the first engine starts: a SIGTERM at any time drai
 for (( i = 0; i < gpus; i++ )); do
   comm=()
   if [ -n "${COMM_PORT:-}" ]; then comm=(--comm-port "${COMM_PORT}" --comm-host "${COMM_HOST}"); fi
-  CUDA_VISIBLE_DEVICES="${i}" flying-worker --engine "$(( first + i ))" --num-engines "$(( NODES * gpus ))" \
-    --model-path "${MODEL_PATH}" --served-model-name "${MODEL_NAME}" --host "${POD_IP}" \
+  CUDA_VISIBLE_DEVICES="${i}" flying-worker --engine "$(( first + i ))" --num-engines "${gpus}" \
+    --first-engine "${first}" --node "${NODE_NAME:-${POD_NAME}}" --model-path "${MODEL_PATH}" --served-model-name "${MODEL_NAME}" --host "${POD_IP}" \
     --port "$(( ENGINE_PORT + i ))" --device cuda --dtype bfloat16 --enable-metrics \
     --drain-grace-s "${DRAIN_GRACE_S}" --log-format json "${comm[@]}" &
   pids+=("$!")
