@@ -110,14 +110,15 @@ def forecast(
 
     for _ in range(SLICES):
         left = dt
-        if x > 0 and b < cap:  # drain the backlog in steps of a full chunk (or all of it, if less)
-            p_full = min(chunk, x)
-            s_full = step_s(p_full, b)
-            net = p_full / s_full - inflow
+        if x > 0 and b < cap:  # drain the backlog at the rate of full chunks
+            s_full = step_s(chunk, b)
+            net = chunk / s_full - inflow
             took = min(dt, x / net) if net > 0 else dt
             x_end = max(0.0, x - net * took)
             waited += (x + x_end) / 2 / prompt * took
-            run(took, s_full, x + inflow * took - x_end)
+            # the decoding sequences see steps of what the backlog holds, at most a chunk (a lone long prompt:
+            # one step of its length, not a full chunk's)
+            run(took, step_s(min(chunk, x + inflow * s_full), b), x + inflow * took - x_end)
             x, left = x_end, dt - took
         if left <= 0:
             continue
