@@ -98,6 +98,13 @@ class Keys:
         written by gateways (failures) and the router (probes)."""
         return f"{self.prefix}:breakers"
 
+    @property
+    def suspects(self) -> str:
+        """SET of request ids an engine died holding (``suspect`` in their records): the router sends each to an
+        engine holding no other, so a request that kills a second engine is known (gateway: 500
+        ``request_crashed_engines``); the router drops ids whose request ended."""
+        return f"{self.prefix}:suspects"
+
     def tenant_inflight(self, name: str) -> str:
         """HASH gateway id -> one tenant's requests in progress on that gateway: its max_concurrent, held across
         gateways (a gateway whose liveness key is gone no longer counts)."""

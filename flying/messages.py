@@ -27,6 +27,7 @@ class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
     seq: int = 0
     attempts: int = 0
     failed_on: int = -1  # the engine it was last dispatched to that failed before answering (-1: none)
+    suspect: int = 0  # engines that died holding it (flying:suspects): one more and it is not tried again
     n: int = 1  # choices (SGLang runs them as n requests sharing the prompt: rids ``{id}_{i}``)
     prefix: str = ""  # the prompt's block-hash chain (flying.prefix.encode_chain; "": shorter than one block)
     keyed: bool = False  # the chain starts with the hash of the client's cache key (prompt_cache_key)

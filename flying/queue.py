@@ -203,6 +203,8 @@ _FINISH = """
 -- woken only while requests wait (with none, a free slot changes nothing it would do before its next poll; a
 -- wake per finished request would cost it a round per request at high rates).
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local was = redis.call('HGET', KEYS[2], 'state')
+if was == 'done' or was == 'failed' or was == 'cancelled' then return 0 end  -- ended before (and counted)
 redis.call('ZREM', KEYS[1], ARGV[1])
 local engine = redis.call('HGET', KEYS[2], 'engine')
 if engine then redis.call('SREM', ARGV[6] .. engine, ARGV[1]) end
@@ -425,6 +427,15 @@ class RequestQueue:
             args=[req.id, PRIORITY_CLASS[req.priority], reason, engine, mode],
         )
         return bool(done)
+
+    async def mark_suspect(self, rid: str) -> int:
+        """An engine died holding ``rid``: count it in the record's ``suspect`` and list the id in
+        ``flying:suspects``; returns the count."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hincrby(self.keys.request(rid), "suspect", 1)
+        pipe.sadd(self.keys.suspects, rid)
+        n, _ = await pipe.execute()
+        return int(n)
 
     async def finish(self, rid: str, state: str, error: str = "") -> bool:
         """Mark a request done/failed/cancelled, drop it from the queue and from the inflight set of the engine its

@@ -133,6 +133,14 @@ class QueueUnavailable(APIError):
     retry_after_s = 2
 
 
+class PoisonRequest(APIError):
+    """The request was running on two engines that died: it is not tried on a third."""
+
+    status = 500
+    type = "server_error"
+    code = "request_crashed_engines"
+
+
 class WorkerFailed(APIError):
     status = 502
     type = "server_error"

@@ -45,6 +45,10 @@ class GatewayMetrics:
             "flying_gateway_redispatched", "Requests sent back to the queue because their engine failed or gave "
             "up: before its first event (re-dispatched) or mid-stream (resumed elsewhere)", ["cause"], registry=r,
         )  # fmt: skip
+        self.poison = Counter(
+            "flying_poison_requests", "Requests ended because two engines died while running them (a 500 "
+            "request_crashed_engines), not tried on a third", registry=r,
+        )  # fmt: skip
         self.early = Counter(
             "flying_gateway_early_dispatch", "Requests sent to their engine while their admission ran (sent), and "
             "those the admission declined or refused, taken back from the engine (declined)", ["outcome"], registry=r,

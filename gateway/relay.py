@@ -24,7 +24,7 @@ from gateway import engine_fields
 from gateway.admission import Admitted
 from gateway.background import Background
 from gateway.disconnect import CancelOnDisconnect, ClientGone
-from gateway.errors import APIError, WorkerFailed
+from gateway.errors import APIError, PoisonRequest, WorkerFailed
 from gateway.upstream import StreamBroken, StreamResponse, Upstream, WorkerUnavailable
 from gateway.waiting import WaitingRoom
 
@@ -96,8 +96,10 @@ class Relay:
                         if line.startswith("data:"):
                             return batch[i:]
             except Exception as exc:  # noqa: BLE001 - any upstream failure before the first event: try another
-                raise WorkerUnavailable(f"engine {a.engine} failed before its first event: {exc!r}") from exc
-            raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event")
+                raise WorkerUnavailable(
+                    f"engine {a.engine} failed before its first event: {exc!r}", died=True
+                ) from exc
+            raise WorkerUnavailable(f"engine {a.engine} closed the stream before its first event", died=True)
 
         try:
             first = await self._unless_gone(adm, a, read(), disconnected)
@@ -167,7 +169,10 @@ class Relay:
                     a, resp, batch = await self._resume(adm, a, exc)
         except Exception as exc:  # noqa: BLE001 - any upstream failure that cannot be resumed: an error event
             state, error = "failed", mid_stream_error(a, exc)
-            yield sse_error(exc if isinstance(exc, WorkerFailed) else WorkerFailed(error)) + DONE
+            yield (
+                sse_error(exc if isinstance(exc, (WorkerFailed, PoisonRequest)) else WorkerFailed(error))
+                + DONE
+            )
         finally:  # started first: an await here may be cancelled again (the client left)
             if state == "cancelled":
                 self.background.spawn(self._abandon(adm, a, error))
@@ -185,9 +190,9 @@ class Relay:
         try:
             batch = await resp.batch()
         except (httpx.HTTPError, StreamBroken) as exc:
-            raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}") from exc
+            raise WorkerUnavailable(f"engine {a.engine} failed mid-stream: {exc!r}", died=True) from exc
         if batch is None:
-            raise WorkerUnavailable(f"engine {a.engine} closed the stream early")
+            raise WorkerUnavailable(f"engine {a.engine} closed the stream early", died=True)
         return batch
 
     def _convert(
@@ -232,7 +237,13 @@ class Relay:
         log.warning("request %s: %s; resuming after %d tokens", adm.record.id, exc, len(adm.resume.generated),
                     extra={"request_id": adm.record.id})  # fmt: skip
         fut = await self.waiting.retry_or_fail(
-            adm, a, str(exc), cause="mid_stream", engine_fault=exc.engine_fault, counted=exc.counted
+            adm,
+            a,
+            str(exc),
+            cause="mid_stream",
+            engine_fault=exc.engine_fault,
+            counted=exc.counted,
+            died=exc.died,
         )
         never = asyncio.get_running_loop().create_future()  # a client that leaves cancels this generator
         a = await self.waiting.wait_assignment(adm, fut, never)

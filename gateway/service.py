@@ -221,7 +221,7 @@ class Gateway:
                     events = await relay.first_event(adm, a, resp, disconnected)
             except WorkerUnavailable as exc:
                 fut = await waiting.retry_or_fail(
-                    adm, a, str(exc), engine_fault=exc.engine_fault, counted=exc.counted
+                    adm, a, str(exc), engine_fault=exc.engine_fault, counted=exc.counted, died=exc.died
                 )
                 continue
             if resp.status_code != 200:

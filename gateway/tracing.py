@@ -207,12 +207,16 @@ class Tracing:
 
     def _requeued(self, retry_or_fail: Callable) -> Callable:
         @functools.wraps(retry_or_fail)
-        async def traced(adm, a, why, cause="before_first_event", engine_fault=True, counted=True):
+        async def traced(
+            adm, a, why, cause="before_first_event", engine_fault=True, counted=True, died=False
+        ):
             flight = self._flights.get(adm.record.id)
             if flight is not None:
                 self._end_relay(flight, "failed", f"re-dispatched: {why}")
                 flight.since_ns, flight.attempt = time.time_ns(), flight.attempt + 1
-            return await retry_or_fail(adm, a, why, cause, engine_fault=engine_fault, counted=counted)
+            return await retry_or_fail(
+                adm, a, why, cause, engine_fault=engine_fault, counted=counted, died=died
+            )
 
         return traced
 

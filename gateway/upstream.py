@@ -37,11 +37,14 @@ class WorkerUnavailable(Exception):
     """The assigned engine could not be reached or died before answering; ``engine_fault`` False: it is fine, but
     could not serve the request (its TP group lost a member), so its circuit breaker does not count it;
     ``counted`` False: nothing failed (its group was parked before its first token), so the request's re-dispatch
-    does not count toward its ``max_attempts``."""
+    does not count toward its ``max_attempts``; ``died``: the engine had the request and its connection broke
+    (the request is suspect: gateway.waiting)."""
 
-    def __init__(self, message: str, engine_fault: bool = True, counted: bool = True) -> None:
+    def __init__(
+        self, message: str, engine_fault: bool = True, counted: bool = True, died: bool = False
+    ) -> None:
         super().__init__(message)
-        self.engine_fault, self.counted = engine_fault, counted
+        self.engine_fault, self.counted, self.died = engine_fault, counted, died
 
 
 def unreachable(exc: BaseException) -> str:
@@ -336,15 +339,18 @@ class Upstream:
         idle = self._idle.get(key) or []
         while idle and idle[-1].closed:
             idle.pop()
+        broke = False  # a kept-alive connection took the request and broke: stale, or the engine died
         for reused in (True, False):
             conn = idle.pop() if reused and idle else None
             if conn is None and reused:
                 continue
+            written = False
             try:
                 if conn is None:
                     conn = await self._connect(key)
                 assert conn.transport is not None
                 conn.transport.write(head + payload)
+                written = True
                 while not conn.headers_done:
                     if conn.error is not None or conn.closed:
                         raise ConnectionResetError(f"closed before answering ({conn.error})")
@@ -353,8 +359,14 @@ class Upstream:
             except (TimeoutError, OSError) as exc:
                 if conn is not None:
                     conn.close()
+                broke = broke or (written and not isinstance(exc, TimeoutError))
                 if not reused:
-                    raise WorkerUnavailable(unreachable(exc)) from exc
+                    # the engine died holding it: sent, and the connection broke; or the kept-alive one broke
+                    # and the engine now refuses connections
+                    died = (written and not isinstance(exc, TimeoutError)) or (
+                        broke and isinstance(exc, ConnectionRefusedError)
+                    )
+                    raise WorkerUnavailable(unreachable(exc), died=died) from exc
             except BaseException:  # cancelled (its client left): a connection mid-request cannot be reused
                 if conn is not None:
                     conn.close()
@@ -371,7 +383,7 @@ class Upstream:
         try:
             await resp.aread()
         except StreamBroken as exc:
-            raise WorkerUnavailable(str(exc)) from exc
+            raise WorkerUnavailable(str(exc), died=True) from exc
         except BaseException:  # cancelled (its client left) with the answer half read: not reusable
             await resp.aclose()
             raise

@@ -30,10 +30,11 @@ from gateway.background import Background
 from gateway.backpressure import Backpressure, Limits
 from gateway.config import GatewayConfig
 from gateway.disconnect import ClientGone
-from gateway.errors import QueueFullError, QueueTimeout, WorkerFailed
+from gateway.errors import PoisonRequest, QueueFullError, QueueTimeout, WorkerFailed
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant
 
+POISON_DEATHS = 2  # engines that may die holding one request: the second's death ends it
 log = logging.getLogger("flying.gateway")
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
 FINISH_RETRY_S = 300.0  # how long a request's end is retried while Redis is away
@@ -181,13 +182,17 @@ class WaitingRoom:
         cause: str = "before_first_event",
         engine_fault: bool = True,
         counted: bool = True,
+        died: bool = False,
     ) -> asyncio.Future[Assignment]:
         """The engine died before answering: put the request back in the queue (bounded) or fail it.
         ``engine_fault`` False: the engine is fine (its TP group lost a member), so its breaker does not count it.
         ``counted`` False: nothing failed (its group was parked before its first token): it goes back to the queue
-        whatever its attempts, and this re-dispatch does not count toward ``max_attempts``."""
+        whatever its attempts, and this re-dispatch does not count toward ``max_attempts``. ``died``: the engine
+        died holding it; the second engine that does so ends it (:class:`PoisonRequest`), not a third."""
         if engine_fault:
             self.engine_failed(a.engine, why)
+        if died and engine_fault and counted:
+            await self.suspect(adm, a, why)
         rec = await self.queue.get(adm.record.id)
         attempts = int(rec.get("attempts", 0)) + 1  # (every re-dispatch: its SGLang rid's suffix)
         used = attempts - int(rec.get("parked_attempts", 0))
@@ -210,6 +215,21 @@ class WaitingRoom:
         self.waiter.mark_admitted(adm.record.id)
         self.holding[adm.record.id] = adm.record
         return fut
+
+    async def suspect(self, adm: Admitted, a: Assignment, why: str) -> None:
+        """Count the death of the engine that held ``adm``; at the :data:`POISON_DEATHS`-th it is not tried again:
+        ended in Redis, logged, counted and answered with a 500 (the router gave it an engine holding no other
+        suspect request, so it is the likely cause)."""
+        rid = adm.record.id
+        if await self.queue.mark_suspect(rid) < POISON_DEATHS:
+            return
+        error = f"engines died twice while running this request (the last: engine {a.engine}, {why})"
+        await self.queue.finish(rid, "failed", error)
+        self.metrics.poison.inc()
+        log.error("request %s: %s; not tried again", rid, error, extra={"request_id": rid})
+        raise PoisonRequest(
+            f"engine {a.engine} died running this request, as another engine had before: it is not tried on a third"
+        )
 
     def redispatch_delay_s(self, attempt: int) -> float:
         """The jittered back-off before the ``attempt``-th re-dispatch (1: the first): a random 50-100 % of

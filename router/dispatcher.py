@@ -125,7 +125,8 @@ class Dispatcher:
         pipe.hmget(k.stats, ["admitted", "admitted_prompt_tokens", "admitted_output_tokens", "admitted_high"])
         pipe.get(k.router_state)
         pipe.hgetall(k.breakers)
-        ids, queued, registered, group_rows, counters, raw_state, breakers = await pipe.execute()
+        pipe.smembers(k.suspects)
+        ids, queued, registered, group_rows, counters, raw_state, breakers, suspects = await pipe.execute()
         admitted, prompt_tokens, output_tokens, high = (int(x or 0) for x in counters)
         ids, engines = [text(x) for x in ids], sorted(int(x) for x in registered)
         groups = control.decode_groups(group_rows)
@@ -140,7 +141,13 @@ class Dispatcher:
         for g in counted:
             for m in g.members:
                 pipe.smembers(k.inflight(m))
+        suspects = sorted(text(x) for x in suspects)
+        for rid in suspects:
+            pipe.hmget(k.request(rid), ["state", "engine"])
         rows = await pipe.execute()
+        rows, where = (
+            (rows[: len(rows) - len(suspects)], rows[len(rows) - len(suspects) :]) if suspects else (rows, [])
+        )
         requests, rows = rows[: len(ids)], rows[len(ids) :]
         waiting = [from_hash(decode_row(row), QueuedRequest) for row in requests if row]
         beats, counts = [], {}
@@ -178,7 +185,22 @@ class Dispatcher:
             sp_threshold=sp_threshold(self.config.policy.sp_threshold, beats),
             prefixes=self.prefixes,
             held=parked,
+            suspect_holders=await self._suspect_holders(suspects, where),
         )
+
+    async def _suspect_holders(self, suspects: list[str], where: list[list]) -> frozenset[int]:
+        """The engines running a suspect request (``where``: each one's record's state and engine); the ids of
+        those that ended, or whose record expired, leave ``flying:suspects``."""
+        holders, ended = set(), []
+        for rid, (state, engine) in zip(suspects, where):
+            state = text(state) if state is not None else None
+            if state == "assigned" and engine is not None:
+                holders.add(int(engine))
+            elif state != "queued":
+                ended.append(rid)
+        if ended:
+            await self.r.srem(self.keys.suspects, *ended)
+        return frozenset(holders)
 
     async def _fit_costs(self, beats: list[Heartbeat], devices: list[str]) -> CostModel:
         """Refit the cost model to the live engines' step costs (every few seconds while they change); a new fit

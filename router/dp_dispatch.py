@@ -7,6 +7,7 @@ its :data:`router.decision.DpRule`."""
 from __future__ import annotations
 
 import heapq
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,9 @@ from router.engine_view import EngineView
 from router.round import Round
 
 Fits = Callable[[int], bool] | None  # which engines may take a request (None: every open one)
+
+# each round's pool, built at its first DP dispatch (and again when the engines in groups change)
+_pools: weakref.WeakKeyDictionary[Round, DpPool] = weakref.WeakKeyDictionary()
 
 
 def to_dp(rnd: Round, r: QueuedRequest) -> bool:
@@ -29,13 +33,11 @@ def to_dp(rnd: Round, r: QueuedRequest) -> bool:
         return False
     chain = r.chain
     best, rule = pick_dp(rnd, chain, least, pool, fits, r.keyed)
-    rnd.sent.setdefault(best.engine, set()).update(chain)
-    rnd.dp_inflight[best.engine] += 1
-    if rnd.cfg.spread_s > 0:
-        rnd.recent[best.engine] = rnd.recent.get(best.engine, 0.0) + 1
-    rnd.dp_kv[best.engine] += r.kv_tokens
+    rnd.sent_dp(best.engine, chain, r.kv_tokens)
     pool.sent_to(rnd, best.engine, chain)
-    rnd.out.dispatches.append(Dispatch(r, best.engine, best.url, rule=rule))
+    rnd.dispatch(Dispatch(r, best.engine, best.url, rule=rule))
+    if r.suspect:
+        rnd.holds_suspect(best.engine)
     return True
 
 
@@ -43,7 +45,7 @@ def nothing_dispatches(rnd: Round, r: QueuedRequest) -> bool:
     """Placing ``r`` this round would do nothing: busy load, no group record (none to take it or to reuse), every
     DP engine full (the pool is current and empty: nothing frees a slot within a round), and ``r`` fits one engine
     (a long request may still bind). Lets a round skip the rest of a deep queue at once."""
-    pool = rnd.dp_pool
+    pool = _pools.get(rnd)
     return (
         pool is not None
         and not pool.open
@@ -131,16 +133,23 @@ class DpPool:
     @classmethod
     def of(cls, rnd: Round) -> DpPool:
         """The round's pool, built again if the engines in groups changed since."""
-        if rnd.dp_pool is None or rnd.dp_pool.taken is not rnd.in_groups():
-            rnd.dp_pool = cls(rnd)
-        return rnd.dp_pool
+        pool = _pools.get(rnd)
+        if pool is None or pool.taken is not rnd.in_groups():
+            pool = _pools[rnd] = cls(rnd)
+        return pool
 
     def fits(self, rnd: Round, r: QueuedRequest) -> Fits:
-        """Which open engines may take ``r``: the KV for it, and ``r`` did not just fail there (None: all)."""
+        """Which open engines may take ``r``: the KV for it, ``r`` did not just fail there, and, for a suspect
+        request, no other suspect runs there (None: all)."""
         kv = r.kv_tokens
-        if kv <= self.min_kv and (r.failed_on not in self.open or not rnd.avoid(r, (r.failed_on,))):
+        held = rnd.suspect_holders if r.suspect else ()
+        if (
+            kv <= self.min_kv
+            and not held
+            and (r.failed_on not in self.open or not rnd.avoid(r, (r.failed_on,)))
+        ):
             return None
-        return lambda e: self.open[e].dp_room >= kv and not rnd.avoid(r, (e,))
+        return lambda e: self.open[e].dp_room >= kv and not rnd.avoid(r, (e,)) and e not in held
 
     def least(self, rnd: Round, fits: Fits) -> EngineView | None:
         """The least loaded open engine that ``fits`` (:func:`dp_key`), None if there is none."""

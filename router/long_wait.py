@@ -20,8 +20,6 @@ Why a request waits, and why its wait ended (calm, or the bound), are notes of t
 
 from __future__ import annotations
 
-import msgspec
-
 from flying.messages import Group, QueuedRequest
 from router import parking, releases  # (each imports this one: called at run time)
 from router.decision import LongWaitNote, ReleaseCause, WaitCause
@@ -86,19 +84,19 @@ def waits(rnd: Round, r: QueuedRequest) -> bool:
         if noted is None:
             remember(rnd, r.id, rnd.now)
             why = cause or WaitCause.BUSY
-            rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, why, rnd.cfg.long_wait_s, rnd.s.demand))
+            rnd.note(LongWaitNote(r.id, r.kv_tokens, why, rnd.cfg.long_wait_s, rnd.s.demand))
         return True
     end = WaitCause.BOUND if cause is not None else WaitCause.CALM
     remember(rnd, r.id, -rnd.now)
     if noted is not None:
-        rnd.out.events.append(LongWaitNote(r.id, r.kv_tokens, end, rnd.cfg.long_wait_s, rnd.s.demand, waited))
+        rnd.note(LongWaitNote(r.id, r.kv_tokens, end, rnd.cfg.long_wait_s, rnd.s.demand, waited))
     return False
 
 
 def remember(rnd: Round, request: str, at: float) -> None:
     """Keep in the router's state that ``request`` waits for calm since ``at`` (negative: its wait ended then)."""
     waits = {**rnd.out.state.long_waits, request: at}
-    rnd.out.state = msgspec.structs.replace(rnd.out.state, long_waits=waits)
+    rnd.update_state(long_waits=waits)
 
 
 def forget_old(rnd: Round) -> None:
@@ -107,7 +105,7 @@ def forget_old(rnd: Round) -> None:
     waits, horizon = rnd.out.state.long_waits, rnd.now - 2 * rnd.cfg.long_wait_s
     if any(abs(t) < horizon for t in waits.values()):
         keep = {k: t for k, t in waits.items() if abs(t) >= horizon}
-        rnd.out.state = msgspec.structs.replace(rnd.out.state, long_waits=keep)
+        rnd.update_state(long_waits=keep)
 
 
 def make_room(rnd: Round, width: int) -> bool:

@@ -111,8 +111,8 @@ def reconcile(rnd: Round) -> None:
                 orphans.setdefault(ep, []).append(engine)
     for ep, engines in orphans.items():
         note = ReleaseNote(ep, tuple(engines), "manual", ReleaseMode.WAIT, ReleaseCause.PARKED_LOST)
-        rnd.out.events.append(note)
-        rnd.out.commands.append((tuple(engines), Release(epoch=ep)))
+        rnd.note(note)
+        rnd.command(tuple(engines), Release(epoch=ep))
     for g in list(rnd.parked.values()):
         lost = [m for m in g.members if g.epoch not in held.get(m, ())]
         if not lost:
@@ -123,9 +123,9 @@ def reconcile(rnd: Round) -> None:
         note = ReleaseNote(
             g.epoch, g.members, g.reason, ReleaseMode.WAIT, ReleaseCause.PARKED_LOST, engines=tuple(lost)
         )
-        rnd.out.events.append(note)
+        rnd.note(note)
         if holders:
-            rnd.out.commands.append((holders, Release(epoch=g.epoch)))
+            rnd.command(holders, Release(epoch=g.epoch))
 
 
 def left(rnd: Round, g: Group) -> None:
@@ -142,10 +142,8 @@ def left(rnd: Round, g: Group) -> None:
         return
     if g.parked_requests:
         rnd.drop(g)
-        rnd.out.events.append(
-            ReleaseNote(g.epoch, g.members, g.reason, ReleaseMode.WAIT, ReleaseCause.PARKED_LEFT)
-        )
-        rnd.out.commands.append((g.members, Release(epoch=g.epoch)))
+        rnd.note(ReleaseNote(g.epoch, g.members, g.reason, ReleaseMode.WAIT, ReleaseCause.PARKED_LEFT))
+        rnd.command(g.members, Release(epoch=g.epoch))
 
 
 def dp_limit(rnd: Round, m: int) -> int:

@@ -47,6 +47,9 @@ def place(rnd: Round, r: QueuedRequest) -> None:
     width = need_width(r.kv_tokens, rnd.s.engines)
     if width is None:
         return  # no group can hold it now (the gateway rejects such requests while engines are up)
+    if r.suspect and width == 1:
+        to_dp(rnd, r)  # alone among suspects on a DP engine: if that engine dies too, the cause is known
+        return
     if width > 1:
         place_long(rnd, r, width)
     elif r.priority == "high" and rnd.cfg.priority and place_priority(rnd, r):
@@ -104,9 +107,8 @@ def groups_for(
 def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
     """``r`` is the group's: dispatched to the member that is to own it (:func:`owner`) if the group is bound,
     else it waits for the group to form."""
-    n, kv = rnd.tp.get(g.epoch, (0, 0))
-    rnd.tp[g.epoch] = (n + 1, kv + r.kv_tokens)
-    rnd.tp_max[g.epoch] = max(rnd.tp_max.get(g.epoch, 0), r.kv_tokens)  # retractable() sees it this round
+    n = rnd.tp.get(g.epoch, (0, 0))[0]
+    rnd.sent_tp(g.epoch, r.kv_tokens)  # (retractable() sees it this round)
     # (router.parking: never parked) while it serves a high-priority long request, or one that waited twice
     # long_wait_s, or the requests its bind held for; a bound group with no request left holds for nothing
     held = g.hold and (n > 0 or g.state != "bound")
@@ -115,7 +117,7 @@ def to_group(rnd: Round, g: Group, r: QueuedRequest) -> None:
     hold = held or (long and r.priority == "high") or overdue
     if g.state == "bound":
         e = rnd.live[g.leader] if r.leader_only else owner(rnd, g)
-        rnd.out.dispatches.append(Dispatch(r, e.engine, e.url, g.epoch))
+        rnd.dispatch(Dispatch(r, e.engine, e.url, g.epoch))
         rnd.put(replace_group(g, last_used=rnd.now, hold=hold))
     elif hold != g.hold:
         rnd.put(replace_group(g, hold=hold))

@@ -20,8 +20,6 @@ written before its commands are sent, groups never overlap, and members that do 
 
 from __future__ import annotations
 
-import msgspec
-
 from router import parking
 from router.config import DispatchRule, PolicyConfig
 from router.decision import Decision, Dispatch, DpRule
@@ -52,7 +50,7 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     rnd = Round(s, cfg)
     reconcile(rnd)
     update_regime(rnd)
-    rnd.out.state = msgspec.structs.replace(rnd.out.state, suspect=rnd.suspect)
+    rnd.update_state(suspect=rnd.suspect)
     release_groups(rnd)
     parking.resume(rnd)
     forget_old(rnd)
@@ -63,6 +61,6 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     for r in s.waiting:
         if r.priority != "high":
             place(rnd, r)
-    rnd.out.state = msgspec.structs.replace(rnd.out.state, recent=rnd.recent)
-    rnd.out.fast = [] if rnd.out.binds or rnd.out.commands else fast_targets(rnd)  # a switch: the next round
+    rnd.update_state(recent=rnd.recent)
+    rnd.set_fast([] if rnd.out.binds or rnd.out.commands else fast_targets(rnd))  # a switch: the next round
     return rnd.out

@@ -134,7 +134,7 @@ def update(rnd: Round) -> None:
     cfg, s = rnd.cfg, rnd.s
     targets = Targets(cfg.ttft_target_high_ms, cfg.ttft_target_normal_ms, cfg.horizon_s, cfg.tpot_target_ms)
     state = measure(rnd.out.state, s, cfg.horizon_s / 2)
-    rnd.out.state = state
+    rnd.set_state(state)
     pools: dict[tuple[str, int, int], list[int]] = {}
     for e in s.engines:
         pools.setdefault(e.pool, []).append(e.engine)
@@ -143,7 +143,7 @@ def update(rnd: Round) -> None:
         and 0 <= s.now - state.planned_at < PLAN_EVERY_S
         and all(pool_name(p) in state.widths for p in pools)
     ):  # planned a moment ago: the same widths
-        rnd.plan = {pool: state.widths[pool_name(pool)] for pool in pools}
+        rnd.set_plan({pool: state.widths[pool_name(pool)] for pool in pools})
         return
     widths: dict[str, int] = {}
     queued = queued_tokens(s)
@@ -165,10 +165,8 @@ def update(rnd: Round) -> None:
             choice = choose(s.cost, allowed, now if now in allowed else 1, d, targets, s.sp_threshold)
         widths[node] = choice.width
         if choice.width != now and len(allowed) > 1:
-            rnd.out.events.append(PlanNote(node, now, choice, d))
+            rnd.note(PlanNote(node, now, choice, d))
     busy = not light
     changed = s.now if busy != state.busy else state.changed_at
-    rnd.out.state = msgspec.structs.replace(
-        state, widths=widths, busy=busy, changed_at=changed, planned_at=s.now
-    )
-    rnd.plan = {pool: widths[pool_name(pool)] for pool in pools}
+    rnd.update_state(widths=widths, busy=busy, changed_at=changed, planned_at=s.now)
+    rnd.set_plan({pool: widths[pool_name(pool)] for pool in pools})

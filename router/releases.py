@@ -98,9 +98,8 @@ def unknown_epochs(rnd: Round) -> None:
 def distrust(rnd: Round, engines: list[int], paused: int = 0) -> None:
     """Members that failed a bind are left out of binds for ``suspect_s`` (retrying at once would stall the
     requests waiting for a group again); they keep serving DP. ``paused``: the DP requests their adoption paused."""
-    for e in engines:
-        rnd.suspect[e] = rnd.now + rnd.cfg.suspect_s
-    rnd.out.events.append(DistrustNote(tuple(engines), rnd.cfg.suspect_s, paused))
+    rnd.distrust(tuple(engines))
+    rnd.note(DistrustNote(tuple(engines), rnd.cfg.suspect_s, paused))
 
 
 def distrust_paused(rnd: Round) -> None:
@@ -244,4 +243,4 @@ def release_idle_blocking(rnd: Round, width: int) -> None:
             for g in inside:
                 rnd.release(g, ReleaseCause.MAKING_ROOM, width=width)
             return
-    rnd.no_idle_block.add(width)
+    rnd.found_no_idle_block(width)

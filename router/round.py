@@ -7,20 +7,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from flying.groups import pool_sets
-from flying.messages import Group, GroupReason, GroupState, Preempt, QueuedRequest, RouterState
+from flying.messages import (
+    FastTarget,
+    Group,
+    GroupReason,
+    GroupState,
+    Preempt,
+    QueuedRequest,
+    Release,
+    RouterState,
+)
 from router.config import PolicyConfig
-from router.decision import BindMode, BindNote, Decision, ReleaseCause, ReleaseMode, ReleaseNote
+from router.decision import BindMode, BindNote, Decision, Dispatch, ReleaseCause, ReleaseMode, ReleaseNote
 from router.engine_view import EngineView
 from router.snapshot import GroupLoad, Snapshot
 from router.transform_cost import TransformCost
-
-if TYPE_CHECKING:
-    from router.dp_dispatch import DpPool
 
 USABLE: tuple[GroupState, ...] = ("bound", "binding")
 # groups a request one engine holds may go to (a long prefill would stall it)
@@ -68,18 +73,66 @@ class Round:
         self.plan = {e.pool: s.state.widths.get(e.node_key, 1) for e in s.engines}
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
         self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
+        self.suspect_holders = set(
+            s.suspect_holders
+        )  # engines running a suspect request, this round's included
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
         self.kv = TransformCost(cfg, s.cost, self.live, self.dp_kv)
         self._engines_n = max((e.num_engines for e in s.engines), default=1)
         self._taken: frozenset[int] | None = None  # in_groups(), until a record's members or a bind change it
-        # router.dp_dispatch's candidates, built at the round's first DP dispatch
-        self.dp_pool: DpPool | None = None
         self._sets: dict[int, list[tuple[int, ...]]] = {}  # width -> merge sets of live engines (merge_sets)
-        self._failed: dict[
-            int, set[int]
-        ] = {}  # engine -> where what failed on it is not sent (failed_domain)
+        # engine -> where what failed on it is not sent (failed_domain)
+        self._failed: dict[int, set[int]] = {}
         # widths router.releases.release_idle_blocking found no block for
         self.no_idle_block: set[int] = set()
+
+    # --- what the round decides, besides group records --------------------------------------------------
+
+    def note(self, event: object) -> None:
+        """A decision-log entry (a note of :mod:`router.decision`)."""
+        self.out.events.append(event)  # type: ignore[arg-type]
+
+    def command(self, members: tuple[int, ...], cmd: Release) -> None:
+        self.out.commands.append((members, cmd))
+
+    def dispatch(self, d: Dispatch) -> None:
+        self.out.dispatches.append(d)
+
+    def update_state(self, **changes: object) -> None:
+        """The router state this round leaves, with ``changes``."""
+        self.out.state = msgspec.structs.replace(self.out.state, **changes)
+
+    def set_state(self, state: RouterState) -> None:
+        self.out.state = state
+
+    def set_plan(self, plan: dict[tuple[str, int, int], int]) -> None:
+        """Each node's load width for this round (router.regime)."""
+        self.plan = plan
+
+    def set_fast(self, targets: list[FastTarget]) -> None:
+        self.out.fast = targets
+
+    def sent_dp(self, e: int, chain: tuple[int, ...], kv: int) -> None:
+        """A DP request of ``kv`` tokens with prefix ``chain`` goes to engine ``e`` this round."""
+        self.sent.setdefault(e, set()).update(chain)
+        self.dp_inflight[e] += 1
+        if self.cfg.spread_s > 0:
+            self.recent[e] = self.recent.get(e, 0.0) + 1
+        self.dp_kv[e] += kv
+
+    def sent_tp(self, epoch: int, kv: int) -> None:
+        """A TP request of ``kv`` tokens goes to group ``epoch`` this round."""
+        n, total = self.tp.get(epoch, (0, 0))
+        self.tp[epoch] = (n + 1, total + kv)
+        self.tp_max[epoch] = max(self.tp_max.get(epoch, 0), kv)
+
+    def distrust(self, engines: tuple[int, ...]) -> None:
+        """Leave ``engines`` out of binds for ``suspect_s`` (they did not acknowledge one)."""
+        for e in engines:
+            self.suspect[e] = self.now + self.cfg.suspect_s
+
+    def found_no_idle_block(self, width: int) -> None:
+        self.no_idle_block.add(width)
 
     # --- group records ------------------------------------------------------------------------------------
 
@@ -207,6 +260,10 @@ class Round:
         DP), else ``tp_inflight_per_engine`` (a long request's prefill chunks hold up everything else)."""
         short = g.reason in ("load", "priority") and self.tp_max.get(g.epoch, 0) <= self.s.max_kv
         return self.cfg.sp_inflight_per_engine if short else self.cfg.tp_inflight_per_engine
+
+    def holds_suspect(self, e: int) -> None:
+        """Engine ``e`` was sent a suspect request this round: it takes no other."""
+        self.suspect_holders.add(e)
 
     def avoid(self, r: QueuedRequest, engines: tuple[int, ...]) -> bool:
         """The request failed on one of ``engines`` (it died before answering, its heartbeat may not have expired

@@ -40,6 +40,8 @@ class Snapshot:
     # engine -> the parked epochs it holds, for every live engine, a dispatchable one or not (None: ``engines``')
     held: Mapping[int, tuple[int, ...]] | None = None
     probe: Mapping[str, int] = field(default_factory=dict)  # node -> the width an idle probe plans it at
+    # engines running a suspect request (an engine died holding it: flying:suspects): they take no other
+    suspect_holders: frozenset[int] = frozenset()
 
     @cached_property
     def parked_held(self) -> Mapping[int, tuple[int, ...]]:

@@ -212,9 +212,9 @@ def test_each_worker_pod_starts_one_engine_per_gpu_with_cluster_wide_indices(ove
     c = container(objs, "StatefulSet", "worker")
     env = env_of(objs, c)
     gpus, nodes = int(env["GPUS_PER_NODE"]), sts["spec"]["replicas"]
-    assert {"fieldRef": {"fieldPath": "spec.nodeName"}} == next(
-        e["valueFrom"] for e in c["env"] if e["name"] == "NODE_NAME"
-    ), "the engines announce the node the pod runs on"
+    assert next(e["valueFrom"] for e in c["env"] if e["name"] == "NODE_NAME") == {
+        "fieldRef": {"fieldPath": "spec.nodeName"}
+    }, "the engines announce the node the pod runs on"
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == gpus
     assert pod_spec(sts)["nodeSelector"] and pod_spec(sts)["affinity"]["podAntiAffinity"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import msgspec
+
 from flying.messages import QueuedRequest, RouterState
 from flying.prefix import block_hashes, encode_chain
 from router import placement
@@ -202,3 +204,15 @@ def test_a_cache_key_yields_to_a_full_engine_and_to_imbalance():
         1,
         "imbalanced",
     )
+
+
+def test_a_suspect_request_goes_only_to_an_engine_running_no_other_suspect():
+    """An engine died holding it: alone among suspects, so a second death names it (gateway.waiting)."""
+    engines = [eng(0), eng(1), eng(2)]
+    s = Snapshot(now=100.0, waiting=[], queued=0, engines=engines, groups=[], state=RouterState(),
+                 suspect_holders=frozenset({0}))  # fmt: skip
+    r = Round(s, CFG)
+    sus = [msgspec.structs.replace(req(f"s{i}"), suspect=1) for i in range(3)]
+    assert to_dp(r, sus[0]) and to_dp(r, sus[1]) and not to_dp(r, sus[2]), "one suspect per engine"
+    assert sorted(d.engine for d in r.out.dispatches) == [1, 2]
+    assert to_dp(r, req("plain")) and r.out.dispatches[-1].engine == 0, "other requests go anywhere"

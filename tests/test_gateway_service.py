@@ -225,14 +225,19 @@ async def test_a_stream_that_breaks_after_tokens_continues_on_another_engine(gat
     assert await aredis.hget(keys.stats, "completed") == b"1" and not await aredis.hget(keys.stats, "failed")
 
 
-async def test_a_resumed_stream_fails_cleanly_when_its_attempts_are_used_up(gateway, aredis, keys):
-    """max_attempts (3) engines die mid-stream: an OpenAI-shaped error event, then [DONE]; nothing hangs."""
+async def test_a_resumed_stream_whose_second_engine_dies_too_ends_cleanly_as_a_poison_request(
+    gateway, aredis, keys
+):
+    """Two engines die mid-stream running it: it is not tried on a third (it may be what kills them), an
+    OpenAI-shaped error event (``request_crashed_engines``), then [DONE]; nothing hangs."""
     events, calls = await stream_through(
         gateway, [sse(EVENTS, fail_after=1), sse(resumed_events(1), fail_after=1), empty()]
     )
     assert events[0]["choices"][0]["delta"]["content"] == "one"
     assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
-    assert events[-1]["error"]["code"] == "worker_failed" and len(calls) == 3
+    assert events[-1]["error"]["code"] == "request_crashed_engines" and len(calls) == 2
+    assert events[-1]["error"]["type"] == "server_error"
+    assert await aredis.sismember(keys.suspects, calls[0][1]["rid"].split("~")[0])
     message = events[-1]["error"]["message"]
     assert message.startswith("engine ") and "Error(" not in message, (
         f"in words, not an exception's repr: {message}"

@@ -191,7 +191,9 @@ class _Steps:
     async def wait_assignment(self, adm, fut, disconnected):
         return Assignment(id=adm.record.id, engine=3, url="http://e3", queue_ms=0.5)
 
-    async def retry_or_fail(self, adm, a, why, cause="before_first_event", engine_fault=True, counted=True):
+    async def retry_or_fail(
+        self, adm, a, why, cause="before_first_event", engine_fault=True, counted=True, died=False
+    ):
         adm.next_attempt((split_engine_rid(adm.body["rid"])[1] or 0) + 1)  # as the waiting room does
         return None
 

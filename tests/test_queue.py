@@ -125,6 +125,25 @@ async def test_finish_clears_inflight_and_sets_a_ttl(aredis, keys, queue):
     assert stats[b"admitted"] == b"1" and stats[b"assigned"] == b"1" and stats[b"completed"] == b"1"
 
 
+async def test_a_request_ends_once_whoever_finishes_it_again(aredis, keys, queue):
+    """The first end counts and stays (a poison request ended by the waiting room, then by its relay)."""
+    await queue.admit(mk("a"))
+    assert await queue.finish("a", "failed", "two engines died")
+    assert not await queue.finish("a", "failed", "its stream broke")
+    assert not await queue.finish("a", "done")
+    rec = await queue.get("a")
+    assert (rec["state"], rec["error"]) == ("failed", "two engines died")
+    assert (await aredis.hgetall(keys.stats)).get(b"failed") == b"1"
+
+
+async def test_an_engine_dying_with_a_request_makes_it_suspect(aredis, keys, queue):
+    await queue.admit(mk("a"))
+    assert await queue.mark_suspect("a") == 1 and await queue.mark_suspect("a") == 2
+    assert (await queue.get("a"))["suspect"] == "2" and await aredis.smembers(keys.suspects) == {b"a"}
+    [a] = await queue.peek(1)
+    assert a.suspect == 2
+
+
 async def test_finish_wakes_the_router_only_while_requests_wait(aredis, keys, queue):
     q = queue
     for rid in ("a", "b"):

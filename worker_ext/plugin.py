@@ -143,9 +143,17 @@ def _start_switching(scheduler, config: HeartbeatConfig) -> None:
 def _on_step(scheduler) -> None:
     if _publisher is None:
         return
+    if (marker := os.environ.get(settings.TEST_CRASH_STOP)) and _holds_stop(scheduler, marker):
+        raise RuntimeError(f"{settings.TEST_CRASH_STOP}: a request asked this scheduler to crash")
     if _binding is not None and _commands is not None:
         _binding.on_step(_commands.drain())
     _beat(scheduler)
+
+
+def _holds_stop(scheduler, marker: str) -> bool:
+    from worker_ext import sglang_patches
+
+    return sglang_patches.waiting_stop_strings(scheduler, marker)
 
 
 def _beat(scheduler) -> None:
