@@ -259,6 +259,13 @@ class Cluster:
         stop(self.router, sig=sig)
         self.router = None
 
+    def fail_over_router(self) -> None:
+        """Kill the active router (SIGKILL): the standby, which takes the lease, is the router now, and a new
+        standby starts."""
+        self.kill_router()
+        self.router, self.standby = self.standby, None
+        self.start_standby()
+
     def kill_standby(self, sig: int = signal.SIGKILL) -> None:
         stop(self.standby, sig=sig)
         self.standby = None
