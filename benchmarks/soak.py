@@ -148,7 +148,11 @@ async def soak(c: Cluster, sentinels: SentinelSet, seconds: float, seed: int) ->
         events.append((round(time.monotonic() - t0, 1), await asyncio.to_thread(chaos, c, sentinels, what)))
         print(f"[{events[-1][0]:7.1f}s] {events[-1][1]}", flush=True)
     outcomes = await running
-    await asyncio.sleep(15)  # idle: groups released or idle, requests ended
+    await asyncio.sleep(15)  # idle: requests ended
+    for _ in range(120):  # and every engine in DP (an idle node may be bound, or probed: router.probe)
+        if all(hb.mode == "dp" for hb in c.heartbeats().values()):
+            break
+        await asyncio.sleep(1)
     rss1 = {name: (pid, rss_kb(pid)) for name, pid in processes(c).items()}
     return {
         "seconds": seconds, "outcomes": dict(outcomes), "events": events,
