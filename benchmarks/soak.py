@@ -161,23 +161,28 @@ async def soak(c: Cluster, sentinels: SentinelSet, seconds: float, seed: int) ->
     }  # fmt: skip
 
 
+def run(out: Path, model: Path, seconds: float, seed: int = 0) -> dict:
+    """The soak on a stack of its own (logs under ``out``); its report."""
+    out.mkdir(parents=True, exist_ok=True)
+    sentinels = SentinelSet(data_dir=out / "redis").start()
+    try:
+        config = ClusterConfig(
+            model_path=model, num_engines=2, gateways=2, standby_router=True, redis_url=sentinels.url,
+            log_dir=out / "logs", max_total_tokens=4096,
+        )  # fmt: skip
+        with Cluster(config, progress=print) as c:
+            return asyncio.run(soak(c, sentinels, seconds, seed))
+    finally:
+        sentinels.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/soak"))
     a = p.parse_args()
-    a.out.mkdir(parents=True, exist_ok=True)
-    sentinels = SentinelSet(data_dir=a.out / "redis").start()
-    try:
-        config = ClusterConfig(
-            model_path=ensure(Path(".flying/test-model"), seed=0), num_engines=2, gateways=2, standby_router=True,
-            redis_url=sentinels.url, log_dir=a.out / "logs", max_total_tokens=4096,
-        )  # fmt: skip
-        with Cluster(config, progress=print) as c:
-            report = asyncio.run(soak(c, sentinels, a.minutes * 60, a.seed))
-    finally:
-        sentinels.stop()
+    report = run(a.out, ensure(Path(".flying/test-model"), seed=0), a.minutes * 60, a.seed)
     (a.out / "soak.json").write_text(json.dumps(report, indent=1))
     print(summary(report))
 
