@@ -21,7 +21,7 @@ Why a request waits, and why its wait ended (calm, or the bound), are notes of t
 from __future__ import annotations
 
 from flying.messages import Group, QueuedRequest
-from router import parking, releases  # (each imports this one: called at run time)
+from router import parking, releases
 from router.decision import LongWaitNote, ReleaseCause, WaitCause
 from router.round import Round
 
@@ -125,3 +125,45 @@ def make_room(rnd: Round, width: int) -> bool:
                 releases.release_now(rnd, g, ReleaseCause.MAKING_ROOM, width=width)
             return True
     return False
+
+
+def resume_parked(rnd: Round) -> None:
+    """The oldest parked group whose members are free binds again, in the same order, resuming its parked
+    requests: in calm (a long request's, :func:`unrest`) with no other long request running, or,
+    parked ``long_wait_s`` already, whatever the load (then it is never parked again: its clients' streams have
+    waited long enough), or, one group at a time, where a waiting request can be served nowhere else
+    (:func:`router.parking.blocked`; it too is never parked again). Idle members bind at once, busy ones by adoption where they may
+    (their DP work continues in the group), else they drain first."""
+    # (calm is the planner's: without load adaptation, parked groups are the operator's to resume)
+    calm = rnd.cfg.load_adaptation and not rnd.out.state.busy and unrest(rnd, turn=False) is None
+    resuming = any(g.carries and g.state == "binding" for g in rnd.groups.values())
+    taken, stuck = rnd.in_groups(), not resuming and parking.blocked(rnd)
+    for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):
+        overdue = rnd.now - g.since >= rnd.cfg.long_wait_s
+        forced = stuck and not overdue
+        if not (overdue or forced) and (not calm or long_groups(rnd)):
+            continue  # (a long request's calm: stricter than light load, so a resume does not meet the next burst;
+            # one long group at a time: the others stay parked until it ends)
+        ms = g.members
+        if any(
+            m not in rnd.live
+            or rnd.live[m].mode != "dp"
+            or rnd.live[m].pending
+            or m in taken
+            or m in rnd.suspect
+            for m in ms
+        ):  # (a member distrusted after a failed bind, the resume's included, is not asked again meanwhile)
+            continue
+        own = rnd.s.tp_load.get(g.epoch)  # (its parked requests sit in their owners' inflight sets)
+        busy = rnd.block_load(ms) - (own.inflight if own else 0) > 0
+        adopt = busy and rnd.kv.may_adopt(ms)
+        rnd.drop(g)
+        rnd.bind(
+            ms,
+            g.reason,
+            "sequential" if busy and not adopt else "hard",
+            adopt=adopt,
+            carries=(*g.carries, g.epoch),
+            hold=overdue or forced,
+        )
+        taken, stuck = rnd.in_groups(), stuck and not forced

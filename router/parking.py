@@ -7,7 +7,7 @@ every member reports ``park``, such a group is *parked* instead (:func:`release_
 scatter to their owners, the long ones stay where they are (their KV head slices on every member, no steps), and
 the members serve the burst in DP. The group's record stays, in state ``parked``, while the members report the
 parked epoch; its members bind into no other group meanwhile. Once load is light again the same members bind in
-the same order with ``Bind.resume`` (:func:`resume`), and the parked requests continue where they stopped.
+the same order with ``Bind.resume`` (:func:`router.long_wait.resume_parked`), and the parked requests continue where they stopped.
 
 A member that is gone, or no longer reports the parked epoch (restarted: its slices are lost), ends them: the
 survivors get the epoch's release, which aborts the parked requests and frees their KV (:func:`reconcile`). So do
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from flying.groups import widths
 from flying.messages import Group, QueuedRequest, Release
-from router import long_wait  # (each imports the other: their functions call across at run time)
 from router.decision import ReleaseCause, ReleaseMode, ReleaseNote
 from router.round import Round, replace_group
 
@@ -190,45 +189,3 @@ def blocked(rnd: Round) -> bool:
             continue
         return True
     return False
-
-
-def resume(rnd: Round) -> None:
-    """The oldest parked group whose members are free binds again, in the same order, resuming its parked
-    requests: in calm (a long request's, :func:`router.long_wait.unrest`) with no other long request running, or,
-    parked ``long_wait_s`` already, whatever the load (then it is never parked again: its clients' streams have
-    waited long enough), or, one group at a time, where a waiting request can be served nowhere else
-    (:func:`blocked`; it too is never parked again). Idle members bind at once, busy ones by adoption where they may
-    (their DP work continues in the group), else they drain first."""
-    # (calm is the planner's: without load adaptation, parked groups are the operator's to resume)
-    calm = rnd.cfg.load_adaptation and not rnd.out.state.busy and long_wait.unrest(rnd, turn=False) is None
-    resuming = any(g.carries and g.state == "binding" for g in rnd.groups.values())
-    taken, stuck = rnd.in_groups(), not resuming and blocked(rnd)
-    for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):
-        overdue = rnd.now - g.since >= rnd.cfg.long_wait_s
-        forced = stuck and not overdue
-        if not (overdue or forced) and (not calm or long_wait.long_groups(rnd)):
-            continue  # (a long request's calm: stricter than light load, so a resume does not meet the next burst;
-            # one long group at a time: the others stay parked until it ends)
-        ms = g.members
-        if any(
-            m not in rnd.live
-            or rnd.live[m].mode != "dp"
-            or rnd.live[m].pending
-            or m in taken
-            or m in rnd.suspect
-            for m in ms
-        ):  # (a member distrusted after a failed bind, the resume's included, is not asked again meanwhile)
-            continue
-        own = rnd.s.tp_load.get(g.epoch)  # (its parked requests sit in their owners' inflight sets)
-        busy = rnd.block_load(ms) - (own.inflight if own else 0) > 0
-        adopt = busy and rnd.kv.may_adopt(ms)
-        rnd.drop(g)
-        rnd.bind(
-            ms,
-            g.reason,
-            "sequential" if busy and not adopt else "hard",
-            adopt=adopt,
-            carries=(*g.carries, g.epoch),
-            hold=overdue or forced,
-        )
-        taken, stuck = rnd.in_groups(), stuck and not forced

@@ -20,7 +20,7 @@ written before its commands are sent, groups never overlap, and members that do 
 
 from __future__ import annotations
 
-from router import parking
+from router import long_wait
 from router.config import DispatchRule, PolicyConfig
 from router.decision import Decision, Dispatch, DpRule
 from router.engine_view import EngineView
@@ -52,7 +52,7 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
     update_regime(rnd)
     rnd.update_state(suspect=rnd.suspect)
     release_groups(rnd)
-    parking.resume(rnd)
+    long_wait.resume_parked(rnd)
     forget_old(rnd)
     for r in s.waiting:  # high priority first, before load binds take the engines
         if r.priority == "high":

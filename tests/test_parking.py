@@ -6,7 +6,7 @@ from __future__ import annotations
 from flying.messages import Group, QueuedRequest, Release
 from router.decision import ReleaseCause, ReleaseMode, plan
 from router.engine_view import EngineView
-from router.parking import resume
+from router.long_wait import resume_parked as resume
 from router.policy import decide
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
