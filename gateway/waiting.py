@@ -184,11 +184,10 @@ class WaitingRoom:
         counted: bool = True,
         died: bool = False,
     ) -> asyncio.Future[Assignment]:
-        """The engine died before answering: put the request back in the queue (bounded) or fail it.
-        ``engine_fault`` False: the engine is fine (its TP group lost a member), so its breaker does not count it.
-        ``counted`` False: nothing failed (its group was parked before its first token): it goes back to the queue
-        whatever its attempts, and this re-dispatch does not count toward ``max_attempts``. ``died``: the engine
-        died holding it; the second engine that does so ends it (:class:`PoisonRequest`), not a third."""
+        """The engine failed before answering: re-queue the request (within ``max_attempts``) or fail it.
+        ``engine_fault`` False: the engine is fine (its group lost a member), its breaker does not count it;
+        ``counted`` False: nothing failed (its group was parked), not counted toward ``max_attempts``; ``died``: the
+        engine died holding it, and a second such death ends it (:meth:`suspect`)."""
         if engine_fault:
             self.engine_failed(a.engine, why)
         if died and engine_fault and counted:
