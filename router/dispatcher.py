@@ -87,9 +87,8 @@ class Dispatcher:
         self.breakers = RouterBreakers(Breakers(client, self.keys, probe))  # engines left out while failing
         self.watchdog = Watchdog(config.stall_s)
         self.costs = Fitter()  # the cost model fitted to the engines' step costs (router.cost_fit)
-        self.prober = (
-            Prober()
-        )  # measures a group's steps on an idle node where the fit has none (router.probe)
+        # measures a group's steps on an idle node where the fit has none (router.probe)
+        self.prober = Prober()
 
     async def hold_lease(self) -> bool:
         """Take or renew the lease; a leader renews once per quarter lease, not every round (a round at light
@@ -145,9 +144,8 @@ class Dispatcher:
         for rid in suspects:
             pipe.hmget(k.request(rid), ["state", "engine"])
         rows = await pipe.execute()
-        rows, where = (
-            (rows[: len(rows) - len(suspects)], rows[len(rows) - len(suspects) :]) if suspects else (rows, [])
-        )
+        n = len(rows) - len(suspects)
+        rows, where = rows[:n], rows[n:]
         requests, rows = rows[: len(ids)], rows[len(ids) :]
         waiting = [from_hash(decode_row(row), QueuedRequest) for row in requests if row]
         beats, counts = [], {}

@@ -78,22 +78,17 @@ def token_mix(st: RouterState) -> tuple[float, float]:
     return DEFAULT_PROMPT, DEFAULT_OUTPUT
 
 
-def queued_tokens(s: Snapshot) -> float:
-    """Prompt tokens the whole queue holds for DP or load groups (the head's, scaled to the queue's depth; long
-    requests apart: they wait for groups of their own)."""
-    head = sum(r.prompt_tokens for r in s.waiting if s.fits_one(r))
-    return head * (s.queued / len(s.waiting)) if s.waiting else 0.0
+def queued_work(s: Snapshot) -> tuple[float, float]:
+    """Prompt tokens and requests the whole queue holds for DP or load groups (the head's, scaled to the queue's
+    depth; long requests apart: they wait for groups of their own)."""
+    head = [r.prompt_tokens for r in s.waiting if s.fits_one(r)]
+    scale = s.queued / len(s.waiting) if s.waiting else 0.0
+    return sum(head) * scale, len(head) * scale
 
 
-def queued_requests(s: Snapshot) -> float:
-    """How many requests :func:`queued_tokens` counts."""
-    head = sum(1 for r in s.waiting if s.fits_one(r))
-    return head * (s.queued / len(s.waiting)) if s.waiting else 0.0
-
-
-def node_demand(rnd: Round, engines: list[int], queued: float) -> Demand:
-    """What a node's ``engines`` must serve: their share of the arrivals and of the ``queued`` prompt tokens, and
-    their own work."""
+def node_demand(rnd: Round, engines: list[int], queued: tuple[float, float]) -> Demand:
+    """What a node's ``engines`` must serve: their share of the arrivals and of the ``queued`` work (prompt
+    tokens, requests: :func:`queued_work`), and their own work."""
     st = rnd.out.state
     share = len(engines) / max(len(rnd.live), 1)
     rate = st.rate
@@ -105,8 +100,8 @@ def node_demand(rnd: Round, engines: list[int], queued: float) -> Demand:
         rate=rate * share,
         prompt=prompt,
         output=output,
-        backlog=queued * share + waiting * prompt,
-        waiting=queued_requests(rnd.s) * share + waiting,
+        backlog=queued[0] * share + waiting * prompt,
+        waiting=queued[1] * share + waiting,
         decoding=running,
         high_share=min(1.0, st.high_rate / rate) if rate > 1e-6 else 0.0,
     )
@@ -146,7 +141,7 @@ def update(rnd: Round) -> None:
         rnd.set_plan({pool: state.widths[pool_name(pool)] for pool in pools})
         return
     widths: dict[str, int] = {}
-    queued = queued_tokens(s)
+    queued = queued_work(s)
     light = False  # some node is predicted to serve better bound (whether load groups may form or not)
     for pool, engines in sorted(pools.items(), key=lambda kv: kv[0][1]):
         node, now = pool_name(pool), current_width(rnd, pool)

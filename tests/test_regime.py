@@ -8,7 +8,7 @@ from flying.messages import Group, QueuedRequest, RouterState
 from router.config import PolicyConfig
 from router.decision import PlanNote
 from router.engine_view import EngineView
-from router.regime import PLAN_EVERY_S, ewma, forming, measure, node_demand, queued_tokens, update
+from router.regime import PLAN_EVERY_S, ewma, forming, measure, node_demand, queued_work, update
 from router.round import Round
 from router.snapshot import Snapshot
 
@@ -52,7 +52,7 @@ def test_the_demand_measures_the_token_mix_and_the_first_round_counts_nothing():
 def test_a_nodes_demand_is_its_share_of_the_queue_and_its_engines_work():
     es = engines(inflight=10, running=4, waiting=6)
     rnd = Round(snap(waiting=[req("a", 3000), req("b", 1000)], queued=4, es=es), CFG)
-    d = node_demand(rnd, [e.engine for e in es], queued_tokens(rnd.s))
+    d = node_demand(rnd, [e.engine for e in es], queued_work(rnd.s))
     assert d.engines == 8 and d.decoding == 32
     # the queue's head (4,000 tokens) scaled to its depth (4 of 2 seen), and 6 unstarted requests an engine
     assert d.backlog == 8000 + 8 * 6 * d.prompt
