@@ -23,6 +23,7 @@ from flying.messages import StepCost
 MIN_STEPS = 8  # steps a line needs in all ...
 MIN_BUCKETS = 2  # ... over at least this many size buckets ...
 MIN_SPAN = 4.0  # ... whose sizes span at least this factor (a slope from decode steps of 1-3 tokens is noise)
+MIN_OVERHEAD_MS = 0.1  # a fitted step's fixed cost is at least this: a step of nothing never costs nothing
 
 
 class Curve(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,12 +70,13 @@ def line(points: list[StepCost]) -> tuple[float, float, float] | None:
     fit = _wls(pts)
     if fit is None:
         return None
+    kept = pts
     res = sorted(abs(p.ms - (fit[0] + fit[1] * p.tokens)) for p in pts)
     cut = 3 * res[len(res) // 2]
-    kept = [p for p in pts if abs(p.ms - (fit[0] + fit[1] * p.tokens)) <= cut] if cut > 0 else pts
-    if len({round(p.tokens) for p in kept}) >= MIN_BUCKETS and len(kept) < len(pts):
-        fit = _wls(kept) or fit
-    a, b = fit
+    inliers = [p for p in pts if abs(p.ms - (fit[0] + fit[1] * p.tokens)) <= cut] if cut > 0 else pts
+    if len({round(p.tokens) for p in inliers}) >= MIN_BUCKETS and len(inliers) < len(pts):
+        kept, fit = inliers, _wls(inliers) or fit
+    a, b = fit if fit[0] >= 0 else (0.0, _through_origin(kept))  # a step never takes negative time
     n = sum(p.n for p in pts)
     err = math.sqrt(sum(p.n * ((p.ms - (a + b * p.tokens)) / max(p.ms, 1e-9)) ** 2 for p in pts) / n)
     return a, max(b, 0.0), err
@@ -89,6 +91,11 @@ def _wls(pts: list[StepCost]) -> tuple[float, float] | None:
         return None
     b = sum(p.n * (p.tokens - mx) * (p.ms - my) for p in pts) / sxx
     return my - b * mx, b
+
+
+def _through_origin(pts: list[StepCost]) -> float:
+    """The slope of the line through the origin (the intercept a free fit puts below zero is clamped to 0)."""
+    return sum(p.n * p.tokens * p.ms for p in pts) / sum(p.n * p.tokens**2 for p in pts)
 
 
 def merge(samples: Iterable[StepCost]) -> dict[tuple[str, int], list[StepCost]]:
@@ -130,7 +137,7 @@ def apply(prior: CostModel, curves: Iterable[Curve]) -> CostModel:
     m = prior
     if (dp := by.get(("dp", 1))) is not None:
         m = dataclasses.replace(
-            m, name=f"fitted ({prior.name} prior)", overhead_ms=max(dp.ms, 0.0), prefill_ms_per_token=dp.ms_per_token,
+            m, name=f"fitted ({prior.name} prior)", overhead_ms=max(dp.ms, MIN_OVERHEAD_MS), prefill_ms_per_token=dp.ms_per_token,
             weight_read_ms=0.0, decode_ms_per_seq=0.0, kv_ms_per_1k_tokens=0.0, prefill_attn_ms_per_mpair=0.0,
             sp_host_ms_per_seq=0.0,
         )  # fmt: skip

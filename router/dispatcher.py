@@ -51,6 +51,7 @@ GATEWAY_GRACE_S = (
 )
 
 DECISION_LOG_LEN = 1000  # entries of flying:router:decisions kept (about; a bind or release is one or two)
+ROUND_RETRY_S = 1.0  # seconds before a round that raised an unexpected error is tried again
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -395,6 +396,14 @@ class Dispatcher:
                 self.leader = False
                 await _sleep_or_stop(stop, backoff)
                 backoff = min(backoff * 2, 2.0)
+                continue
+            except Exception:
+                # a bug in one round (a state the policy did not foresee) is logged, not fatal: every router
+                # reads the same state, so a crash would take the standby down with the leader
+                reraise_if_cancelled()
+                log.exception("router round failed; retrying in %.1f s", ROUND_RETRY_S)
+                self.metrics.round_errors.inc()
+                await _sleep_or_stop(stop, ROUND_RETRY_S)
                 continue
             if down_since is not None:
                 log.warning("redis is back after %.1f s; resuming", time.monotonic() - down_since)

@@ -68,6 +68,10 @@ class RouterMetrics:
             ["kind"], buckets=SWITCH_BUCKETS, registry=r,
         )  # fmt: skip
         self.rounds = Counter("flying_router_rounds", "Policy rounds run while leading", registry=r)
+        self.round_errors = Counter(
+            "flying_router_round_errors", "Rounds that raised an unexpected error (logged; the router goes on)",
+            registry=r,
+        )  # fmt: skip
         self.stalled = Gauge(
             "flying_router_stalled", "1 while requests wait or run and none has been assigned, finished or "
             "re-queued for --stall-s (router.watchdog)", registry=r,

@@ -124,3 +124,15 @@ def test_a_line_over_too_narrow_a_range_of_sizes_is_not_trusted():
     """Decode steps of 1-3 sequences alone say nothing of what a 3,000-token prefill costs: the prior stays."""
     narrow = [StepCost("tp", 2, 50, 1, 30.0), StepCost("tp", 2, 50, 2.5, 36.0)]
     assert line(narrow) is None and not fit(CPU_PRIOR, narrow).curves
+
+
+def test_a_line_whose_free_fit_falls_below_zero_goes_through_the_origin_and_the_planner_still_plans():
+    """Noisy small steps can put a free fit's intercept below zero: a step of nothing would then cost nothing and
+    the planner's rates divide by zero. The line is refitted through the origin, the overhead kept positive."""
+    pts = [StepCost("dp", 1, 10, 4, 0.5), StepCost("dp", 1, 10, 40, 1.0), StepCost("dp", 1, 10, 400, 60.0)]
+    a, b, _ = line(pts)
+    assert a == 0.0 and b > 0
+    m = fit(CPU_PRIOR, pts).cost_model()
+    assert m.group_step_ms(1, 0, 0, 0, 0) > 0
+    d = Demand(engines=2, rate=1.5, prompt=10, output=160)
+    assert choose(m, [1, 2], 1, d, Targets(), 0).width in (1, 2)

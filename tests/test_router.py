@@ -118,6 +118,34 @@ async def test_run_loop_dispatches_new_arrivals_and_stops(aredis, keys):
     assert await aredis.exists(keys.router_lease) == 0, "a clean stop gives the lease back"
 
 
+async def test_a_round_that_raises_is_logged_and_the_router_goes_on(aredis, keys, monkeypatch, caplog):
+    """An unforeseen state makes one round raise: every router reads the same state, so a crash would take the
+    standby down with the leader. The error is logged and counted, and the next round dispatches."""
+    await beat(aredis, keys, 0)
+    d = dispatcher(aredis, keys)
+    monkeypatch.setattr("router.dispatcher.ROUND_RETRY_S", 0.05)
+    real, calls = d.round, []
+
+    async def flaky() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ZeroDivisionError("float division by zero")
+        return await real()
+
+    monkeypatch.setattr(d, "round", flaky)
+    stop = asyncio.Event()
+    task = asyncio.create_task(d.run(stop))
+    await admit(RequestQueue(aredis, keys), 2)
+    for _ in range(200):
+        if d.dispatched == 2:
+            break
+        await asyncio.sleep(0.02)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert d.dispatched == 2 and d.metrics.round_errors._value.get() == 1
+    assert "router round failed" in caplog.text and "ZeroDivisionError" in caplog.text
+
+
 async def test_a_groups_requests_go_to_its_members_in_turn_and_its_load_counts_every_member(aredis, keys):
     """A bound group whose members transform KV: the round sends its requests to both members (each owns and
     streams its own), and the next snapshot counts the group's requests in every member's inflight set (not a DP
