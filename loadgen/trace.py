@@ -1,13 +1,18 @@
-"""Trace replay: arrival times and lengths from a CSV file.
+"""Trace replay: arrival times and lengths from a CSV file, or from Mooncake's JSONL with shared prefixes.
 
 The native columns are ``timestamp,input_tokens,output_tokens[,priority]``. Public traces are mapped by column
 name: ``--trace-columns burstgpt`` / ``azure`` or an explicit ``timestamp=TIMESTAMP,input_tokens=ContextTokens,...``.
 Timestamps may be numbers (seconds, or ``time_unit="ms"``) or ISO date-times; they are made relative to the first.
+
+Mooncake's traces (FAST '25) are JSON lines ``{"timestamp": ms, "input_length": n, "output_length": n, "hash_ids":
+[...]}``, one hash id per :data:`MOONCAKE_BLOCK` prompt tokens, equal ids where prompts share a prefix
+(:func:`read_mooncake`).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -38,6 +43,48 @@ class TraceRow:
     priority: str | None = None
 
 
+MOONCAKE_BLOCK = 512  # prompt tokens per hash id in Mooncake's traces
+
+
+@dataclass(frozen=True)
+class MooncakeRow:
+    at: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...]  # one per MOONCAKE_BLOCK prompt tokens (the last may be partial)
+
+
+def read_mooncake(path: str | Path, speed: float = 1.0, limit: int | None = None) -> list[MooncakeRow]:
+    """Mooncake's JSONL trace, sorted by time, relative to the first request, ``speed`` times faster. Bad lines raise
+    ValueError naming the line."""
+    if speed <= 0:
+        raise ValueError("trace speed must be positive")
+    rows: list[MooncakeRow] = []
+    with open(path) as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                rec = json.loads(text)
+                rows.append(
+                    MooncakeRow(
+                        at=float(rec["timestamp"]) / 1000.0,
+                        input_tokens=_tokens(rec["input_length"], "input_length"),
+                        output_tokens=_tokens(rec["output_length"], "output_length"),
+                        hash_ids=tuple(int(h) for h in rec.get("hash_ids", ())),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"{path}:{line}: {what}") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    rows.sort(key=lambda r: r.at)
+    t0 = rows[0].at
+    rows = [replace(r, at=(r.at - t0) / speed) for r in rows]
+    return rows[:limit] if limit else rows
+
+
 def parse_columns(spec: str) -> TraceColumns:
     """``burstgpt`` | ``azure`` | ``native`` | ``timestamp=A,input_tokens=B,output_tokens=C[,priority=D]``."""
     if spec in PRESETS:
@@ -64,7 +111,7 @@ def _seconds(value: str, time_unit: str) -> float:
     return x / 1000.0 if time_unit == "ms" else x
 
 
-def _tokens(value: str, column: str) -> int:
+def _tokens(value: str | float, column: str) -> int:
     """A token count of at least 1 (a zero-length response still asks for one token); ValueError when negative."""
     n = int(float(value))
     if n < 0:

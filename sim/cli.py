@@ -32,17 +32,24 @@ from flying import cli
 from flying.cost_model import calibration, with_overrides
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.results import finite
-from loadgen.trace import PRESETS, read_trace
+from loadgen.trace import PRESETS, read_mooncake, read_trace
 from router.policy import PolicyConfig
 from sim.config import Mode, SimConfig
 from sim.plots import burst_spans, mode_counts, plot, shift_share
-from sim.prefix_report import prefix_table, ratios, summarize_prefix
+from sim.prefix_report import hit_rate, prefix_table, ratios, summarize_prefix
 from sim.prefix_workload import shared_prefix_workload
 from sim.presets import PRESETS as SYNTHETIC
 from sim.presets import TRACE_COLUMNS, preset_workload, rate_phase
 from sim.seeds import TARGETS, Target, over_seeds, parse_seeds, seeds_table
 from sim.simulator import Simulator
-from sim.workload import BURST_RATE, LOW_RATE, SimRequest, paper_workload, two_level_phase
+from sim.workload import (
+    BURST_RATE,
+    LOW_RATE,
+    SimRequest,
+    mooncake_requests,
+    paper_workload,
+    two_level_phase,
+)
 
 FLAT_SKIP_S = 15.0  # a flat period is a low phase less its first 15 s (the paper's "flat periods", section 6)
 
@@ -53,6 +60,7 @@ def flat_period(t: float, low_s: float, burst_s: float, skip_s: float = FLAT_SKI
 
 
 MODES = ("dp", "tp", "shift", "dynamic")
+MOONCAKE = "mooncake"  # --preset of Mooncake's JSONL traces (loadgen.trace.read_mooncake), with --trace
 LONG_TOKENS = 100_000  # a prompt longer than this is a long-context request (reported apart)
 BUCKET_S = 5.0  # the timeline's bucket
 
@@ -390,9 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--preset",
-        choices=sorted(set(PRESETS) | set(SYNTHETIC)),
+        choices=sorted(set(PRESETS) | set(SYNTHETIC) | {MOONCAKE}),
         default="native",
-        help="with --trace: the trace's column names. Without: a SYNTHETIC workload shaped like a public trace "
+        help="with --trace: the trace's column names (mooncake: Mooncake's JSONL, whose hash_ids are shared "
+        "prefixes). Without: a SYNTHETIC workload shaped like a public trace "
         "(no trace is included): "
         + "; ".join(f"{k}: {v.follows}" for k, v in SYNTHETIC.items())
         + " (see sim/presets.py)",
@@ -474,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} is a share, 0 to 1, got {getattr(a, name)}")
     if "tp" in a.modes.split(",") and (why := tp_width_problem(a.tp_width, a.engines)):
         p.error(why)
+    if a.preset == MOONCAKE and not a.trace:
+        p.error("--preset mooncake reads a trace: give its JSONL file with --trace")
     if a.trace_speed != 1.0 and not a.trace:
         p.error("--trace-speed needs --trace")
     if not a.trace_speed > 0:
@@ -504,11 +515,16 @@ def main(argv: list[str] | None = None) -> int:
         return prefix_main(a, d)
     if a.trace:
         try:
-            columns = PRESETS[TRACE_COLUMNS.get(a.preset, a.preset)]
-            rows = read_trace(a.trace, columns, speed=a.trace_speed, limit=a.requests)
+            if a.preset == MOONCAKE:
+                reqs = mooncake_requests(read_mooncake(a.trace, speed=a.trace_speed, limit=a.requests))
+            else:
+                columns = PRESETS[TRACE_COLUMNS.get(a.preset, a.preset)]
+                rows = read_trace(a.trace, columns, speed=a.trace_speed, limit=a.requests)
+                reqs = [
+                    SimRequest(r.at, r.priority or "normal", r.input_tokens, r.output_tokens) for r in rows
+                ]
         except (OSError, ValueError) as e:
             p.error(f"--trace: {e}")
-        reqs = [SimRequest(r.at, r.priority or "normal", r.input_tokens, r.output_tokens) for r in rows]
         phase = rate_phase([r.at for r in reqs])
         flat = lambda t: False  # noqa: E731
     elif a.preset in SYNTHETIC:
@@ -544,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         sim = sims[mode] = Simulator(dataclasses.replace(base, mode=mode), reqs)
         records = sim.run()
-        summary[mode] = summarize(records, phase, flat)
+        summary[mode] = summarize(records, phase, flat) | {"hit_rate": hit_rate(sim, records)}
         series[mode] = timeseries(records, BUCKET_S)
         print(f"{mode}: {len(records)} requests simulated in {time.perf_counter() - t0:.1f} s "
               f"({len(sim.log)} policy notes)", flush=True)  # fmt: skip
@@ -552,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
             (a.out / "dynamic-policy.log").write_text("".join(f"{t:9.3f} {n}\n" for t, n in sim.log))
             moves = transform_report(sim)
     report = [table(summary), ""]
+    if any(r.blocks for r in reqs):  # (a workload with shared prefixes)
+        hits = ", ".join(f"{system_name(m)} {v['hit_rate']:.3f}" for m, v in summary.items())
+        report += [f"- prefix-cache hit rate (prompt tokens cached at start / served): {hits}", ""]
     if (a.trace or a.preset in SYNTHETIC) and "dynamic" in summary and len(summary) > 1:
         report += versus_best(summary)
     elif "dynamic" in summary:

@@ -104,7 +104,7 @@ class Unit:
         self.sim, self.width, self.kv_cap, self.merged, self.on_idle = sim, width, kv_cap, merged, on_idle
         self.shift = shift
         self.sp_threshold = sp_threshold  # a bound group: prefill steps of at least this many tokens run SP
-        self.cache = cache  # a DP engine's prefix cache (a group's requests bypass it)
+        self.cache = cache  # its prefix cache (a DP engine's; a bound group's requests bypass their members')
         # a shift scheduler runs as much per GPU as a DP engine; a bound group's SP steps batch a DP engine's chunk
         # per member (each member runs 1/width of the step's tokens)
         scale = width if shift or sp_threshold else 1
@@ -427,7 +427,11 @@ def kv_in_use(r: Req) -> int:
 
 
 class SimGroup:
-    def __init__(self, sim: Host, bind: Bind, merged: bool, shift: bool = False) -> None:
+    """A bound group (or a static TP or shift scheduler). ``cache``: it keeps a prefix cache of its own over its
+    TP layout (static TP and Shift Parallelism, whose engines cache prefixes in TP as in DP); without it its
+    requests bypass the members' caches, as a bound group's do on the workers."""
+
+    def __init__(self, sim: Host, bind: Bind, merged: bool, shift: bool = False, cache: bool = False) -> None:
         self.sim, self.epoch, self.members = sim, bind.epoch, bind.members
         self.leader = bind.members[0]
         engines = [sim.engines[m] for m in self.members]
@@ -444,8 +448,9 @@ class SimGroup:
         cap = len(self.members) * sim.kv_per_engine - paused_kv - parked_kv
         threshold = sim.cfg.sp_threshold if bind.sp_threshold is None else bind.sp_threshold
         self.unit = Unit(
-            sim, len(self.members), cap, merged, self.boundary, shift, sp_threshold=threshold * merged
-        )
+            sim, len(self.members), cap, merged, self.boundary, shift,
+            cache=PrefixCache() if cache else None, sp_threshold=threshold * merged,
+        )  # fmt: skip
         self.release_asked = self.retract = self.scatter = self.park = False
         self.formed = False
         self.transform_ms = 0.0

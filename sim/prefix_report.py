@@ -10,18 +10,23 @@ from sim.simulator import Simulator
 Rows = dict[tuple[str, str], dict]  # (system, dispatch rule) -> summarize_prefix
 
 
+def hit_rate(sim: Simulator, records: list[RequestRecord]) -> float:
+    """Prompt tokens the prefix caches held when the served requests started, over their prompt tokens."""
+    served = [q for q, r in zip(sim.reqs, records) if r.ok]
+    return sum(q.cached for q in served) / max(1, sum(q.spec.prompt for q in served))
+
+
 def summarize_prefix(sim: Simulator, records: list[RequestRecord]) -> dict:
     """Hit rate: prompt tokens the engines' prefix caches held when their requests started, over all prompt tokens
     served; throughput: output tokens per second from the first arrival to the last finish; by rule: the share of
     DP dispatches each rule placed (router.policy.DpRule)."""
     ok = [r for r in records if r.ok]
-    served = [q for q, r in zip(sim.reqs, records) if r.ok]
     ttft = stats([r.ttft * 1000 for r in ok])
     span = max((r.end for r in ok), default=0.0) - min((r.sent_at for r in ok), default=0.0)
     n = max(1, sum(sim.dp_rules.values()))
     return {
         "served": len(ok),
-        "hit_rate": sum(q.cached for q in served) / max(1, sum(q.spec.prompt for q in served)),
+        "hit_rate": hit_rate(sim, records),
         "ttft_p50_ms": ttft["p50"],
         "ttft_p90_ms": ttft["p90"],
         "tokens_per_s": sum(r.output_tokens for r in ok) / span if span > 0 else math.nan,

@@ -27,7 +27,9 @@ Static baselines run the same machinery: ``dp`` with every use case off, ``tp`` 
 (unmerged) group of ``tp_width``. ``shift`` is Shift Parallelism (seed 001): one permanent scheduler over all the
 engines whose every step runs in sequence parallelism, or in full TP when it batches at most ``shift_threshold``
 tokens (:meth:`flying.cost_model.CostModel.shift_step_ms`), with as many running requests and prefill tokens per
-step per GPU as a DP engine and the KV that the second, TP-sharded weight copy leaves.
+step per GPU as a DP engine and the KV that the second, TP-sharded weight copy leaves. Both keep a prefix cache
+of their own (their engines cache prefixes in TP as in DP); a dynamic run's bound groups do not (the workers' do
+not yet).
 
 For pictures the simulator records each engine's mode whenever it changes (:attr:`Simulator.track`:
 ``dp``, ``binding``, ``tp<width>``, ``releasing``, with the paused DP requests), the router's bind and release
@@ -423,7 +425,7 @@ class Simulator:
             epoch = next(self.epochs)
             members = tuple(range(start, start + w))
             b = Bind(epoch=epoch, members=members)
-            g = SimGroup(self, b, merged=False, shift=shift)
+            g = SimGroup(self, b, merged=False, shift=shift, cache=True)
             g.formed = True
             for m in members:
                 self.engines[m].group = g

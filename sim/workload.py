@@ -1,6 +1,7 @@
 """The simulator's workloads: :class:`SimRequest` (one request of a trace) and the paper's synthetic two-level
 workload (:func:`paper_workload`; :func:`two_level_phase` says which phase a time falls in). The shared-prefix
-workload is :mod:`sim.prefix_workload`; a CSV trace is read by :mod:`loadgen.trace`."""
+workload is :mod:`sim.prefix_workload`; a CSV trace is read by :mod:`loadgen.trace`, and so is Mooncake's JSONL,
+whose shared prefixes :func:`mooncake_requests` turns into block chains."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flying.prefix import BLOCK
+from loadgen.trace import MOONCAKE_BLOCK, MooncakeRow
 
 
 @dataclass(frozen=True)
@@ -74,4 +76,31 @@ def paper_workload(
                 output=int(rng.integers(output_tokens[0], output_tokens[1] + 1)),
             )
         )
+    return out
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: distinct 64-bit block ids from distinct integers."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def mooncake_requests(rows: list[MooncakeRow]) -> list[SimRequest]:
+    """Mooncake's rows as requests whose chains share what their hash ids share: each id covers
+    ``MOONCAKE_BLOCK / BLOCK`` of our blocks, one distinct id for each; the answer's blocks are the request's own."""
+    per = MOONCAKE_BLOCK // BLOCK
+    out = []
+    for i, r in enumerate(rows):
+        ids, total = r.hash_ids, (r.input_tokens + r.output_tokens) // BLOCK
+        chain = [
+            _mix(ids[b // per] * per + b % per) if b < r.input_tokens // BLOCK and b // per < len(ids)
+            else _mix((1 << 62) | (i << 20) | b)  # (a block of its own: the answer's, or past the trace's ids)
+            for b in range(total)
+        ]  # fmt: skip
+        out.append(SimRequest(r.at, "normal", r.input_tokens, r.output_tokens, blocks=tuple(chain)))
     return out

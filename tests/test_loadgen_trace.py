@@ -1,6 +1,6 @@
 import pytest
 
-from loadgen.trace import PRESETS, TraceColumns, parse_columns, read_trace
+from loadgen.trace import PRESETS, TraceColumns, parse_columns, read_mooncake, read_trace
 
 
 def write(tmp_path, text, name="t.csv"):
@@ -70,3 +70,25 @@ def test_an_unknown_priority_or_a_negative_token_count_names_the_row(tmp_path):
         read_trace(write(tmp_path, head + "0,5,-5,\n"))
     with pytest.raises(ValueError, match="t.csv:2: "):
         read_trace(write(tmp_path, head + "0,inf,5,\n"))
+
+
+def test_a_mooncake_trace_is_read_in_seconds_sorted_relative_with_its_hash_ids(tmp_path):
+    p = write(
+        tmp_path,
+        '{"timestamp": 2500, "input_length": 600, "output_length": 3, "hash_ids": [0, 2]}\n\n'
+        '{"timestamp": 1500, "input_length": 700, "output_length": 0, "hash_ids": [0, 1]}\n',
+        "m.jsonl",
+    )
+    rows = read_mooncake(p, speed=2.0)
+    assert [(r.at, r.input_tokens, r.output_tokens, r.hash_ids) for r in rows] == [
+        (0.0, 700, 1, (0, 1)),
+        (0.5, 600, 3, (0, 2)),
+    ]
+
+
+def test_a_bad_mooncake_line_is_named(tmp_path):
+    p = write(
+        tmp_path, '{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1}\n', "m.jsonl"
+    )
+    with pytest.raises(ValueError, match=r"m.jsonl:2: missing 'input_length'"):
+        read_mooncake(p)

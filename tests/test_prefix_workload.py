@@ -23,3 +23,15 @@ def test_no_system_prompts_means_nothing_shared():
     reqs = shared_prefix_workload(100, seed=1, system_prompts=0, system_tokens=10 * BLOCK)
     blocks = [h for r in reqs for h in r.blocks]
     assert len(blocks) == len(set(blocks)) and all(r.prompt >= 10 * BLOCK for r in reqs)
+
+
+def test_mooncake_rows_share_blocks_where_their_hash_ids_do_and_nothing_else():
+    from loadgen.trace import MOONCAKE_BLOCK, MooncakeRow
+    from sim.workload import mooncake_requests
+
+    per = MOONCAKE_BLOCK // BLOCK
+    a, b = mooncake_requests([MooncakeRow(0.0, 1100, 100, (5, 6, 7)), MooncakeRow(1.0, 1500, 10, (5, 6, 9))])
+    assert len(a.prompt_blocks) == 1100 // BLOCK and len(a.blocks) == 1200 // BLOCK
+    assert a.prompt_blocks[: 2 * per] == b.prompt_blocks[: 2 * per], "ids 5 and 6: 1,024 shared tokens"
+    assert not set(a.blocks[2 * per :]) & set(b.blocks), "the rest is each one's own"
+    assert len(set(a.blocks)) == len(a.blocks)

@@ -451,7 +451,7 @@ def test_shift_is_one_scheduler_over_every_engine_with_the_kv_its_weight_copy_le
 # --- prefix caches and cache-aware dispatch (issue 16) --------------------------------------------------------
 
 
-def test_a_cached_prefix_is_not_prefilled_again_and_a_tp_group_bypasses_the_cache():
+def test_a_cached_prefix_is_not_prefilled_again_static_groups_cache_their_own_and_a_bound_group_bypasses():
     from flying.prefix import BLOCK, block_hashes
 
     shared = list(range(20 * BLOCK))
@@ -463,9 +463,14 @@ def test_a_cached_prefix_is_not_prefilled_again_and_a_tp_group_bypasses_the_cach
     first, second = dp.run()
     assert [r.cached for r in dp.reqs] == [0, 20 * BLOCK], "the second finds the first's 20 shared blocks"
     assert second.ttft < first.ttft / 3
-    tp = Simulator(SimConfig(engines=2, mode="tp"), reqs)
-    tp.run()
-    assert [r.cached for r in tp.reqs] == [0, 0], "a group's requests prefill in full"
+    for mode in ("tp", "shift"):  # their engines cache prefixes in the TP layout too
+        static = Simulator(SimConfig(engines=2, mode=mode), reqs)
+        static.run()
+        assert [r.cached for r in static.reqs] == [0, 20 * BLOCK], mode
+    dynamic = Simulator(SimConfig(engines=2, mode="dynamic"), reqs)
+    dynamic.run()
+    assert [r.epoch > 0 for r in dynamic.reqs] == [True, True], "idle: both served by a bound group"
+    assert [r.cached for r in dynamic.reqs] == [0, 0], "a bound group's requests prefill in full"
 
 
 def test_a_groups_kv_demand_evicts_its_members_cached_prefixes_and_nothing_more():
@@ -510,6 +515,28 @@ def test_flying_sim_compares_dispatch_rules_on_the_shared_prefix_workload(tmp_pa
     assert all(s["served"] == 120 for s in summary.values())
     assert "| static DP | cache-aware |" in (tmp_path / "table.md").read_text()
     assert "cache-aware / least-loaded TTFT p50" in capsys.readouterr().out
+
+
+def test_flying_sim_replays_a_mooncake_trace_and_reports_hit_rates(tmp_path, capsys):
+    """Mooncake's JSONL: requests whose hash ids repeat share their prefix blocks, so a cache hits them."""
+    import json
+
+    from sim.cli import main
+
+    lines = [
+        {"timestamp": 1000 * i, "input_length": 1100, "output_length": 20, "hash_ids": [7, 8, 100 + i]}
+        for i in range(6)
+    ]
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    argv = ["--trace", str(trace), "--preset", "mooncake", "--modes", "dp,shift", "--engines", "2", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    # the first request on each engine computes blocks 7 and 8 (1,024 tokens); the others find them
+    assert 0.5 < summary["dp"]["hit_rate"] < 1024 / 1100 and summary["shift"]["hit_rate"] == pytest.approx(
+        5 * 1024 / (6 * 1100)
+    )
+    assert "prefix-cache hit rate" in capsys.readouterr().out
 
 
 def test_a_sim_config_names_what_is_out_of_range():
