@@ -311,6 +311,9 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     prompt_rate: float = 0.0  # ... their prompt tokens per second
     output_rate: float = 0.0  # ... their max_tokens per second
     high_rate: float = 0.0  # ... high-priority admissions per second
+    dispatched_rate: float = 0.0  # prompt tokens dispatched per second ...
+    reused_rate: float = 0.0  # ... and those a prefix cache of their node could have held (router.reuse)
+    reuse: tuple[int, int] = (0, 0)  # the router's (dispatched, reused) counters at rate_ts
     rate_ts: float = 0.0  # when the rates were last updated (0: never)
     admitted: int = (
         0  # the counters (``flying:stats`` admitted, admitted_prompt_tokens, admitted_output_tokens,

@@ -31,6 +31,7 @@ from flying.messages import (
 )
 from router.planner import Choice, Demand
 from router.prefix_index import PrefixIndex
+from router.reuse import Reuse
 
 # why a DP dispatch went where it did: followed its prefix; least loaded because dispatch is least-loaded, the
 # request has no chain, no engine holds cache_threshold of it, or loads are out of balance (metrics label values)
@@ -190,6 +191,8 @@ class PlanNote:
         d, w = self.demand, self.plan.width
         what = "back to DP" if w == 1 else f"load groups of width {w}"
         mix = f"{d.rate:.1f} req/s of {d.prompt:.0f}/{d.output:.0f} tokens, {d.backlog:.0f} queued"
+        if d.dp_cached:
+            mix += f", {d.dp_cached:.0%} of prompts cached in DP"
         return f"node {self.node}: {what} ({self.plan}; {mix})"
 
 
@@ -319,10 +322,13 @@ class Plan:
         epochs = iter(g.epoch for g in self.binds)  # a round's bind notes are in the order of its binds
         return [log_entry(n, ts, next(epochs) if isinstance(n, BindNote) else 0) for n in self.events]
 
-    def record_prefixes(self, prefixes: PrefixIndex) -> None:
-        """The DP dispatches' prompts enter the engines' prefix caches: record them in the caller's index."""
+    def record_prefixes(self, prefixes: PrefixIndex, reuse: Reuse) -> None:
+        """The DP dispatches' prompts enter the engines' prefix caches: record them in the caller's index; every
+        dispatch's prompt counts in what repeats (:mod:`router.reuse`)."""
         for x in self.dp_dispatches:
             prefixes.record(x.engine, x.request.chain)
+        for x in self.dispatches:
+            reuse.observe(x.engine, x.request.chain, x.request.prompt_tokens)
 
 
 def log_entry(note: Note, ts: float, epoch: int = 0) -> DecisionEvent:

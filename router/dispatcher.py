@@ -43,6 +43,7 @@ from router.parking import counts_toward
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
 from router.probe import Prober
+from router.reuse import Reuse
 from router.watchdog import MOVES, Change, Progress, Watchdog
 
 log = logging.getLogger("flying.router")
@@ -83,6 +84,7 @@ class Dispatcher:
         self._fast_written, self._fast_at = b"", 0.0  # the fast-path targets last published, and when
         self.dispatched = 0
         self.prefixes = PrefixIndex()  # what each engine's prefix cache probably holds (cache-aware dispatch)
+        self.reuse = Reuse()  # how much of the dispatched prompts repeats (the planner's DP hit share)
         self.metrics = RouterMetrics()
         probe = BreakerSettings(probe_timeout_s=config.breaker_probe_timeout_s)
         self.breakers = RouterBreakers(Breakers(client, self.keys, probe))  # engines left out while failing
@@ -164,6 +166,7 @@ class Dispatcher:
         views = [EngineView.from_heartbeat(hb, counts[hb.engine]) for hb in beats]
         devices = [hb.device for hb in beats]
         cost = await self._fit_costs(beats, devices)
+        self.reuse.sync(views)
         if forgotten := self.prefixes.sync(views):
             log.info("engines %s: prefix cache index forgotten (restarted or gone)", forgotten)
         parked = {v.engine: v.parked for v in views}  # (before the breakers: an open one still holds its KV)
@@ -183,6 +186,7 @@ class Dispatcher:
             cost=cost,
             sp_threshold=sp_threshold(self.config.policy.sp_threshold, beats),
             prefixes=self.prefixes,
+            reuse=self.reuse.counters,
             held=parked,
             suspect_holders=await self._suspect_holders(suspects, where),
         )
@@ -270,7 +274,7 @@ class Dispatcher:
             await control.send_async(self.r, k, members, cmd)
         moves = [(x.request, x.engine, x.url, x.epoch) for x in p.dispatches]
         assigned = await self.queue.assign_many(moves)
-        p.record_prefixes(self.prefixes)
+        p.record_prefixes(self.prefixes, self.reuse)
         self.dispatched += assigned
         if moves:
             _log_dispatches(p.dispatches, assigned)

@@ -29,7 +29,9 @@ class Demand:
     """What one node must serve: measured arrivals (``rate`` per second, their mean ``prompt`` and ``output``
     tokens, ``high_share`` of them high priority) and the work it holds now (``backlog``: prompt tokens not yet
     prefilled, queued or on its engines, in ``waiting`` requests; ``decoding``: running sequences), over
-    ``engines`` engines."""
+    ``engines`` engines; ``dp_cached``: the share of prompt tokens DP's prefix caches would hold (the prompts'
+    measured repetition, router.reuse: a DP engine prefills the rest; a group, whose requests bypass the caches,
+    all of it)."""
 
     engines: int
     rate: float
@@ -39,6 +41,9 @@ class Demand:
     decoding: float = 0.0
     waiting: float = 0.0  # (0 with a backlog: as many as the mean prompt makes of it)
     high_share: float = 0.0
+    dp_cached: float = (
+        0.0  # share of the prompt tokens DP's prefix caches hold (groups hold none: prefill in full)
+    )
 
 
 @dataclass(frozen=True)
@@ -80,17 +85,21 @@ def forecast(
     sp = width > 1 and sp_threshold > 0
     chunk = cost.chunk_tokens * (width if sp else 1)
     cap = cost.max_running * (width if sp else 1)
-    prompt, output = max(d.prompt, 1.0), max(d.output, 1.0)
-    ctx = prompt + output / 2  # a decoding sequence's mean context
+    whole, output = max(d.prompt, 1.0), max(d.output, 1.0)
+    ctx = whole + output / 2  # a decoding sequence's mean context
+    # the tokens a request prefills: in DP what its engine's prefix cache does not hold; a group prefills it all
+    prompt = max(whole * (1.0 - d.dp_cached), 1.0) if width == 1 else whole
+    pairs = prompt * (whole - prompt / 2)  # (query, key) pairs of one prefill: after the cached part, causal
 
     def step_s(p: float, b: float) -> float:
-        return cost.group_step_ms(width, sp_threshold, p, b, b * ctx, p * prompt / 2) / 1000
+        return cost.group_step_ms(width, sp_threshold, p, b, b * ctx, p / prompt * pairs) / 1000
 
-    inflow = d.rate / units * prompt  # prompt tokens arriving per second at one unit
+    inflow = d.rate / units * prompt  # prompt tokens to prefill arriving per second at one unit
     # prompt tokens to prefill (a request prefills on one unit: a backlog of k requests keeps at most k busy) and
     # decoding sequences
-    waiting = d.waiting if d.waiting > 0 else d.backlog / prompt
-    x, b = d.backlog / min(units, max(1.0, waiting)), min(d.decoding / units, cap)
+    waiting = d.waiting if d.waiting > 0 else d.backlog / whole
+    backlog = d.backlog * prompt / whole
+    x, b = backlog / min(units, max(1.0, waiting)), min(d.decoding / units, cap)
     stall = stall_ms / 1000
     waited = (x + inflow * stall / 2) / prompt * stall  # request-seconds spent waiting for a first token
     x += inflow * stall
@@ -132,7 +141,7 @@ def forecast(
         waited += (inflow * step / 2 + (x + grow * left / 2)) / prompt * left
         run(left, step, p / step * left)
         x += grow * left
-    one = cost.group_step_ms(width, sp_threshold, prompt, b, b * ctx, prompt * prompt / 2)
+    one = cost.group_step_ms(width, sp_threshold, prompt, b, b * ctx, pairs)
     full = step_s(chunk, b)
     drain_s = x / chunk * full  # what is left at the horizon still waits for its backlog to drain
     waited += x / prompt * drain_s / 2

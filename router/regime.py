@@ -36,15 +36,20 @@ def ewma(old: float, count: float, was: float, dt: float, tau: float) -> float:
 
 def measure(state: RouterState, s: Snapshot, tau: float) -> RouterState:
     """The admission rate (requests/s), prompt and output tokens/s and high-priority requests/s, from the counters
-    in ``s``. A counter that went back (Redis flushed) restarts the count."""
+    in ``s``; and the prompt tokens dispatched and how many of them repeat (:mod:`router.reuse`). A counter that
+    went back (Redis flushed, another router took over) restarts the count."""
     dt = max(0.0, s.now - state.rate_ts) if state.rate_ts else 0.0
     if not state.rate_ts or s.admitted < state.admitted:
         state = msgspec.structs.replace(
             state, admitted=s.admitted, prompt_tokens=s.prompt_tokens, output_tokens=s.output_tokens,
             high=s.admitted_high,
         )  # fmt: skip
+    was = state.reuse if s.reuse[0] >= state.reuse[0] else (0, 0)
     return msgspec.structs.replace(
         state,
+        dispatched_rate=ewma(state.dispatched_rate, s.reuse[0], was[0], dt, tau),
+        reused_rate=ewma(state.reused_rate, s.reuse[1], was[1], dt, tau),
+        reuse=s.reuse,
         rate=ewma(state.rate, s.admitted, state.admitted, dt, tau),
         prompt_rate=ewma(state.prompt_rate, s.prompt_tokens, state.prompt_tokens, dt, tau),
         output_rate=ewma(state.output_rate, s.output_tokens, state.output_tokens, dt, tau),
@@ -69,6 +74,12 @@ def forming(groups: Iterable[Group], now: float, ack_timeout_s: float) -> bool:
         )
         for g in groups
     )
+
+
+def reuse_share(st: RouterState) -> float:
+    """The share of the recent prompt tokens a prefix cache could hold (0 before any was measured). Without
+    dispatches both rates decay alike: the share stays the last measured one."""
+    return min(1.0, st.reused_rate / st.dispatched_rate) if st.dispatched_rate > 1e-9 else 0.0
 
 
 def token_mix(st: RouterState) -> tuple[float, float]:
@@ -104,6 +115,7 @@ def node_demand(rnd: Round, engines: list[int], queued: tuple[float, float]) -> 
         waiting=queued[1] * share + waiting,
         decoding=running,
         high_share=min(1.0, st.high_rate / rate) if rate > 1e-6 else 0.0,
+        dp_cached=reuse_share(st),
     )
 
 

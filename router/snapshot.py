@@ -37,6 +37,8 @@ class Snapshot:
     cost: CostModel = H200_LLAMA70B  # the engines' step times, as the planner predicts them
     sp_threshold: int = 256  # the workers' SP threshold (batched tokens), where binds do not set one
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # read only: the caller syncs and records
+    # (prompt tokens dispatched, those a cache of their node could have held) since the router started (router.reuse)
+    reuse: tuple[int, int] = (0, 0)
     # engine -> the parked epochs it holds, for every live engine, a dispatchable one or not (None: ``engines``')
     held: Mapping[int, tuple[int, ...]] | None = None
     probe: Mapping[str, int] = field(default_factory=dict)  # node -> the width an idle probe plans it at

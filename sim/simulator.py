@@ -53,6 +53,7 @@ from loadgen.metrics import RequestRecord
 from router.decision import Decision, ReleaseCause, plan
 from router.policy import GroupLoad, Snapshot, decide
 from router.prefix_index import PrefixIndex
+from router.reuse import Reuse
 from sim.config import Mode, SimConfig
 from sim.engine import Engine, Req, SimGroup, kv_in_use
 from sim.workload import SimRequest
@@ -102,6 +103,7 @@ class Simulator:
         self.records: dict[int, Group] = {}  # "Redis": the router's group records
         self.state = RouterState(busy=True)
         self.prefixes = PrefixIndex()  # the router's mirror of the engines' prefix caches
+        self.reuse = Reuse()  # the router's measure of how much of the prompts repeats
         self.dp_rules: collections.Counter[str] = collections.Counter()  # DP dispatches by Dispatch.rule
         self.epochs = itertools.count(1)
         self.groups: dict[int, SimGroup] = {}
@@ -265,6 +267,7 @@ class Simulator:
         ]
         engines = [e.view() for e in self.engines]
         self.prefixes.sync(engines)
+        self.reuse.sync(engines)
         return Snapshot(
             now=self.now,
             waiting=waiting,
@@ -278,6 +281,7 @@ class Simulator:
             output_tokens=self.admitted_tokens[1],
             admitted_high=self.admitted_high,
             prefixes=self.prefixes,
+            reuse=self.reuse.counters,
             cost=self.cfg.cost,
             sp_threshold=self.policy.sp_threshold
             if self.policy.sp_threshold is not None
@@ -309,7 +313,7 @@ class Simulator:
                 assert not lacking, f"{cmd} sent to {members}, but {lacking} cannot transform KV"
             for m in members:
                 self.at(self.now + self.cfg.command_ms / 1000, self.engines[m].command, cmd)
-        p.record_prefixes(self.prefixes)
+        p.record_prefixes(self.prefixes, self.reuse)
         for x in p.dispatches:
             r = self.queue[PRIORITY_CLASS[x.request.priority]].pop(x.request.id)
             assert r.i not in self.dispatched, f"request {r.i} dispatched twice"

@@ -26,6 +26,16 @@ def test_a_prefill_heavy_burst_keeps_a_wide_sp_group():
     assert choose(H200, WIDTHS, 8, d, T, sp_threshold=256).width == 8
 
 
+def test_prompts_that_dps_prefix_caches_hold_keep_dp_where_groups_would_prefill_them_in_full():
+    """Long prompts that repeat: DP prefills a tenth of each; a group, whose requests bypass the caches, all."""
+    d = Demand(engines=8, rate=6.0, prompt=8000, output=200, decoding=16)
+    assert choose(H200, WIDTHS, 1, d, T, sp_threshold=256).width == 8
+    cached = Demand(engines=8, rate=6.0, prompt=8000, output=200, decoding=16, dp_cached=0.9)
+    c = choose(H200, WIDTHS, 1, cached, T, sp_threshold=256)
+    assert c.width == 1 and c.best.ttft_ms < forecast(H200, 1, d, T, 256).ttft_ms / 2
+    assert forecast(H200, 8, cached, T, 256) == forecast(H200, 8, d, T, 256)
+
+
 def test_a_high_share_of_high_priority_weighs_its_own_ttft():
     d = Demand(engines=8, rate=2.0, prompt=2000, output=64, high_share=0.5)
     f1 = forecast(H200, 1, d, T, 256)

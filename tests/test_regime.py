@@ -8,7 +8,16 @@ from flying.messages import Group, QueuedRequest, RouterState
 from router.config import PolicyConfig
 from router.decision import PlanNote
 from router.engine_view import EngineView
-from router.regime import PLAN_EVERY_S, ewma, forming, measure, node_demand, queued_work, update
+from router.regime import (
+    PLAN_EVERY_S,
+    ewma,
+    forming,
+    measure,
+    node_demand,
+    queued_work,
+    reuse_share,
+    update,
+)
 from router.round import Round
 from router.snapshot import Snapshot
 
@@ -99,3 +108,18 @@ def test_a_load_group_binding_at_the_next_step_boundary_is_forming():
     g = Group(epoch=1, members=(0, 1), reason="load", preempt="hard", state="binding", since=99.5)
     assert forming([g], 100.0, ack_timeout_s=2.0)
     assert not forming([g], 102.0, ack_timeout_s=2.0)
+
+
+def test_the_demand_carries_the_share_of_dispatched_prompt_tokens_that_repeats():
+    st = measure(RouterState(), snap(reuse=(10_000, 0)), tau=5.0)
+    st = measure(st, snap(now=101.0, reuse=(20_000, 8_000)), tau=5.0)
+    st = measure(st, snap(now=102.0, reuse=(30_000, 16_000)), tau=5.0)
+    share = reuse_share(st)
+    assert 0.5 < share < 0.8, "(the first 10,000 tokens repeated nothing)"
+    es = engines()
+    rnd = Round(snap(es=es, state=st), CFG)
+    assert node_demand(rnd, [e.engine for e in es], queued_work(rnd.s)).dp_cached == share
+    quiet = measure(st, snap(now=130.0, reuse=(30_000, 16_000)), tau=5.0)
+    assert math.isclose(reuse_share(quiet), share), "no dispatches: the share is the last measured"
+    restarted = measure(st, snap(now=103.0, reuse=(1_000, 1_000)), tau=5.0)
+    assert reuse_share(restarted) > share, "counters that went back (another router) count from zero"
