@@ -34,9 +34,18 @@ async def beat(r: aioredis.Redis, keys: Keys, n: int) -> None:
     they stay live for the run)."""
     pipe = r.pipeline(transaction=False)
     for e in range(n):
-        hb = Heartbeat(engine=e, url=f"http://10.0.{e // PER_NODE}.{e % PER_NODE}:30000", pid=1, model="m",
-                       launch_id=f"L{e}", free_kv_tokens=200_000, max_total_tokens=200_000, context_len=8192,
-                       num_engines=PER_NODE, ts=time.time())  # fmt: skip
+        hb = Heartbeat(
+            engine=e,
+            url=f"http://10.0.{e // PER_NODE}.{e % PER_NODE}:30000",
+            pid=1,
+            model="m",
+            launch_id=f"L{e}",
+            free_kv_tokens=200_000,
+            max_total_tokens=200_000,
+            context_len=8192,
+            num_engines=PER_NODE,
+            ts=time.time(),
+        )
         pipe.set(keys.worker(e), encode(hb))
         pipe.set(keys.ready(e), f"L{e}")
         pipe.sadd(keys.workers, e)
@@ -58,7 +67,7 @@ async def keep_backlog(q: RequestQueue, r: aioredis.Redis, keys: Keys, stop: asy
                 max_tokens=128,
                 gateway="bench",
                 enqueued_at=time.time(),
-            )  # fmt: skip
+            )
             for i in range(max(0, min(missing, 500)))
         ]
         await asyncio.gather(*(q.admit(x) for x in batch))
@@ -81,8 +90,17 @@ async def one_size(server: RedisServer, n_engines: int, seconds: float) -> tuple
     stop = asyncio.Event()
     producer = asyncio.create_task(keep_backlog(q, r, keys, stop))
     await asyncio.sleep(0.5)  # a backlog before the router starts
-    cmd = [sys.executable, "-m", "router.main", "--redis-url", redis_url, "--metrics-port", "0",
-           "--max-inflight-per-worker", "1000000"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "router.main",
+        "--redis-url",
+        redis_url,
+        "--metrics-port",
+        "0",
+        "--max-inflight-per-worker",
+        "1000000",
+    ]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     router = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -64,18 +64,37 @@ def gateway_stack(
             proc, url = start_process(tmp / f"engine{e}.log", ttft_ms=ttft_ms, itl_ms=0)
             procs.append(proc)
             fakes.append((proc, url))
-            hb = HeartbeatPublisher(HeartbeatConfig(engine=e, url=url, model="tiny-llama", redis_url=server.url, launch_id="L"))  # fmt: skip
-            hb.beat(context_len=4096, max_total_tokens=max_total_tokens, free_kv_tokens=max_total_tokens, num_engines=engines)  # fmt: skip
+            hb = HeartbeatPublisher(
+                HeartbeatConfig(engine=e, url=url, model="tiny-llama", redis_url=server.url, launch_id="L")
+            )
+            hb.beat(
+                context_len=4096,
+                max_total_tokens=max_total_tokens,
+                free_kv_tokens=max_total_tokens,
+                num_engines=engines,
+            )
             hb.start()
             beats.append(hb)
             threading.Thread(
                 target=launch.keep_ready, args=(r, keys.ready(e), "L", proc), daemon=True
             ).start()
         common = ["--redis-url", server.url]
-        router = spawn([sys.executable, "-m", "router.main", *common, "--manual", *router_args], tmp / "router.log")  # fmt: skip
+        router = spawn(
+            [sys.executable, "-m", "router.main", *common, "--manual", *router_args], tmp / "router.log"
+        )
         procs.insert(0, router)
         port = free_port()
-        gw_cmd = [sys.executable, "-m", "gateway.main", *common, "--model-path", str(model), "--port", str(port), *gateway_args]  # fmt: skip
+        gw_cmd = [
+            sys.executable,
+            "-m",
+            "gateway.main",
+            *common,
+            "--model-path",
+            str(model),
+            "--port",
+            str(port),
+            *gateway_args,
+        ]
         gateway = spawn(gw_cmd, tmp / "gateway.log")
         procs.insert(0, gateway)
         stack = GatewayStack(tmp, server, router, gateway, port, fakes)

@@ -59,8 +59,18 @@ def _proxy(listen: int, upstream: int, delay_s: float) -> None:
 
 
 def gateway(port: int, redis_url: str, model: Path, log: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gateway.main", "--redis-url", redis_url, "--model-path", str(model),
-           "--port", str(port), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.main",
+        "--redis-url",
+        redis_url,
+        "--model-path",
+        str(model),
+        "--port",
+        str(port),
+        *extra,
+    ]
     return spawn(cmd, log)
 
 

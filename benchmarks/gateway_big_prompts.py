@@ -96,8 +96,10 @@ def main() -> None:
             wait_healthy(gw, url, 60)
             for k in range(a.rounds):
                 bigs, times = asyncio.run(one_round(url, body, a.bodies, probes=8 * a.bodies // 3 + 4))
-                print(f"round {k + 1}: big requests (status, s) {bigs}; /health max {max(times) * 1000:.0f} ms, "
-                      f"median {statistics.median(times) * 1000:.1f} ms")  # fmt: skip
+                print(
+                    f"round {k + 1}: big requests (status, s) {bigs}; /health max {max(times) * 1000:.0f} ms, "
+                    f"median {statistics.median(times) * 1000:.1f} ms"
+                )
         finally:
             stop(gw)
     finally:

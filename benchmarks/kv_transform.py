@@ -113,8 +113,13 @@ def live(cycles: int) -> list[str]:
     from worker_ext.tinymodel import ensure
 
     model = ensure(Path(".flying/test-model"), seed=0)
-    cfg = ClusterConfig(model_path=model, num_engines=2, log_dir=Path(".flying/bench-kv-transform"),
-                        max_total_tokens=8192, router_args=("--manual",))  # fmt: skip
+    cfg = ClusterConfig(
+        model_path=model,
+        num_engines=2,
+        log_dir=Path(".flying/bench-kv-transform"),
+        max_total_tokens=8192,
+        router_args=("--manual",),
+    )
     rows = []
     with Cluster(cfg) as c:
         r, urls = c.client(), [f"http://127.0.0.1:{p}" for p in cfg.worker_ports]
@@ -146,8 +151,11 @@ def live(cycles: int) -> list[str]:
                 t.start()
             return ts
 
-        rows += ["| busy requests per engine | adopt: bind ms (leader) | exchange ms | token slices | "
-                 "scatter: exchange ms | token slices | peak extra MB |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        rows += [
+            "| busy requests per engine | adopt: bind ms (leader) | exchange ms | token slices | "
+            "scatter: exchange ms | token slices | peak extra MB |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for per_engine in (1, 4, 8):
             ts = load(per_engine, 400)
             time.sleep(1.0 + 0.3 * per_engine)

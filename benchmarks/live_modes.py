@@ -42,10 +42,30 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     model = ensure(Path(".flying/tiny-llama"), seed=0)
     cfg = ClusterConfig(model_path=model, num_engines=2, log_dir=a.out.parent / f"{a.out.name}-logs")
-    load = ["--arrival", "two-level", "--low-rate", a.low_rate, "--burst-rate", a.burst_rate,
-            "--low-duration", str(a.low_s), "--burst-duration", str(a.burst_s), "-n", str(requests(a)),
-            "--input-tokens", "32:256", "--output-tokens", "16:128", "--priority-mix", "high=0.2,normal=0.8",
-            "--tokenizer", str(model), "--seed", "0"]  # fmt: skip
+    load = [
+        "--arrival",
+        "two-level",
+        "--low-rate",
+        a.low_rate,
+        "--burst-rate",
+        a.burst_rate,
+        "--low-duration",
+        str(a.low_s),
+        "--burst-duration",
+        str(a.burst_s),
+        "-n",
+        str(requests(a)),
+        "--input-tokens",
+        "32:256",
+        "--output-tokens",
+        "16:128",
+        "--priority-mix",
+        "high=0.2,normal=0.8",
+        "--tokenizer",
+        str(model),
+        "--seed",
+        "0",
+    ]
     with Cluster(cfg, progress=print) as cluster:
         started = time.time()
         watch = watch_flyctl(cluster, a.out.with_name(a.out.name + "-flyctl.txt"), a.sample_s, a.minutes)
@@ -81,8 +101,18 @@ def watch_flyctl(cluster: Cluster, out: Path, interval: float, minutes: float) -
     """``flyctl watch`` writing to ``out`` (its screen clears stripped when read back)."""
     env = {**os.environ, "FLYING_REDIS_URL": cluster.redis_url}
     count = int(minutes * 60 / interval) + 30
-    cmd = [sys.executable, "-m", "flyctl.cli", "--key-prefix", cluster.keys.prefix, "watch",
-           "--interval", str(interval), "--count", str(count)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "flyctl.cli",
+        "--key-prefix",
+        cluster.keys.prefix,
+        "watch",
+        "--interval",
+        str(interval),
+        "--count",
+        str(count),
+    ]
     return subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT, env=env)
 
 

@@ -62,12 +62,21 @@ def main() -> None:
     a = p.parse_args()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     model = ensure(Path(".flying/tiny-llama"), seed=0)
-    cfg = ClusterConfig(model_path=model, num_engines=2, max_total_tokens=a.kv_tokens,
-                        log_dir=a.out.parent / f"{a.out.name}-logs",
-                        router_args=("--no-park",) if a.no_park else ())  # fmt: skip
+    cfg = ClusterConfig(
+        model_path=model,
+        num_engines=2,
+        max_total_tokens=a.kv_tokens,
+        log_dir=a.out.parent / f"{a.out.name}-logs",
+        router_args=("--no-park",) if a.no_park else (),
+    )
     ids = [int(x) for x in np.random.default_rng(0).integers(10, 1000, a.prompt)]
-    long_body = {"model": cfg.served_model_name, "prompt": ids, "max_tokens": a.max_tokens, "temperature": 0,
-                 "ignore_eos": True}  # fmt: skip
+    long_body = {
+        "model": cfg.served_model_name,
+        "prompt": ids,
+        "max_tokens": a.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with Cluster(cfg, progress=print) as cluster:
         url = cluster.config.gateway_url
         status, reference, ref_times, ref_t0 = stream_completion(url, long_body)
@@ -85,8 +94,12 @@ def main() -> None:
         burst: list[tuple[int, float]] = []
         threads = []
         for i in range(a.burst):
-            body = {"model": cfg.served_model_name, "prompt": f"burst request {i}: tell me a story", "max_tokens": 32,
-                    "temperature": 0}  # fmt: skip
+            body = {
+                "model": cfg.served_model_name,
+                "prompt": f"burst request {i}: tell me a story",
+                "max_tokens": 32,
+                "temperature": 0,
+            }
             t = threading.Thread(target=lambda b=body: burst.append(ttft(url, b)))
             t.start()
             threads.append(t)

@@ -36,9 +36,13 @@ PAUSE_S = 12.0  # seconds between phases
 def phase(cluster: Cluster, model: Path, n: int, rate: float, tokens: tuple[int, int], seed: int) -> float:
     """TTFT p50 (ms) of ``n`` requests of ``tokens`` prompt tokens at ``rate`` req/s (Poisson), 8 tokens out."""
     w = Workload(
-        num_requests=n, arrivals=Arrivals("poisson", rate), input_tokens=Lengths("uniform", *tokens),
-        output_tokens=Lengths("uniform", 8, 8), priority_mix={"normal": 1.0}, seed=seed,
-    )  # fmt: skip
+        num_requests=n,
+        arrivals=Arrivals("poisson", rate),
+        input_tokens=Lengths("uniform", *tokens),
+        output_tokens=Lengths("uniform", 8, 8),
+        priority_mix={"normal": 1.0},
+        seed=seed,
+    )
     records, _ = asyncio.run(
         runner.run(
             runner.RunConfig(cluster.config.gateway_url, cluster.config.served_model_name),

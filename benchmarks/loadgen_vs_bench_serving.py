@@ -75,9 +75,24 @@ def bench_serving(url: str, model: Path, dataset: Path, n: int, out_len: int, co
 
 
 def loadgen(url: str, model: Path, n: int, in_len: int, out_len: int, conc: int, out: Path) -> dict:
-    args = ("--model", "x", "-n", str(n), "--rate", "inf", "--max-concurrency", str(conc),
-            "--input-tokens", str(in_len), "--output-tokens", str(out_len), "--tokenizer", str(model),
-            "--warmup", "1")  # fmt: skip
+    args = (
+        "--model",
+        "x",
+        "-n",
+        str(n),
+        "--rate",
+        "inf",
+        "--max-concurrency",
+        str(conc),
+        "--input-tokens",
+        str(in_len),
+        "--output-tokens",
+        str(out_len),
+        "--tokenizer",
+        str(model),
+        "--warmup",
+        "1",
+    )
     s = run_loadgen(url, out, *args, quiet_stderr=True)
     return {
         "ttft": s["ttft_ms"]["p50"],

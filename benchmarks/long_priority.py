@@ -64,8 +64,12 @@ def main() -> None:
     a = p.parse_args()
     with ProcessPoolExecutor(a.jobs) as pool:
         rows = sorted(pool.map(one_seed, parse_seeds(a.seeds)))
-    print("| seed | high-priority long requests | their prefill / the node's GPU time: all / high only "
-          "| the rest's burst P90 / static DP's: " + " / ".join(KEEPS) + " | long TTFT p50 (s): all / high only |")  # fmt: skip
+    print(
+        "| seed | high-priority long requests | their prefill / the node's GPU time: all / high only "
+        "| the rest's burst P90 / static DP's: "
+        + " / ".join(KEEPS)
+        + " | long TTFT p50 (s): all / high only |"
+    )
     print("|---|---|---|---|---|")
     means = {k: 0.0 for k in KEEPS}
     for seed, out, high, share in rows:
@@ -73,9 +77,13 @@ def main() -> None:
         for k in KEEPS:
             means[k] += ratio[k] / len(rows)
         p50 = [out[k]["long_ttft_p50_ms"] for k in ("all", "high only")]
-        print(f"| {seed} | {high} | {share['all']:.2f} / {share['high only']:.2f} | "
-              + " / ".join(f"{ratio[k]:.2f}" for k in KEEPS) + " | "
-              + " / ".join("-" if v is None or v != v else f"{v / 1000:.0f}" for v in p50) + " |")  # fmt: skip
+        print(
+            f"| {seed} | {high} | {share['all']:.2f} / {share['high only']:.2f} | "
+            + " / ".join(f"{ratio[k]:.2f}" for k in KEEPS)
+            + " | "
+            + " / ".join("-" if v is None or v != v else f"{v / 1000:.0f}" for v in p50)
+            + " |"
+        )
     print("| mean | | | " + " / ".join(f"{means[k]:.2f}" for k in KEEPS) + " | |")
 
 

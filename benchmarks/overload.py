@@ -28,11 +28,12 @@ from devstack.cluster import Cluster, ClusterConfig
 from flying.messages import Heartbeat, decode
 from worker_ext.tinymodel import ensure
 
+# the gateway's default wait budgets: the TTFT SLOs here
 BUDGETS_S = {
     "high": 5.0,
     "normal": 20.0,
     "low": 60.0,
-}  # the gateway's default wait budgets: the TTFT SLOs here
+}
 QUEUED_MS = 250.0  # a queue wait beyond a router round or two: the request waited for a free slot
 
 
@@ -54,9 +55,22 @@ def main() -> None:
         gateway_args=tuple(a.gateway_arg),
         router_args=tuple(a.router_arg),
     )
-    load = ["--arrival", "poisson", "--rate", str(a.rate), "-n", str(a.num_requests),
-            "--input-tokens", "32:256", "--output-tokens", "16:128", "--priority-mix", a.priority_mix,
-            "--tokenizer", str(model)]  # fmt: skip
+    load = [
+        "--arrival",
+        "poisson",
+        "--rate",
+        str(a.rate),
+        "-n",
+        str(a.num_requests),
+        "--input-tokens",
+        "32:256",
+        "--output-tokens",
+        "16:128",
+        "--priority-mix",
+        a.priority_mix,
+        "--tokenizer",
+        str(model),
+    ]
     with Cluster(cfg, progress=print) as cluster:
         watch = Onset(cluster)
         watch.start()
@@ -95,8 +109,10 @@ class Onset(threading.Thread):
                 text = urllib.request.urlopen(metrics, timeout=5).read().decode()
             except OSError:
                 continue
-            if any(line.startswith("flying_gateway_refused_total{") and float(line.split()[-1]) > 0
-                   for line in text.splitlines()):  # fmt: skip
+            if any(
+                line.startswith("flying_gateway_refused_total{") and float(line.split()[-1]) > 0
+                for line in text.splitlines()
+            ):
                 self.refused_at = now
 
     def stop(self) -> None:

@@ -45,8 +45,11 @@ def workloads(traces: Path | None, speeds: list[float]) -> list[tuple[str, list[
 def run(job: tuple[str, list[str]]) -> tuple[str, dict]:
     name, args = job
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "sim.cli", *args, "--modes", "dp,tp,shift,dynamic", "--out", out],
-                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "sim.cli", *args, "--modes", "dp,tp,shift,dynamic", "--out", out],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         return name, json.loads((Path(out) / "summary.json").read_text())["summary"]
 
 
@@ -87,8 +90,11 @@ def main() -> None:
                     cells.append("-")
             print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     print("| mean | " + " | ".join(f"{sum(v) / len(v):.2f}" if v else "-" for v in sums.values()) + " |")
-    print("| worst | " + " | ".join(
-        f"{(min if m[2] else max)(sums[m[0]]):.2f}" if sums[m[0]] else "-" for m in METRICS) + " |")  # fmt: skip
+    print(
+        "| worst | "
+        + " | ".join(f"{(min if m[2] else max)(sums[m[0]]):.2f}" if sums[m[0]] else "-" for m in METRICS)
+        + " |"
+    )
 
 
 if __name__ == "__main__":

@@ -32,21 +32,47 @@ KV_TOKENS = 16384
 
 
 def shared_prefix_args(model: Path, a: argparse.Namespace) -> tuple[str, ...]:
-    return ("--api", "chat", "--tokenizer", str(model), "--model", "tiny-llama", "-n", str(a.questions),
-            "--rate", "inf", "--max-concurrency", "4", "--system-prompts", "1",
-            "--system-prompt-words", str(a.system_prompt_words), "--input-tokens", "16", "--output-tokens", "8")  # fmt: skip
+    return (
+        "--api",
+        "chat",
+        "--tokenizer",
+        str(model),
+        "--model",
+        "tiny-llama",
+        "-n",
+        str(a.questions),
+        "--rate",
+        "inf",
+        "--max-concurrency",
+        "4",
+        "--system-prompts",
+        "1",
+        "--system-prompt-words",
+        str(a.system_prompt_words),
+        "--input-tokens",
+        "16",
+        "--output-tokens",
+        "8",
+    )
 
 
 def row(s: dict) -> str:
     hit = s.get("cache_hit_rate")
-    return (f"wall {s['duration_s']:6.2f} s  TTFT p50 {s['ttft_ms']['p50']:7.1f} ms  p90 {s['ttft_ms']['p90']:7.1f} ms  "
-            f"output {s['output_throughput']:6.1f} tok/s  hit {'-' if hit is None else f'{hit:.1%}'}  "
-            f"failed {s['failed']}")  # fmt: skip
+    return (
+        f"wall {s['duration_s']:6.2f} s  TTFT p50 {s['ttft_ms']['p50']:7.1f} ms  p90 {s['ttft_ms']['p90']:7.1f} ms  "
+        f"output {s['output_throughput']:6.1f} tok/s  hit {'-' if hit is None else f'{hit:.1%}'}  "
+        f"failed {s['failed']}"
+    )
 
 
 def engine_part(model: Path, tmp: Path, a: argparse.Namespace) -> None:
-    cfg = ClusterConfig(model_path=model, num_engines=2, log_dir=tmp / "cluster", max_total_tokens=KV_TOKENS,
-                        router_args=("--manual",))  # fmt: skip
+    cfg = ClusterConfig(
+        model_path=model,
+        num_engines=2,
+        log_dir=tmp / "cluster",
+        max_total_tokens=KV_TOKENS,
+        router_args=("--manual",),
+    )
     args = shared_prefix_args(model, a)
     runs: dict[str, list[dict]] = {"flying": [], "stock": []}
     with Cluster(cfg) as c:
@@ -61,51 +87,104 @@ def engine_part(model: Path, tmp: Path, a: argparse.Namespace) -> None:
                     runs[name].append(run_loadgen(urls[name], tmp / f"{name}-{r}", *args))
         finally:
             stock.stop()
-    print(f"(a) one system prompt of {a.system_prompt_words} words, {a.questions} distinct questions of 16 tokens, "
-          f"8 output tokens, concurrency 4, greedy, chat; {a.rounds} rounds on each server (cache on)")  # fmt: skip
+    print(
+        f"(a) one system prompt of {a.system_prompt_words} words, {a.questions} distinct questions of 16 tokens, "
+        f"8 output tokens, concurrency 4, greedy, chat; {a.rounds} rounds on each server (cache on)"
+    )
     for name, label in (("flying", "flying worker, DP mode"), ("stock", "stock tp=1")):
         for r, s in enumerate(runs[name]):
             print(f"  {label:<24} round {r + 1}: {row(s)}")
     wall = {k: sum(s["duration_s"] for s in v) for k, v in runs.items()}
-    print(f"  wall time, all rounds: flying {wall['flying']:.2f} s, stock {wall['stock']:.2f} s, "
-          f"ratio stock / flying {wall['stock'] / wall['flying']:.3f}")  # fmt: skip
+    print(
+        f"  wall time, all rounds: flying {wall['flying']:.2f} s, stock {wall['stock']:.2f} s, "
+        f"ratio stock / flying {wall['stock'] / wall['flying']:.3f}"
+    )
     for r in range(a.rounds):
         f, s = runs["flying"][r]["ttft_ms"]["p50"], runs["stock"][r]["ttft_ms"]["p50"]
         print(f"  TTFT p50 round {r + 1}: ratio stock / flying {s / f:.3f}")
 
 
 def dispatch_part(model: Path, tmp: Path, a: argparse.Namespace) -> None:
-    shared = ("--api", "chat", "--tokenizer", str(model), "--model", "tiny-llama", "-n", str(a.sessions),
-              "--rate", "inf", "--max-concurrency", str(a.concurrency), "--system-prompts", "8",
-              "--system-prompt-words", str(a.system_prompt_words), "--turns", str(a.turns),
-              "--input-tokens", "16", "--output-tokens", "8")  # fmt: skip
-    plain = ("--api", "chat", "--tokenizer", str(model), "--model", "tiny-llama", "-n", str(a.plain_requests),
-             "--rate", "inf", "--max-concurrency", str(a.concurrency), "--input-tokens", "256:1024",
-             "--output-tokens", "16", "--seed", "1")  # fmt: skip
+    shared = (
+        "--api",
+        "chat",
+        "--tokenizer",
+        str(model),
+        "--model",
+        "tiny-llama",
+        "-n",
+        str(a.sessions),
+        "--rate",
+        "inf",
+        "--max-concurrency",
+        str(a.concurrency),
+        "--system-prompts",
+        "8",
+        "--system-prompt-words",
+        str(a.system_prompt_words),
+        "--turns",
+        str(a.turns),
+        "--input-tokens",
+        "16",
+        "--output-tokens",
+        "8",
+    )
+    plain = (
+        "--api",
+        "chat",
+        "--tokenizer",
+        str(model),
+        "--model",
+        "tiny-llama",
+        "-n",
+        str(a.plain_requests),
+        "--rate",
+        "inf",
+        "--max-concurrency",
+        str(a.concurrency),
+        "--input-tokens",
+        "256:1024",
+        "--output-tokens",
+        "16",
+        "--seed",
+        "1",
+    )
     results: dict[str, dict[str, dict]] = {}
     for mode in a.dispatch:
-        cfg = ClusterConfig(model_path=model, num_engines=2, log_dir=tmp / mode, max_total_tokens=KV_TOKENS,
-                            router_args=("--manual",), dispatch=mode)  # fmt: skip
+        cfg = ClusterConfig(
+            model_path=model,
+            num_engines=2,
+            log_dir=tmp / mode,
+            max_total_tokens=KV_TOKENS,
+            router_args=("--manual",),
+            dispatch=mode,
+        )
         with Cluster(cfg) as c:
             url = c.config.gateway_url
             results[mode] = {
                 "shared": run_loadgen(url, tmp / f"{mode}-shared", *shared),
                 "plain": run_loadgen(url, tmp / f"{mode}-plain", *plain),
             }
-    print(f"(b) 2 engines through the gateway: {a.sessions} sessions x {a.turns} turns over 8 system prompts of "
-          f"{a.system_prompt_words} words, 16-token questions, 8 output tokens, concurrency {a.concurrency}")  # fmt: skip
+    print(
+        f"(b) 2 engines through the gateway: {a.sessions} sessions x {a.turns} turns over 8 system prompts of "
+        f"{a.system_prompt_words} words, 16-token questions, 8 output tokens, concurrency {a.concurrency}"
+    )
     for mode, r in results.items():
         print(f"  {mode:<12} {row(r['shared'])}")
-    print(f"(c) no shared prefix: {a.plain_requests} requests of 256-1024 tokens, 16 output tokens, "
-          f"concurrency {a.concurrency}")  # fmt: skip
+    print(
+        f"(c) no shared prefix: {a.plain_requests} requests of 256-1024 tokens, 16 output tokens, "
+        f"concurrency {a.concurrency}"
+    )
     for mode, r in results.items():
         print(f"  {mode:<12} {row(r['plain'])}")
     if {"cache-aware", "least-loaded"} <= set(results):
         ca, ll = results["cache-aware"], results["least-loaded"]
         for part in ("shared", "plain"):
-            print(f"  {part}: output throughput cache-aware / least-loaded "
-                  f"{ca[part]['output_throughput'] / ll[part]['output_throughput']:.3f}; TTFT p50 least-loaded / "
-                  f"cache-aware {ll[part]['ttft_ms']['p50'] / ca[part]['ttft_ms']['p50']:.3f}")  # fmt: skip
+            print(
+                f"  {part}: output throughput cache-aware / least-loaded "
+                f"{ca[part]['output_throughput'] / ll[part]['output_throughput']:.3f}; TTFT p50 least-loaded / "
+                f"cache-aware {ll[part]['ttft_ms']['p50'] / ca[part]['ttft_ms']['p50']:.3f}"
+            )
 
 
 def main() -> None:

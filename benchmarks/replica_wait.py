@@ -61,8 +61,10 @@ async def main(ops: int, rounds: int) -> None:
                     results[mode].append(await run(url, n, concurrency))
             for mode, rows in results.items():
                 rate, p50, p99 = (statistics.median(r[i] for r in rows) for i in range(3))
-                print(f"concurrency {concurrency:3d}  {mode:8s} {rate:7.0f} admit+finish/s  p50 {p50:6.2f} ms  "
-                      f"p99 {p99:6.2f} ms  (median of {rounds})")  # fmt: skip
+                print(
+                    f"concurrency {concurrency:3d}  {mode:8s} {rate:7.0f} admit+finish/s  p50 {p50:6.2f} ms  "
+                    f"p99 {p99:6.2f} ms  (median of {rounds})"
+                )
     finally:
         replica.stop()
         primary.stop()

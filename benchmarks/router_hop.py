@@ -66,8 +66,20 @@ class Rust:
     program: tuple[str, ...]
 
     def command(self, venv: Path, port: int, metrics_port: int, urls: list[str]) -> list[str]:
-        return [str(venv / "bin" / self.program[0]), *self.program[1:], "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", *urls, "--policy", "round_robin", "--prometheus-port", str(metrics_port)]  # fmt: skip
+        return [
+            str(venv / "bin" / self.program[0]),
+            *self.program[1:],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(metrics_port),
+        ]
 
 
 RUST = (
@@ -306,12 +318,29 @@ def extra_gateway(stack: GatewayStack, name: str, args: list[str], checkout: str
     ``stack``'s Redis and router, serving once it answers (stopped with the stack's processes: registered in
     main's cleanup); its CPU is its workers' with several."""
     port, model = free_port(), Path(".flying/test-model").resolve()
-    cmd = [sys.executable, "-m", "gateway.main", "--redis-url", stack.server.url, "--model-path", str(model),
-           "--port", str(port), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.main",
+        "--redis-url",
+        stack.server.url,
+        "--model-path",
+        str(model),
+        "--port",
+        str(port),
+        *args,
+    ]
     root = Path(checkout).resolve()  # (``-m`` puts the working directory first on the path: run it there)
     with open(stack.tmp / f"gateway-{name.replace(' ', '-')}.log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=root,
+            env=dict(os.environ, PYTHONPATH=str(root)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     _started.append(proc)
     ready(proc, port)
     workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
@@ -404,8 +433,15 @@ def report_at_rate(at_rate: dict[str, list[tuple]], why: str) -> None:
                 f"   {name:14s} {len(ok)}/{len(res)} ok {len(ok) / took:7.1f} req/s  TTFT {pct(ok, 50):6.2f} / "
                 f"{pct(ok, 99):6.2f}  added {a50:6.2f} / {a99:6.2f}"
             )
-    print("  medians: " + ", ".join(f"{n} added p50 {statistics.median(a for a, _ in v):.2f} ms, p99 "
-                                    f"{statistics.median(b for _, b in v):.2f} ms" for n, v in added.items() if n != "direct"))  # fmt: skip
+    print(
+        "  medians: "
+        + ", ".join(
+            f"{n} added p50 {statistics.median(a for a, _ in v):.2f} ms, p99 "
+            f"{statistics.median(b for _, b in v):.2f} ms"
+            for n, v in added.items()
+            if n != "direct"
+        )
+    )
 
 
 def main() -> None:
@@ -457,8 +493,11 @@ def main() -> None:
         assert stack.server.proc is not None
         engines = {f"engine{e}": proc.pid for e, (proc, _) in enumerate(stack.engines)}
         direct = Target("direct", int(stack.engines[0][1].rsplit(":", 1)[1]))
-        ours = Target("ours", stack.port, {"gateway": stack.gateway.pid, "router": stack.router.pid,
-                                            "redis": stack.server.proc.pid})  # fmt: skip
+        ours = Target(
+            "ours",
+            stack.port,
+            {"gateway": stack.gateway.pid, "router": stack.router.pid, "redis": stack.server.proc.pid},
+        )
         counts = [int(n) for n in a.workers.split(",")]
         targets = [direct, *([ours] if 1 in counts else [])]
         targets += [
@@ -490,7 +529,9 @@ def main() -> None:
         if (
             sat_rounds and pace is not None
         ):  # open loop at the pace-setter's saturated rate: the p99 added there
-            rate = statistics.median(len([x for x in sr[pace.name][0] if x[0] == 200]) / sr[pace.name][1] for sr in sat_rounds)  # fmt: skip
+            rate = statistics.median(
+                len([x for x in sr[pace.name][0] if x[0] == 200]) / sr[pace.name][1] for sr in sat_rounds
+            )
             paces.append((rate, f"{pace.name}'s saturated rate", [*ours_and_direct, pace]))
         paces += [(float(x), "--at-rates", ours_and_direct) for x in filter(None, a.at_rates.split(","))]
         for rate, why, paced in paces:

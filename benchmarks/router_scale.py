@@ -140,7 +140,9 @@ def round_table(rounds: int, cfg: PolicyConfig, scenarios: list[str], peek: int)
                 reps = rounds if not burst or n_engines * n <= 1_000_000 else max(5, rounds // 3)
                 p50, p99, sent = time_rounds(n_engines, n, reps, cfg, burst, peek)
                 where = "about half full" if burst else "0-2 free slots each"
-                print(f"| {n_engines:,} ({n_engines // PER_NODE}) | {n:,} | {where} | {sent:,} | {p50:.2f} | {p99:.2f} |")  # fmt: skip
+                print(
+                    f"| {n_engines:,} ({n_engines // PER_NODE}) | {n:,} | {where} | {sent:,} | {p50:.2f} | {p99:.2f} |"
+                )
                 sys.stdout.flush()
 
 

@@ -80,10 +80,12 @@ async def one(client: httpx.AsyncClient, urls: list[str], i: int, rng: random.Ra
     priority = rng.choices([p for p, _ in PRIORITIES], [w for _, w in PRIORITIES])[0]
     stream = rng.random() < 0.5
     body = {
-        "model": "tiny-llama", "messages": [{"role": "system", "content": session},
-                                            {"role": "user", "content": f"question {i}"}],
-        "max_tokens": rng.randint(8, 32), "stream": stream, "ignore_eos": True,
-    }  # fmt: skip
+        "model": "tiny-llama",
+        "messages": [{"role": "system", "content": session}, {"role": "user", "content": f"question {i}"}],
+        "max_tokens": rng.randint(8, 32),
+        "stream": stream,
+        "ignore_eos": True,
+    }
     for url in rng.sample(urls, len(urls)):
         try:
             r = await client.post(url + "/v1/chat/completions", json=body, headers={"X-Priority": priority})
@@ -155,10 +157,15 @@ async def soak(c: Cluster, sentinels: SentinelSet, seconds: float, seed: int) ->
         await asyncio.sleep(1)
     rss1 = {name: (pid, rss_kb(pid)) for name, pid in processes(c).items()}
     return {
-        "seconds": seconds, "outcomes": dict(outcomes), "events": events,
-        "kv_idle_start": {str(e): v for e, v in kv0.items()}, "kv_idle_end": {str(e): v for e, v in idle_kv(c).items()},
-        "rss_kb_start": rss0, "rss_kb_end": rss1, "redis_used_memory": [redis0, c.client().info("memory")["used_memory"]],
-    }  # fmt: skip
+        "seconds": seconds,
+        "outcomes": dict(outcomes),
+        "events": events,
+        "kv_idle_start": {str(e): v for e, v in kv0.items()},
+        "kv_idle_end": {str(e): v for e, v in idle_kv(c).items()},
+        "rss_kb_start": rss0,
+        "rss_kb_end": rss1,
+        "redis_used_memory": [redis0, c.client().info("memory")["used_memory"]],
+    }
 
 
 def run(out: Path, model: Path, seconds: float, seed: int = 0) -> dict:
@@ -167,9 +174,14 @@ def run(out: Path, model: Path, seconds: float, seed: int = 0) -> dict:
     sentinels = SentinelSet(data_dir=out / "redis").start()
     try:
         config = ClusterConfig(
-            model_path=model, num_engines=2, gateways=2, standby_router=True, redis_url=sentinels.url,
-            log_dir=out / "logs", max_total_tokens=4096,
-        )  # fmt: skip
+            model_path=model,
+            num_engines=2,
+            gateways=2,
+            standby_router=True,
+            redis_url=sentinels.url,
+            log_dir=out / "logs",
+            max_total_tokens=4096,
+        )
         with Cluster(config, progress=print) as c:
             return asyncio.run(soak(c, sentinels, seconds, seed))
     finally:
@@ -190,8 +202,10 @@ def main() -> None:
 def summary(r: dict) -> str:
     o = r["outcomes"]
     accepted = sum(n for k, n in o.items() if k != "refused")
-    lines = [f"requests {sum(o.values())}: {o}; accepted {accepted}, lost {o.get('lost', 0)}, "
-             f"5xx {sum(n for k, n in o.items() if k.startswith('error 5'))}"]  # fmt: skip
+    lines = [
+        f"requests {sum(o.values())}: {o}; accepted {accepted}, lost {o.get('lost', 0)}, "
+        f"5xx {sum(n for k, n in o.items() if k.startswith('error 5'))}"
+    ]
     lines += [
         f"KV free at idle, engine {e}: {r['kv_idle_start'].get(e)} -> {v}"
         for e, v in r["kv_idle_end"].items()

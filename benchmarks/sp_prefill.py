@@ -97,9 +97,13 @@ def main() -> None:
     kv = 2 * longest + 512
     logs = Path(tempfile.mkdtemp(prefix="sp-prefill-"))
     config = ClusterConfig(
-        model_path=model, num_engines=2, log_dir=logs, max_total_tokens=kv, router_args=("--manual",),
+        model_path=model,
+        num_engines=2,
+        log_dir=logs,
+        max_total_tokens=kv,
+        router_args=("--manual",),
         worker_args=("--disable-radix-cache",),
-    )  # fmt: skip
+    )
     tp1 = StockServer(model, logs / "tp1.log", max_total_tokens=2 * kv, disable_radix_cache=True).launch()
     tp2 = StockServer(
         model, logs / "tp2.log", tp=2, max_total_tokens=2 * kv, disable_radix_cache=True
@@ -132,9 +136,10 @@ def main() -> None:
             results["ttft_ms"][n] = med
             results["comm_ms"][n] = comm
             print(
-                f"{n:>6} tokens: " + ", ".join(f"{k} {v:.0f} ms" for k, v in med.items())
+                f"{n:>6} tokens: "
+                + ", ".join(f"{k} {v:.0f} ms" for k, v in med.items())
                 + f"; TP/SP {med['tp'] / med['sp']:.2f}; leader's collectives (last round) {comm}"
-            )  # fmt: skip
+            )
         n, k = min(2048, longest), a.decode_tokens
         tpot = {}
         for name, threshold in (("after SP prefill", 1), ("after TP prefill", 0)):

@@ -90,8 +90,12 @@ def model_size(path: Path) -> str:
 
 
 def prompt_logprobs(url: str, text: str) -> list[float]:
-    body = {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "return_logprob": True, "logprob_start_len": 0}  # fmt: skip
+    body = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
     out = httpx.post(url + "/generate", json=body, timeout=120).json()
     return [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]]
 
@@ -145,8 +149,10 @@ def main() -> None:
         if len(latency) == 2:
             (_, tiny), (_, big) = latency.items()
             ratio = np.percentile(big["bind"], 50) / np.percentile(tiny["bind"], 50)
-            print(f"  bind p50 larger / tiny: {ratio:.2f}; release p50 larger / tiny: "
-                  f"{np.percentile(big['release'], 50) / np.percentile(tiny['release'], 50):.2f}")  # fmt: skip
+            print(
+                f"  bind p50 larger / tiny: {ratio:.2f}; release p50 larger / tiny: "
+                f"{np.percentile(big['release'], 50) / np.percentile(tiny['release'], 50):.2f}"
+            )
 
         # cpu_bind "0": the same core as flying worker 0, which it is compared with
         s1 = StockServer(
@@ -191,8 +197,10 @@ def main() -> None:
         print(f"  {name:<26} {med[k]['tok_s']:8.1f} tok/s   TPOT p50 {med[k]['tpot']:.2f} ms")
     print(f"  ratio DP mode / stock tp=1: {med['dp']['tok_s'] / med['stock1']['tok_s']:.3f}")
     print(f"  ratio merged TP2 / stock --tp 2: {med['tp2']['tok_s'] / med['stock2']['tok_s']:.3f}")
-    print(f"prompt log-probs, max |difference|: DP mode vs stock tp=1 {diff_dp:.2e}; merged TP2 vs stock --tp 2 "
-          f"{diff_tp:.2e}")  # fmt: skip
+    print(
+        f"prompt log-probs, max |difference|: DP mode vs stock tp=1 {diff_dp:.2e}; merged TP2 vs stock --tp 2 "
+        f"{diff_tp:.2e}"
+    )
 
 
 if __name__ == "__main__":

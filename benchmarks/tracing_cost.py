@@ -42,8 +42,15 @@ class Steps:
         self.waiting = self.upstream = self.queue = self
 
     async def admit(self, req, priority, request_id=None):
-        record = QueuedRequest(id=request_id, priority=priority, model="m", prompt_tokens=1, max_tokens=1,
-                               gateway="g", enqueued_at=time.time())  # fmt: skip
+        record = QueuedRequest(
+            id=request_id,
+            priority=priority,
+            model="m",
+            prompt_tokens=1,
+            max_tokens=1,
+            gateway="g",
+            enqueued_at=time.time(),
+        )
         return Admitted(record, "/v1/completions", {"rid": request_id}, stream=True)
 
     async def wait_assignment(self, adm, fut, disconnected):

@@ -59,9 +59,8 @@ class ClusterConfig:
     cache_threshold: float = PolicyConfig.cache_threshold
     balance_abs_threshold: float = PolicyConfig.balance_abs_threshold
     balance_rel_threshold: float = PolicyConfig.balance_rel_threshold
-    comm_ports: tuple[int, ...] = field(
-        init=False, default=()
-    )  # each node's rendezvous (the first: comm_port)
+    # each node's rendezvous (the first: comm_port)
+    comm_ports: tuple[int, ...] = field(init=False, default=())
     gateway_ports: tuple[int, ...] = field(init=False, default=())  # each gateway's (the first: gateway_port)
 
     def __post_init__(self) -> None:
@@ -104,9 +103,16 @@ class ClusterConfig:
 
     def dispatch_args(self) -> tuple[str, ...]:
         """The router's dispatch flags for these settings."""
-        return ("--dispatch", self.dispatch, "--cache-threshold", str(self.cache_threshold),
-                "--balance-abs-threshold", str(self.balance_abs_threshold),
-                "--balance-rel-threshold", str(self.balance_rel_threshold))  # fmt: skip
+        return (
+            "--dispatch",
+            self.dispatch,
+            "--cache-threshold",
+            str(self.cache_threshold),
+            "--balance-abs-threshold",
+            str(self.balance_abs_threshold),
+            "--balance-rel-threshold",
+            str(self.balance_rel_threshold),
+        )
 
 
 class ClusterError(RuntimeError):
@@ -177,10 +183,20 @@ class Cluster:
         """``flying-worker`` for engine ``i``: its node's pool (engines, first engine, rendezvous port)."""
         c = self.config
         cmd = self._command(
-            "worker_ext.launch", "--engine", str(i), "--num-engines", str(c.per_node),
-            "--model-path", str(c.model_path), "--port", str(c.worker_ports[i]),
-            "--served-model-name", c.served_model_name, "--max-total-tokens", str(c.max_total_tokens),
-        )  # fmt: skip
+            "worker_ext.launch",
+            "--engine",
+            str(i),
+            "--num-engines",
+            str(c.per_node),
+            "--model-path",
+            str(c.model_path),
+            "--port",
+            str(c.worker_ports[i]),
+            "--served-model-name",
+            c.served_model_name,
+            "--max-total-tokens",
+            str(c.max_total_tokens),
+        )
         node = c.node_of(i)
         if c.nodes > 1:
             cmd += ["--node", c.node_name(node), "--first-engine", str(c.node_engines(node).start)]
@@ -214,9 +230,15 @@ class Cluster:
     def _gateway(self, index: int) -> subprocess.Popen:
         c = self.config
         cmd = self._command(
-            "gateway.main", "--model-path", str(c.model_path), "--port", str(c.gateway_ports[index]),
-            "--served-model-name", c.served_model_name, *c.gateway_args,
-        )  # fmt: skip
+            "gateway.main",
+            "--model-path",
+            str(c.model_path),
+            "--port",
+            str(c.gateway_ports[index]),
+            "--served-model-name",
+            c.served_model_name,
+            *c.gateway_args,
+        )
         self.progress(f"gateway {index} starting on {c.gateway_urls()[index]}")
         return spawn(cmd, self.log("gateway" if index == 0 else f"gateway{index}"))
 

@@ -150,8 +150,10 @@ def main(argv: list[str] | None = None) -> None:
         r = cluster.client()
         phases = []
         if quiet is not None and a.reference:
-            say(f"reference: {a.quiet_requests} long prompts ({a.quiet_tokens} tokens) at {a.quiet_rate:g} req/s, "
-                "the router keeping DP")  # fmt: skip
+            say(
+                f"reference: {a.quiet_requests} long prompts ({a.quiet_tokens} tokens) at {a.quiet_rate:g} req/s, "
+                "the router keeping DP"
+            )
             phases.append(send(cluster, model, "DP ref", quiet, a.quiet_rate))
             restart_routers(cluster, say)
         if quiet is not None:

@@ -60,8 +60,10 @@ def phase_line(p: Phase, m: PhaseModes) -> str:
     ok = [x.ttft for x in p.records if x.ok]
     p50 = stats(ok, 1000)["p50"]
     ttft = "no TTFT" if math.isnan(p50) else f"TTFT p50 {p50:.1f} ms"
-    return (f"{p.name:<6} {len(p.records):3d} requests at {p.rate:g} req/s: {ttft}; "
-            f"{m.tp} ran in TP groups, {m.dp} in DP")  # fmt: skip
+    return (
+        f"{p.name:<6} {len(p.records):3d} requests at {p.rate:g} req/s: {ttft}; "
+        f"{m.tp} ran in TP groups, {m.dp} in DP"
+    )
 
 
 def ttft_ratio(p: Phase, reference: Phase) -> float | None:

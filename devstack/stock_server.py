@@ -36,9 +36,23 @@ class StockServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model), "--port", str(self.port),
-               "--host", "127.0.0.1", "--dtype", "float32", "--max-total-tokens", str(self.max_total_tokens),
-               "--enable-cache-report"]  # fmt: skip  # cached tokens in usage, as the flying workers report them
+        # --enable-cache-report: cached tokens in usage, as the flying workers report them
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model),
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            "float32",
+            "--max-total-tokens",
+            str(self.max_total_tokens),
+            "--enable-cache-report",
+        ]
         if self.tp > 1:
             cmd += ["--tp", str(self.tp)]
         if self.disable_radix_cache:

@@ -69,11 +69,12 @@ def bind(
     or contains them with the same leader ((0,1,2,3) -> (0,1); the leader takes the command and sends the
     engines left out back to DP). Any other overlap is refused. ``sp_threshold``: the group's steps of at least
     this many batched tokens run sequence-parallel (0: never; None: the leader's own ``--sp-threshold``)."""
+    # (a parked group's members serve DP: they may bind, their parked KV stays where it is)
     inside = (
         [g for g in groups(r, keys) if g.state != "parked" and set(g.members) & set(members)]
         if record
         else []
-    )  # (a parked group's members serve DP: they may bind, their parked KV stays where it is)
+    )
     if clash := [g.members for g in inside if not _width_change(g.members, members)]:
         raise ValueError(
             f"engines {sorted(set(members) & {m for c in clash for m in c})} are in group(s) {clash}"
@@ -143,13 +144,17 @@ def resume(r: redis.Redis, keys: Keys, epoch: int) -> tuple[int, tuple[int, ...]
     if g is None or g.state != "parked":
         why = "it is still being parked" if g is not None and g.park else "no parked group has that epoch"
         raise ValueError(f"cannot resume epoch {epoch}: {why}")
-    if clash := [o.members for o in groups(r, keys) if o.epoch != epoch and o.state != "parked"
-                 and set(o.members) & set(g.members)]:  # fmt: skip
+    if clash := [
+        o.members
+        for o in groups(r, keys)
+        if o.epoch != epoch and o.state != "parked" and set(o.members) & set(g.members)
+    ]:
         raise ValueError(f"engines {list(g.members)} are in group(s) {clash}")
     new = next_epoch(r, keys)
     now = time.time()
-    record = Group(epoch=new, members=g.members, reason="manual", since=now, last_used=now,
-                   carries=(*g.carries, epoch))  # fmt: skip
+    record = Group(
+        epoch=new, members=g.members, reason="manual", since=now, last_used=now, carries=(*g.carries, epoch)
+    )
     pipe = r.pipeline(transaction=True)
     pipe.hdel(keys.groups, str(epoch))
     pipe.hset(keys.groups, str(new), encode(record))

@@ -66,14 +66,12 @@ class CostModel:
     overhead_ms: float = 3.5  # scheduling, sampling, kernel launches per step
     weight_read_ms: float = 26.0  # one full pass over the weights at width 1 (memory-bound decode)
     prefill_ms_per_token: float = 0.11  # compute per token at width 1 (prefill, and decode at large batches)
-    decode_ms_per_seq: float = (
-        0.06  # per decoding sequence: scheduling, sampling (host side: not split by TP)
-    )
+    # per decoding sequence: scheduling, sampling (host side: not split by TP)
+    decode_ms_per_seq: float = 0.06
     kv_ms_per_1k_tokens: float = 0.12  # attention: reading 1000 tokens of context at width 1
     allreduce_ms: float = 4.0  # per log2(width) round, all layers of one step: latency ...
-    allreduce_ms_per_token: float = (
-        0.008  # ... and volume (hidden-size activations of every token, every layer)
-    )
+    # ... and volume (hidden-size activations of every token, every layer)
+    allreduce_ms_per_token: float = 0.008
     merged_overhead: float = 0.01  # a dynamically merged group vs a static TP engine of the same width
     switch_ms: float = 15.0  # bind or release, once every member is at its step boundary
     kv_tokens: int = 350_000  # KV cache per engine
@@ -84,15 +82,12 @@ class CostModel:
     transform_fixed_ms: float = 4.0  # per KV transformation (adopt or scatter), see router.transform_cost
     transform_overlap: float = 0.0  # share of the bytes term hidden behind compute (Gyges' overlap: 0.86)
     weight_gb: float = 70.0  # one full copy of the weights (Shift Parallelism keeps a second, TP-sharded one)
-    sp_alltoall_ms: float = (
-        4.0  # Ulysses' all-to-alls, all layers of one step: latency, as one all-reduce round
-    )
-    sp_alltoall_ms_per_token: float = (
-        0.008  # ... and volume per token of a member's slice (as an all-reduce's)
-    )
-    sp_host_ms_per_seq: float = (
-        0.006  # per sequence: the one SP scheduler's unsplit host work (calibrated, above)
-    )
+    # Ulysses' all-to-alls, all layers of one step: latency, as one all-reduce round
+    sp_alltoall_ms: float = 4.0
+    # ... and volume per token of a member's slice (as an all-reduce's)
+    sp_alltoall_ms_per_token: float = 0.008
+    # per sequence: the one SP scheduler's unsplit host work (calibrated, above)
+    sp_host_ms_per_seq: float = 0.006
     # prefill attention: per million (query, key) pairs at width 1, all layers (bf16 flash attention at about
     # 600 TFLOP/s: 80 layers x 64 heads x 128 x 4 FLOPs a pair; the H200 measurement in docs/benchmarks.md agrees)
     prefill_attn_ms_per_mpair: float = 4.4
@@ -132,9 +127,8 @@ class CostModel:
     ) -> float:
         """One step of Shift Parallelism's base configuration, sequence parallelism over ``sp`` GPUs."""
         per_gpu = -(-(prefill_tokens + decode_seqs) // sp)  # each rank's slice, padded
-        body = max(
-            self.weight_read_ms, per_gpu * self.prefill_ms_per_token
-        )  # every rank reads all the weights
+        # every rank reads all the weights
+        body = max(self.weight_read_ms, per_gpu * self.prefill_ms_per_token)
         body += context_tokens / 1000 * self.kv_ms_per_1k_tokens / sp  # head-parallel attention
         body += self.attn_ms(attn_pairs) / sp
         host = decode_seqs * (self.decode_ms_per_seq / sp + self.sp_host_ms_per_seq)
@@ -246,8 +240,15 @@ COST_FACTORS: dict[str, tuple[str, ...]] = {
 }
 
 
-POSITIVE_COSTS = ("weight_read_ms", "kv_tokens", "max_running", "chunk_tokens", "kv_bytes_per_token", "link_gbps",
-                  "weight_gb")  # fmt: skip
+POSITIVE_COSTS = (
+    "weight_read_ms",
+    "kv_tokens",
+    "max_running",
+    "chunk_tokens",
+    "kv_bytes_per_token",
+    "link_gbps",
+    "weight_gb",
+)
 
 
 def with_overrides(m: CostModel, text: str) -> CostModel:

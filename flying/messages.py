@@ -135,23 +135,19 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     num_engines: int = 1  # engines the pool was built for (merge sets); 1: this engine cannot bind
     kv_transform: bool = False  # applies Bind.adopt / Release.scatter (moves KV head slices within a group)
     mixed_steps: bool = False  # applies Bind.keep: bound, it runs its own DP requests in the group's steps
-    park: bool = (
-        False  # applies Release.park and Bind.resume (parks a group's requests, KV kept, and resumes them)
-    )
+    # applies Release.park and Bind.resume (parks a group's requests, KV kept, and resumes them)
+    park: bool = False
     parked: tuple[
         int, ...
     ] = ()  # epochs whose requests are parked here (their KV head slices kept, no steps)
     transform_ms: float = 0.0  # last KV transformation (adopt or scatter) on this engine: exchange time
     transform_tokens: int = 0  # token head-slices it sent to other members
-    transform_peak_bytes: int = (
-        0  # peak extra memory of its exchange (one layer's outgoing + incoming slices)
-    )
-    transform_retracted: int = (
-        0  # requests its last scatter could not place on their owner (recomputed there)
-    )
-    param_bytes: int = (
-        0  # bytes over the unique storages of the model's parameters (constant across switches)
-    )
+    # peak extra memory of its exchange (one layer's outgoing + incoming slices)
+    transform_peak_bytes: int = 0
+    # requests its last scatter could not place on their owner (recomputed there)
+    transform_retracted: int = 0
+    # bytes over the unique storages of the model's parameters (constant across switches)
+    param_bytes: int = 0
     steps_tp: int = 0  # forwards this engine ran as a bound group's member in TP mode, since it started ...
     steps_sp: int = 0  # ... and in SP mode (sequence-parallel prefill, worker_ext.sequence_parallel)
     device: str = ""  # what its forwards run on: "cpu" or "cuda" ("": an older worker)
@@ -171,9 +167,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0  # ... and how many of them its prefix cache held (SGLang's cached_tokens)
     step: int = 0
     ts: float = 0.0
-    node: str = (
-        ""  # the node (host) it runs on: a group only binds engines of one node ("": a one-node record)
-    )
+    # the node (host) it runs on: a group only binds engines of one node ("": a one-node record)
+    node: str = ""
     pool_first: int = 0  # the first engine of its node's communicator pool: the pool spans engines
     # pool_first .. pool_first + num_engines - 1 and its merge sets are flying.groups.pool_sets(pool_first, ...)
 
@@ -209,9 +204,8 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
     adopt: bool = False
     keep: bool = False
     resume: int = 0  # continue the requests parked at the release of this epoch (the same members, in order)
-    sp_threshold: int | None = (
-        None  # steps of at least this many batched tokens run sequence-parallel (0: never;
-    )
+    # steps of at least this many batched tokens run sequence-parallel (0: never;
+    sp_threshold: int | None = None
     # None: the leader engine's own --sp-threshold)
 
     @property
@@ -268,9 +262,8 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     kv_cap: int = 0  # KV tokens its TP requests may use (hard: what the members had free; 0: all of their KV)
     adopt: bool = False  # bound by adoption (Bind.adopt): the members' DP requests became its TP requests
     keep: bool = False  # bound with the members' DP requests kept running beside its steps (Bind.keep)
-    park: bool = (
-        False  # released with Release.park: once released, its parked requests keep the record ("parked")
-    )
+    # released with Release.park: once released, its parked requests keep the record ("parked")
+    park: bool = False
     hold: bool = False  # it serves a high-priority request no engine holds alone: never parked
     # the parked epochs whose requests it continues, oldest first (Bind.resume: the last); their requests count as
     # its own (their inflight records name the epoch they were dispatched to)
@@ -303,9 +296,8 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
         str, int
     ] = {}  # node (its name, or its first engine) -> its planned load width (router.regime)
     planned_at: float = 0.0  # when the widths were planned (0: never)
-    long_context: bool = (
-        True  # the router binds groups for requests one engine cannot hold (gateways admit them)
-    )
+    # the router binds groups for requests one engine cannot hold (gateways admit them)
+    long_context: bool = True
     suspect: dict[int, float] = {}  # engine -> until when it is not picked for a bind (it failed one)
     rate: float = 0.0  # admissions per second, exponentially weighted (the planner's arrivals)
     prompt_rate: float = 0.0  # ... their prompt tokens per second
@@ -315,9 +307,8 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     reused_rate: float = 0.0  # ... and those a prefix cache of their node could have held (router.reuse)
     reuse: tuple[int, int] = (0, 0)  # the router's (dispatched, reused) counters at rate_ts
     rate_ts: float = 0.0  # when the rates were last updated (0: never)
-    admitted: int = (
-        0  # the counters (``flying:stats`` admitted, admitted_prompt_tokens, admitted_output_tokens,
-    )
+    # the counters (``flying:stats`` admitted, admitted_prompt_tokens, admitted_output_tokens,
+    admitted: int = 0
     prompt_tokens: int = 0  # admitted_high) at that time
     output_tokens: int = 0
     high: int = 0
@@ -391,10 +382,11 @@ GROUP_LEADER_ONLY = GroupLost(
     message="this engine follows a tensor-parallel group and cannot run a constrained (grammar) request: send it "
     "to the group's leader, or again once the group is released"
 )
+# gave up before its first token, nothing failed
 UNCOUNTED = (
     GROUP_PARKED.message,
     GROUP_LEADER_ONLY.message,
-)  # gave up before its first token, nothing failed
+)
 
 
 def uncounted(why: str) -> bool:

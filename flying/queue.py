@@ -316,13 +316,37 @@ class RequestQueue:
         c = charge or Charge("")
         out, retried = await self._run(
             _ADMIT,
-            keys=[k.queue, k.seq, k.request(req.id), k.wake, k.stats, k.fast_path, k.tenant(c.tenant),
-                  k.tenant_bucket(c.tenant, "requests"), k.tenant_bucket(c.tenant, "tokens"), k.tenants,
-                  k.vclock],
-            args=[req.id, PRIORITY_CLASS[req.priority], max_queue, max_ahead, req.kv_tokens, time.time(),
-                  k.inflight_prefix, (1 if req.prefix else 0) + (2 if req.leader_only else 0), c.tenant, c.requests_per_s, c.tokens_per_min,
-                  c.tokens, -1 if sent_to is None else sent_to, req.prompt_tokens, *fields],
-        )  # fmt: skip
+            keys=[
+                k.queue,
+                k.seq,
+                k.request(req.id),
+                k.wake,
+                k.stats,
+                k.fast_path,
+                k.tenant(c.tenant),
+                k.tenant_bucket(c.tenant, "requests"),
+                k.tenant_bucket(c.tenant, "tokens"),
+                k.tenants,
+                k.vclock,
+            ],
+            args=[
+                req.id,
+                PRIORITY_CLASS[req.priority],
+                max_queue,
+                max_ahead,
+                req.kv_tokens,
+                time.time(),
+                k.inflight_prefix,
+                (1 if req.prefix else 0) + (2 if req.leader_only else 0),
+                c.tenant,
+                c.requests_per_s,
+                c.tokens_per_min,
+                c.tokens,
+                -1 if sent_to is None else sent_to,
+                req.prompt_tokens,
+                *fields,
+            ],
+        )
         if isinstance(out, list) and int(out[0]) == -5:
             raise EarlyDeclined(f"engine {sent_to} is not a fast-path target for request {req.id} now")
         if isinstance(out, list) and len(out) == 3:
@@ -456,7 +480,14 @@ class RequestQueue:
     def _finish_call(self, rid: str, state: str, error: str) -> tuple[list[str], list[Any]]:
         assert state in ("done", "failed", "cancelled"), state
         k = self.keys
-        return [k.queue, k.request(rid), k.wake, k.stats], [rid, state, time.time(), error, FINISHED_TTL_S, k.inflight_prefix]  # fmt: skip
+        return [k.queue, k.request(rid), k.wake, k.stats], [
+            rid,
+            state,
+            time.time(),
+            error,
+            FINISHED_TTL_S,
+            k.inflight_prefix,
+        ]
 
     async def peek(self, limit: int) -> list[QueuedRequest]:
         """The first ``limit`` waiting requests in dispatch order (priority class, then arrival)."""

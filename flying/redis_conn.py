@@ -242,8 +242,11 @@ class WaitGate:
         if self._skip_until == 0.0 or time.monotonic() > self._skip_until + self.RETRY_S:
             log.warning(
                 "%d of %d replicas acknowledged within %d ms: writes go unconfirmed (retried every %.0f s)",
-                acked, self.wait.replicas, self.wait.timeout_ms, self.RETRY_S,
-            )  # fmt: skip
+                acked,
+                self.wait.replicas,
+                self.wait.timeout_ms,
+                self.RETRY_S,
+            )
         self._skip_until = time.monotonic() + self.RETRY_S
 
 
@@ -284,9 +287,8 @@ def _master_kwargs(
         raise RedisUrlError("TLS to Redis behind Sentinel is not supported")
     kw = dict(kwargs, connection_class=connection_class)
     kw.update(db=target.db, username=target.username, password=target.password)
-    kw["retry"] = retry_class(
-        ExponentialBackoff(**BACKOFF), FAILOVER_RETRIES
-    )  # through a failover, whoever asks
+    # through a failover, whoever asks
+    kw["retry"] = retry_class(ExponentialBackoff(**BACKOFF), FAILOVER_RETRIES)
     kw["retry_on_error"] = list({*kw.get("retry_on_error", []), *RETRIED})
     return kw
 

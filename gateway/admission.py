@@ -136,7 +136,12 @@ class Admission:
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
         patience = self._patience(record, beats)
-        keep = req.logprobs or req.n > 1 or (not chat and req.echo) or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)  # fmt: skip
+        keep = (
+            req.logprobs
+            or req.n > 1
+            or (not chat and req.echo)
+            or any(getattr(req, f, None) is not None for f in NOT_RESUMABLE)
+        )
         tier = answer_tier(req, priority)
         if not req.stream or keep:  # the engine's own endpoint
             return Admitted(record, path, body, bool(req.stream), patience_s=patience, service_tier=tier)

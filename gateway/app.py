@@ -407,7 +407,10 @@ async def model(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     name = request.path_params["model_id"]
     if name != gw.config.served_model_name:
-        raise ModelNotFound(f"The model '{name}' does not exist; this gateway serves '{gw.config.served_model_name}'", param="model")  # fmt: skip
+        raise ModelNotFound(
+            f"The model '{name}' does not exist; this gateway serves '{gw.config.served_model_name}'",
+            param="model",
+        )
     return JSONResponse(await model_card(gw))
 
 

@@ -49,7 +49,11 @@ def check_fits(n: int, max_queue: int, priority: str, tenant: Tenant | None) -> 
 def merge_completions(bodies: list[dict], n: int, request_id: str) -> dict:
     """The answers to a batch's prompts as one: the batch's id, every choice renumbered, the usage summed."""
     out = dict(bodies[0], id=request_id)
-    out["choices"] = [c | {"index": i * n + int(c.get("index", 0))} for i, b in enumerate(bodies) for c in b.get("choices") or ()]  # fmt: skip
+    out["choices"] = [
+        c | {"index": i * n + int(c.get("index", 0))}
+        for i, b in enumerate(bodies)
+        for c in b.get("choices") or ()
+    ]
     usage = sum_usage([b.get("usage") for b in bodies])
     if usage is not None:
         out["usage"] = usage

@@ -20,9 +20,8 @@ from gateway.config import GatewayConfig
 
 # the liveness key's TTL; refreshed every monitor_s (the router reaps a dead gateway's work)
 GATEWAY_TTL_MS = 3000
-LIVENESS_GAP_S = (
-    3.0  # engines seen live this recently may be re-announcing (a Redis failover dropped their keys)
-)
+# engines seen live this recently may be re-announcing (a Redis failover dropped their keys)
+LIVENESS_GAP_S = 3.0
 PRIORITIES = sorted(PRIORITY_CLASS, key=PRIORITY_CLASS.__getitem__)  # high first
 
 

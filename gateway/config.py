@@ -63,18 +63,16 @@ class GatewayConfig:
     # first can meet a request the client sent at that moment, which then ends in a reset
     keep_alive_timeout_s: float = 75.0
     max_connections: int = 4096
-    api_keys: tuple[str, ...] = field(
-        default=(), repr=False
-    )  # /v1/* needs one as a bearer token (none: open)
+    # /v1/* needs one as a bearer token (none: open)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_key_file: str | None = None  # plain keys or TOML tenants (gateway.tenants); reloaded on SIGHUP
     metrics_require_key: bool = False  # /metrics needs a key too
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
     raw_engine_fields: bool = False  # keep SGLang's fields beyond OpenAI's in answers (gateway.engine_fields)
     # at light load, send a request to its engine while its admission runs (gateway.early_dispatch)
     early_dispatch: bool = True
-    otlp_endpoint: str | None = (
-        None  # OpenTelemetry traces to this OTLP/HTTP collector (gateway.tracing); None: off
-    )
+    # OpenTelemetry traces to this OTLP/HTTP collector (gateway.tracing); None: off
+    otlp_endpoint: str | None = None
     otel_service_name: str = "flying-gateway"  # the traces' service.name
 
     def __post_init__(self) -> None:
@@ -104,9 +102,12 @@ class GatewayConfig:
     @property
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(
-            self.max_header_bytes, self.max_header_count, self.max_url_bytes, self.header_timeout_s,
+            self.max_header_bytes,
+            self.max_header_count,
+            self.max_url_bytes,
+            self.header_timeout_s,
             self.max_connections,
-        )  # fmt: skip
+        )
 
     @property
     def breaker(self) -> BreakerSettings:

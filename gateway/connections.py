@@ -74,8 +74,12 @@ def raw_response(error: APIError) -> bytes:
     """``error`` as a complete HTTP/1.1 response that closes the connection."""
     body = json.dumps(error.body()).encode()
     reason = {408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
-    head = [f"HTTP/1.1 {error.status} {reason.get(error.status, 'Error')}", "content-type: application/json",
-            f"content-length: {len(body)}", "connection: close"]  # fmt: skip
+    head = [
+        f"HTTP/1.1 {error.status} {reason.get(error.status, 'Error')}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
     if error.retry_after_s is not None:
         head.append(f"retry-after: {error.retry_after_s}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
@@ -94,9 +98,8 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.in_head = (
-            True  # between a request's first byte (or the connection's start) and its complete head
-        )
+        # between a request's first byte (or the connection's start) and its complete head
+        self.in_head = True
         self.head_bytes = self.url_bytes = self.field_bytes = self.fields = 0
         self.head_timer: asyncio.TimerHandle | None = None
         self.refusal: APIError | None = None

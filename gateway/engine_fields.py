@@ -125,9 +125,15 @@ def openai_error(raw: bytes) -> bytes:
 
 
 OPENAI_ERROR_TYPES = frozenset(
-    {"invalid_request_error", "authentication_error", "permission_error", "not_found_error", "rate_limit_error",
-     "server_error"}
-)  # fmt: skip
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "rate_limit_error",
+        "server_error",
+    }
+)
 
 
 def openai_error_doc(doc: Any) -> dict | None:

@@ -86,19 +86,43 @@ def parser() -> argparse.ArgumentParser:
             "rate predicts a longer wait, 504 when an admitted one has waited this long",
         )
     door = p.add_argument_group("limits at the door (per connection)")
-    door.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
-                      help="431 beyond this many bytes of request header fields")  # fmt: skip
-    door.add_argument("--max-header-count", type=int, default=d.max_header_count,
-                      help="431 beyond this many request header fields")  # fmt: skip
+    door.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=d.max_header_bytes,
+        help="431 beyond this many bytes of request header fields",
+    )
+    door.add_argument(
+        "--max-header-count",
+        type=int,
+        default=d.max_header_count,
+        help="431 beyond this many request header fields",
+    )
     door.add_argument("--max-url-bytes", type=int, default=d.max_url_bytes, help="414 beyond this URL length")
-    door.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s,
-                      help="seconds a request head may take to arrive (408); a silent connection is closed")  # fmt: skip
-    door.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s,
-                      help="seconds a request body may take to arrive once its head has (408)")  # fmt: skip
-    door.add_argument("--keep-alive-timeout-s", type=float, default=d.keep_alive_timeout_s,
-                      help="seconds an idle keep-alive connection stays open")  # fmt: skip
-    door.add_argument("--max-connections", type=int, default=d.max_connections,
-                      help="open connections beyond which new ones are answered 503 with Retry-After")  # fmt: skip
+    door.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=d.header_timeout_s,
+        help="seconds a request head may take to arrive (408); a silent connection is closed",
+    )
+    door.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds a request body may take to arrive once its head has (408)",
+    )
+    door.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        default=d.keep_alive_timeout_s,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    door.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open connections beyond which new ones are answered 503 with Retry-After",
+    )
     p.add_argument(
         "--redis-max-connections",
         type=int,
@@ -106,21 +130,45 @@ def parser() -> argparse.ArgumentParser:
         help="Redis connection pool size; requests wait for a connection beyond it",
     )
     failures = p.add_argument_group("failing engines")
-    failures.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
-                          help="failed requests (refused, reset, timed out, 5xx) within --breaker-window-s that "
-                          "take an engine out of dispatch (its circuit breaker opens)")  # fmt: skip
-    failures.add_argument("--breaker-window-s", type=float, default=d.breaker_window_s,
-                          help="seconds over which an engine's failed requests are counted")  # fmt: skip
-    failures.add_argument("--breaker-backoff-s", type=float, default=d.breaker_backoff_s,
-                          help="seconds an engine stays out of dispatch after its breaker opens, before a probe of "
-                          "its health endpoint; doubled for each trip in a row")  # fmt: skip
-    failures.add_argument("--breaker-backoff-max-s", type=float, default=d.breaker_backoff_max_s,
-                          help="seconds: the longest back-off")  # fmt: skip
-    failures.add_argument("--redispatch-backoff-s", type=float, default=d.redispatch_backoff_s,
-                          help="seconds before a request whose engine failed goes back to the queue (a random "
-                          "50-100%% of it, doubled for each attempt)")  # fmt: skip
-    failures.add_argument("--redispatch-backoff-max-s", type=float, default=d.redispatch_backoff_max_s,
-                          help="seconds: the longest re-dispatch back-off")  # fmt: skip
+    failures.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=d.breaker_failures,
+        help="failed requests (refused, reset, timed out, 5xx) within --breaker-window-s that "
+        "take an engine out of dispatch (its circuit breaker opens)",
+    )
+    failures.add_argument(
+        "--breaker-window-s",
+        type=float,
+        default=d.breaker_window_s,
+        help="seconds over which an engine's failed requests are counted",
+    )
+    failures.add_argument(
+        "--breaker-backoff-s",
+        type=float,
+        default=d.breaker_backoff_s,
+        help="seconds an engine stays out of dispatch after its breaker opens, before a probe of "
+        "its health endpoint; doubled for each trip in a row",
+    )
+    failures.add_argument(
+        "--breaker-backoff-max-s",
+        type=float,
+        default=d.breaker_backoff_max_s,
+        help="seconds: the longest back-off",
+    )
+    failures.add_argument(
+        "--redispatch-backoff-s",
+        type=float,
+        default=d.redispatch_backoff_s,
+        help="seconds before a request whose engine failed goes back to the queue (a random "
+        "50-100%% of it, doubled for each attempt)",
+    )
+    failures.add_argument(
+        "--redispatch-backoff-max-s",
+        type=float,
+        default=d.redispatch_backoff_max_s,
+        help="seconds: the longest re-dispatch back-off",
+    )
     p.add_argument(
         "--drain-grace-s",
         type=float,

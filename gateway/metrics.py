@@ -24,9 +24,12 @@ class GatewayMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "flying_gateway_requests", "Completion requests answered, by route, HTTP status and priority "
-            "(a stream counts with the status it started with)", ["route", "status", "priority"], registry=r,
-        )  # fmt: skip
+            "flying_gateway_requests",
+            "Completion requests answered, by route, HTTP status and priority "
+            "(a stream counts with the status it started with)",
+            ["route", "status", "priority"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "flying_gateway_requests_in_flight",
             "HTTP requests in progress (streams to their last byte)",
@@ -34,67 +37,106 @@ class GatewayMetrics:
             multiprocess_mode="livesum",  # several workers: the sum over the live ones
         )
         self.queue_time = Histogram(
-            "flying_gateway_queue_time_seconds", "Admission to the global queue -> the router's assignment",
-            ["priority"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "flying_gateway_queue_time_seconds",
+            "Admission to the global queue -> the router's assignment",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
-            "flying_gateway_ttft_seconds", "Request received -> its first event (streams) or whole answer",
-            ["priority"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "flying_gateway_ttft_seconds",
+            "Request received -> its first event (streams) or whole answer",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.redispatched = Counter(
-            "flying_gateway_redispatched", "Requests sent back to the queue because their engine failed or gave "
-            "up: before its first event (re-dispatched) or mid-stream (resumed elsewhere)", ["cause"], registry=r,
-        )  # fmt: skip
+            "flying_gateway_redispatched",
+            "Requests sent back to the queue because their engine failed or gave "
+            "up: before its first event (re-dispatched) or mid-stream (resumed elsewhere)",
+            ["cause"],
+            registry=r,
+        )
         self.poison = Counter(
-            "flying_poison_requests", "Requests ended because two engines died while running them (a 500 "
-            "request_crashed_engines), not tried on a third", registry=r,
-        )  # fmt: skip
+            "flying_poison_requests",
+            "Requests ended because two engines died while running them (a 500 "
+            "request_crashed_engines), not tried on a third",
+            registry=r,
+        )
         self.early = Counter(
-            "flying_gateway_early_dispatch", "Requests sent to their engine while their admission ran (sent), and "
-            "those the admission declined or refused, taken back from the engine (declined)", ["outcome"], registry=r,
-        )  # fmt: skip
+            "flying_gateway_early_dispatch",
+            "Requests sent to their engine while their admission ran (sent), and "
+            "those the admission declined or refused, taken back from the engine (declined)",
+            ["outcome"],
+            registry=r,
+        )
         self.assignments = Counter(
-            "flying_gateway_assignments", "Assignments of this gateway's requests, by how they came: admission "
+            "flying_gateway_assignments",
+            "Assignments of this gateway's requests, by how they came: admission "
             "(assigned by the admission itself, the queue empty), message (the router's, over the subscription) or "
-            "reconciliation (a missed message, found in Redis)", ["by"], registry=r,
-        )  # fmt: skip
+            "reconciliation (a missed message, found in Redis)",
+            ["by"],
+            registry=r,
+        )
         self.subscription_lost = Counter(
-            "flying_gateway_assignment_subscription_lost", "Times the assignment subscription was found lost "
-            "without an error (its listener ended, or Redis counted no subscriber) and made again", registry=r,
-        )  # fmt: skip
+            "flying_gateway_assignment_subscription_lost",
+            "Times the assignment subscription was found lost "
+            "without an error (its listener ended, or Redis counted no subscriber) and made again",
+            registry=r,
+        )
         self.engine_failures = Counter(
-            "flying_gateway_engine_failures", "Requests that failed on their engine (refused, reset, timed out, "
-            "5xx), by engine: what its circuit breaker counts", ["engine"], registry=r,
-        )  # fmt: skip
+            "flying_gateway_engine_failures",
+            "Requests that failed on their engine (refused, reset, timed out, "
+            "5xx), by engine: what its circuit breaker counts",
+            ["engine"],
+            registry=r,
+        )
         self.rejected = Counter(
-            "flying_gateway_rejected", "Requests refused, by HTTP status and error code (429 backpressure, 400 "
-            "invalid, 401 no or wrong API key, ...)", ["status", "reason"], registry=r,
-        )  # fmt: skip
+            "flying_gateway_rejected",
+            "Requests refused, by HTTP status and error code (429 backpressure, 400 "
+            "invalid, 401 no or wrong API key, ...)",
+            ["status", "reason"],
+            registry=r,
+        )
         self.refused = Counter(
-            "flying_gateway_refused", "Requests refused at admission (429), by priority and why: depth (the "
+            "flying_gateway_refused",
+            "Requests refused at admission (429), by priority and why: depth (the "
             "class's share of the queue is full) or wait (the predicted wait exceeds the class's budget)",
-            ["priority", "reason"], registry=r,
-        )  # fmt: skip
+            ["priority", "reason"],
+            registry=r,
+        )
         self.expired = Counter(
-            "flying_gateway_wait_budget_expired", "Admitted requests that waited their class's whole wait budget "
-            "without an engine and ended with 504", ["priority"], registry=r,
-        )  # fmt: skip
+            "flying_gateway_wait_budget_expired",
+            "Admitted requests that waited their class's whole wait budget "
+            "without an engine and ended with 504",
+            ["priority"],
+            registry=r,
+        )
         self.tenant_requests = Counter(
-            "flying_gateway_tenant_requests", "Requests admitted to the queue, by tenant (API key)", ["tenant"],
+            "flying_gateway_tenant_requests",
+            "Requests admitted to the queue, by tenant (API key)",
+            ["tenant"],
             registry=r,
-        )  # fmt: skip
+        )
         self.tenant_tokens = Counter(
-            "flying_gateway_tenant_tokens", "Tokens admitted (prompt + max_tokens), by tenant", ["tenant"],
+            "flying_gateway_tenant_tokens",
+            "Tokens admitted (prompt + max_tokens), by tenant",
+            ["tenant"],
             registry=r,
-        )  # fmt: skip
+        )
         self.tenant_rejected = Counter(
-            "flying_gateway_tenant_rejected", "A tenant's requests refused by its own limits: requests_per_s, "
-            "tokens_per_min, max_concurrent (429) or max_priority (403)", ["tenant", "reason"], registry=r,
-        )  # fmt: skip
+            "flying_gateway_tenant_rejected",
+            "A tenant's requests refused by its own limits: requests_per_s, "
+            "tokens_per_min, max_concurrent (429) or max_priority (403)",
+            ["tenant", "reason"],
+            registry=r,
+        )
         self.tenant_lowered = Counter(
-            "flying_gateway_tenant_priority_lowered", "Requests that asked for a priority above their tenant's "
-            "highest and run at that one instead", ["tenant", "requested", "granted"], registry=r,
-        )  # fmt: skip
+            "flying_gateway_tenant_priority_lowered",
+            "Requests that asked for a priority above their tenant's highest and run at that one instead",
+            ["tenant", "requested", "granted"],
+            registry=r,
+        )
         self._children: dict[tuple, Any] = {}
 
     def exposition(self) -> bytes:

@@ -234,8 +234,13 @@ class Relay:
         """Continue a broken stream elsewhere: back in the queue (bounded by ``max_attempts``, else WorkerFailed),
         then the remaining tokens from a new engine. Returns (assignment, response, first batch)."""
         assert adm.resume is not None, "only a resumable stream is resumed"
-        log.warning("request %s: %s; resuming after %d tokens", adm.record.id, exc, len(adm.resume.generated),
-                    extra={"request_id": adm.record.id})  # fmt: skip
+        log.warning(
+            "request %s: %s; resuming after %d tokens",
+            adm.record.id,
+            exc,
+            len(adm.resume.generated),
+            extra={"request_id": adm.record.id},
+        )
         fut = await self.waiting.retry_or_fail(
             adm,
             a,

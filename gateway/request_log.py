@@ -104,8 +104,14 @@ def _log(scope: Scope, req: RequestInfo, status: int, duration_ms: float) -> Non
     engine = "-" if req.engine is None else str(req.engine)
     queue = "-" if req.queue_ms is None else f"{req.queue_ms:.1f}"
     asked = "" if req.requested_priority is None else f" requested_priority={req.requested_priority}"
-    extra = {"request_id": req.request_id, "status": status, "priority": req.priority, "engine": req.engine,
-             "queue_ms": req.queue_ms, "duration_ms": round(duration_ms, 1)}  # fmt: skip
+    extra = {
+        "request_id": req.request_id,
+        "status": status,
+        "priority": req.priority,
+        "engine": req.engine,
+        "queue_ms": req.queue_ms,
+        "duration_ms": round(duration_ms, 1),
+    }
     if req.requested_priority is not None:
         extra["requested_priority"] = req.requested_priority
     msg = (

@@ -139,10 +139,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     return chat
 
 
+# the chat's parameter -> the client's
 CLIENT_NAMES = {
     "messages": "input",
     "max_tokens": "max_output_tokens",
-}  # the chat's parameter -> the client's
+}
 
 
 def in_client_terms(exc: APIError) -> APIError:
@@ -211,14 +212,27 @@ class Draft:
         req = self.req
         incomplete = {"reason": "max_output_tokens"} if finish == "length" else None
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens, "model": req.model, "output": output,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": req.model,
+            "output": output,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-            "temperature": req.temperature, "top_p": req.top_p, "tool_choice": "auto", "tools": [],
-            "metadata": req.metadata or {}, "text": {"format": text_format(req)},
-            "truncation": req.truncation or "disabled", "usage": usage, "service_tier": self.tier,
-        }  # fmt: skip
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "tool_choice": "auto",
+            "tools": [],
+            "metadata": req.metadata or {},
+            "text": {"format": text_format(req)},
+            "truncation": req.truncation or "disabled",
+            "usage": usage,
+            "service_tier": self.tier,
+        }
 
     def message(self, text: str | None, status: str) -> dict:
         content = [] if text is None else [output_text(text)]
@@ -273,7 +287,13 @@ async def events(draft: Draft, chat_stream: AsyncIterator[bytes]) -> AsyncGenera
     def event(kind: str, **fields: Any) -> bytes:
         nonlocal seq
         seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + _encode({"type": kind, "sequence_number": seq - 1, **fields}) + b"\n\n"  # fmt: skip
+        return (
+            b"event: "
+            + kind.encode()
+            + b"\ndata: "
+            + _encode({"type": kind, "sequence_number": seq - 1, **fields})
+            + b"\n\n"
+        )
 
     where = {"item_id": draft.item_id, "output_index": 0, "content_index": 0}
     text: list[str] = []
@@ -307,20 +327,33 @@ async def events(draft: Draft, chat_stream: AsyncIterator[bytes]) -> AsyncGenera
             if not chunk:
                 break
         if error is not None:
-            code = error.get(
-                "code"
-            )  # (the Responses API's error event has a string code; SGLang's is its status)
-            yield event("error", code=None if code is None else str(code), message=str(error.get("message", "")), param=error.get("param"))  # fmt: skip
-            yield event("response.failed", response=draft.response("failed", [], usage_of(usage)) | {"error": {"code": "server_error", "message": str(error.get("message", ""))}})  # fmt: skip
+            # (the Responses API's error event has a string code; SGLang's is its status)
+            code = error.get("code")
+            yield event(
+                "error",
+                code=None if code is None else str(code),
+                message=str(error.get("message", "")),
+                param=error.get("param"),
+            )
+            yield event(
+                "response.failed",
+                response=draft.response("failed", [], usage_of(usage))
+                | {"error": {"code": "server_error", "message": str(error.get("message", ""))}},
+            )
             return
         full = "".join(text)
         status = "incomplete" if finish == "length" else "completed"
-        yield b"".join([
-            event("response.output_text.done", **where, text=full, logprobs=[]),
-            event("response.content_part.done", **where, part=output_text(full)),
-            event("response.output_item.done", output_index=0, item=draft.message(full, status)),
-            event(f"response.{status}", response=draft.response(status, [draft.message(full, status)], usage_of(usage), finish)),
-        ])  # fmt: skip
+        yield b"".join(
+            [
+                event("response.output_text.done", **where, text=full, logprobs=[]),
+                event("response.content_part.done", **where, part=output_text(full)),
+                event("response.output_item.done", output_index=0, item=draft.message(full, status)),
+                event(
+                    f"response.{status}",
+                    response=draft.response(status, [draft.message(full, status)], usage_of(usage), finish),
+                ),
+            ]
+        )
     finally:
         aclose = getattr(chat_stream, "aclose", None)
         if aclose is not None:

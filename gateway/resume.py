@@ -95,7 +95,12 @@ class Resumable:
                 delta["role"], self.role_sent = "assistant", True
             if c.get("text"):
                 delta["content"] = c["text"]
-            choice = {"index": c.get("index", 0), "delta": delta, "logprobs": None, "finish_reason": c.get("finish_reason")}  # fmt: skip
+            choice = {
+                "index": c.get("index", 0),
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": c.get("finish_reason"),
+            }
             if c.get("matched_stop") is not None:
                 choice["matched_stop"] = c["matched_stop"]
             choices.append(choice)

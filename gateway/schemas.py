@@ -23,8 +23,12 @@ Role = Literal["system", "user", "assistant", "developer", "tool"]
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 SERVICE_TIER_PRIORITY: dict[str, Priority] = {
-    "priority": "high", "default": "normal", "auto": "normal", "scale": "normal", "flex": "low",
-}  # fmt: skip
+    "priority": "high",
+    "default": "normal",
+    "auto": "normal",
+    "scale": "normal",
+    "flex": "low",
+}
 # the tier a chat answer says it was served at (OpenAI's ``service_tier`` in the response): its final priority's
 PRIORITY_TIER: dict[Priority, ServiceTier] = {"high": "priority", "normal": "default", "low": "flex"}
 
@@ -162,16 +166,33 @@ REFUSED = {
 # accepted from the client, never sent to the engine (they change nothing there, or the gateway applies them);
 # ``prompt_cache_key`` is not sent either: admission takes it off for the router (gateway.admission)
 GATEWAY_ONLY = (
-    "store", "metadata", "safety_identifier", "service_tier", "modalities", "best_of", "prompt_cache_retention",
+    "store",
+    "metadata",
+    "safety_identifier",
+    "service_tier",
+    "modalities",
+    "best_of",
+    "prompt_cache_retention",
     "verbosity",
-)  # fmt: skip
+)
 # A stream with any of these keeps the engine's own endpoint (it is not resumable on another engine: they change
 # how the prompt is rendered, or constrain the output with state a continuation elsewhere would not have).
 NOT_RESUMABLE = (
-    "tools", "tool_choice", "parallel_tool_calls", "response_format", "regex", "ebnf", "json_schema",
-    "reasoning_effort", "separate_reasoning", "stream_reasoning", "chat_template_kwargs",
-    "continue_final_message", "min_tokens", "suffix",
-)  # fmt: skip
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "regex",
+    "ebnf",
+    "json_schema",
+    "reasoning_effort",
+    "separate_reasoning",
+    "stream_reasoning",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "min_tokens",
+    "suffix",
+)
 
 
 def constrained(req: object) -> bool:
@@ -254,9 +275,14 @@ def _without_nulls(body: bytes) -> dict | None:
 _EXPECTED = re.compile(r"Expected `([^`]*)`, got `([^`]*)`")
 _MISSING = re.compile(r"Object missing required field `([^`]*)`")
 _TYPE_NAMES = {
-    "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean", "array": "an array",
-    "object": "an object", "null": "null",
-}  # fmt: skip
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "a boolean",
+    "array": "an array",
+    "object": "an object",
+    "null": "null",
+}
 
 
 _ENUM = re.compile(r"Invalid enum value (.+?)(?: - at `|$)")

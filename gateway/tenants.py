@@ -66,7 +66,9 @@ class Tenant:
         if not _NAME.fullmatch(self.name):  # (it is part of Redis keys: flying:tenant:<name>:...)
             raise ValueError(f"tenant name {self.name!r}: use letters, digits, '.', '_' and '-' only")
         if self.max_priority is not None and self.max_priority not in PRIORITY_CLASS:
-            raise ValueError(f"tenant {self.name}: max_priority must be high, normal or low, got {self.max_priority!r}")  # fmt: skip
+            raise ValueError(
+                f"tenant {self.name}: max_priority must be high, normal or low, got {self.max_priority!r}"
+            )
         for limit in ("requests_per_s", "tokens_per_min", "max_concurrent"):
             value = getattr(self, limit)
             if value is not None and not value > 0:

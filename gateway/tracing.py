@@ -162,8 +162,14 @@ class Tracing:
                 self._failed(span, exc)
                 raise
             rec = adm.record
-            span.set_attributes({"flying.request_id": rec.id, "flying.priority": rec.priority,
-                                 "flying.prompt_tokens": rec.prompt_tokens, "flying.max_tokens": rec.max_tokens})  # fmt: skip
+            span.set_attributes(
+                {
+                    "flying.request_id": rec.id,
+                    "flying.priority": rec.priority,
+                    "flying.prompt_tokens": rec.prompt_tokens,
+                    "flying.max_tokens": rec.max_tokens,
+                }
+            )
             span.end()
             return adm
 
@@ -241,7 +247,7 @@ class Tracing:
                     "url.path": path,
                     "http.request.method": "POST",
                     "flying.stream": stream,
-                },  # fmt: skip
+                },
             )
             self.propagator.inject(carrier, context=self._trace.set_span_in_context(span))
             try:

@@ -21,9 +21,8 @@ import httpx
 import msgspec
 
 CONNECT_TIMEOUT_S = 3.0
-DRAIN_S = (
-    1.0  # a stream given up after its last event: how long its end may take before the connection closes
-)
+# a stream given up after its last event: how long its end may take before the connection closes
+DRAIN_S = 1.0
 ABORTS_AT_ONCE = 32  # abort POSTs in flight to one engine (the rest wait their turn) ...
 ABORTS_IN_ALL = 128  # ... and to all engines, per gateway process
 ABORT_TIMEOUT_S = 2.0  # an engine that does not take an abort in this time is not waited for
@@ -75,9 +74,8 @@ class _Conn(asyncio.Protocol):
         self.error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
-        self.on_complete: Callable[[], None] | None = (
-            None  # called once when the current response's end arrives
-        )
+        # called once when the current response's end arrives
+        self.on_complete: Callable[[], None] | None = None
         self.reset()
 
     def reset(self) -> None:

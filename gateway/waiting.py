@@ -204,8 +204,13 @@ class WaitingRoom:
         elif used >= self.config.max_attempts:
             await self.queue.finish(adm.record.id, "failed", why)
             raise WorkerFailed(f"engine {a.engine} failed and {used} attempts are used up: {why}")
-        log.warning("request %s: engine %d unavailable (%s); re-queueing", adm.record.id, a.engine, why,
-                    extra={"request_id": adm.record.id})  # fmt: skip
+        log.warning(
+            "request %s: engine %d unavailable (%s); re-queueing",
+            adm.record.id,
+            a.engine,
+            why,
+            extra={"request_id": adm.record.id},
+        )
         self.metrics.redispatched.labels(cause).inc()
         adm.next_attempt(attempts)
         await asyncio.sleep(self.redispatch_delay_s(attempts))

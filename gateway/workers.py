@@ -145,14 +145,22 @@ class Supervisor:
                     if w.failed_starts >= GIVE_UP_AFTER:
                         log.error(
                             "gateway worker %d %s %.1f s after its start, %d times in a row: giving up (its log "
-                            "lines above say why)", w.index, how_it_ended(code), lived, w.failed_starts,
-                        )  # fmt: skip
+                            "lines above say why)",
+                            w.index,
+                            how_it_ended(code),
+                            lived,
+                            w.failed_starts,
+                        )
                         return 1
                 delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** max(0, w.failed_starts - 1))
                 log.error(
                     "gateway worker %d (pid %d) %s after %.1f s; restarting it in %.1f s",
-                    w.index, w.proc.pid, how_it_ended(code), lived, delay,
-                )  # fmt: skip
+                    w.index,
+                    w.proc.pid,
+                    how_it_ended(code),
+                    lived,
+                    delay,
+                )
                 w.proc, w.restart_at = None, now + delay
             time.sleep(POLL_S)
 

@@ -105,8 +105,10 @@ class _Conn(asyncio.Protocol):
         assert t is not None
         if self.auth is not None and path.startswith(b"/v1/") and auth != self.auth:
             doc = b'{"error": {"message": "invalid API key", "code": "invalid_api_key"}}'
-            t.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                    % (len(doc), doc))  # fmt: skip
+            t.write(
+                b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(doc), doc)
+            )
             return
         if path == b"/v1/models":
             doc = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
@@ -152,11 +154,23 @@ class _Conn(asyncio.Protocol):
             | ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             for i in range(k)
         ]
-        usage = {"prompt_tokens": p, "completion_tokens": n * k, "total_tokens": p + n * k,
-                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        usage = {
+            "prompt_tokens": p,
+            "completion_tokens": n * k,
+            "total_tokens": p + n * k,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         kind = "chat.completion" if chat else "text_completion"
-        doc = json.dumps({"id": str(req.get("rid") or "x"), "object": kind, "created": int(time.time()), "model": MODEL,
-                          "choices": choices, "usage": usage}).encode()  # fmt: skip
+        doc = json.dumps(
+            {
+                "id": str(req.get("rid") or "x"),
+                "object": kind,
+                "created": int(time.time()),
+                "model": MODEL,
+                "choices": choices,
+                "usage": usage,
+            }
+        ).encode()
         t.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
             % (len(doc), doc)
@@ -190,8 +204,12 @@ class _Conn(asyncio.Protocol):
                 choice["finish_reason"] = "length"
             event: dict = {"id": rid, "created": int(time.time()), "model": MODEL, "choices": [choice]}
             if every:
-                event["usage"] = {"prompt_tokens": p, "completion_tokens": i + 1, "total_tokens": p + i + 1,
-                                  "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+                event["usage"] = {
+                    "prompt_tokens": p,
+                    "completion_tokens": i + 1,
+                    "total_tokens": p + i + 1,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                }
             if t.is_closing():
                 return
             if rid in self.state.aborted:
@@ -202,8 +220,12 @@ class _Conn(asyncio.Protocol):
                 return
             t.write(_chunk(b"data: " + json.dumps(event).encode() + b"\n\n"))
         self.state.insert(words + out)
-        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
-                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        usage = {
+            "prompt_tokens": p,
+            "completion_tokens": n,
+            "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         tail = {"id": rid, "model": MODEL, "choices": [], "usage": usage}
         t.write(_chunk(b"data: " + json.dumps(tail).encode() + b"\n\ndata: [DONE]\n\n") + b"0\r\n\r\n")
 
@@ -229,7 +251,17 @@ def start_process(
     from flying.procs import free_port, spawn, wait_healthy
 
     port = free_port()
-    cmd = [sys.executable, "-m", "loadgen.fake_server", "--port", str(port), "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadgen.fake_server",
+        "--port",
+        str(port),
+        "--ttft-ms",
+        str(ttft_ms),
+        "--itl-ms",
+        str(itl_ms),
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     proc = spawn(cmd, log)

@@ -30,9 +30,8 @@ class RequestRecord:
     status: int = 0
     error: str = ""
     warmup: bool = False
-    ended_at: float = (
-        math.nan
-    )  # when it ended: its last event, or the failure (NaN: not recorded, older files)
+    # when it ended: its last event, or the failure (NaN: not recorded, older files)
+    ended_at: float = math.nan
 
     @property
     def ok(self) -> bool:

@@ -53,8 +53,14 @@ def timeline(runs: dict[str, dict], out: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     cols = len(runs)
-    fig, axes = plt.subplots(len(PANELS), cols, figsize=(min(6.5 * cols, 20), 2.1 * len(PANELS)), sharex=True,
-                             sharey="row", squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(PANELS),
+        cols,
+        figsize=(min(6.5 * cols, 20), 2.1 * len(PANELS)),
+        sharex=True,
+        sharey="row",
+        squeeze=False,
+    )
     for c, (name, s) in enumerate(runs.items()):
         lines = panel_lines(s)
         for r, (key, label) in enumerate(PANELS):

@@ -116,9 +116,8 @@ class Workload:
     output_tokens: Lengths = field(default_factory=lambda: Lengths("uniform", 16, 48))
     priority_mix: dict[str, float] = field(default_factory=lambda: {"high": 0.2, "normal": 0.6, "low": 0.2})
     long_share: float = 0.0  # share of long-context requests ...
-    long_input_tokens: Lengths = field(
-        default_factory=lambda: Lengths("uniform", 2048, 4096)
-    )  # ... and theirs
+    # ... and theirs
+    long_input_tokens: Lengths = field(default_factory=lambda: Lengths("uniform", 2048, 4096))
     seed: int = 0
     sessions: Sessions | None = None  # num_requests sessions of sessions.turns requests each
 

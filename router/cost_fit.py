@@ -137,24 +137,33 @@ def apply(prior: CostModel, curves: Iterable[Curve]) -> CostModel:
     m = prior
     if (dp := by.get(("dp", 1))) is not None:
         m = dataclasses.replace(
-            m, name=f"fitted ({prior.name} prior)", overhead_ms=max(dp.ms, MIN_OVERHEAD_MS), prefill_ms_per_token=dp.ms_per_token,
-            weight_read_ms=0.0, decode_ms_per_seq=0.0, kv_ms_per_1k_tokens=0.0, prefill_attn_ms_per_mpair=0.0,
+            m,
+            name=f"fitted ({prior.name} prior)",
+            overhead_ms=max(dp.ms, MIN_OVERHEAD_MS),
+            prefill_ms_per_token=dp.ms_per_token,
+            weight_read_ms=0.0,
+            decode_ms_per_seq=0.0,
+            kv_ms_per_1k_tokens=0.0,
+            prefill_attn_ms_per_mpair=0.0,
             sp_host_ms_per_seq=0.0,
-        )  # fmt: skip
+        )
     c = m.prefill_ms_per_token
     tp = max((x for x in curves if x.mode == "tp" and x.width > 1), key=lambda x: x.steps, default=None)
     if tp is not None:
         rounds = math.log2(tp.width)
         m = dataclasses.replace(
-            m, merged_overhead=0.0, allreduce_ms=max(tp.ms - m.overhead_ms, 0.0) / rounds,
+            m,
+            merged_overhead=0.0,
+            allreduce_ms=max(tp.ms - m.overhead_ms, 0.0) / rounds,
             allreduce_ms_per_token=max(tp.ms_per_token - c / tp.width, 0.0) / rounds,
-        )  # fmt: skip
+        )
     sp = max((x for x in curves if x.mode == "sp" and x.width > 1), key=lambda x: x.steps, default=None)
     if sp is not None:
         m = dataclasses.replace(
-            m, sp_alltoall_ms=max(sp.ms - m.overhead_ms, 0.0),
+            m,
+            sp_alltoall_ms=max(sp.ms - m.overhead_ms, 0.0),
             sp_alltoall_ms_per_token=max(sp.ms_per_token * sp.width - c, 0.0),
-        )  # fmt: skip
+        )
     return m
 
 

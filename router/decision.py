@@ -85,13 +85,11 @@ class ReleaseCause(StrEnum):
     NO_TP_WORK = "no TP work"  # for keep_s
     MAKING_ROOM = "making room"  # for a wider (long-context) group
     PARKED_LOST = "a member of the parked group is gone"  # its parked requests cannot resume: they end
-    PARKED_LEFT = (
-        "its parked requests ended"  # their clients left (or timed out) while parked: their KV is freed
-    )
+    # their clients left (or timed out) while parked: their KV is freed
+    PARKED_LEFT = "its parked requests ended"
     WIDENING = "widening"  # light load: the block around it can bind at the load groups' full width
-    UNKNOWN_EPOCH = (
-        "no record knows the epoch"  # engines bound in an epoch whose record is gone (a late bind)
-    )
+    # engines bound in an epoch whose record is gone (a late bind)
+    UNKNOWN_EPOCH = "no record knows the epoch"
 
 
 @dataclass(frozen=True)
@@ -340,8 +338,15 @@ def log_entry(note: Note, ts: float, epoch: int = 0) -> DecisionEvent:
                 ts=ts, kind="bind", text=text, epoch=epoch, members=note.members, reason=note.reason
             )
         case ReleaseNote():
-            return DecisionEvent(ts=ts, kind="release", text=text, epoch=note.epoch, members=note.members,
-                                 reason=note.reason, cause=note.cause.value)  # fmt: skip
+            return DecisionEvent(
+                ts=ts,
+                kind="release",
+                text=text,
+                epoch=note.epoch,
+                members=note.members,
+                reason=note.reason,
+                cause=note.cause.value,
+            )
         case PlanNote():
             return DecisionEvent(ts=ts, kind="regime", text=text, busy=note.busy)
         case DistrustNote():

@@ -47,9 +47,8 @@ from router.reuse import Reuse
 from router.watchdog import MOVES, Change, Progress, Watchdog
 
 log = logging.getLogger("flying.router")
-GATEWAY_GRACE_S = (
-    5.0  # a gateway's liveness key gone this long: its requests are ended (a Redis restart is shorter)
-)
+# a gateway's liveness key gone this long: its requests are ended (a Redis restart is shorter)
+GATEWAY_GRACE_S = 5.0
 
 DECISION_LOG_LEN = 1000  # entries of flying:router:decisions kept (about; a bind or release is one or two)
 ROUND_RETRY_S = 1.0  # seconds before a round that raised an unexpected error is tried again
@@ -330,8 +329,12 @@ class Dispatcher:
                 if engine is not None and url:
                     for one in rids:
                         await self._abort(url, one)
-            log.warning("gateway %s lost: ended its %d requests (%d were running)", gw, len(held),
-                        sum(e is not None for _, e, _, _ in held))  # fmt: skip
+            log.warning(
+                "gateway %s lost: ended its %d requests (%d were running)",
+                gw,
+                len(held),
+                sum(e is not None for _, e, _, _ in held),
+            )
 
     async def watch(self, engines: list[int], now: float) -> None:
         """One reading for the stall watchdog (:mod:`router.watchdog`); a stall is logged with the group records

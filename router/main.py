@@ -51,8 +51,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ms", type=int, default=d.lease_ms, help=ROUTER_HELP["lease_ms"])
     p.add_argument("--metrics-port", type=cli.port, default=d.metrics_port, help=ROUTER_HELP["metrics_port"])
     p.add_argument("--metrics-host", default=d.metrics_host, help=ROUTER_HELP["metrics_host"])
-    p.add_argument("--breaker-probe-timeout-s", type=float, default=d.breaker_probe_timeout_s,
-                   help=ROUTER_HELP["breaker_probe_timeout_s"])  # fmt: skip
+    p.add_argument(
+        "--breaker-probe-timeout-s",
+        type=float,
+        default=d.breaker_probe_timeout_s,
+        help=ROUTER_HELP["breaker_probe_timeout_s"],
+    )
     p.add_argument("--stall-s", type=float, default=d.stall_s, help=ROUTER_HELP["stall_s"])
     logs.add_argument(p)
     _policy_flags(p)

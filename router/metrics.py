@@ -45,37 +45,53 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.dispatched = Counter(
-            "flying_router_dispatched", "Requests assigned by the router (the admission fast path is in "
-            "flying_requests_total{event=\"fast\"})", ["target"], registry=r,
-        )  # fmt: skip
-        self.dp_rules = Counter(
-            "flying_router_dp_dispatch", "DP dispatches decided by rule: prefix (followed the prompt's prefix to "
-            "the engine caching it), least-loaded (--dispatch least-loaded), no-chain (prompt under one block), "
-            "no-match (no engine holds --cache-threshold of it), imbalanced (loads out of balance)", ["rule"],
+            "flying_router_dispatched",
+            "Requests assigned by the router (the admission fast path is in "
+            'flying_requests_total{event="fast"})',
+            ["target"],
             registry=r,
-        )  # fmt: skip
+        )
+        self.dp_rules = Counter(
+            "flying_router_dp_dispatch",
+            "DP dispatches decided by rule: prefix (followed the prompt's prefix to "
+            "the engine caching it), least-loaded (--dispatch least-loaded), no-chain (prompt under one block), "
+            "no-match (no engine holds --cache-threshold of it), imbalanced (loads out of balance)",
+            ["rule"],
+            registry=r,
+        )
         self.binds = Counter(
-            "flying_router_binds", "TP group binds: issued by the router, bound (every member reports it), or "
-            "rolled back before they bound", ["reason", "mode", "outcome"], registry=r,
-        )  # fmt: skip
+            "flying_router_binds",
+            "TP group binds: issued by the router, bound (every member reports it), or "
+            "rolled back before they bound",
+            ["reason", "mode", "outcome"],
+            registry=r,
+        )
         self.releases = Counter(
-            "flying_router_releases", "TP group releases: issued, and done (every member back in DP)",
-            ["reason", "mode", "outcome"], registry=r,
-        )  # fmt: skip
+            "flying_router_releases",
+            "TP group releases: issued, and done (every member back in DP)",
+            ["reason", "mode", "outcome"],
+            registry=r,
+        )
         self.switch = Histogram(
-            "flying_router_switch_seconds", "Bind: record written -> every member reports the group; release: "
+            "flying_router_switch_seconds",
+            "Bind: record written -> every member reports the group; release: "
             "release issued -> every member back in DP (as the router sees it, heartbeats included)",
-            ["kind"], buckets=SWITCH_BUCKETS, registry=r,
-        )  # fmt: skip
+            ["kind"],
+            buckets=SWITCH_BUCKETS,
+            registry=r,
+        )
         self.rounds = Counter("flying_router_rounds", "Policy rounds run while leading", registry=r)
         self.round_errors = Counter(
-            "flying_router_round_errors", "Rounds that raised an unexpected error (logged; the router goes on)",
+            "flying_router_round_errors",
+            "Rounds that raised an unexpected error (logged; the router goes on)",
             registry=r,
-        )  # fmt: skip
+        )
         self.stalled = Gauge(
-            "flying_router_stalled", "1 while requests wait or run and none has been assigned, finished or "
-            "re-queued for --stall-s (router.watchdog)", registry=r,
-        )  # fmt: skip
+            "flying_router_stalled",
+            "1 while requests wait or run and none has been assigned, finished or "
+            "re-queued for --stall-s (router.watchdog)",
+            registry=r,
+        )
         self.stalls = Counter("flying_router_stalls", "Stalls the watchdog saw begin", registry=r)
         self.fit_error = Gauge(
             "flying_router_cost_fit_error",

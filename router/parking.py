@@ -91,8 +91,15 @@ def unresumed(rnd: Round, g: Group) -> None:
     them, so they are parked again (a later round resumes them)."""
     ep, held = g.carries[-1], rnd.s.parked_held
     if all(ep in held.get(m, ()) for m in g.members):
-        back = Group(epoch=ep, members=g.members, reason=g.reason, state="parked", since=rnd.now, park=True,
-                     carries=g.carries[:-1])  # fmt: skip
+        back = Group(
+            epoch=ep,
+            members=g.members,
+            reason=g.reason,
+            state="parked",
+            since=rnd.now,
+            park=True,
+            carries=g.carries[:-1],
+        )
         rnd.put(back)
 
 

@@ -61,10 +61,9 @@ def place(rnd: Round, r: QueuedRequest) -> None:
         and (g := group_for(rnd, r, 1, ("bound",), reasons=("manual", "load", "long"))) is not None
         and (g.reason == "manual" or not rnd.paused_dp(g))
     ):
-        to_group(
-            rnd, g, r
-        )  # an operator bound the engines, or a load group serves a long request to its end (never one that
+        # an operator bound the engines, or a load group serves a long request to its end (never one that
         # pauses DP work: its release would wait for this request): traffic still flows through their groups
+        to_group(rnd, g, r)
 
 
 def group_for(
@@ -185,9 +184,11 @@ def bind_blocks(rnd: Round, width: int, pool: tuple[str, int, int]) -> None:
     draining = sum(
         1
         for g in rnd.groups.values()
-        if g.reason == "load" and g.state == "binding" and rnd.live.get(g.leader, None) is not None
+        if g.reason == "load"
+        and g.state == "binding"
+        and rnd.live.get(g.leader, None) is not None
         and rnd.live[g.leader].pool == pool
-    )  # fmt: skip
+    )
     in_dp = len(sets) + draining
     for ms in sets:  # least loaded first
         if not rnd.block_load(ms):
@@ -311,7 +312,9 @@ def fast_targets(rnd: Round) -> list[FastTarget]:
     too, as :func:`place_priority` puts it in a group with room), or the DP engines with a free slot (the
     admission script picks the least loaded target; not for high priority, which may get a group of its own).
     None while a group forms (requests wait for it) or when a round would bind or choose among groups for it."""
-    probe = QueuedRequest(id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=rnd.now)  # fmt: skip
+    probe = QueuedRequest(
+        id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=rnd.now
+    )
     if forming(rnd.groups.values(), rnd.now, rnd.cfg.ack_timeout_s) or not rnd.live:
         return []
     if not rnd.out.state.busy and (gs := groups_for(rnd, probe, 1, USABLE, SHORT, imminent=True)):
@@ -354,6 +357,6 @@ def group_targets(rnd: Round, g: Group) -> list[FastTarget]:
             cap=e.inflight + sent_to(rnd, e.engine) + share,
             max_kv=min(pooled - kv, rnd.s.max_kv),  # (a long request goes through a round: router.long_wait)
             follower=e.engine != g.leader,
-        )  # fmt: skip
+        )
         for e, share in zip(members, shares)
     ]

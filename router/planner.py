@@ -41,9 +41,8 @@ class Demand:
     decoding: float = 0.0
     waiting: float = 0.0  # (0 with a backlog: as many as the mean prompt makes of it)
     high_share: float = 0.0
-    dp_cached: float = (
-        0.0  # share of the prompt tokens DP's prefix caches hold (groups hold none: prefill in full)
-    )
+    # share of the prompt tokens DP's prefix caches hold (groups hold none: prefill in full)
+    dp_cached: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,12 @@ class Prober:
                 done or arrived or s.queued or s.now - self.started > TIMEOUT_S or self.node not in nodes
             ):
                 return {self.node: self.width}
-            log.info("probe of node %s at width %d %s", self.node, self.width,
-                     "answered" if done else "ended: work arrived, or it timed out")  # fmt: skip
+            log.info(
+                "probe of node %s at width %d %s",
+                self.node,
+                self.width,
+                "answered" if done else "ended: work arrived, or it timed out",
+            )
             self._end()
         for node, engines in nodes.items():
             quiet = not (arrived or s.queued) and all(_idle(e) for e in engines)
@@ -101,14 +105,20 @@ class Prober:
             if any(g.reason != "load" and set(g.members) & {e.engine for e in engines} for g in s.groups):
                 continue  # (a priority, long, parked or operator's group: not idle in the planner's sense)
             width = next(
-                (w for w in group_widths(engines[0].pool[2]) if 2 <= w <= min(max_width, len(engines))
-                 and unmeasured(fit, w)),
+                (
+                    w
+                    for w in group_widths(engines[0].pool[2])
+                    if 2 <= w <= min(max_width, len(engines)) and unmeasured(fit, w)
+                ),
                 0,
-            )  # fmt: skip
+            )
             if width:
                 self.node, self.width, self.started, self.left = node, width, s.now, self.left - 1
-                log.info("probing node %s at width %d: the cost model has no measured line for its steps yet",
-                         node, width)  # fmt: skip
+                log.info(
+                    "probing node %s at width %d: the cost model has no measured line for its steps yet",
+                    node,
+                    width,
+                )
                 return {node: width}
         return {}
 

@@ -41,9 +41,12 @@ def measure(state: RouterState, s: Snapshot, tau: float) -> RouterState:
     dt = max(0.0, s.now - state.rate_ts) if state.rate_ts else 0.0
     if not state.rate_ts or s.admitted < state.admitted:
         state = msgspec.structs.replace(
-            state, admitted=s.admitted, prompt_tokens=s.prompt_tokens, output_tokens=s.output_tokens,
+            state,
+            admitted=s.admitted,
+            prompt_tokens=s.prompt_tokens,
+            output_tokens=s.output_tokens,
             high=s.admitted_high,
-        )  # fmt: skip
+        )
     was = state.reuse if s.reuse[0] >= state.reuse[0] else (0, 0)
     return msgspec.structs.replace(
         state,
@@ -125,10 +128,13 @@ def current_width(rnd: Round, pool: tuple[str, int, int]) -> int:
     if node in rnd.out.state.widths:
         return rnd.out.state.widths[node]
     return max(
-        (g.width for g in rnd.groups.values() if g.reason == "load" and g.leader in rnd.live
-         and rnd.live[g.leader].pool == pool),
+        (
+            g.width
+            for g in rnd.groups.values()
+            if g.reason == "load" and g.leader in rnd.live and rnd.live[g.leader].pool == pool
+        ),
         default=1,
-    )  # fmt: skip
+    )
 
 
 def pool_name(pool: tuple[str, int, int]) -> str:

@@ -156,16 +156,14 @@ def release_groups(rnd: Round) -> None:
             continue
         if g.reason in ("load", "long") and not retractable(rnd, g) and not rnd.paused_dp(g):
             if busy and g.state == "bound" and parking.can_park(rnd, g) and parking.surge(rnd):
-                park(
-                    rnd, g, ReleaseCause.LOAD_ROSE, ReleaseMode.PARK
-                )  # the burst runs in DP; it resumes after
+                # the burst runs in DP; it resumes after
+                park(rnd, g, ReleaseCause.LOAD_ROSE, ReleaseMode.PARK)
             continue  # it serves a long request (router.long_wait): it stays, taking work, until that ends (one
             # that pauses DP work is released after max_defer_s as any, and ends when the long request does)
         tp_busy = rnd.group_n(g) > 0
         if tp_busy and g.state == "bound" and rnd.now - g.last_used > 0.5:
-            g = replace_group(
-                g, last_used=rnd.now
-            )  # in use, maybe by fast-path requests the round never placed
+            # in use, maybe by fast-path requests the round never placed
+            g = replace_group(g, last_used=rnd.now)
             rnd.put(g)
         if g.reason == "load" and (planned := planned_width(rnd, g)) != g.width:
             # its requests continue in DP (scattered to their owners, or retracted to the leader), unless one

@@ -73,9 +73,8 @@ class Round:
         self.plan = {e.pool: s.state.widths.get(e.node_key, 1) for e in s.engines}
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
         self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
-        self.suspect_holders = set(
-            s.suspect_holders
-        )  # engines running a suspect request, this round's included
+        # engines running a suspect request, this round's included
+        self.suspect_holders = set(s.suspect_holders)
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
         self.kv = TransformCost(cfg, s.cost, self.live, self.dp_kv)
         self._engines_n = max((e.num_engines for e in s.engines), default=1)
@@ -245,9 +244,8 @@ class Round:
         kv = self.tp.get(g.epoch, (0, 0))[1]
         full = g.width * min(self.live[m].max_total_tokens for m in g.members)
         pooled = g.kv_cap if g.kv_cap and self.other_work(g) > 0 else full
-        n = self.tp.get(g.epoch, (0, 0))[
-            0
-        ]  # (adopted requests do not count: they were the members' own load)
+        # (adopted requests do not count: they were the members' own load)
+        n = self.tp.get(g.epoch, (0, 0))[0]
         # under busy load a load or long group still bound serves a long request to its end (router.long_wait):
         # it takes DP's share of work
         busy_serving = self.out.state.busy and g.reason in ("load", "long")

@@ -18,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+# the flying:stats counters a request moves
 MOVES = (
     "assigned",
     "completed",
     "failed",
     "cancelled",
     "requeued",
-)  # the flying:stats counters a request moves
+)
 
 
 @dataclass(frozen=True)

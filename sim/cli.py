@@ -188,8 +188,10 @@ def versus_best(s: dict[str, dict]) -> list[str]:
         best = (max if higher else min)(others, key=others.__getitem__)
         ratio = d / others[best] if others[best] else math.nan
         better = ratio >= 1 if higher else ratio <= 1
-        out.append(f"- dynamic / best other ({system_name(best)}), {what}: {ratio:.3f} "
-                   f"({'as good or better' if better else 'worse'})")  # fmt: skip
+        out.append(
+            f"- dynamic / best other ({system_name(best)}), {what}: {ratio:.3f} "
+            f"({'as good or better' if better else 'worse'})"
+        )
     return out
 
 
@@ -200,11 +202,15 @@ def transform_report(sim: Simulator) -> list[str]:
         ms = sorted(x[2] for x in sim.transforms if x[1] == kind)
         n = sum(x[3] for x in sim.transforms if x[1] == kind)
         if ms:
-            out.append(f"- {kind}: {len(ms)} transformations moving {n} requests, stall median "
-                       f"{ms[len(ms) // 2]:.1f} ms, max {ms[-1]:.1f} ms")  # fmt: skip
+            out.append(
+                f"- {kind}: {len(ms)} transformations moving {n} requests, stall median "
+                f"{ms[len(ms) // 2]:.1f} ms, max {ms[-1]:.1f} ms"
+            )
     st = sim.stats
-    out.append(f"- requests scattered: {st['scattered']:.0f}, retracted (recomputed): {st['retracted']:.0f} "
-               f"(of which scatter fallbacks, the owner's KV full: {st['scatter_fallbacks']:.0f})")  # fmt: skip
+    out.append(
+        f"- requests scattered: {st['scattered']:.0f}, retracted (recomputed): {st['retracted']:.0f} "
+        f"(of which scatter fallbacks, the owner's KV full: {st['scatter_fallbacks']:.0f})"
+    )
     return out
 
 
@@ -301,8 +307,10 @@ def tp_width_problem(width: int, engines: int) -> str | None:
     if width <= engines and engines % width == 0:
         return None
     fits = ", ".join(str(w) for w in range(1, engines + 1) if engines % w == 0)
-    return (f"--tp-width {width} does not split the {engines} engines per node into whole groups (static TP "
-            f"would leave engines in DP); choose one of {fits}")  # fmt: skip
+    return (
+        f"--tp-width {width} does not split the {engines} engines per node into whole groups (static TP "
+        f"would leave engines in DP); choose one of {fits}"
+    )
 
 
 def out_problem(out: Path) -> str | None:
@@ -562,8 +570,11 @@ def main(argv: list[str] | None = None) -> int:
         records = sim.run()
         summary[mode] = summarize(records, phase, flat) | {"hit_rate": hit_rate(sim, records)}
         series[mode] = timeseries(records, BUCKET_S)
-        print(f"{mode}: {len(records)} requests simulated in {time.perf_counter() - t0:.1f} s "
-              f"({len(sim.log)} policy notes)", flush=True)  # fmt: skip
+        print(
+            f"{mode}: {len(records)} requests simulated in {time.perf_counter() - t0:.1f} s "
+            f"({len(sim.log)} policy notes)",
+            flush=True,
+        )
         if mode == "dynamic":
             (a.out / "dynamic-policy.log").write_text("".join(f"{t:9.3f} {n}\n" for t, n in sim.log))
             moves = transform_report(sim)
@@ -581,8 +592,10 @@ def main(argv: list[str] | None = None) -> int:
         report += ["", "Shift Parallelism (SP over every engine, full-TP steps below the threshold):"]
         report += shift_report(sims["shift"])
     report += ["", "cost model calibration (model / published):"]
-    report += [f"- {c.what}: {c.model:.3f} / {c.published:.3f}{'' if c.followed else ' (reported, not followed)'}"
-               for c in calibration(base.cost)]  # fmt: skip
+    report += [
+        f"- {c.what}: {c.model:.3f} / {c.published:.3f}{'' if c.followed else ' (reported, not followed)'}"
+        for c in calibration(base.cost)
+    ]
     text = "\n".join(report)
     print(text)
     (a.out / "table.md").write_text(text + "\n")
@@ -604,9 +617,16 @@ def workload_args(a: argparse.Namespace) -> dict:
     arrival rates times ``--nodes``."""
     (lo_in, hi_in), (lo_out, hi_out) = span(a.input), span(a.output, "--output")
     n = a.nodes
-    return dict(low_s=a.low_s, burst_s=a.burst_s, input_tokens=(lo_in, hi_in), output_tokens=(lo_out, hi_out),
-                high_share=a.high_share, long_share=a.long_share, low_rate=(LOW_RATE[0] * n, LOW_RATE[1] * n),
-                burst_rate=(BURST_RATE[0] * n, BURST_RATE[1] * n))  # fmt: skip
+    return dict(
+        low_s=a.low_s,
+        burst_s=a.burst_s,
+        input_tokens=(lo_in, hi_in),
+        output_tokens=(lo_out, hi_out),
+        high_share=a.high_share,
+        long_share=a.long_share,
+        low_rate=(LOW_RATE[0] * n, LOW_RATE[1] * n),
+        burst_rate=(BURST_RATE[0] * n, BURST_RATE[1] * n),
+    )
 
 
 def seed_summary(job: tuple[int, int, dict, SimConfig, tuple[Mode, ...]]) -> dict[str, dict]:
@@ -643,8 +663,10 @@ def seeds_main(a: argparse.Namespace, base: SimConfig) -> int:
     )
     print(text)
     (a.out / "seeds.md").write_text(text + "\n")
-    write_json(a.out / "seeds.json", {"args": vars(a) | {"out": str(a.out)},
-                                      "summaries": {str(s): v for s, v in summaries.items()}})  # fmt: skip
+    write_json(
+        a.out / "seeds.json",
+        {"args": vars(a) | {"out": str(a.out)}, "summaries": {str(s): v for s, v in summaries.items()}},
+    )
     return 0
 
 
@@ -652,8 +674,12 @@ def prefix_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "shared-prefix workload (--workload shared-prefix; --output sets the answers' lengths)"
     )
-    g.add_argument("--workload", choices=("paper", "shared-prefix"), default="paper",
-                   help="paper: the two-level workload; shared-prefix: system prompts and multi-turn sessions")  # fmt: skip
+    g.add_argument(
+        "--workload",
+        choices=("paper", "shared-prefix"),
+        default="paper",
+        help="paper: the two-level workload; shared-prefix: system prompts and multi-turn sessions",
+    )
     g.add_argument("--session-rate", type=float, default=2.0, help="sessions per second (Poisson)")
     g.add_argument(
         "--system-prompts", type=int, default=8, help="distinct system prompts (0: nothing shared)"
@@ -662,8 +688,11 @@ def prefix_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-turns", type=int, default=4, help="turns per session, uniform in 1..this")
     g.add_argument("--user", default="50:300", help="tokens of each user message lo:hi (uniform)")
     g.add_argument("--think-s", type=float, default=10.0, help="seconds between a session's turns (mean)")
-    g.add_argument("--dispatch", default="cache-aware,least-loaded",
-                   help="DP dispatch rules to compare (PolicyConfig.dispatch)")  # fmt: skip
+    g.add_argument(
+        "--dispatch",
+        default="cache-aware,least-loaded",
+        help="DP dispatch rules to compare (PolicyConfig.dispatch)",
+    )
 
 
 def prefix_problem(a: argparse.Namespace) -> str | None:
@@ -686,16 +715,29 @@ def prefix_main(a: argparse.Namespace, d: SimConfig) -> int:
     lo_out, hi_out = span(a.output, "--output")
     lo_user, hi_user = span(a.user, "--user")
     reqs = shared_prefix_workload(
-        a.requests, a.seed, a.session_rate, a.system_prompts, a.system_tokens, a.max_turns, (lo_user, hi_user),
-        (lo_out, hi_out), a.think_s,
-    )  # fmt: skip
+        a.requests,
+        a.seed,
+        a.session_rate,
+        a.system_prompts,
+        a.system_tokens,
+        a.max_turns,
+        (lo_user, hi_user),
+        (lo_out, hi_out),
+        a.think_s,
+    )
     rows: dict[tuple[str, str], dict] = {}
     for mode in a.modes.split(","):
         for dispatch in a.dispatch.split(","):
-            policy = dataclasses.replace(d.policy, dispatch=dispatch,
-                                         **policy_overrides(a.policy))  # fmt: skip
-            cfg = dataclasses.replace(d, engines=a.engines, tp_width=a.tp_width, mode=mode, policy=policy,
-                                      kv_transform=a.kv_transform, shift_threshold=a.shift_threshold)  # fmt: skip
+            policy = dataclasses.replace(d.policy, dispatch=dispatch, **policy_overrides(a.policy))
+            cfg = dataclasses.replace(
+                d,
+                engines=a.engines,
+                tp_width=a.tp_width,
+                mode=mode,
+                policy=policy,
+                kv_transform=a.kv_transform,
+                shift_threshold=a.shift_threshold,
+            )
             t0 = time.perf_counter()
             sim = Simulator(cfg, reqs)
             rows[system_name(mode), dispatch] = summarize_prefix(sim, sim.run())

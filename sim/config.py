@@ -34,9 +34,8 @@ class SimConfig:
     router_down: tuple[tuple[float, float], ...] = ()  # (from, to): the router is dead (kill -9 and restart)
     ignore_binds: tuple[tuple[int, float, float], ...] = ()  # (engine, from, to): it reads no bind (hung)
     horizon_s: float = 36_000.0  # give up (requests still unfinished count as lost)
-    kv_transform: bool = (
-        True  # the engines apply Bind.adopt / Release.scatter (and say so in their heartbeats) ...
-    )
+    # the engines apply Bind.adopt / Release.scatter (and say so in their heartbeats) ...
+    kv_transform: bool = True
     no_kv_transform: tuple[int, ...] = ()  # ... except these (an older worker build)
     # the engines apply Bind.keep (mixed steps: bound, a member runs its own DP requests in the group's steps, and
     # say so in their heartbeats). The live workers do not yet: off by default, a projection when on

@@ -168,9 +168,8 @@ class Unit:
         if not self.shift:
             tokens = prefill_tokens + decode_seqs
             if self.sp_threshold and tokens >= max(self.sp_threshold, self.width):
-                self.sim.stats["sp_steps"] += (
-                    1  # the worker's choose_mode: SP above the threshold, as shift's base
-                )
+                # the worker's choose_mode: SP above the threshold, as shift's base
+                self.sim.stats["sp_steps"] += 1
                 return cost.sp_step_ms(self.width, prefill_tokens, decode_seqs, ctx, pairs)
             if self.width > 1 and self.merged:
                 self.sim.stats["tp_steps"] += 1
@@ -198,9 +197,8 @@ class Unit:
             self.running.remove(r)
             self.kv_used -= r.kv
             if self.cache is not None:
-                self.cache.insert(
-                    r.spec.blocks, self.cache_room()
-                )  # prompt and answer, as SGLang caches them
+                # prompt and answer, as SGLang caches them
+                self.cache.insert(r.spec.blocks, self.cache_room())
             self.sim.finish(r)
         self.on_idle()
 
@@ -224,15 +222,12 @@ class Engine:
         self.parked: dict[
             int, int
         ] = {}  # parked epoch -> the KV tokens its requests hold here (their head slices)
-        self.assigned = (
-            0  # requests assigned to it (DP, paused, adopted, and TP when it leads a group): it owns them
-        )
+        # requests assigned to it (DP, paused, adopted, and TP when it leads a group): it owns them
+        self.assigned = 0
         self.beat_ts = 0.0
         self._view: tuple[tuple, EngineView] | None = None  # (what it was built from, the view)
-        self.adopted: tuple[list[Req], list[Req]] = (
-            [],
-            [],
-        )  # running, waiting: for the group it waits to form
+        # running, waiting: for the group it waits to form
+        self.adopted: tuple[list[Req], list[Req]] = ([], [])
 
     @property
     def mode(self) -> Literal["dp", "tp"]:
@@ -348,9 +343,8 @@ class Engine:
         ):  # its parked requests cannot resume: they end (a follower reads the park itself after its leader's)
             self.sim.discard(cmd.epoch)
         elif what is Intake.RELEASE:
-            assert (
-                isinstance(cmd, Release) and g is not None
-            )  # RELEASE: a release of the epoch it is bound in
+            # RELEASE: a release of the epoch it is bound in
+            assert isinstance(cmd, Release) and g is not None
             g.release_asked = True
             g.retract, g.scatter, g.park = cmd.retract, cmd.scatter, cmd.park and self.sim.cfg.park
             self.sim.engines[g.leader].boundary()
@@ -440,17 +434,22 @@ class SimGroup:
         # DP work they ran then too
         self.mixed = all(e.mixed for e in engines)
         self.keep = bind.keep and not self.adopt and self.mixed
-        self.since_mixed = dict.fromkeys(
-            self.members, 0
-        )  # each member's own DP steps since the last mixed step
+        # each member's own DP steps since the last mixed step
+        self.since_mixed = dict.fromkeys(self.members, 0)
         paused_kv = 0 if self.adopt else sum(e.dp.kv_used for e in engines)
         parked_kv = sum(e.parked_kv - e.parked.get(bind.resume, 0) for e in engines)  # other parked requests'
         cap = len(self.members) * sim.kv_per_engine - paused_kv - parked_kv
         threshold = sim.cfg.sp_threshold if bind.sp_threshold is None else bind.sp_threshold
         self.unit = Unit(
-            sim, len(self.members), cap, merged, self.boundary, shift,
-            cache=PrefixCache() if cache else None, sp_threshold=threshold * merged,
-        )  # fmt: skip
+            sim,
+            len(self.members),
+            cap,
+            merged,
+            self.boundary,
+            shift,
+            cache=PrefixCache() if cache else None,
+            sp_threshold=threshold * merged,
+        )
         self.release_asked = self.retract = self.scatter = self.park = False
         self.formed = False
         self.transform_ms = 0.0

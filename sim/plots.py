@@ -79,8 +79,11 @@ def shift_share(
 def burst_spans(low_s: float, burst_s: float, t_end: float) -> list[tuple[float, float]]:
     """The two-level workload's burst phases up to ``t_end`` (each cycle: ``low_s`` low, then ``burst_s`` burst)."""
     cycle = low_s + burst_s
-    return [(k * cycle + low_s, min((k + 1) * cycle, t_end)) for k in range(math.ceil(t_end / cycle))
-            if k * cycle + low_s < t_end]  # fmt: skip
+    return [
+        (k * cycle + low_s, min((k + 1) * cycle, t_end))
+        for k in range(math.ceil(t_end / cycle))
+        if k * cycle + low_s < t_end
+    ]
 
 
 def decision_label(d: SimDecision) -> str:
@@ -101,8 +104,14 @@ def _mode_panel(ax, track: dict[str, list[float]], decisions: Sequence[SimDecisi
     states = [s for s in STATE_ORDER if s in track] + sorted(
         s for s in track if s not in STATE_ORDER + ("paused",)
     )
-    ax.stackplot(t, *[track[s] for s in states], labels=states, step="post",
-                 colors=[STATE_COLORS.get(s, "#bbbbbb") for s in states], alpha=0.9)  # fmt: skip
+    ax.stackplot(
+        t,
+        *[track[s] for s in states],
+        labels=states,
+        step="post",
+        colors=[STATE_COLORS.get(s, "#bbbbbb") for s in states],
+        alpha=0.9,
+    )
     engines = round(sum(track[s][0] for s in states))
     ax.set_ylim(0, engines * 1.7)
     ax.set_yticks(range(0, engines + 1, max(1, engines // 4)))
@@ -118,8 +127,15 @@ def _mode_panel(ax, track: dict[str, list[float]], decisions: Sequence[SimDecisi
     for d in decisions:
         label = decision_label(d)
         color = REASON_COLORS.get(d.reason, "#636363") if d.kind == "bind" else _cause_color(str(d.cause))
-        ax.plot([d.at], [engines * (1.06 if d.kind == "bind" else 1.16)], cmap[d.kind], color=color, markersize=5,
-                label=None if label in seen else label, linestyle="none")  # fmt: skip
+        ax.plot(
+            [d.at],
+            [engines * (1.06 if d.kind == "bind" else 1.16)],
+            cmap[d.kind],
+            color=color,
+            markersize=5,
+            label=None if label in seen else label,
+            linestyle="none",
+        )
         seen.add(label)
     handles, labels = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
@@ -136,8 +152,13 @@ def _cause_color(cause: str) -> str:
 
 def _lines(ax, runs: dict[str, dict], key: str, label: str, log: bool = False) -> None:
     for name, s in runs.items():
-        ax.plot(s["t"], [math.nan if v is None else v for v in s[key]], label=name, linewidth=1.0,
-                drawstyle="steps-post")  # fmt: skip
+        ax.plot(
+            s["t"],
+            [math.nan if v is None else v for v in s[key]],
+            label=name,
+            linewidth=1.0,
+            drawstyle="steps-post",
+        )
     ax.set_ylabel(label)
     if log:
         ax.set_yscale("log")
@@ -147,8 +168,15 @@ def _priority_lines(ax, runs: dict[str, dict]) -> None:
     styles = {"high": "-", "normal": ":", "low": "--"}
     for i, (name, s) in enumerate(runs.items()):
         for prio, values in sorted(s.get("ttft_p90_ms_by_priority", {}).items()):
-            ax.plot(s["t"], values, styles.get(prio, "-."), color=f"C{i}", linewidth=1.0, drawstyle="steps-post",
-                    label=f"{name}, {prio}")  # fmt: skip
+            ax.plot(
+                s["t"],
+                values,
+                styles.get(prio, "-."),
+                color=f"C{i}",
+                linewidth=1.0,
+                drawstyle="steps-post",
+                label=f"{name}, {prio}",
+            )
     ax.set_ylabel("P90 TTFT by priority (ms)")
     ax.set_yscale("log")
     ax.legend(loc="upper right", fontsize="x-small", ncol=2)
@@ -176,8 +204,13 @@ def plot(
         (["mode"] if track else []) + (["shift"] if shift else []) + ["conc", "ttft", "prio", "queue", "tput"]
     )
     heights = {"mode": 1.6, "shift": 0.8}
-    fig, axes = plt.subplots(len(rows), 1, figsize=(10, sum(heights.get(r, 1.0) for r in rows) * 1.9),
-                             sharex=True, gridspec_kw={"height_ratios": [heights.get(r, 1.0) for r in rows]})  # fmt: skip
+    fig, axes = plt.subplots(
+        len(rows),
+        1,
+        figsize=(10, sum(heights.get(r, 1.0) for r in rows) * 1.9),
+        sharex=True,
+        gridspec_kw={"height_ratios": [heights.get(r, 1.0) for r in rows]},
+    )
     for ax, row in zip(axes, rows):
         _shade(ax, bursts, edges=row in ("mode", "shift"))
         ax.grid(alpha=0.3)
@@ -185,8 +218,14 @@ def plot(
             _mode_panel(ax, track, decisions, bucket_s)  # type: ignore[arg-type]
         elif row == "shift":
             t = [k * bucket_s for k in range(len(shift["SP"]))]  # type: ignore[index]
-            ax.stackplot(t, [100 * x for x in shift["full TP"]], [100 * x for x in shift["SP"]],  # type: ignore[index]
-                         labels=["full-TP steps", "SP steps"], colors=["#31a354", "#9ecae1"], step="post")  # fmt: skip
+            ax.stackplot(
+                t,
+                [100 * x for x in shift["full TP"]],
+                [100 * x for x in shift["SP"]],  # type: ignore[index]
+                labels=["full-TP steps", "SP steps"],
+                colors=["#31a354", "#9ecae1"],
+                step="post",
+            )
             ax.set_ylim(0, 100)
             ax.set_ylabel("shift: % of time")
             ax.legend(loc="upper right", fontsize="x-small")

@@ -14,9 +14,8 @@ from collections.abc import Sequence
 
 from flying.prefix import BLOCK
 
-UNCAPPED = (
-    1 << 30
-)  # the simulated engines' caches match whole prompts (the router's chains stop at MAX_BLOCKS)
+# the simulated engines' caches match whole prompts (the router's chains stop at MAX_BLOCKS)
+UNCAPPED = 1 << 30
 
 
 class PrefixCache:

@@ -39,11 +39,13 @@ def prefix_table(rows: Rows) -> str:
     lines = [
         "| system | dispatch | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | throughput (tokens/s) | served | DP dispatches by rule |",
         "|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for (system, dispatch), s in rows.items():
         rules = ", ".join(f"{k} {v:.0%}" for k, v in s["by_rule"].items())
-        lines.append(f"| {system} | {dispatch} | {s['hit_rate']:.3f} | {s['ttft_p50_ms']:,.0f} | "
-                     f"{s['ttft_p90_ms']:,.0f} | {s['tokens_per_s']:,.0f} | {s['served']} | {rules} |")  # fmt: skip
+        lines.append(
+            f"| {system} | {dispatch} | {s['hit_rate']:.3f} | {s['ttft_p50_ms']:,.0f} | "
+            f"{s['ttft_p90_ms']:,.0f} | {s['tokens_per_s']:,.0f} | {s['served']} | {rules} |"
+        )
     return "\n".join(lines)
 
 
@@ -53,7 +55,9 @@ def ratios(rows: Rows) -> list[str]:
     for system in dict.fromkeys(s for s, _ in rows):
         ca, ll = rows.get((system, "cache-aware")), rows.get((system, "least-loaded"))
         if ca and ll:
-            out.append(f"- {system}: cache-aware / least-loaded TTFT p50 {ca['ttft_p50_ms'] / ll['ttft_p50_ms']:.3f}, "
-                       f"throughput {ca['tokens_per_s'] / ll['tokens_per_s']:.3f}; hit rate {ca['hit_rate']:.3f} vs "
-                       f"{ll['hit_rate']:.3f}")  # fmt: skip
+            out.append(
+                f"- {system}: cache-aware / least-loaded TTFT p50 {ca['ttft_p50_ms'] / ll['ttft_p50_ms']:.3f}, "
+                f"throughput {ca['tokens_per_s'] / ll['tokens_per_s']:.3f}; hit rate {ca['hit_rate']:.3f} vs "
+                f"{ll['hit_rate']:.3f}"
+            )
     return out

@@ -61,7 +61,7 @@ PRESETS: dict[str, Preset] = {
         129,
         0.9,
         (3.0, 12.0),
-    ),  # fmt: skip
+    ),
     "azure-code": Preset(
         "azure-code",
         "Azure LLM inference trace 2023, coding (Splitwise, ISCA 2024): prompt median ~1,500, "
@@ -72,7 +72,7 @@ PRESETS: dict[str, Preset] = {
         1.0,
         (3.0, 15.0),
         max_output=1000,
-    ),  # fmt: skip
+    ),
     "burstgpt": Preset(
         "burstgpt",
         "BurstGPT (Wang et al. 2024): Zipf-like request lengths, bimodal response lengths, "
@@ -86,7 +86,7 @@ PRESETS: dict[str, Preset] = {
         prompt_zipf=2.0,
         output_long_share=0.5,
         output_long_median=400,
-    ),  # fmt: skip
+    ),
 }
 
 

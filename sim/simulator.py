@@ -121,9 +121,8 @@ class Simulator:
         self._router_due: float | None = None
         self.bound_at: dict[int, float] = {}
         self.log: list[tuple[float, str]] = []
-        self.stats: collections.Counter[str] = (
-            collections.Counter()
-        )  # transformations and retractions, for reports
+        # transformations and retractions, for reports
+        self.stats: collections.Counter[str] = collections.Counter()
         self.transforms: list[tuple[float, str, float, int]] = []  # (at, "adopt"/"scatter", ms, requests)
         self.track: list[
             tuple[float, tuple[str, ...], int]

@@ -97,10 +97,12 @@ def mooncake_requests(rows: list[MooncakeRow]) -> list[SimRequest]:
     out = []
     for i, r in enumerate(rows):
         ids, total = r.hash_ids, (r.input_tokens + r.output_tokens) // BLOCK
+        # a block past the prompt (the answer's) or past the trace's ids is the request's own
         chain = [
-            _mix(ids[b // per] * per + b % per) if b < r.input_tokens // BLOCK and b // per < len(ids)
-            else _mix((1 << 62) | (i << 20) | b)  # (a block of its own: the answer's, or past the trace's ids)
+            _mix(ids[b // per] * per + b % per)
+            if b < r.input_tokens // BLOCK and b // per < len(ids)
+            else _mix((1 << 62) | (i << 20) | b)
             for b in range(total)
-        ]  # fmt: skip
+        ]
         out.append(SimRequest(r.at, "normal", r.input_tokens, r.output_tokens, blocks=tuple(chain)))
     return out

@@ -47,8 +47,12 @@ class Adoption:
     ) -> None:
         self.engine, self.index, self.layout = engine, index, layout
         self.ownership, self.shadows = ownership, shadows
-        self.stats: Load = {"transform_ms": 0.0, "transform_tokens": 0, "transform_peak_bytes": 0,
-                            "transform_retracted": 0}  # fmt: skip
+        self.stats: Load = {
+            "transform_ms": 0.0,
+            "transform_tokens": 0,
+            "transform_peak_bytes": 0,
+            "transform_retracted": 0,
+        }
 
     def _note(self, stats: ExchangeStats, retracted: int) -> None:
         self.stats.update(
@@ -61,8 +65,11 @@ class Adoption:
         )
         log.info(
             "engine %d: KV transformation moved %d token slices in %.1f ms (peak %.2f MB extra)",
-            self.index, stats.tokens, stats.ms, stats.peak_bytes / 2**20,
-        )  # fmt: skip
+            self.index,
+            stats.tokens,
+            stats.ms,
+            stats.peak_bytes / 2**20,
+        )
 
     def headroom(self, width: int) -> int:
         """The virtual slots of ``width`` this member can still carve: free, and evictable from its prefix tree
@@ -143,9 +150,8 @@ class Adoption:
     def _follower_adopts(self, held: list[Held], running: list[Req], waiting: list[Req], slots: dict) -> None:
         engine = self.engine
         for r in running:
-            pinned = engine.shared_len(
-                r
-            )  # its cached prompt: read in place (the request keeps its tree lock)
+            # its cached prompt: read in place (the request keeps its tree lock)
+            pinned = engine.shared_len(r)
             row, _ = engine.detach_kv(r)
             engine.write_row(row, slots[r.rid])
             self.shadows.add(r.rid, row, slots[r.rid], pinned=pinned)
@@ -208,10 +214,9 @@ class Adoption:
             req = own_running.get(h.rid)
             if req is None or h.rid not in placed:
                 continue
-            engine.free_slots(
-                engine.kv_slots(req)[engine.shared_len(req) :]
-            )  # the TP slices (the tree keeps its
-            engine.let_go(req)  # cached prompt); its whole row is now its own copy
+            # the TP slices (the tree keeps its cached prompt); its whole row is now its own copy
+            engine.free_slots(engine.kv_slots(req)[engine.shared_len(req) :])
+            engine.let_go(req)
             engine.write_row(engine.kv_row(req), taken[req.rid])
         undone = [own_running[h.rid] for h in held if h.rid in own_running and h.rid not in placed]
         if undone:

@@ -127,9 +127,8 @@ class Binding:
             "num_engines": self.pool.num_engines,
             "pool_first": self.pool.first,
             "param_bytes": self.param_bytes,
-            **(
-                {"max_total_tokens": self._dp_limits.max_total_tokens} if e and self._dp_limits else {}
-            ),  # its own, not the group's
+            # its own, not the group's
+            **({"max_total_tokens": self._dp_limits.max_total_tokens} if e and self._dp_limits else {}),
             "kv_transform": True,
             "park": True,
             "parked": self.parking.epochs(),
@@ -206,8 +205,11 @@ class Binding:
             case Intake.CANCEL if e is not None and e.changing_to == cmd.epoch:
                 # a width change rolled back (its members were still serving this epoch's requests)
                 self.last_epoch = max(self.last_epoch, e.cancel_width_change())
-                log.info("engine %d: width change to epoch %d rolled back before it was applied", self.index,
-                         cmd.epoch)  # fmt: skip
+                log.info(
+                    "engine %d: width change to epoch %d rolled back before it was applied",
+                    self.index,
+                    cmd.epoch,
+                )
                 self.on_change()
             case Intake.CANCEL:  # the router rolled the bind back before this engine applied it
                 self.last_epoch = max(self.last_epoch, self.pending.cancel())
@@ -280,8 +282,9 @@ class Binding:
 
     # --- the forward hook ---------------------------------------------------------------------------------
 
-    def around_forward(self, original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any,
-                       **kwargs: Any) -> Any:  # fmt: skip
+    def around_forward(
+        self, original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         """Every ``ModelRunner.forward``: unbound, as is (the batch is kept as the template followers fill in);
         bound, the leader broadcasts the plan first, and the all-reduces go over the group."""
         e = self.epoch
@@ -299,9 +302,11 @@ class Binding:
                 self.steps[self.layout.mode] += 1
                 with self.engine.tp_group(e.group):
                     return self.costs.timed(
-                        self.layout.mode.value, e.width, tokens,
+                        self.layout.mode.value,
+                        e.width,
+                        tokens,
                         lambda: original(runner, forward_batch, *args, **kwargs),
-                    )  # fmt: skip
+                    )
         except RuntimeError as exc:
             if not e.leader:
                 raise  # a follower's follow() aborts the epoch
@@ -385,8 +390,12 @@ class Binding:
         self.on_change()
         log.info(
             "engine %d bound: epoch %d, group %s, rank %d (%.1f ms)",
-            self.index, cmd.epoch, cmd.members, rank, self.bind_ms,
-        )  # fmt: skip
+            self.index,
+            cmd.epoch,
+            cmd.members,
+            rank,
+            self.bind_ms,
+        )
         return True
 
     def _dp_limits_now(self) -> RequestLimits:
@@ -441,9 +450,8 @@ class Binding:
         if work is None:
             self._stash = self.engine.stash_dp_work(self.pending.take_held())
         held = self.pending.peek_held()
-        moved = self.adoption.adopt(
-            e, work, held
-        )  # raising, the held requests stay held (_enter lets them in)
+        # raising, the held requests stay held (_enter lets them in)
+        moved = self.adoption.adopt(e, work, held)
         self.pending.take_held()
         if not moved and work is not None:
             self._stash = self.engine.stash_dp_work(held)

@@ -350,9 +350,10 @@ class CommPool:
         control = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/ctl", store), rank, size, timeout)
         data: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = control
         if self.device.startswith("cuda"):
+            # (the default options, spelled out)
             data = dist.ProcessGroupNCCL(
                 dist.PrefixStore(f"{name}/nccl", store), rank, size, dist.ProcessGroupNCCL.Options()
-            )  # (the default options, spelled out)
+            )
             self._connect_nccl(members, data)
         self.groups[members] = MergedGroup(members, rank, _collectives(data), _collectives(control))
         self.built_for[members] = ids

@@ -52,9 +52,8 @@ class CommandReader:
                 log.warning("command stream read failed: %s", exc)
                 threading.Event().wait(0.5)
                 continue
-            assert not isinstance(
-                got, dict
-            )  # redis-py's legacy reply shape: [[stream, [(id, fields), ...]], ...]
+            # redis-py's legacy reply shape: [[stream, [(id, fields), ...]], ...]
+            assert not isinstance(got, dict)
             for _, entries in got or []:
                 for entry_id, fields in entries:
                     self._last = entry_id

@@ -44,9 +44,8 @@ class Epoch:
     scatter: bool = False  # release at once: the TP requests go back to DP on their owners with their KV
     park: bool = False  # release at once: as scatter, and those no member holds alone are parked (KV kept)
     next_bind: Bind | None = None  # a width change: go straight to this group once released
-    failed: BaseException | None = (
-        None  # the group broke mid-step (leader): end the epoch at the next boundary
-    )
+    # the group broke mid-step (leader): end the epoch at the next boundary
+    failed: BaseException | None = None
 
     @property
     def width(self) -> int:

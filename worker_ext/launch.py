@@ -64,16 +64,14 @@ class WorkerConfig:
     comm_host: str = "127.0.0.1"
     node: str = ""  # the node it announces (flying-worker --node; the host name by default)
     first_engine: int = 0  # the first engine of its node's pool (engine indices are global: node by node)
-    sp_threshold: int = (
-        settings.DEFAULT_SP_THRESHOLD
-    )  # a bound group's steps of this many batched tokens run in SP (0: never)
+    # a bound group's steps of this many batched tokens run in SP (0: never)
+    sp_threshold: int = settings.DEFAULT_SP_THRESHOLD
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     enable_metrics: bool = False  # SGLang's own Prometheus metrics on the engine's port (/metrics)
     log_format: LogFormat = "text"  # the launcher's lines, the plugin's, and SGLang's request lines
     log_requests: bool = True  # SGLang logs each request's rid as it arrives and finishes (metadata only)
-    prefix_cache: bool = (
-        True  # SGLang's radix cache, kept through binds and releases (worker_ext.sglang_patches.prefix_cache)
-    )
+    # SGLang's radix cache, kept through binds and releases (worker_ext.sglang_patches.prefix_cache)
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         first, n = self.pool_first, self.num_engines
@@ -344,9 +342,8 @@ def _terminate(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(
-                timeout=5
-            )  # gone, its port with it, before the launcher is (a restart can bind at once)
+            # gone, its port with it, before the launcher is (a restart can bind at once)
+            proc.wait(timeout=5)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -80,8 +80,12 @@ class MemberRelay:
             log.warning("engine %d: could not post to the leader: %s", self.index, exc)
             return
         if mine:
-            log.info("engine %d: client aborted %s; the leader aborts its copy", self.index, mine,
-                     extra={"request_ids": [split_engine_rid(rid)[0] for rid in mine]})  # fmt: skip
+            log.info(
+                "engine %d: client aborted %s; the leader aborts its copy",
+                self.index,
+                mine,
+                extra={"request_ids": [split_engine_rid(rid)[0] for rid in mine]},
+            )
         if got.new:
             log.info("engine %d: %d new requests go to the group's leader", self.index, len(got.new))
 
@@ -109,8 +113,12 @@ class MemberRelay:
                 new.append(req)
             else:
                 self.engine.abort(post.aborted)
-                log.info("engine %d: aborted %s for its owner", self.index, post.aborted,
-                         extra={"request_id": split_engine_rid(post.aborted)[0]})  # fmt: skip
+                log.info(
+                    "engine %d: aborted %s for its owner",
+                    self.index,
+                    post.aborted,
+                    extra={"request_id": split_engine_rid(post.aborted)[0]},
+                )
         if new:
             self.engine.queue_back(new)
             log.info("engine %d: runs %d requests of its members", self.index, len(new))

@@ -123,8 +123,11 @@ class Parking:
         self._parked[e.epoch] = p
         log.info(
             "engine %d: epoch %d parks %d requests (their KV stays: %d physical slots)",
-            self.index, e.epoch, p.requests, sub.physical_in_use(),
-        )  # fmt: skip
+            self.index,
+            e.epoch,
+            p.requests,
+            sub.physical_in_use(),
+        )
 
     # --- resume ---------------------------------------------------------------------------------------------
 
@@ -168,9 +171,8 @@ class Parking:
         engine, ended = self.engine, []
         for req in p.reqs:
             if engine.kv_length(req):
-                p.sub.free(
-                    engine.kv_slots(req)[engine.shared_len(req) :]
-                )  # (the tree keeps its cached prompt)
+                # (the tree keeps its cached prompt)
+                p.sub.free(engine.kv_slots(req)[engine.shared_len(req) :])
                 engine.let_go(req)
                 engine.free_row(engine.kv_row(req))
                 engine.detach_kv(req)

@@ -30,9 +30,8 @@ class StepCosts:
         self.device = device
         self.every = cuda_every if device == "cuda" else 1
         self._seen = 0
-        self._pending: tuple[str, int, int, float, float] | None = (
-            None  # the last sampled step, not yet ended
-        )
+        # the last sampled step, not yet ended
+        self._pending: tuple[str, int, int, float, float] | None = None
         self._sums: dict[tuple[str, int, int], list[float]] = {}
 
     def timed(self, mode: str, width: int, tokens: int, forward: Callable[[], Any]) -> Any:

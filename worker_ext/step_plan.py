@@ -19,9 +19,8 @@ from worker_ext.sglang_patches.requests import Emitted
 from worker_ext.sglang_patches.surface import SchedulerSurface
 
 log = logging.getLogger("flying.step_plan")
-KEEPALIVE_S = (
-    0.05  # an idle leader still broadcasts this often: followers tell idle from dead, and read their
-)
+# an idle leader still broadcasts this often: followers tell idle from dead, and read their
+KEEPALIVE_S = 0.05
 # own clients' input between its messages (a request sent to a follower waited for the next one)
 
 

@@ -50,9 +50,13 @@ class TinyLlamaSpec:
 
     @classmethod
     def sized(
-        cls, hidden: int, layers: int, heads: int | None = None, kv_heads: int | None = None,
+        cls,
+        hidden: int,
+        layers: int,
+        heads: int | None = None,
+        kv_heads: int | None = None,
         intermediate: int | None = None,
-    ) -> TinyLlamaSpec:  # fmt: skip
+    ) -> TinyLlamaSpec:
         """A model of the same kind at another size; the default spec at hidden 256 and 4 layers."""
         if (
             hidden == cls.hidden_size

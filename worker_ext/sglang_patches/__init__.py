@@ -333,10 +333,24 @@ def live_rids(scheduler: Any) -> set[str]:
 
 # Fields of a ForwardBatch that point into one engine's own pools or objects: never sent in a step plan.
 _LOCAL_FIELDS = frozenset(
-    {"attn_backend", "req_to_token_pool", "token_to_kv_pool", "req_pool_indices", "req_pool_indices_cpu",
-     "out_cache_loc", "origin_out_cache_loc", "out_cache_loc_virtual", "kv_loc_plan", "kv_loc_cols",
-     "hisparse_coordinator", "spec_info", "sampling_info", "mm_inputs", "residual_stream"}
-)  # fmt: skip
+    {
+        "attn_backend",
+        "req_to_token_pool",
+        "token_to_kv_pool",
+        "req_pool_indices",
+        "req_pool_indices_cpu",
+        "out_cache_loc",
+        "origin_out_cache_loc",
+        "out_cache_loc_virtual",
+        "kv_loc_plan",
+        "kv_loc_cols",
+        "hisparse_coordinator",
+        "spec_info",
+        "sampling_info",
+        "mm_inputs",
+        "residual_stream",
+    }
+)
 
 
 def batch_fields(forward_batch: Any) -> dict[str, Any]:
@@ -434,9 +448,8 @@ def drop_tp_requests(scheduler: Any) -> list[str]:
     for req in reqs:
         req.finished_reason = group_lost()
         release_kv(scheduler, req)  # its KV back while the TP sub-slot allocator is still in place
-    stream(
-        scheduler, reqs
-    )  # (the output filter still keeps other members' copies away from this detokenizer)
+    # (the output filter still keeps other members' copies away from this detokenizer)
+    stream(scheduler, reqs)
     scheduler.waiting_queue[:] = []
     scheduler.running_batch.reqs = []
     return [r.rid for r in reqs]

@@ -124,8 +124,13 @@ def apply_sp_stack(stack: Any, step: SPStep) -> None:
     :func:`remove_sp_stack`."""
     original = type(stack).forward
 
-    def forward(input_ids: Any, positions: Any, forward_batch: Any, input_embeds: Any = None,
-                pp_proxy_tensors: Any = None) -> Any:  # fmt: skip
+    def forward(
+        input_ids: Any,
+        positions: Any,
+        forward_batch: Any,
+        input_embeds: Any = None,
+        pp_proxy_tensors: Any = None,
+    ) -> Any:
         lo, hi = step.begin(int(positions.shape[0]))
         embeds = None if input_embeds is None else input_embeds[lo:hi]
         ids = None if input_ids is None else input_ids[lo:hi]

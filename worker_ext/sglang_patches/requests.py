@@ -266,9 +266,14 @@ def merge_decoding(scheduler: Any, reqs: list) -> None:
         return
     s = scheduler
     batch = ScheduleBatch.init_new(
-        reqs, s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache, s.model_config,
-        s.enable_overlap, s.spec_algorithm,
-    )  # fmt: skip
+        reqs,
+        s.req_to_token_pool,
+        s.token_to_kv_pool_allocator,
+        s.tree_cache,
+        s.model_config,
+        s.enable_overlap,
+        s.spec_algorithm,
+    )
     device = batch.device
     rows = [r.kv.req_pool_idx for r in reqs]
     seq = [r.kv.kv_committed_len for r in reqs]
@@ -325,9 +330,13 @@ def retract(scheduler: Any, reqs: list) -> None:
 
     s = scheduler
     retract_all(
-        reqs=reqs, req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
-        tree_cache=s.tree_cache, hisparse_coordinator=None, offload_kv=False,
-    )  # fmt: skip
+        reqs=reqs,
+        req_to_token_pool=s.req_to_token_pool,
+        token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+        tree_cache=s.tree_cache,
+        hisparse_coordinator=None,
+        offload_kv=False,
+    )
 
 
 def reset_for_recompute(req: Any) -> None:
