@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from worker_ext.sglang_patches.model import LayerWeights
 from worker_ext.weights import (
     Dims,
-    LayerWeights,
     WeightsManager,
     megatron_gate_up_rows,
     megatron_qkv_rows,

@@ -151,6 +151,24 @@ def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
     return _noting(target, cast(aioredis.Redis, _async_sentinel(target).master_for(target.master, **kw)))
 
 
+def waiting_pool_client(url: str, max_connections: int, client_name: str) -> aioredis.Redis:
+    """A bounded pool that makes callers wait for a connection rather than fail (the gateway's): the number of
+    connections does not grow with the number of requests, and a burst queues for a moment instead of getting
+    503s."""
+    return async_pool_client(
+        url,
+        max_connections=max_connections,
+        # wait for a connection as long as it takes (connecting to a dead Redis fails fast)
+        timeout=None,
+        client_name=client_name,
+        health_check_interval=10,
+        # a pooled connection that died with a Redis restart is replaced, not reported as an outage (behind
+        # Sentinel, this module retries for as long as a failover takes)
+        retry=AsyncRetry(ExponentialBackoff(cap=0.5, base=0.02), 3),
+        retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError],
+    )
+
+
 def async_pool_client(url: str, max_connections: int, **kwargs: Any) -> aioredis.Redis:
     """A redis.asyncio client over a bounded pool whose callers wait for a free connection (the gateway's)."""
     target = parse(url)

@@ -92,7 +92,7 @@ class Admission:
 
     async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:
         """Validate ``req`` and build its record and engine body, under ``request_id`` (else a fresh id), at
-        ``priority``: the tenant's already (``gateway.app.prioritise`` lowers or refuses it)."""
+        ``priority``: the tenant's already (``gateway.tenants.prioritise`` lowers or refuses it)."""
         if req.model != self.config.served_model_name:
             raise ModelNotFound(
                 f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",

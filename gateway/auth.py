@@ -38,7 +38,7 @@ class TenantLimitReached(APIError):
 class RequireKey:
     """ASGI middleware: refuses protected paths without a valid bearer key (no keys: everything is open), and
     serves each ``/v1/*`` request as its key's tenant (:data:`gateway.tenants.current`), within the tenant's
-    ``max_concurrent`` across the deployment's gateways (else 429; :mod:`gateway.tenant_slots`). ``tenants`` (reloadable) wins over ``keys`` (plain keys)."""
+    ``max_concurrent`` across the deployment's gateways (else 429; :class:`gateway.tenants.TenantSlots`). ``tenants`` (reloadable) wins over ``keys`` (plain keys)."""
 
     def __init__(
         self,

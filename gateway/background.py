@@ -24,6 +24,10 @@ class Background:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def settle(self) -> None:
+        """Wait for the steps spawned so far."""
+        await asyncio.gather(*self._tasks)
+
 
 async def _logged(coro: Awaitable) -> None:
     """A background step (finish, abort) that must not end in an unretrieved exception when Redis is away."""

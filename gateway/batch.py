@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import time
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
 
+from flying.messages import Priority
+from gateway import schemas
+from gateway import tenants as tenancy
 from gateway.backpressure import queue_room
+from gateway.disconnect import ClientGone, watcher
 from gateway.engine_fields import StreamId
-from gateway.errors import InvalidRequest
+from gateway.errors import APIError, InvalidRequest
 from gateway.relay import DONE
+from gateway.replies import RelayResponse, json_reply
+from gateway.request_log import info as request_info
+from gateway.service import Gateway, Reply
 from gateway.tenants import Tenant
 
 COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -146,3 +158,55 @@ def unstarted(replies: Sequence[Any]) -> None:
     for reply in replies:
         if getattr(reply, "unstarted", None) is not None:
             reply.unstarted()
+
+
+async def answer_batch(
+    request: Request, gw: Gateway, reqs: list[schemas.CompletionRequest], priority: Priority, t0: float
+) -> Response:
+    """A completion of several prompts: each admitted and queued as a request of its own (``<id>-<i>``), served
+    concurrently; one answer (or one stream) with the choices numbered as OpenAI does (:mod:`gateway.batch`)."""
+    logged = request_info(request.scope)
+    base = logged.request_id or uuid.uuid4().hex
+    check_fits(len(reqs), gw.config.max_queue, priority, tenancy.current.get())
+    adms = []
+    for i, r in enumerate(reqs):
+        try:
+            adms.append(await gw.admit(schemas.for_engine(r), priority, f"{base}-{i}"))
+        except APIError as exc:
+            if exc.param == "prompt":  # which of the batch's prompts
+                exc.param = f"prompt[{i}]"
+            raise
+    disconnected = watcher(request.scope, request.receive)
+    early = not logged.client_id  # (the prompts' ids derive from it)
+    tasks = [asyncio.ensure_future(gw.serve(adm, disconnected, early)) for adm in adms]
+    streaming = False
+    try:
+        replies = await asyncio.gather(*tasks)
+        gw.metrics.child(gw.metrics.ttft, priority).observe(time.monotonic() - t0)
+        logged.request_id = base
+        headers = {
+            "X-Request-Id": base,
+            "X-Queue-Time-Ms": f"{max(r.assignment.queue_ms for r in replies):.1f}",
+            "X-Flying-Engine": ",".join(str(r.assignment.engine) for r in replies),
+        }
+        failed = next((r for r in replies if r.status != 200), None)
+        if failed is not None:
+            return json_reply(gw, failed, headers)
+        n = reqs[0].n
+        if reqs[0].stream:
+            usage = bool(reqs[0].stream_options and reqs[0].stream_options.include_usage)
+            streams = [r.stream for r in replies if r.stream is not None]
+            relay = merge_streams(streams, n, usage, base)
+            streaming = True
+            return RelayResponse(relay, headers, functools.partial(unstarted, replies), disconnected)
+        merged = merge_completions([r.body for r in replies if r.body is not None], n, base)
+        return json_reply(gw, Reply(200, replies[0].assignment, body=merged), headers)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        if not streaming:
+            disconnected.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            unstarted([t.result() for t in tasks if not t.cancelled() and t.exception() is None])

@@ -15,7 +15,13 @@ limits::
 
 Keys are held only as SHA-256 digests and compared in constant time; a plain key without a tenant is named
 ``key-<first 8 hex of its digest>``. :meth:`Tenants.reload` re-reads the file (on SIGHUP): requests in progress
-keep the tenant they started with; a file that does not parse leaves the keys as they were."""
+keep the tenant they started with; a file that does not parse leaves the keys as they were.
+
+A tenant's ``max_concurrent`` across every gateway of the deployment: each gateway counts its requests in
+progress per tenant in Redis (``flying:tenant:{name}:inflight``, one field per gateway), and a request enters only
+while the sum over the live gateways is below the limit. The counts of a gateway whose liveness key has expired
+(it died) are dropped by the next request that looks. Each gateway also keeps its own count (:class:`Tenants`):
+the limit holds on one gateway even while Redis is away. (:class:`TenantSlots`)"""
 
 from __future__ import annotations
 
@@ -28,11 +34,22 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import redis.asyncio as aioredis
+from starlette.requests import Request
+
+from flying.cancel import reraise_if_cancelled
+from flying.keys import Keys
 from flying.messages import PRIORITY_CLASS, Priority
 from flying.queue import Charge
-from gateway.errors import APIError
-from gateway.tenant_slots import TenantSlots
+from gateway import schemas
+from gateway.background import Background
+from gateway.errors import APIError, InvalidRequest
+from gateway.request_log import info as request_info
+
+if TYPE_CHECKING:
+    from gateway.service import Gateway
 
 log = logging.getLogger("flying.gateway")
 
@@ -172,6 +189,77 @@ def _over(path: Path, value: object) -> OverPriority:
         raise ValueError(f"{path}: over_priority must be lower or refuse, got {value!r}") from None
 
 
+_ENTER = """
+-- KEYS: the tenant's inflight hash ; ARGV: gateway id, max_concurrent, gateway liveness key prefix
+local total = 0
+local rows = redis.call('HGETALL', KEYS[1])
+for i = 1, #rows, 2 do
+  local gw, n = rows[i], tonumber(rows[i + 1])
+  if gw == ARGV[1] or redis.call('EXISTS', ARGV[3] .. gw) == 1 then
+    total = total + n
+  else
+    redis.call('HDEL', KEYS[1], gw)
+  end
+end
+if total >= tonumber(ARGV[2]) then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+return 1
+"""
+
+_LEAVE = """
+-- KEYS: the tenant's inflight hash ; ARGV: gateway id
+if redis.call('HINCRBY', KEYS[1], ARGV[1], -1) <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
+class TenantSlots:
+    """This gateway's (``gateway_id``) side of the tenants' shared concurrency counts."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, gateway_id: str) -> None:
+        self.keys, self.gateway_id, self._client = keys, gateway_id, client
+        self._enter = client.register_script(_ENTER)
+        self._leave = client.register_script(_LEAVE)
+        self._background = Background()
+
+    async def enter(self, tenant: str, limit: int) -> bool:
+        """Count one request of ``tenant`` in progress here, unless the deployment holds ``limit`` of them
+        already (False, not counted). Redis away: True (this gateway's own count still bounds it)."""
+        args: list[str | int] = [self.gateway_id, limit, self.keys.gateway("")]
+        try:
+            return bool(await self._enter(keys=[self.keys.tenant_inflight(tenant)], args=args))
+        except aioredis.RedisError as exc:
+            reraise_if_cancelled()
+            log.warning("tenant %s: max_concurrent held on this gateway only (redis: %r)", tenant, exc)
+            return True
+
+    def refused(self, tenant: str, limit: str) -> None:
+        """A request of ``tenant`` refused at the door by its ``limit`` (``max_concurrent``, ``max_priority``):
+        counted in its Redis counters as ``refused_<limit>``, beside the buckets' refusals (in the background)."""
+        self._background.spawn(self._count_refusal(tenant, limit))
+
+    async def _count_refusal(self, tenant: str, limit: str) -> None:
+        try:
+            await self._client.hincrby(self.keys.tenant(tenant), f"refused_{limit}", 1)
+            await self._client.sadd(self.keys.tenants, tenant)
+        except aioredis.RedisError as exc:
+            log.warning("tenant %s: a refusal not counted (redis: %r)", tenant, exc)
+
+    def leave(self, tenant: str) -> None:
+        """The request ended: its count goes (in the background; a request that ends does not wait for it)."""
+        self._background.spawn(self._leave_one(tenant))
+
+    async def settle(self) -> None:
+        """Wait for the counts sent in the background so far."""
+        await self._background.settle()
+
+    async def _leave_one(self, tenant: str) -> None:
+        try:
+            await self._leave(keys=[self.keys.tenant_inflight(tenant)], args=[self.gateway_id])
+        except aioredis.RedisError as exc:
+            log.warning("tenant %s: end of a request not counted (redis: %r)", tenant, exc)
+
+
 class Tenants:
     """The gateway's keys, reloadable: :attr:`book` is replaced whole, so a reader sees one parse or the next."""
 
@@ -179,7 +267,7 @@ class Tenants:
         self.env_value, self.path = env_value, path
         self.book = read_book(env_value, path)
         self.in_progress: dict[str, int] = {}  # requests in progress by tenant name (this gateway)
-        self.slots: TenantSlots | None = None  # the counts shared by every gateway (set once Redis is there)
+        self.slots: TenantSlots | None = None  # the counts shared by every gateway (once Redis is there)
 
     @classmethod
     def of(cls, keys: tuple[str, ...]) -> Tenants:
@@ -201,6 +289,10 @@ class Tenants:
         log.info("API keys reloaded: %d keys", len(self.book.entries))
         return True
 
+    def share(self, slots: TenantSlots) -> None:
+        """Count ``max_concurrent`` across the gateways through ``slots`` from now on (Redis is there)."""
+        self.slots = slots
+
     def refused(self, name: str, limit: str) -> None:
         """A request of tenant ``name`` refused at the door by its ``limit``: counted in Redis once it is there."""
         if self.slots is not None:
@@ -220,3 +312,36 @@ class Tenants:
             self.in_progress[tenant.name] = n
         else:
             self.in_progress.pop(tenant.name, None)
+
+
+def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
+    """The request's priority (X-Priority, else its ``priority``, else its ``service_tier``), lowered to its
+    tenant's highest if it asks for more (the request log line then names the one asked for too), or refused (403)
+    for a tenant that refuses instead; a request that asks for none runs at the default or its tenant's highest,
+    whichever is lower. Noted for the metrics and the request log."""
+    headers = request.headers.getlist("x-priority")
+    if len(set(headers)) > 1:
+        raise InvalidRequest(
+            f"send one X-Priority header; got {len(headers)}: {', '.join(headers)}", param="X-Priority"
+        )
+    header = headers[0] if headers else None
+    asked = schemas.resolve_priority(header, req.priority, req.service_tier)
+    info, priority = request_info(request.scope), asked
+    tenant = current.get()
+    if tenant is not None:
+        gw: Gateway = request.app.state.gateway
+        source = schemas.priority_param(header, req.priority, req.service_tier)
+        explicit = source is not None
+        if source is not None and tenant.over_priority is OverPriority.REFUSE:
+            try:
+                tenant.priority(asked, source)
+            except PriorityNotAllowed:
+                gw.metrics.tenant_rejected.labels(tenant.name, "max_priority").inc()
+                request.app.state.tenants.refused(tenant.name, "max_priority")
+                raise
+        priority = tenant.lowered(asked)
+        if priority != asked and explicit:
+            info.requested_priority = asked
+            gw.metrics.child(gw.metrics.tenant_lowered, tenant.name, asked, priority).inc()
+    seen["priority"] = info.priority = priority
+    return priority

@@ -220,7 +220,7 @@ def plot(
             t = [k * bucket_s for k in range(len(shift["SP"]))]  # type: ignore[index]
             ax.stackplot(
                 t,
-                [100 * x for x in shift["full TP"]],
+                [100 * x for x in shift["full TP"]],  # type: ignore[index]
                 [100 * x for x in shift["SP"]],  # type: ignore[index]
                 labels=["full-TP steps", "SP steps"],
                 colors=["#31a354", "#9ecae1"],

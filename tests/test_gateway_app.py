@@ -185,8 +185,8 @@ async def test_a_stream_whose_client_left_before_it_started_is_still_cleaned_up(
     """The relay's own cleanup runs only once it has started; a client gone before that gets ``unstarted``."""
     import asyncio
 
-    from gateway.app import RelayResponse
     from gateway.disconnect import watch_disconnect
+    from gateway.replies import RelayResponse
 
     ran, dropped = [], []
 

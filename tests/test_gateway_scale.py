@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from flying.queue import RequestQueue
-from gateway.app import redis_client
+from flying.redis_conn import waiting_pool_client
 from gateway.config import GatewayConfig
 from gateway.schemas import ChatCompletionRequest, Message
 from gateway.service import Gateway
@@ -42,7 +42,7 @@ async def test_ten_thousand_waiting_requests(redis_server, sync_redis, aredis, k
         model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix, max_queue=2 * N,
         queue_timeout_s=300, wait_budget_normal_s=300, max_wait_s=300, reconcile_s=0.5,
     )  # fmt: skip
-    gw = Gateway(cfg, redis_client(cfg), CountWords())
+    gw = Gateway(cfg, waiting_pool_client(cfg.redis_url, cfg.redis_max_connections, "test"), CountWords())
     await gw.start()
     req = ChatCompletionRequest(model="tiny-llama", messages=[Message(role="user", content="hi")])
     connected = asyncio.create_task(asyncio.Event().wait())
@@ -109,7 +109,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(redis_server, sync_
     announce_engine(sync_redis, keys, context_len=10**6, max_total_tokens=10**6, free_kv_tokens=10**6)
     sync_redis.set(keys.router_lease, "absent-router", px=600_000)
     cfg = GatewayConfig(model_path="unused", redis_url=redis_server.url, key_prefix=keys.prefix)
-    gw = Gateway(cfg, redis_client(cfg), Where())
+    gw = Gateway(cfg, waiting_pool_client(cfg.redis_url, cfg.redis_max_connections, "test"), Where())
     await gw.start()
     try:
         short = ChatCompletionRequest(model="tiny-llama", messages=[Message(role="user", content="hi")])

@@ -157,7 +157,7 @@ async def test_a_finish_during_an_outage_lands_when_redis_is_back(tmp_path, keys
     import redis.asyncio as aioredis
 
     from flying.queue import RequestQueue
-    from gateway.app import redis_client
+    from flying.redis_conn import waiting_pool_client
     from gateway.config import GatewayConfig
     from gateway.service import Gateway
     from tests.stack import CountWords
@@ -165,7 +165,7 @@ async def test_a_finish_during_an_outage_lands_when_redis_is_back(tmp_path, keys
 
     server = RedisServer(data_dir=tmp_path, aof=True).start()
     cfg = GatewayConfig(model_path="unused", redis_url=server.url, key_prefix=keys.prefix)
-    gw = Gateway(cfg, redis_client(cfg), CountWords())
+    gw = Gateway(cfg, waiting_pool_client(cfg.redis_url, cfg.redis_max_connections, "test"), CountWords())
     try:
         r = aioredis.Redis.from_url(server.url)
         q = RequestQueue(r, keys)

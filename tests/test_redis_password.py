@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from flying.keys import Keys
 from flying.procs import free_port
 from flying.queue import RequestQueue
-from gateway.app import redis_client
+from flying.redis_conn import waiting_pool_client
 from gateway.config import GatewayConfig
 from gateway.waiting import autopipeline
 from tests.test_queue import mk
@@ -48,7 +48,7 @@ def locked_redis(tmp_path):
 
 async def test_the_gateway_authenticates_with_the_password_in_its_redis_url(locked_redis):
     cfg = GatewayConfig(model_path="unused", redis_url=f"redis://:{PASSWORD}@127.0.0.1:{locked_redis}/0")
-    client, keys = redis_client(cfg), Keys("pw")
+    client, keys = waiting_pool_client(cfg.redis_url, cfg.redis_max_connections, "test"), Keys("pw")
     pipe = autopipeline(client)
     assert pipe is not None
     try:
@@ -74,7 +74,7 @@ async def test_the_gateway_and_router_clients_speak_tls_with_a_password(tmp_path
 
     with tls_redis(tmp_path) as url:
         cfg = GatewayConfig(model_path="unused", redis_url=url)
-        client, keys = redis_client(cfg), Keys("tls")
+        client, keys = waiting_pool_client(cfg.redis_url, cfg.redis_max_connections, "test"), Keys("tls")
         assert autopipeline(client) is None
         router_client = aioredis.Redis.from_url(url)
         try:

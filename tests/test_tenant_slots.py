@@ -1,4 +1,4 @@
-"""A tenant's max_concurrent across gateways (gateway.tenant_slots): the shared counts in a real Redis, a dead
+"""A tenant's max_concurrent across gateways (gateway.tenants.TenantSlots): the shared counts in a real Redis, a dead
 gateway's counts dropped, and two real gateways (uvicorn) in front of one fake engine holding the limit together."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.tenant_slots import TenantSlots
-from gateway.tenants import Tenants
+from gateway.tenants import Tenants, TenantSlots
 from loadgen import fake_server
 from tests.stack import CountWords, RouterThread, ServerThread, announce_engine
 
@@ -25,7 +24,7 @@ async def test_the_count_is_the_deployments_and_a_dead_gateways_share_goes(aredi
     assert not await one.enter("t", 2) and not await two.enter("t", 2), "2 in progress across both"
     assert await one.enter("other", 2), "per tenant"
     one.leave("t")
-    await asyncio.gather(*one._leaving)
+    await one.settle()
     assert await two.enter("t", 2)
     assert await aredis.hgetall(keys.tenant_inflight("t")) == {b"g2": b"2"}
     await aredis.delete(keys.gateway("g2"))  # g2 died: its requests are gone with it
@@ -33,7 +32,7 @@ async def test_the_count_is_the_deployments_and_a_dead_gateways_share_goes(aredi
     assert await aredis.hgetall(keys.tenant_inflight("t")) == {b"g1": b"2"}
     one.leave("t")
     one.leave("t")
-    await asyncio.gather(*one._leaving)
+    await one.settle()
     assert not await aredis.exists(keys.tenant_inflight("t")), "no count left behind"
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_ext.weights import Dims, LayerWeights, WeightsManager, storage_bytes
+from worker_ext.sglang_patches.model import LayerWeights
+from worker_ext.weights import Dims, WeightsManager, storage_bytes
 
 DIMS = Dims(num_heads=8, num_kv_heads=4, head_dim=4, intermediate=16)  # pieces 4: widths 1, 2, 4
 HIDDEN = 32

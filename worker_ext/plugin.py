@@ -19,9 +19,6 @@ if TYPE_CHECKING:
     from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
 
 log = logging.getLogger(__name__)
-_publisher: HeartbeatPublisher | None = None
-_binding: Binding | None = None
-_commands: CommandReader | None = None
 
 
 def register() -> None:
@@ -31,9 +28,10 @@ def register() -> None:
 
     sglang_patches.check_version()
     _setup_logs(os.environ.get(settings.LOG_FORMAT, "text"))
-    sglang_patches.apply_scheduler_hooks(on_init=_on_scheduler_init, on_step=_on_step)
-    sglang_patches.apply_forward_hook(_around_forward)
-    sglang_patches.apply_abort_hook(_on_abort)
+    plugin = Plugin()
+    sglang_patches.apply_scheduler_hooks(on_init=plugin.on_scheduler_init, on_step=plugin.on_step)
+    sglang_patches.apply_forward_hook(plugin.around_forward)
+    sglang_patches.apply_abort_hook(plugin.on_abort)
     from worker_ext.sglang_patches import requests
 
     requests.apply_output_hook()
@@ -53,118 +51,124 @@ def _setup_logs(fmt: str) -> None:
         sglang_patches.apply_request_log_handler(logs.handler("json", sys.stdout))
 
 
-def _on_abort(scheduler, rid: str) -> None:
-    if _binding is not None:
-        _binding.note_abort(rid)
+class Plugin:
+    """The engine's flying side, one per scheduler process: its heartbeat, and for a bound-capable engine its
+    command reader and binding, made when SGLang's scheduler starts (:meth:`on_scheduler_init`) and driven by
+    SGLang's hooks."""
 
+    def __init__(self) -> None:
+        self.publisher: HeartbeatPublisher | None = None
+        self.binding: Binding | None = None
+        self.commands: CommandReader | None = None
 
-def _around_forward(original, runner, forward_batch, *args, **kwargs):
-    if _binding is None:
-        return original(runner, forward_batch, *args, **kwargs)
-    return _binding.around_forward(original, runner, forward_batch, *args, **kwargs)
+    def on_abort(self, scheduler, rid: str) -> None:
+        if self.binding is not None:
+            self.binding.note_abort(rid)
 
+    def around_forward(self, original, runner, forward_batch, *args, **kwargs):
+        if self.binding is None:
+            return original(runner, forward_batch, *args, **kwargs)
+        return self.binding.around_forward(original, runner, forward_batch, *args, **kwargs)
 
-def _on_scheduler_init(scheduler) -> None:
-    global _publisher
-    from worker_ext import sglang_patches
-    from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
+    def on_scheduler_init(self, scheduler) -> None:
+        from worker_ext import sglang_patches
+        from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
 
-    if sglang_patches.scheduler_tp_rank(scheduler) != 0:
-        return
-    config = HeartbeatConfig(
-        engine=int(os.environ[settings.ENGINE_INDEX]),
-        url=os.environ[settings.ENGINE_URL],
-        model=os.environ.get(settings.SERVED_MODEL, "default"),
-        launch_id=os.environ.get(settings.LAUNCH_ID, ""),
-        node=os.environ.get(settings.NODE, ""),
-        redis_url=settings.redis_url(),
-        key_prefix=settings.key_prefix(),
-    )
-    _publisher = HeartbeatPublisher(config)
-    _publisher.beat(**sglang_patches.scheduler_load(scheduler))
-    _publisher.start()
-    log.info("flying-serving plugin: engine %d heartbeating to %s", config.engine, config.redis_url)
-    _start_switching(scheduler, config)
+        if sglang_patches.scheduler_tp_rank(scheduler) != 0:
+            return
+        config = HeartbeatConfig(
+            engine=int(os.environ[settings.ENGINE_INDEX]),
+            url=os.environ[settings.ENGINE_URL],
+            model=os.environ.get(settings.SERVED_MODEL, "default"),
+            launch_id=os.environ.get(settings.LAUNCH_ID, ""),
+            node=os.environ.get(settings.NODE, ""),
+            redis_url=settings.redis_url(),
+            key_prefix=settings.key_prefix(),
+        )
+        self.publisher = HeartbeatPublisher(config)
+        self.publisher.beat(**sglang_patches.scheduler_load(scheduler))
+        self.publisher.start()
+        log.info("flying-serving plugin: engine %d heartbeating to %s", config.engine, config.redis_url)
+        self._start_switching(scheduler, config)
 
+    def _start_switching(self, scheduler, config: HeartbeatConfig) -> None:
+        """Bound-capable engines: the communicator pool (built in the background), the command reader, the
+        binding."""
+        from flying.keys import Keys
+        from worker_ext import sglang_patches
+        from worker_ext.binding import Binding
+        from worker_ext.comm_pool import CommPool
+        from worker_ext.commands import CommandReader
+        from worker_ext.layout import Layout
+        from worker_ext.sglang_patches.surface import SGLangScheduler
+        from worker_ext.step_costs import StepCosts
 
-def _start_switching(scheduler, config: HeartbeatConfig) -> None:
-    """Bound-capable engines: the communicator pool (built in the background), the command reader, the binding."""
-    global _binding, _commands
-    from flying.keys import Keys
-    from worker_ext import sglang_patches
-    from worker_ext.binding import Binding
-    from worker_ext.comm_pool import CommPool
-    from worker_ext.commands import CommandReader
-    from worker_ext.layout import Layout
-    from worker_ext.sglang_patches.surface import SGLangScheduler
-    from worker_ext.step_costs import StepCosts
+        num_engines = int(os.environ.get(settings.NUM_ENGINES, "1"))
+        port = os.environ.get(settings.COMM_PORT)
+        if num_engines < 2 or not port:
+            return
+        # or the scheduler's own device: the pool's thread has no current device of its own
+        device = "cpu"
+        if os.environ.get(settings.DEVICE, "cpu") == "cuda":
+            import torch
 
-    num_engines = int(os.environ.get(settings.NUM_ENGINES, "1"))
-    port = os.environ.get(settings.COMM_PORT)
-    if num_engines < 2 or not port:
-        return
-    device = "cpu"  # or the scheduler's own device: the pool's thread has no current device of its own
-    if os.environ.get(settings.DEVICE, "cpu") == "cuda":
-        import torch
+            device = f"cuda:{torch.cuda.current_device()}"
+        host = os.environ.get(settings.COMM_HOST, "127.0.0.1")
+        first = int(os.environ.get(settings.FIRST_ENGINE, "0"))
+        pool = CommPool(
+            config.engine,
+            num_engines,
+            host,
+            int(port),
+            first=first,
+            device=device,
+            launch_id=config.launch_id,
+        ).start()
+        self.commands = CommandReader(config.redis_url, Keys(config.key_prefix), config.engine).start()
+        sglang_patches.register_idle_wake(scheduler, self.commands.wake_socket)
+        engine = SGLangScheduler(scheduler)
+        layout = Layout(
+            engine.decoder_layers(),
+            engine.kv_pool(),
+            engine.kv_allocator(),
+            engine.parameters,
+            engine.decoder_stack(),
+        )
+        self.binding = Binding(
+            engine,
+            config.engine,
+            pool,
+            layout,
+            on_change=lambda: self.beat(scheduler),
+            sp_threshold=settings.sp_threshold(),
+            costs=StepCosts("cuda" if device.startswith("cuda") else "cpu"),
+        )
 
-        device = f"cuda:{torch.cuda.current_device()}"
-    host = os.environ.get(settings.COMM_HOST, "127.0.0.1")
-    first = int(os.environ.get(settings.FIRST_ENGINE, "0"))
-    pool = CommPool(
-        config.engine,
-        num_engines,
-        host,
-        int(port),
-        first=first,
-        device=device,
-        launch_id=config.launch_id,
-    ).start()
-    _commands = CommandReader(config.redis_url, Keys(config.key_prefix), config.engine).start()
-    sglang_patches.register_idle_wake(scheduler, _commands.wake_socket)
-    engine = SGLangScheduler(scheduler)
-    layout = Layout(
-        engine.decoder_layers(),
-        engine.kv_pool(),
-        engine.kv_allocator(),
-        engine.parameters,
-        engine.decoder_stack(),
-    )
-    _binding = Binding(
-        engine,
-        config.engine,
-        pool,
-        layout,
-        on_change=lambda: _beat(scheduler),
-        sp_threshold=settings.sp_threshold(),
-        costs=StepCosts("cuda" if device.startswith("cuda") else "cpu"),
-    )
+    def on_step(self, scheduler) -> None:
+        if self.publisher is None:
+            return
+        if (marker := os.environ.get(settings.TEST_CRASH_STOP)) and _holds_stop(scheduler, marker):
+            raise RuntimeError(f"{settings.TEST_CRASH_STOP}: a request asked this scheduler to crash")
+        if self.binding is not None and self.commands is not None:
+            self.binding.on_step(self.commands.drain())
+        self.beat(scheduler)
 
+    def beat(self, scheduler) -> None:
+        from worker_ext import sglang_patches
 
-def _on_step(scheduler) -> None:
-    if _publisher is None:
-        return
-    if (marker := os.environ.get(settings.TEST_CRASH_STOP)) and _holds_stop(scheduler, marker):
-        raise RuntimeError(f"{settings.TEST_CRASH_STOP}: a request asked this scheduler to crash")
-    if _binding is not None and _commands is not None:
-        _binding.on_step(_commands.drain())
-    _beat(scheduler)
+        # (set before the first step and before the binding exists)
+        if self.publisher is None:
+            return
+        switching = self.binding.status() if self.binding is not None else {}
+        load = sglang_patches.scheduler_load(scheduler)
+        if (width := int(switching.get("width", 1))) > 1:
+            # its own KV: bound, its pool holds ``width`` times the token slots (each a 1/width head slice), and
+            # the status's max_total_tokens is its DP one
+            load["free_kv_tokens"] //= width
+        self.publisher.beat(**(load | switching))
 
 
 def _holds_stop(scheduler, marker: str) -> bool:
     from worker_ext import sglang_patches
 
     return sglang_patches.waiting_stop_strings(scheduler, marker)
-
-
-def _beat(scheduler) -> None:
-    from worker_ext import sglang_patches
-
-    if _publisher is None:  # set before the first step and before the binding exists
-        return
-    switching = _binding.status() if _binding is not None else {}
-    load = sglang_patches.scheduler_load(scheduler)
-    if (width := int(switching.get("width", 1))) > 1:
-        # its own KV: bound, its pool holds ``width`` times the token slots (each a 1/width head slice), and the
-        # status's max_total_tokens is its DP one
-        load["free_kv_tokens"] //= width
-    _publisher.beat(**(load | switching))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -121,33 +122,33 @@ def _permute_rows_(w: torch.Tensor, order: torch.Tensor) -> None:
     w.copy_(w.index_select(0, order.to(w.device)))
 
 
-@dataclass
-class LayerWeights:
-    """The four sharded parameters of one decoder layer (anything with a ``.data`` tensor)."""
+class LayerParams(Protocol):
+    """One decoder layer's four sharded weights as the model holds them; the model's side is SGLang's
+    (worker_ext.sglang_patches.model.LayerWeights), so only the seam writes SGLang's parameters."""
 
-    qkv: torch.nn.Parameter
-    o: torch.nn.Parameter
-    gate_up: torch.nn.Parameter
-    down: torch.nn.Parameter
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tensors the layer computes with now: QKV, o, gate_up, down."""
+        ...
+
+    def point(self, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Make the layer compute with these (views of the resident weights)."""
+        ...
 
 
 class WeightsManager:
     """Owns the resident layout; points every layer at the DP weights (width 1) or rank r's shard at width d."""
 
-    def __init__(self, layers: list[LayerWeights], dims: Dims) -> None:
+    def __init__(self, layers: list[LayerParams], dims: Dims) -> None:
         """Reorders the fused weights into the resident layout, in place (once, at load; one layer's temporary at
         a time). The model's forward must undo it on the activations from then on (:meth:`activation_order`)."""
         self.layers, self.dims = layers, dims
         self.qkv_layout, self.gate_up_layout = qkv_layout(dims), gate_up_layout(dims)
-        for lw in layers:
-            if (
-                lw.qkv.data.shape[0] != self.qkv_layout.numel()
-                or lw.gate_up.data.shape[0] != self.gate_up_layout.numel()
-            ):
+        self.full = [lw.tensors() for lw in layers]
+        for qkv, _, gate_up, _ in self.full:
+            if qkv.shape[0] != self.qkv_layout.numel() or gate_up.shape[0] != self.gate_up_layout.numel():
                 raise ValueError(f"the model's fused QKV / gate_up rows do not match its dims {dims}")
-            _permute_rows_(lw.qkv.data, self.qkv_layout)
-            _permute_rows_(lw.gate_up.data, self.gate_up_layout)
-        self.full = [(lw.qkv.data, lw.o.data, lw.gate_up.data, lw.down.data) for lw in layers]
+            _permute_rows_(qkv, self.qkv_layout)
+            _permute_rows_(gate_up, self.gate_up_layout)
         self.width, self.rank = 1, 0
         self._orders: dict[int, ActivationOrder] = {}
 
@@ -173,10 +174,12 @@ class WeightsManager:
         qkv_rows, gu_rows = self.qkv_layout.numel() // width, self.gate_up_layout.numel() // width
         o_cols, down_cols = self.dims.q_rows // width, self.dims.intermediate // width
         for lw, (qkv, o, gu, down) in zip(self.layers, self.full):
-            lw.qkv.data = qkv[rank * qkv_rows : (rank + 1) * qkv_rows]
-            lw.o.data = o[:, rank * o_cols : (rank + 1) * o_cols]
-            lw.gate_up.data = gu[rank * gu_rows : (rank + 1) * gu_rows]
-            lw.down.data = down[:, rank * down_cols : (rank + 1) * down_cols]
+            lw.point(
+                qkv[rank * qkv_rows : (rank + 1) * qkv_rows],
+                o[:, rank * o_cols : (rank + 1) * o_cols],
+                gu[rank * gu_rows : (rank + 1) * gu_rows],
+                down[:, rank * down_cols : (rank + 1) * down_cols],
+            )
         self.width, self.rank = width, rank
 
     def release(self) -> None:

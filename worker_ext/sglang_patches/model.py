@@ -4,10 +4,13 @@ row-parallel layers' reduction group, and the two fused projections whose output
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from worker_ext.sglang_patches import require
-from worker_ext.weights import ActivationOrder, Dims, LayerWeights
+from worker_ext.weights import ActivationOrder, Dims
 
 if TYPE_CHECKING:
     from worker_ext.sequence_parallel import SPStep
@@ -16,6 +19,23 @@ if TYPE_CHECKING:
 def dims(layers: list[Any]) -> Dims:
     a0 = layers[0].self_attn
     return Dims(a0.num_heads, a0.num_kv_heads, a0.head_dim, layers[0].mlp.down_proj.weight.shape[1])
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's four sharded parameters (worker_ext.weights.LayerParams): the views a width computes
+    with are set on SGLang's parameters here, and only here."""
+
+    qkv: torch.nn.Parameter
+    o: torch.nn.Parameter
+    gate_up: torch.nn.Parameter
+    down: torch.nn.Parameter
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv.data, self.o.data, self.gate_up.data, self.down.data
+
+    def point(self, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.qkv.data, self.o.data, self.gate_up.data, self.down.data = qkv, o, gate_up, down
 
 
 def layer_weights(layer: Any) -> LayerWeights:
