@@ -214,18 +214,11 @@ class Bind(msgspec.Struct, frozen=True, kw_only=True, tag="bind"):
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
-    """Router/operator -> every member: end ``epoch`` and return to DP once its TP requests have finished, or,
-    with ``retract``, at once: the leader's TP requests are retracted and recomputed in DP on the leader (their
-    KV is in the group's layout), the cheap way out when load rises. With ``scatter``, at once and with no
-    recompute: each TP request goes back to DP on the member that owns it (whose endpoint it arrived on: its
-    stream is there) with its KV; the other members send it their head slices. A request its owner cannot hold is
-    retracted there (recomputed in DP).
-
-    With ``park`` (engines whose heartbeat reports ``park``), at once too: the TP requests their owner can hold
-    continue there as with ``scatter``; the others (a long-context request no engine holds alone) are *parked*:
-    their KV head slices stay where they are on every member, they take no steps, and every member goes back to
-    DP. A later bind of the same members in the same order with ``resume`` set to this epoch continues them where
-    they stopped; a release of a parked epoch ends its requests (aborted) and frees their KV."""
+    """Router/operator -> every member: end ``epoch`` and return to DP once its TP requests have finished. At
+    once instead: ``retract`` recomputes them in DP on the leader; ``scatter`` moves each, with its KV, to the
+    member that owns it (retracted there if it does not fit); ``park`` scatters those an owner can hold and keeps
+    the others' KV head slices where they are, stepping no more, until a bind with ``resume`` set to this epoch
+    continues them (a release of a parked epoch aborts them)."""
 
     epoch: int
     retract: bool = False

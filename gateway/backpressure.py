@@ -53,14 +53,9 @@ class Limits:
 
 
 class ServiceRate:
-    """The deployment's service capacity: requests served per second while it was saturated, over the last
-    ``window_s``, from samples of a monotonic counter (the ``completed`` requests) and whether requests waited.
-
-    Only intervals that began and ended with requests waiting (in the queue, or in the engines' own queues) count:
-    at light load the service rate is the arrival rate, not what the engines can serve, and a wait predicted from
-    it would refuse a burst that the engines take at once. While requests wait, every request served makes room
-    for a waiting one, so a short backlog measures the capacity already: with less than ``min_span_s`` of backlog
-    in the window, or fewer than ``min_served`` requests served in it (the engines stalled), it is unknown."""
+    """The deployment's capacity: requests completed per second over the last ``window_s``, counted only while
+    requests waited (at light load completions follow arrivals, not capacity). Unknown with under ``min_span_s``
+    of backlog or ``min_served`` completions in the window."""
 
     def __init__(self, window_s: float = 10.0, min_span_s: float = 0.5, min_served: int = 3) -> None:
         self.window_s = window_s
@@ -85,12 +80,9 @@ class ServiceRate:
             self.samples.popleft()
 
     def lower_bound_per_s(self) -> float | None:
-        """A capacity the deployment surely has, for a backlog too new to measure: the requests served in the
-        window (at least ``min_served``) over the whole window, whether they waited or not (at light load the
-        engines serve what comes, which is at most what they can). None until a whole window has been watched
-        (before, nothing served may only mean nothing has had time to finish) and until the backlog has lasted
-        ``min_span_s`` (engines that keep up measure their capacity in that time, and a burst they take at once is
-        not refused on the light load before it)."""
+        """A capacity the deployment surely has, for a backlog too new to measure: all completions in the window
+        over the window. None before a whole window was watched or while the backlog is under ``min_span_s``
+        old (a burst the engines take at once is not refused on the light load before it)."""
         if self.since is None or self.samples[-1][0] - self.since < self.window_s:
             return None
         if self.backlog_since is None or self.samples[-1][0] - self.backlog_since < self.min_span_s:

@@ -135,12 +135,10 @@ class Relay:
     async def relay(
         self, adm: Admitted, a: Assignment, resp, first: list[str]
     ) -> AsyncGenerator[bytes, None]:
-        """Streaming: relay the engine's SSE events (from ``first``, :meth:`first_event`'s batch, on), the
-        last chunk ending with ``DONE``: the events that arrived together in one chunk (one write to the client).
-        A resumable stream whose engine dies, or aborts it (its TP group lost a member), after the first event
-        continues on another engine from the tokens already sent (:mod:`gateway.resume`, within
-        ``max_attempts``); any other broken stream ends with an error event. One generator, reading ``resp``
-        through coroutines: the hot path has no generator per layer."""
+        """Streaming: the engine's SSE events from ``first`` (:meth:`first_event`'s) on, those that arrived
+        together in one chunk, the last ending with ``DONE``. A resumable stream whose engine fails after its
+        first event continues on another (:mod:`gateway.resume`); any other broken stream ends with an error
+        event."""
         state, error, batch = "cancelled", "client disconnected", first
         stream_id = engine_fields.StreamId(adm.record.id, adm.service_tier)
         try:

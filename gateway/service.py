@@ -158,13 +158,11 @@ class Gateway:
         early: bool = True,
         assigned: Callable[[Assignment], None] | None = None,
     ) -> Reply:
-        """Queue ``adm``, wait for its assignment and forward it; an engine that fails before answering (or, for
-        a stream, before its first event) sends it back to the queue, within ``max_attempts``. Raises ClientGone
-        when ``disconnected`` completes first, and the API errors of the steps (429, 503, 504). An id a record
-        already holds (a client's ``X-Request-Id`` reused) is made unique: ``<id>-<8 hex>``; the reply's
-        ``assignment.id`` is the id it ran under. ``early``: it may go to its engine while its admission runs
-        (:mod:`gateway.early_dispatch`; not for a client's own id: one the admission declines runs under a fresh
-        id of the gateway's). ``assigned`` is told each assignment as it comes (the request log's engine, whatever the outcome)."""
+        """Queue ``adm``, wait for its assignment and forward it; an engine that fails before answering sends it
+        back to the queue, up to ``max_attempts``. Raises ClientGone if ``disconnected`` completes first, else the
+        steps' API errors (429, 503, 504). A reused id runs as ``<id>-<8 hex>`` (the reply's ``assignment.id``).
+        ``early``: it may leave for its engine while its admission runs (:mod:`gateway.early_dispatch`);
+        ``assigned`` hears of each assignment."""
         waiting, relay = self.waiting, self.relay
         base = adm.record.id
         sent_early = self._send_early(adm) if early else None

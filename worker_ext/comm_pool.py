@@ -162,18 +162,10 @@ class NotInPool(KeyError):
 
 @dataclass
 class CommPool:
-    """Every pooled group of one engine (its node's engines only). Each group is built for one *generation*: its
-    members' launch ids, read from the rendezvous store where every engine announces its own. A restarted member
-    comes back with a new launch id, so the survivors' watcher (:meth:`watch`, every ``watch_s``) rebuilds the
-    groups it is in, off the serving path, and the restarted engine builds them with the same ids: the two
-    rendezvous on a fresh prefix and the member rejoins. A restarted first engine hosts a fresh store: the
-    survivors reconnect and announce again.
-
-    A group whose epoch failed (a member timed out or left mid-collective) is broken for good: gloo closes its
-    pairs. A member that aborts an epoch resets its group (:meth:`reset`): the epoch is written to the store, every
-    member's watcher sees it and rebuilds the group on a fresh prefix, and until this member has rebuilt it the
-    group is refused (a bind over it fails at once instead of on a dead pair). Members that abort the same epoch
-    write the same value, so a reset is the same for all of them however many report it."""
+    """Every pooled group of one engine (its node's engines only), each built for one *generation*: its members'
+    launch ids, announced in the rendezvous store. A restarted member's new id makes the survivors' watcher
+    (:meth:`watch`) rebuild its groups off the serving path. A member that aborts an epoch resets the group
+    (:meth:`reset`): every member rebuilds it on a fresh prefix, and binds over it are refused until then."""
 
     engine: int
     num_engines: int  # engines of the node's pool
@@ -296,17 +288,10 @@ class CommPool:
                 store.set(self._reset_key(members), str(epoch))
 
     def _rendezvous(self, name: str, members: tuple[int, ...], ids: tuple[str, ...]) -> str:
-        """A store prefix for one build of ``members``' group, agreed by all of them while all of them are there.
-
-        gloo leaves each rank's address under its prefix, so a prefix that one member gave up on (its peer came too
-        late) would send a later member to a closed socket, and two members retrying on one prefix can keep
-        missing each other. So a build never reuses a prefix: the leader (``members[0]``) opens a numbered round
-        and waits ``timeout_s`` for every other member to answer it with a token; then it writes the tokens it got
-        (go) and all build on that round's prefix. A member answers the newest round it sees and builds only on a
-        go that names its token; a round the leader gave up on is never built on. Either side gives up after a
-        bounded wait (the leader ``timeout_s``, the others three times that, however many rounds open meanwhile, so
-        that a dead member of one group holds up no other), and early when a member's launch id changes (a newer
-        generation supersedes this one)."""
+        """A fresh store prefix for one build of ``members``' group, agreed while all of them are there (gloo
+        leaves addresses under a prefix, so one a member gave up on is never reused). The leader opens a numbered
+        round, collects every member's token within ``timeout_s`` and writes a go naming them; a member builds only
+        on a go with its token. Both give up after a bounded wait, or when a member's launch id changes."""
         store, rank = self._connected(), members.index(self.engine)
         counter, token = f"{name}/round", uuid.uuid4().hex[:12]
         checked = time.monotonic()
