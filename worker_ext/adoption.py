@@ -27,7 +27,7 @@ from worker_ext.epoch import Epoch, NotEntered
 from worker_ext.kv_transform import ExchangeStats, Held
 from worker_ext.ownership import Ownership
 from worker_ext.rank_messages import AdoptManifest
-from worker_ext.sglang_patches.surface import Req, SchedulerSurface
+from worker_ext.sglang_patches.surface import AdoptionEngine, Req
 from worker_ext.step_plan import Shadows
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Adoption:
     (reported in heartbeats)."""
 
     def __init__(
-        self, engine: SchedulerSurface, index: int, layout: Layout, ownership: Ownership, shadows: Shadows
+        self, engine: AdoptionEngine, index: int, layout: Layout, ownership: Ownership, shadows: Shadows
     ) -> None:
         self.engine, self.index, self.layout = engine, index, layout
         self.ownership, self.shadows = ownership, shadows

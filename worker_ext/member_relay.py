@@ -29,7 +29,7 @@ from flying.messages import split_engine_rid
 from worker_ext.epoch import Epoch
 from worker_ext.ownership import Ownership
 from worker_ext.sglang_patches.requests import ReqState
-from worker_ext.sglang_patches.surface import SchedulerSurface
+from worker_ext.sglang_patches.surface import RelayEngine
 
 if TYPE_CHECKING:
     from worker_ext.comm_pool import CommPool
@@ -50,7 +50,7 @@ class MemberRelay:
     """Members' aborts and new requests, relayed to the leader over the pool's rendezvous store (``pool.store``:
     a torch.distributed Store, None while unconnected; it is replaced when engine 0 restarts)."""
 
-    def __init__(self, engine: SchedulerSurface, index: int, pool: CommPool) -> None:
+    def __init__(self, engine: RelayEngine, index: int, pool: CommPool) -> None:
         self.engine, self.index, self.pool = engine, index, pool
         self._seen = 0  # leader: entries of this epoch's log applied so far
         self._polled = 0.0

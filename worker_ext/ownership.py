@@ -11,11 +11,11 @@ sampled, seeded sampling included.
 from __future__ import annotations
 
 from worker_ext.sglang_patches.requests import Emitted
-from worker_ext.sglang_patches.surface import Req, SchedulerSurface
+from worker_ext.sglang_patches.surface import OwnershipEngine, Req
 
 
 class Ownership:
-    def __init__(self, engine: SchedulerSurface) -> None:
+    def __init__(self, engine: OwnershipEngine) -> None:
         self.engine = engine
         self._owners: dict[str, int] = {}  # leader: rank of the member that streams each copied request
         self._sent: dict[str, tuple[int, int]] = {}  # leader: output ids, log-probs already emitted per copy

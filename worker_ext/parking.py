@@ -26,7 +26,7 @@ import torch
 from flying.messages import GROUP_PARKED
 from worker_ext.kv_layout import SubSlotAllocator
 from worker_ext.sglang_patches.requests import Emitted
-from worker_ext.sglang_patches.surface import Req, SchedulerSurface
+from worker_ext.sglang_patches.surface import ParkingEngine, Req
 from worker_ext.step_plan import ShadowReq
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class ParkedEpoch:
 class Parking:
     """The engine's parked epochs (epoch -> its part)."""
 
-    def __init__(self, engine: SchedulerSurface, index: int) -> None:
+    def __init__(self, engine: ParkingEngine, index: int) -> None:
         self.engine, self.index = engine, index
         self._parked: dict[int, ParkedEpoch] = {}
 

@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from flying.messages import Bind
-from worker_ext.sglang_patches.surface import Req, SchedulerSurface
+from worker_ext.sglang_patches.surface import PreemptionEngine, Req
 
 if TYPE_CHECKING:
     from worker_ext.comm_pool import CommPool
@@ -23,7 +23,7 @@ class PendingBind:
     """Owns the pending bind command and the DP requests held back for it (``pool``: the engine's CommPool, read
     for its store and readiness)."""
 
-    def __init__(self, engine: SchedulerSurface, index: int, pool: CommPool) -> None:
+    def __init__(self, engine: PreemptionEngine, index: int, pool: CommPool) -> None:
         self.engine, self.index, self.pool = engine, index, pool
         self.cmd: Bind | None = None
         self._held: list[Req] = []  # DP requests held back while a sequential or soft bind waits

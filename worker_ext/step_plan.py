@@ -16,7 +16,7 @@ import torch
 from worker_ext.rank_messages import Forward
 from worker_ext.sequence_parallel import StepMode
 from worker_ext.sglang_patches.requests import Emitted
-from worker_ext.sglang_patches.surface import SchedulerSurface
+from worker_ext.sglang_patches.surface import StepPlanEngine
 
 log = logging.getLogger("flying.step_plan")
 # an idle leader still broadcasts this often: followers tell idle from dead, and read their
@@ -41,7 +41,7 @@ class ShadowReq:
 class Shadows:
     """A follower's request rows and KV slots for the group's TP requests."""
 
-    def __init__(self, engine: SchedulerSurface) -> None:
+    def __init__(self, engine: StepPlanEngine) -> None:
         self.engine = engine
         self._by_rid: dict[str, ShadowReq] = {}
 
@@ -98,7 +98,7 @@ class StepPlans:
     """The plan side of a bound group: the leader sends one before each forward (and keepalives when idle); a
     follower executes them on its shadows, over a ForwardBatch of its own kept as the template."""
 
-    def __init__(self, engine: SchedulerSurface, shadows: Shadows) -> None:
+    def __init__(self, engine: StepPlanEngine, shadows: Shadows) -> None:
         self.engine = engine
         self.shadows = shadows
         self.template: Any = None  # a ForwardBatch of this engine's own, reused by followers
