@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from flying.prefix import BLOCK
 from router.engine_view import EngineView
 
+MAX_NODE_BLOCKS = 1 << 16  # a node's LRU holds at most this many blocks (4M tokens: eight H200s' KV is 2.4M)
+
 
 class Reuse:
     def __init__(self, block: int = BLOCK) -> None:
@@ -32,7 +34,7 @@ class Reuse:
         for e in engines:
             cap[e.node_key] = cap.get(e.node_key, 0) + e.max_total_tokens // self.block
             self._node[e.engine] = e.node_key
-        self._cap = cap
+        self._cap = {node: min(n, MAX_NODE_BLOCKS) for node, n in cap.items()}
 
     @property
     def counters(self) -> tuple[int, int]:
