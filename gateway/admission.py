@@ -16,13 +16,9 @@ import msgspec
 
 from flying.messages import Priority, QueuedRequest, engine_rid, engine_rids
 from flying.prefix import block_hashes, encode_chain
-from gateway.cluster_view import ClusterView
-from gateway.config import GatewayConfig
-from gateway.engine_fields import StreamId
-from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
-from gateway.metrics import GatewayMetrics
-from gateway.resume import Resumable, upstream_body
-from gateway.schemas import (
+from gateway.api.engine_fields import StreamId
+from gateway.api.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
+from gateway.api.schemas import (
     NOT_RESUMABLE,
     ChatCompletionRequest,
     ServiceTier,
@@ -30,6 +26,10 @@ from gateway.schemas import (
     constrained,
     requested_max_tokens,
 )
+from gateway.cluster_view import ClusterView
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.resume import Resumable, upstream_body
 from gateway.tokens import LONG_TEXT_CHARS
 
 SGLANG_PRIORITY = {"high": 2, "normal": 1, "low": 0}  # SGLang runs higher integers first

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import APIError
+from gateway.api.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant, Tenants, current
 

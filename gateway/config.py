@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from flying.breaker import BreakerSettings
 from flying.logs import LogFormat
-from gateway.connections import ConnectionLimits
+from gateway.http.connections import ConnectionLimits
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class GatewayConfig:
     served_model_name: str = "tiny-llama"
     host: str = "127.0.0.1"
     port: int = 8000
-    workers: int = 1  # gateway processes on the port (gateway.workers); each is a whole gateway
+    workers: int = 1  # gateway processes on the port (gateway.http.workers); each is a whole gateway
     reuse_port: bool = False  # bind with SO_REUSEPORT, so several gateway processes share the port
     ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS with this certificate (chain), PEM
     ssl_keyfile: str | None = None  # the certificate's private key, PEM
@@ -51,7 +51,7 @@ class GatewayConfig:
     reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
     drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
     monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
-    # at the door (gateway.connections): 431 beyond these header bytes or fields, 414 beyond this URL length, 408
+    # at the door (gateway.http.connections): 431 beyond these header bytes or fields, 414 beyond this URL length, 408
     # when a request head takes longer, 503 with Retry-After beyond this many open connections
     max_header_bytes: int = 16384
     max_header_count: int = 100
@@ -68,7 +68,9 @@ class GatewayConfig:
     api_key_file: str | None = None  # plain keys or TOML tenants (gateway.tenants); reloaded on SIGHUP
     metrics_require_key: bool = False  # /metrics needs a key too
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
-    raw_engine_fields: bool = False  # keep SGLang's fields beyond OpenAI's in answers (gateway.engine_fields)
+    raw_engine_fields: bool = (
+        False  # keep SGLang's fields beyond OpenAI's in answers (gateway.api.engine_fields)
+    )
     # at light load, send a request to its engine while its admission runs (gateway.early_dispatch)
     early_dispatch: bool = True
     # OpenTelemetry traces to this OTLP/HTTP collector (gateway.tracing); None: off

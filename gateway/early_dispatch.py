@@ -27,8 +27,8 @@ from flying.messages import Assignment, FastTarget, QueuedRequest
 from gateway import tenants
 from gateway.background import Background
 from gateway.cluster_view import ClusterView
+from gateway.http.upstream import StreamResponse, Upstream
 from gateway.metrics import GatewayMetrics
-from gateway.upstream import StreamResponse, Upstream
 
 FRESH_S = 1.0  # the router's targets key lives 1 s: an observation older than this says nothing of them
 ABORT_AGAIN_S = 0.5

@@ -19,12 +19,12 @@ from flying.procs import port_taken
 from gateway.app import create_app
 from gateway.auth import read_keys
 from gateway.config import GatewayConfig
-from gateway.connections import guarded_protocol
-from gateway.cork import corked
 from gateway.drain import Drain, DrainingServer
+from gateway.http.connections import guarded_protocol
+from gateway.http.cork import corked
+from gateway.http.workers import PortTaken, Supervisor, reuse_port_socket, worker_command
 from gateway.tenants import Tenants
 from gateway.tracing import endpoint_from_env, service_name_from_env
-from gateway.workers import PortTaken, Supervisor, reuse_port_socket, worker_command
 
 log = logging.getLogger("flying.gateway")
 REDIS_WAIT_S = 30.0  # at start, how long Redis may take to answer (it may be starting beside the gateway)

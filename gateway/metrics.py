@@ -3,7 +3,7 @@ gateway: queue time from admission to the router's assignment, TTFT from the req
 (a stream) or its whole answer.
 
 With several gateway processes on one port (``flying-gateway --workers N``), each writes its values to the shared
-Prometheus multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``, set by ``gateway.workers``) and
+Prometheus multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``, set by ``gateway.http.workers``) and
 :meth:`GatewayMetrics.exposition` reads all of them: a scrape that reaches any worker counts every worker's
 requests, and ``flying_gateway_requests_in_flight`` is the sum over the live ones."""
 

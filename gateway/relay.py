@@ -4,7 +4,7 @@
 (:meth:`Relay.relay`), continued on another engine if this one fails mid-stream (:mod:`gateway.resume`). A client
 that leaves has its request aborted on the engine and its slot freed (:meth:`Relay.drop` if it left before its
 stream started). Unless ``raw_engine_fields``, the events lose SGLang's fields beyond OpenAI's on the way
-(:mod:`gateway.engine_fields`)."""
+(:mod:`gateway.api.engine_fields`)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import msgspec
 
 from flying.messages import GROUP_LOST, Assignment, GaveUp, engine_gave_up, uncounted
 from flying.queue import RequestQueue
-from gateway import engine_fields
 from gateway.admission import Admitted
+from gateway.api import engine_fields
+from gateway.api.errors import APIError, PoisonRequest, WorkerFailed
 from gateway.background import Background
-from gateway.disconnect import CancelOnDisconnect, ClientGone
-from gateway.errors import APIError, PoisonRequest, WorkerFailed
-from gateway.upstream import StreamBroken, StreamResponse, Upstream, WorkerUnavailable
+from gateway.http.disconnect import CancelOnDisconnect, ClientGone
+from gateway.http.upstream import StreamBroken, StreamResponse, Upstream, WorkerUnavailable
 from gateway.waiting import WaitingRoom
 
 log = logging.getLogger("flying.gateway")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.engine_fields import StreamId
+from gateway.api.engine_fields import StreamId
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()

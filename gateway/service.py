@@ -22,17 +22,17 @@ from flying.cancel import reraise_if_cancelled, stop_task
 from flying.keys import Keys
 from flying.messages import Assignment
 from flying.queue import DuplicateId, EarlyDeclined
-from gateway import engine_fields
 from gateway.admission import Admission, Admitted
+from gateway.api import engine_fields
+from gateway.api.errors import NoLiveWorkers, NoRouter, QueueFullError
 from gateway.background import Background
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
-from gateway.disconnect import ClientGone
 from gateway.early_dispatch import Early, EarlyDispatch
-from gateway.errors import NoLiveWorkers, NoRouter, QueueFullError
+from gateway.http.disconnect import ClientGone
+from gateway.http.upstream import Upstream, WorkerUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.relay import DONE, Relay
-from gateway.upstream import Upstream, WorkerUnavailable
 from gateway.waiting import WaitingRoom
 
 __all__ = ["DONE", "Admitted", "ClientGone", "Gateway", "Reply"]

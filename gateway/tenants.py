@@ -43,9 +43,9 @@ from flying.cancel import reraise_if_cancelled
 from flying.keys import Keys
 from flying.messages import PRIORITY_CLASS, Priority
 from flying.queue import Charge
-from gateway import schemas
+from gateway.api import schemas
+from gateway.api.errors import APIError, InvalidRequest
 from gateway.background import Background
-from gateway.errors import APIError, InvalidRequest
 from gateway.request_log import info as request_info
 
 if TYPE_CHECKING:

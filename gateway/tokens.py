@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 
 # Text this long is encoded without holding the GIL (the Rust backend's ``encode`` holds it throughout: a 4 MB
 # prompt stopped the gateway's event loop for 3 s even from another thread; ``encode_batch`` releases it), and the

@@ -25,12 +25,12 @@ from flying.messages import GROUP_LEADER_ONLY, Assignment, Priority, QueuedReque
 from flying.queue import DuplicateId, QueueFull, RequestQueue, TenantLimit, TenantLimited
 from gateway import tenants
 from gateway.admission import Admitted
+from gateway.api.errors import PoisonRequest, QueueFullError, QueueTimeout, WorkerFailed
 from gateway.assignments import AssignmentWaiter
 from gateway.background import Background
 from gateway.backpressure import Backpressure, Limits
 from gateway.config import GatewayConfig
-from gateway.disconnect import ClientGone
-from gateway.errors import PoisonRequest, QueueFullError, QueueTimeout, WorkerFailed
+from gateway.http.disconnect import ClientGone
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant
 

@@ -166,8 +166,8 @@ def test_a_burst_gets_200_or_429_with_retry_after_only(redis_server, sync_redis,
 
 async def test_low_priority_is_shed_before_high(redis_server, aredis, sync_redis, keys):
     """At the same queue depth a low-priority request is refused and a high-priority one admitted."""
-    from gateway.errors import QueueFullError
-    from gateway.schemas import ChatCompletionRequest, Message
+    from gateway.api.errors import QueueFullError
+    from gateway.api.schemas import ChatCompletionRequest, Message
     from gateway.service import Gateway
 
     announce_engine(sync_redis, keys)

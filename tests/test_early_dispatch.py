@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from flying.messages import FastTarget, QueuedRequest
-from gateway.disconnect import ClientGone
-from gateway.schemas import ChatCompletionRequest, decode
+from gateway.api.schemas import ChatCompletionRequest, decode
+from gateway.http.disconnect import ClientGone
 from gateway.service import Gateway
 from tests.test_gateway_service import EVENTS, chat_chunks, serve_chat, sse, stream_through
 from tests.test_gateway_service import gateway as gateway  # noqa: PLC0414 - the fixture, used by name

@@ -12,10 +12,10 @@ import pytest
 from flying.messages import Heartbeat
 from flying.prefix import block_hashes, decode_chain, key_hash
 from gateway.admission import OUTPUT_RESERVE, PROMPT_RESERVE, Admission, Admitted
+from gateway.api.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
+from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, decode
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
-from gateway.errors import ContextTooLong, InvalidRequest, ModelNotFound, NoLiveWorkers, NoRouter
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, decode
 
 
 class FakeCluster:

@@ -185,8 +185,8 @@ async def test_a_stream_whose_client_left_before_it_started_is_still_cleaned_up(
     """The relay's own cleanup runs only once it has started; a client gone before that gets ``unstarted``."""
     import asyncio
 
-    from gateway.disconnect import watch_disconnect
-    from gateway.replies import RelayResponse
+    from gateway.api.replies import RelayResponse
+    from gateway.http.disconnect import watch_disconnect
 
     ran, dropped = [], []
 

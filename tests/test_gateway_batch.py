@@ -1,4 +1,4 @@
-"""Merging a batch's per-prompt answers and streams (gateway.batch), against plain generators."""
+"""Merging a batch's per-prompt answers and streams (gateway.api.batch), against plain generators."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gateway.batch import check_fits, merge_streams
-from gateway.errors import InvalidRequest
+from gateway.api.batch import check_fits, merge_streams
+from gateway.api.errors import InvalidRequest
 from gateway.relay import DONE
 from gateway.tenants import Tenant
 

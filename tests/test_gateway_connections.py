@@ -1,4 +1,4 @@
-"""Limits at the door (gateway.connections), each held by a real gateway process to hostile input sent over a raw
+"""Limits at the door (gateway.http.connections), each held by a real gateway process to hostile input sent over a raw
 socket: header bytes and fields (431), URL length (414), body size (413), a slow head (408), a silent or idle
 keep-alive connection (closed), and open connections beyond the cap (503 with Retry-After). One gateway serves
 those tests (small limits, 1 s timeouts). A second one, stopped (SIGSTOP) while busy as an overloaded box stalls
@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from flying.keys import Keys
+from gateway.api.errors import HeadersTooLarge
 from gateway.config import GatewayConfig
-from gateway.connections import ConnectionLimits, raw_response
-from gateway.errors import HeadersTooLarge
+from gateway.http.connections import ConnectionLimits, raw_response
 from tests.stack import gateway_on_port, gateway_process
 
 MAX_CONNECTIONS = 8

@@ -1,4 +1,4 @@
-"""gateway.cork: the writes of one loop turn leave together at its end (one packet for a whole short answer), and
+"""gateway.http.cork: the writes of one loop turn leave together at its end (one packet for a whole short answer), and
 before a close; a later turn's writes leave in a send of their own; a real uvicorn serves through it."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from gateway.connections import ConnectionLimits, guarded_protocol
-from gateway.cork import CorkedTransport, corked
+from gateway.http.connections import ConnectionLimits, guarded_protocol
+from gateway.http.cork import CorkedTransport, corked
 from tests.stack import ServerThread
 
 

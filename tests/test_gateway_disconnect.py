@@ -9,8 +9,8 @@ import pytest
 import uvicorn
 
 from flying.procs import free_port
-from gateway.connections import ConnectionLimits, guarded_protocol
-from gateway.disconnect import CancelOnDisconnect, watch_disconnect, watcher
+from gateway.http.connections import ConnectionLimits, guarded_protocol
+from gateway.http.disconnect import CancelOnDisconnect, watch_disconnect, watcher
 
 
 async def guarded(disconnected: asyncio.Future[None], step) -> str:

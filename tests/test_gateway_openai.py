@@ -16,9 +16,9 @@ from pydantic import BaseModel
 from starlette.testclient import TestClient
 
 from flying.prefix import decode_chain, key_hash
-from gateway import engine_fields
+from gateway.api import engine_fields
+from gateway.api.batch import merge_completions
 from gateway.app import create_app
-from gateway.batch import merge_completions
 from gateway.config import GatewayConfig
 from tests.sglang_like import SGLangLike
 from tests.stack import CountWords, RouterThread, ServerThread, announce_engine

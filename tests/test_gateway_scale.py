@@ -12,8 +12,8 @@ import pytest
 
 from flying.queue import RequestQueue
 from flying.redis_conn import waiting_pool_client
+from gateway.api.schemas import ChatCompletionRequest, Message
 from gateway.config import GatewayConfig
-from gateway.schemas import ChatCompletionRequest, Message
 from gateway.service import Gateway
 from tests.stack import CountWords, announce_engine
 

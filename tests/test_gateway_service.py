@@ -16,11 +16,11 @@ import pytest
 
 from flying.messages import GROUP_LOST as LOST
 from flying.messages import GROUP_PARKED, Assignment, Heartbeat, encode
-from gateway import engine_fields
+from gateway.api import engine_fields
+from gateway.api.errors import NoRouter, WorkerFailed
+from gateway.api.schemas import ChatCompletionRequest, decode
 from gateway.config import GatewayConfig
-from gateway.disconnect import ClientGone
-from gateway.errors import NoRouter, WorkerFailed
-from gateway.schemas import ChatCompletionRequest, decode
+from gateway.http.disconnect import ClientGone
 from gateway.service import Gateway
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
@@ -408,7 +408,7 @@ async def test_admission_records_the_prompts_prefix_chain(gateway):
     """The record carries the chain of the prompt's token ids (a chat's rendered template; a completion's ids),
     or of a completion's text: the router's cache-aware dispatch reads it."""
     from flying.prefix import block_hashes
-    from gateway.schemas import CompletionRequest
+    from gateway.api.schemas import CompletionRequest
 
     def body(**kw) -> bytes:
         return json.dumps({"model": "tiny-llama"} | kw).encode()

@@ -11,10 +11,10 @@ import pytest
 
 from flying.messages import Assignment, QueuedRequest
 from gateway.admission import Admitted
+from gateway.api.errors import QueueFullError, QueueTimeout, WorkerFailed
 from gateway.background import Background
 from gateway.config import GatewayConfig
-from gateway.disconnect import ClientGone
-from gateway.errors import QueueFullError, QueueTimeout, WorkerFailed
+from gateway.http.disconnect import ClientGone
 from gateway.metrics import GatewayMetrics
 from gateway.waiting import WaitingRoom
 

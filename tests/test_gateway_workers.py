@@ -1,4 +1,4 @@
-"""The supervisor of several gateway processes (gateway.workers), with small stand-in commands for the workers; the
+"""The supervisor of several gateway processes (gateway.http.workers), with small stand-in commands for the workers; the
 real gateway behind ``--workers`` is tested end to end in tests/e2e/test_gateway_workers.py."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from flying.procs import free_port
 from gateway import main as gateway_main
-from gateway import workers
-from gateway.workers import PortTaken, Supervisor, reuse_port_socket
+from gateway.http import workers
+from gateway.http.workers import PortTaken, Supervisor, reuse_port_socket
 
 
 def test_a_port_held_without_reuse_port_is_refused_before_any_worker_starts(capsys):

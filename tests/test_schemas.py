@@ -1,8 +1,8 @@
 import msgspec
 import pytest
 
-from gateway import schemas
-from gateway.errors import InvalidRequest, QueueFullError
+from gateway.api import schemas
+from gateway.api.errors import InvalidRequest, QueueFullError
 
 
 def chat(body: bytes):

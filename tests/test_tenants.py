@@ -18,8 +18,8 @@ from starlette.testclient import TestClient
 from flying.keys import Keys
 from flying.queue import Charge, RequestQueue, TenantLimit, TenantLimited
 from gateway import tenants as tenancy
+from gateway.api.errors import QueueFullError
 from gateway.auth import RequireKey
-from gateway.errors import QueueFullError
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import OverPriority, PriorityNotAllowed, Tenant, Tenants, read_book
 from tests.stack import gateway_on_port, gateway_process

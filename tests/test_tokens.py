@@ -8,7 +8,7 @@ import functools
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, Message
+from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, Message
 from gateway.tokens import PromptCounter
 
 TEXTS = ["hi", "", "  leading and trailing  ", "<s>special</s> tokens <|user|> inside", "ünïcødé 日本語 🙂",

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from flying.procs import free_port
-from gateway.upstream import StreamBroken, Upstream, WorkerUnavailable
+from gateway.http.upstream import StreamBroken, Upstream, WorkerUnavailable
 from tests.stack import read_request
 
 SSE = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%s0\r\n\r\n"
@@ -122,7 +122,7 @@ async def test_a_stream_finished_after_its_last_event_is_pooled_once_its_end_arr
     await up.close()
     server.close()
 
-    monkeypatch.setattr("gateway.upstream.DRAIN_S", 0.1)
+    monkeypatch.setattr("gateway.http.upstream.DRAIN_S", 0.1)
     server, url, conns = await scripted([(0, HEAD + chunk(b"data: [DONE]\n\n")), (1.0, b"0\r\n\r\n")])
     up = Upstream(read_timeout_s=5)
     resp = await up.open_stream(url, "/v1/completions", {})
@@ -200,7 +200,7 @@ async def test_a_flood_of_aborts_goes_out_a_few_at_a_time_and_every_one_arrives(
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from gateway.upstream import ABORTS_AT_ONCE
+    from gateway.http.upstream import ABORTS_AT_ONCE
     from tests.stack import ServerThread
 
     seen: list[str] = []
@@ -257,7 +257,7 @@ async def test_an_engine_that_takes_no_aborts_holds_up_no_other_engines_aborts()
 
 
 def test_why_an_engine_cannot_be_reached_names_no_address():
-    from gateway.upstream import unreachable
+    from gateway.http.upstream import unreachable
 
     assert unreachable(OSError(113, "Connect call failed ('10.0.0.5', 30001)")) == (
         "the engine could not be reached (No route to host)"

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.errors import APIError, InvalidRequest
-from gateway.schemas import (
+from gateway.api.errors import APIError, InvalidRequest
+from gateway.api.schemas import (
     ChatCompletionRequest,
     Message,
     ServiceTier,

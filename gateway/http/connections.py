@@ -19,7 +19,7 @@ The refusals are OpenAI-shaped JSON with ``Connection: close``; after one the co
 client still sends for a moment (so the client, still writing, gets the answer rather than a reset), then closes.
 The idle keep-alive timeout is uvicorn's ``timeout_keep_alive``, with that guard.
 
-Each request's scope holds the future its connection completes when it closes (:data:`gateway.disconnect
+Each request's scope holds the future its connection completes when it closes (:data:`gateway.http.disconnect
 .DISCONNECTED`): the request's disconnect watcher without a task of its own. (A client that pipelines requests
 has its connection's reading paused while one is answered, as uvicorn does: its leaving is seen when reading
 resumes.)"""
@@ -35,8 +35,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.disconnect import DISCONNECTED
-from gateway.errors import APIError, HeadersTooLarge, RequestTimeout, TooManyConnections, URITooLong
+from gateway.api.errors import APIError, HeadersTooLarge, RequestTimeout, TooManyConnections, URITooLong
+from gateway.http.disconnect import DISCONNECTED
 
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped before closing
 

@@ -8,7 +8,7 @@ import zlib
 
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from gateway.api.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:

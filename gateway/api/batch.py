@@ -20,14 +20,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flying.messages import Priority
-from gateway import schemas
 from gateway import tenants as tenancy
+from gateway.api import schemas
+from gateway.api.engine_fields import StreamId
+from gateway.api.errors import APIError, InvalidRequest
+from gateway.api.replies import RelayResponse, json_reply
 from gateway.backpressure import queue_room
-from gateway.disconnect import ClientGone, watcher
-from gateway.engine_fields import StreamId
-from gateway.errors import APIError, InvalidRequest
+from gateway.http.disconnect import ClientGone, watcher
 from gateway.relay import DONE
-from gateway.replies import RelayResponse, json_reply
 from gateway.request_log import info as request_info
 from gateway.service import Gateway, Reply
 from gateway.tenants import Tenant
@@ -164,7 +164,7 @@ async def answer_batch(
     request: Request, gw: Gateway, reqs: list[schemas.CompletionRequest], priority: Priority, t0: float
 ) -> Response:
     """A completion of several prompts: each admitted and queued as a request of its own (``<id>-<i>``), served
-    concurrently; one answer (or one stream) with the choices numbered as OpenAI does (:mod:`gateway.batch`)."""
+    concurrently; one answer (or one stream) with the choices numbered as OpenAI does (:mod:`gateway.api.batch`)."""
     logged = request_info(request.scope)
     base = logged.request_id or uuid.uuid4().hex
     check_fits(len(reqs), gw.config.max_queue, priority, tenancy.current.get())

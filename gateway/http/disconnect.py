@@ -1,5 +1,5 @@
 """A client that leaves: the request's disconnect watcher (:func:`watcher`: the future its connection completes
-when it closes, set in the scope by :class:`gateway.connections.GuardedProtocol`; elsewhere a task per request,
+when it closes, set in the scope by :class:`gateway.http.connections.GuardedProtocol`; elsewhere a task per request,
 :func:`watch_disconnect`) and :class:`CancelOnDisconnect`, which turns the watcher's completion into a cancel of the task serving the request
 (no task of its own per awaited step), told apart from any other cancel."""
 

@@ -11,8 +11,8 @@ import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway import engine_fields
-from gateway.disconnect import CancelOnDisconnect
+from gateway.api import engine_fields
+from gateway.http.disconnect import CancelOnDisconnect
 from gateway.relay import DONE
 
 if TYPE_CHECKING:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from starlette.responses import JSONResponse
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+_log = logging.getLogger("flying.gateway")
 
 
 class APIError(Exception):
@@ -104,7 +110,7 @@ class Draining(APIError):
     retry_after_s = 1
 
 
-# refused at the door, before a request is read whole (gateway.connections)
+# refused at the door, before a request is read whole (gateway.http.connections)
 class HeadersTooLarge(APIError):
     status = 431
     code = "request_header_fields_too_large"
@@ -151,3 +157,30 @@ class QueueTimeout(APIError):
     status = 504
     type = "timeout_error"
     code = "queue_timeout"
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return NotFound(f"no route {request.method} {request.url.path}").response()
+    if exc.status_code == 405:
+        return MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}").response()
+    return InvalidRequest(str(exc.detail)).response()
+
+
+async def redis_error(request: Request, exc: Exception) -> Response:
+    _log.error("redis unavailable: %r", exc)
+    return QueueUnavailable("the request queue (Redis) is unavailable; retry later").response()
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug, not a client error; still OpenAI-shaped so clients can parse it."""
+    _log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    err = APIError(f"internal error: {type(exc).__name__}", code="internal_error")
+    err.status, err.type = 500, "server_error"
+    return err.response()

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from flying.messages import Priority
-from gateway.errors import InvalidRequest
+from gateway.api.errors import InvalidRequest
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
@@ -608,3 +608,16 @@ def resolve_priority(header: str | None, body: str | None, service_tier: str | N
             raise InvalidRequest(f"{param} must be one of high, normal, low; got {value!r}", param=param)
         return v  # type: ignore[return-value]
     return "normal"
+
+
+def parse(body: bytes, kind: str) -> ChatCompletionRequest | CompletionRequest:
+    """The request body decoded and checked (InvalidRequest naming what is wrong)."""
+    if kind == "chat":
+        chat = decode(body, ChatCompletionRequest)
+        assert isinstance(chat, ChatCompletionRequest)
+        check_chat(chat)
+        return chat
+    completion = decode(body, CompletionRequest)
+    assert isinstance(completion, CompletionRequest)
+    check_completion(completion)
+    return completion
