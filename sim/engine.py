@@ -120,6 +120,10 @@ class Unit:
     def has_work(self) -> bool:
         return bool(self.running or (self.queue and self.admit))
 
+    def reopen(self, kv_cap: int) -> None:
+        """Admit again, within ``kv_cap`` (its engine left a group)."""
+        self.admit, self.kv_cap = True, kv_cap
+
     def startable(self) -> bool:
         """Its queue's head could start, now or once its running requests end (it fits the KV it may use)."""
         return bool(self.queue) and self.queue[0].kv <= self.kv_cap
@@ -402,6 +406,24 @@ class Engine:
             g.since_mixed[self.idx] += 1
             self.dp.step()
 
+    def assign(self, n: int = 1) -> None:
+        """``n`` requests were assigned to it (negative: ended, or lost with their parked group)."""
+        self.assigned += n
+
+    def join(self, g: SimGroup, epoch: int) -> None:
+        """It is a member of ``g`` (bound in ``epoch``) from now on."""
+        self.group, self.pending, self.arrived, self.last_epoch = g, None, 0, epoch
+
+    def beat(self, now: float) -> None:
+        """Its heartbeat changed (a router round reads it anew)."""
+        self.beat_ts = now
+
+    def leave(self, now: float) -> None:
+        """Its group dissolved: back to DP, with the KV its parked requests leave, its paused work resumed."""
+        self.group, self.beat_ts = None, now
+        self.dp.reopen(self.sim.kv_per_engine - self.parked_kv)
+        self.resume()
+
     def resume(self) -> None:
         self.dp.running = self.adopted[0] + self.paused_running + self.dp.running
         self.dp.queue = self.adopted[1] + self.paused_queue + self.dp.queue
@@ -472,6 +494,10 @@ class SimGroup:
             if any(tokens):
                 self.transform_ms = sim.cfg.cost.transform_ms(adopt_moves(tokens))
                 sim.note_transform("adopt", self.transform_ms, len(self.unit.running) + len(self.unit.queue))
+
+    def form(self) -> None:
+        """Every member arrived and the switch's stall is over: it steps from now on."""
+        self.formed = True
 
     def boundary(self) -> None:
         if self.unit.stepping or not self.formed:

@@ -225,7 +225,7 @@ class Simulator:
         assert not r.done, f"request {r.i} finished twice"
         r.done = True
         self.finished += 1
-        self.engines[r.engine].assigned -= 1
+        self.engines[r.engine].assign(-1)
         if r.epoch:
             load = self.tp_load[r.epoch]
             load[0] -= 1
@@ -318,7 +318,7 @@ class Simulator:
             assert r.i not in self.dispatched, f"request {r.i} dispatched twice"
             self.dispatched.add(r.i)
             r.engine, r.epoch = x.engine, x.epoch  # its owner (in a group: the member the policy named)
-            self.engines[r.engine].assigned += 1
+            self.engines[r.engine].assign()
             if not x.epoch:
                 self.dp_rules[x.rule or ""] += 1
             if x.epoch:
@@ -350,8 +350,7 @@ class Simulator:
         if all(self.engines[m].arrived == b.epoch for m in b.members):
             g = SimGroup(self, b, merged=True)
             for m in b.members:
-                e = self.engines[m]
-                e.group, e.pending, e.arrived, e.last_epoch = g, None, 0, b.epoch
+                self.engines[m].join(g, b.epoch)
             self.groups[b.epoch] = g
             self.at(self.now + (self.cfg.cost.switch_ms + g.transform_ms) / 1000, self.formed, g)
         self.note_states()
@@ -360,10 +359,10 @@ class Simulator:
         self.transforms.append((self.now, kind, ms, requests))
 
     def formed(self, g: SimGroup) -> None:
-        g.formed = True
+        g.form()
         self.bound_at[g.epoch] = self.now
         for m in g.members:
-            self.engines[m].beat_ts = self.now
+            self.engines[m].beat(self.now)
         self.note_states()
         self.poke_router()
         g.boundary()
@@ -371,10 +370,7 @@ class Simulator:
     def dissolve(self, g: SimGroup) -> None:
         self.groups.pop(g.epoch, None)
         for m in g.members:
-            e = self.engines[m]
-            e.group, e.beat_ts = None, self.now
-            e.dp.admit, e.dp.kv_cap = True, self.kv_per_engine - e.parked_kv
-            e.resume()
+            self.engines[m].leave(self.now)
         for m in g.members:
             self.engines[m].boundary()
         self.note_states()
@@ -404,7 +400,7 @@ class Simulator:
             load[0] -= 1
             load[1] -= r.kv
             self.tp_long.get(r.epoch, {}).pop(r.i, None)
-        self.engines[r.engine].assigned -= 1
+        self.engines[r.engine].assign(-1)
         self.dispatched.discard(r.i)
         r.engine, r.epoch, r.started = -1, 0, float("nan")
         self.queue[PRIORITY_CLASS[r.spec.priority]][r.q.id] = r
@@ -418,7 +414,7 @@ class Simulator:
         for r in self.unpark(epoch):
             r.done = r.lost = True
             self.finished += 1
-            self.engines[r.engine].assigned -= 1
+            self.engines[r.engine].assign(-1)
         self.stats["parked_lost"] += 1
 
     def _static_groups(self, w: int, shift: bool) -> None:
@@ -429,9 +425,9 @@ class Simulator:
             members = tuple(range(start, start + w))
             b = Bind(epoch=epoch, members=members)
             g = SimGroup(self, b, merged=False, shift=shift, cache=True)
-            g.formed = True
+            g.form()
             for m in members:
-                self.engines[m].group = g
+                self.engines[m].join(g, epoch)
             self.groups[epoch] = g
             self.records[epoch] = Group(epoch=epoch, members=members, reason="manual", state="bound")
 
