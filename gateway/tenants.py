@@ -34,7 +34,6 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from starlette.requests import Request
@@ -46,10 +45,8 @@ from flying.queue import Charge
 from gateway.api import schemas
 from gateway.api.errors import APIError, InvalidRequest
 from gateway.background import Background
+from gateway.metrics import GatewayMetrics
 from gateway.request_log import info as request_info
-
-if TYPE_CHECKING:
-    from gateway.service import Gateway
 
 log = logging.getLogger("flying.gateway")
 
@@ -329,19 +326,19 @@ def prioritise(request: Request, req, seen: dict[str, str]) -> Priority:
     info, priority = request_info(request.scope), asked
     tenant = current.get()
     if tenant is not None:
-        gw: Gateway = request.app.state.gateway
+        metrics: GatewayMetrics = request.app.state.gateway.metrics
         source = schemas.priority_param(header, req.priority, req.service_tier)
         explicit = source is not None
         if source is not None and tenant.over_priority is OverPriority.REFUSE:
             try:
                 tenant.priority(asked, source)
             except PriorityNotAllowed:
-                gw.metrics.tenant_rejected.labels(tenant.name, "max_priority").inc()
+                metrics.tenant_rejected.labels(tenant.name, "max_priority").inc()
                 request.app.state.tenants.refused(tenant.name, "max_priority")
                 raise
         priority = tenant.lowered(asked)
         if priority != asked and explicit:
             info.requested_priority = asked
-            gw.metrics.child(gw.metrics.tenant_lowered, tenant.name, asked, priority).inc()
+            metrics.child(metrics.tenant_lowered, tenant.name, asked, priority).inc()
     seen["priority"] = info.priority = priority
     return priority
