@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 PRIORITIES = ("high", "normal", "low")  # the gateway's X-Priority classes (flying.messages.Priority)
 
@@ -77,6 +78,14 @@ def read_mooncake(path: str | Path, speed: float = 1.0, limit: int | None = None
             except (KeyError, TypeError, ValueError) as exc:
                 what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise ValueError(f"{path}:{line}: {what}") from None
+    return _replayed(rows, path, speed, limit)
+
+
+Row = TypeVar("Row", TraceRow, MooncakeRow)
+
+
+def _replayed(rows: list[Row], path: str | Path, speed: float, limit: int | None) -> list[Row]:
+    """A trace's rows sorted by time, relative to the first, ``speed`` times faster, the first ``limit``."""
     if not rows:
         raise ValueError(f"{path}: no rows")
     rows.sort(key=lambda r: r.at)
@@ -159,9 +168,4 @@ def read_trace(
                 )
             except (TypeError, ValueError, OverflowError) as exc:
                 raise ValueError(f"{path}:{line}: {exc}") from None
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    rows.sort(key=lambda r: r.at)
-    t0 = rows[0].at
-    rows = [replace(r, at=(r.at - t0) / speed) for r in rows]
-    return rows[:limit] if limit else rows
+    return _replayed(rows, path, speed, limit)
