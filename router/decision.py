@@ -320,8 +320,8 @@ class Plan:
         epochs = iter(g.epoch for g in self.binds)  # a round's bind notes are in the order of its binds
         return [log_entry(n, ts, next(epochs) if isinstance(n, BindNote) else 0) for n in self.events]
 
-    def record_prefixes(self, prefixes: PrefixIndex, reuse: Reuse) -> None:
-        """The DP dispatches' prompts enter the engines' prefix caches: record them in the caller's index; every
+    def record_dispatches(self, prefixes: PrefixIndex, reuse: Reuse) -> None:
+        """The DP dispatches' prompts enter the engines' prefix caches (the caller's index records them); every
         dispatch's prompt counts in what repeats (:mod:`router.reuse`)."""
         for x in self.dp_dispatches:
             prefixes.record(x.engine, x.request.chain)

@@ -273,7 +273,7 @@ class Dispatcher:
             await control.send_async(self.r, k, members, cmd)
         moves = [(x.request, x.engine, x.url, x.epoch) for x in p.dispatches]
         assigned = await self.queue.assign_many(moves)
-        p.record_prefixes(self.prefixes, self.reuse)
+        p.record_dispatches(self.prefixes, self.reuse)
         self.dispatched += assigned
         if moves:
             _log_dispatches(p.dispatches, assigned)

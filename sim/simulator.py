@@ -312,7 +312,7 @@ class Simulator:
                 assert not lacking, f"{cmd} sent to {members}, but {lacking} cannot transform KV"
             for m in members:
                 self.at(self.now + self.cfg.command_ms / 1000, self.engines[m].command, cmd)
-        p.record_prefixes(self.prefixes, self.reuse)
+        p.record_dispatches(self.prefixes, self.reuse)
         for x in p.dispatches:
             r = self.queue[PRIORITY_CLASS[x.request.priority]].pop(x.request.id)
             assert r.i not in self.dispatched, f"request {r.i} dispatched twice"
