@@ -59,13 +59,10 @@ def nothing_dispatches(rnd: Round, r: QueuedRequest) -> bool:
 def pick_dp(
     rnd: Round, chain: tuple[int, ...], least: EngineView, pool: DpPool, fits: Fits, keyed: bool = False
 ) -> tuple[EngineView, DpRule]:
-    """Cache-aware (SGLang's model gateway's rule): the engine holding the longest prefix of ``r``'s chain, the
-    least loaded of those, when it holds at least ``cache_threshold`` of the chain's blocks and the
-    candidates' loads are balanced (not both more than ``balance_abs_threshold`` apart and the highest above
-    ``balance_rel_threshold`` times the lowest); otherwise, and for a request without a chain, least loaded. A
-    request with a cache key (``keyed``: its chain starts with the key's hash) goes where its key went before,
-    whatever the share of its prompt found there: the engine holding the key and most of the prompt.
-    ``chain`` is the request's; ``least`` the least loaded of the candidates (the pool's engines that ``fits``)."""
+    """Cache-aware (SGLang's model gateway's rule): the least loaded engine holding the longest prefix of
+    ``chain``, if that is at least ``cache_threshold`` of it and loads are balanced (:func:`imbalanced`);
+    otherwise ``least``, the least loaded candidate. A ``keyed`` request (its chain starts with a cache key's
+    hash) follows its key whatever share of the prompt is found there."""
     if rnd.cfg.dispatch != "cache-aware":
         return least, "least-loaded"
     if not chain:
@@ -103,10 +100,8 @@ def dp_score(rnd: Round, e: int) -> float:
 
 class DpPool:
     """The engines a round may still send DP work to (in DP, no bind pending, in no group, a free slot), in two
-    heaps by load (least loaded first, most loaded first), so that a dispatch costs a few heap operations instead of
-    a scan of every engine, and a full cluster stops the scan of the queue at once. Built at a round's first DP
-    dispatch and again whenever the engines in groups change; only :func:`to_dp` changes the loads it orders by
-    (:meth:`sent_to`), which pushes the engine's new entries: an entry of an older version is stale and skipped."""
+    heaps by load, so that a dispatch costs a few heap operations instead of a scan. Rebuilt when the engines in
+    groups change; :meth:`sent_to` pushes an engine's new entries, and older versions are skipped as stale."""
 
     def __init__(self, rnd: Round) -> None:
         self.taken = rnd.in_groups()

@@ -128,12 +128,10 @@ def make_room(rnd: Round, width: int) -> bool:
 
 
 def resume_parked(rnd: Round) -> None:
-    """The oldest parked group whose members are free binds again, in the same order, resuming its parked
-    requests: in calm (a long request's, :func:`unrest`) with no other long request running, or,
-    parked ``long_wait_s`` already, whatever the load (then it is never parked again: its clients' streams have
-    waited long enough), or, one group at a time, where a waiting request can be served nowhere else
-    (:func:`router.parking.blocked`; it too is never parked again). Idle members bind at once, busy ones by adoption where they may
-    (their DP work continues in the group), else they drain first."""
+    """The oldest parked group whose members are free binds again, in the same order, resuming its requests:
+    in calm (:func:`unrest`) with no other long request running; or whatever the load once parked for
+    ``long_wait_s``, or where a waiting request can be served nowhere else (:func:`router.parking.blocked`),
+    and then never parked again. Idle members bind at once, busy ones by adoption where they may, else drain."""
     # (calm is the planner's: without load adaptation, parked groups are the operator's to resume)
     calm = rnd.cfg.load_adaptation and not rnd.out.state.busy and unrest(rnd, turn=False) is None
     resuming = any(g.carries and g.state == "binding" for g in rnd.groups.values())

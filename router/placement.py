@@ -158,12 +158,10 @@ def adopt_fits(rnd: Round, ms: tuple[int, ...]) -> float:
 
 
 def load_binds(rnd: Round) -> None:
-    """Every node the planner gave a width of 2 or more (:mod:`router.regime`) binds its free blocks of that width
-    as load groups, once no load group of another width remains on it (those are released first). A block whose
-    engines are idle binds at once; a busy one binds at once with its DP work kept running beside the group's
-    steps where its members run mixed steps (:func:`may_keep`), else by adoption where its members transform KV
-    and the transformation is cheap (``adopt_max_ms``), otherwise it drains first (sequential: its engines get no
-    new work while the rest of the cluster takes it), at most half of the node's blocks at a time."""
+    """Every node planned at a width of 2 or more (:mod:`router.regime`) binds its free blocks of that width as
+    load groups, once its load groups of other widths are released. An idle block binds at once; a busy one keeps
+    its DP work beside the group's steps (:func:`may_keep`), else adopts it if that is cheap (``adopt_max_ms``),
+    else drains first, at most half of the node's blocks at a time."""
     if not rnd.cfg.load_adaptation:
         return
     if any(need_width(r.kv_tokens, rnd.s.engines) not in (1, None) for r in rnd.s.waiting):

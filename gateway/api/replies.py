@@ -46,12 +46,9 @@ def json_reply(gw: Gateway, reply: Reply, headers: dict[str, str], tier: str | N
 
 
 class RelayResponse(StreamingResponse):
-    """A stream relayed as the engine's events come, each chunk of them in one write, the last (ending with
-    ``[DONE]``) together with the end of the response. The request's disconnect watcher (``disconnected``) stays
-    on: a client that leaves cancels the relay at once (no task group per stream), and the relay's cleanup (the
-    abort on the engine, the slot freed in Redis) runs then, not when the garbage collector finds the generator.
-    If the client leaves before the relay has even started (its cleanup is in the relay), ``unstarted`` is called
-    instead."""
+    """A stream relayed as the engine's events come, each chunk in one write, the last with the response's end.
+    A client that leaves (``disconnected``) cancels the relay at once, so its cleanup (the engine's abort, the
+    slot freed in Redis) runs then; one that leaves before the relay started gets ``unstarted`` instead."""
 
     def __init__(
         self,
