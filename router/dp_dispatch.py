@@ -69,15 +69,10 @@ def pick_dp(
         return least, "no-chain"
     if imbalanced(rnd, dp_score(rnd, least.engine), pool.highest(rnd, fits)):
         return least, "imbalanced"
-    held = {
-        e: rnd.s.prefixes.match(e, chain, rnd.sent.get(e, ()))
-        for e in pool.holding(rnd, chain[0])
-        if fits is None or fits(e)
-    }
-    top = max(held.values(), default=0)
+    top, held = pool.deepest(rnd, chain, fits)
     if top == 0 or (top < rnd.cfg.cache_threshold * len(chain) and not keyed):
         return least, "no-match"
-    _, _, best = min(dp_key(rnd, pool.open[e]) for e, n in held.items() if n == top)  # (its last field: e)
+    _, _, best = min(dp_key(rnd, pool.open[e]) for e in held)  # (its last field: e)
     return pool.open[best], "prefix"
 
 
@@ -160,6 +155,22 @@ class DpPool:
         """Open engines whose cache probably holds hash ``h`` (the prefix index's, or sent this round)."""
         out = {e for e in rnd.s.prefixes.holders(h) if e in self.open}
         return out | {e for e in self.sent_by.get(h, ()) if e in self.open}
+
+    def deepest(self, rnd: Round, chain: tuple[int, ...], fits: Fits) -> tuple[int, set[int]]:
+        """The most leading blocks of ``chain`` an open engine that ``fits`` probably holds, and the engines that
+        hold that many (:meth:`PrefixIndex.match` for each, as set intersections along the chain)."""
+        held = {e for e in self.holding(rnd, chain[0]) if fits is None or fits(e)}
+        if not held:
+            return 0, held
+        depth = 1
+        for h in chain[1:]:
+            deeper = held.intersection(rnd.s.prefixes.holders(h))
+            if h in self.sent_by:
+                deeper |= held & self.sent_by[h]
+            if not deeper:
+                break
+            held, depth = deeper, depth + 1
+        return depth, held
 
     def sent_to(self, rnd: Round, e: int, chain: tuple[int, ...]) -> None:
         """``e`` was sent a request with ``chain``: its load changed (it leaves the pool when full)."""

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from flying.groups import widths as group_widths
@@ -38,6 +39,25 @@ def need_width(kv_tokens: int, engines: Sequence[EngineView]) -> int | None:
         if w * per_engine >= kv_tokens:
             return w
     return None
+
+
+def place_rest(rnd: Round) -> None:
+    """Place the queue's requests other than high priority, in order. Once nothing dispatches
+    (:func:`nothing_dispatches`), nothing changes until a request no engine holds alone is placed (it may bind):
+    the requests in between are passed over without a look."""
+    waiting, long_at = rnd.s.waiting, rnd.s.too_long_at
+    i = 0
+    while i < len(waiting):
+        r = waiting[i]
+        if r.priority != "high":
+            if nothing_dispatches(rnd, r):
+                j = bisect.bisect_right(long_at, i)
+                if j == len(long_at):
+                    return
+                i = long_at[j]
+                continue
+            place(rnd, r)
+        i += 1
 
 
 def place(rnd: Round, r: QueuedRequest) -> None:
@@ -164,7 +184,7 @@ def load_binds(rnd: Round) -> None:
     else drains first, at most half of the node's blocks at a time."""
     if not rnd.cfg.load_adaptation:
         return
-    if any(need_width(r.kv_tokens, rnd.s.engines) not in (1, None) for r in rnd.s.waiting):
+    if any(need_width(r.kv_tokens, rnd.s.engines) not in (1, None) for r in rnd.s.too_long):
         return  # a long request waits for engines: leave them to it
     for pool, width in rnd.plan.items():
         other = any(

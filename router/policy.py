@@ -25,7 +25,7 @@ from router.config import DispatchRule, PolicyConfig
 from router.decision import Decision, Dispatch, DpRule
 from router.engine_view import EngineView
 from router.long_wait import forget_old
-from router.placement import fast_targets, load_binds, need_width, place
+from router.placement import fast_targets, load_binds, need_width, place, place_rest
 from router.regime import update as update_regime
 from router.releases import reconcile, release_groups
 from router.round import Round
@@ -58,9 +58,7 @@ def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
         if r.priority == "high":
             place(rnd, r)
     load_binds(rnd)
-    for r in s.waiting:
-        if r.priority != "high":
-            place(rnd, r)
+    place_rest(rnd)
     rnd.update_state(recent=rnd.recent)
     rnd.set_fast([] if rnd.out.binds or rnd.out.commands else fast_targets(rnd))  # a switch: the next round
     return rnd.out

@@ -95,9 +95,10 @@ def token_mix(st: RouterState) -> tuple[float, float]:
 def queued_work(s: Snapshot) -> tuple[float, float]:
     """Prompt tokens and requests the whole queue holds for DP or load groups (the head's, scaled to the queue's
     depth; long requests apart: they wait for groups of their own)."""
-    head = [r.prompt_tokens for r in s.waiting if s.fits_one(r)]
+    long = s.too_long
+    tokens = sum(r.prompt_tokens for r in s.waiting) - sum(r.prompt_tokens for r in long)
     scale = s.queued / len(s.waiting) if s.waiting else 0.0
-    return sum(head) * scale, len(head) * scale
+    return tokens * scale, (len(s.waiting) - len(long)) * scale
 
 
 def node_demand(rnd: Round, engines: list[int], queued: tuple[float, float]) -> Demand:

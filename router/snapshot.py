@@ -68,6 +68,17 @@ class Snapshot:
         """The largest engine's KV in tokens (-1: no engine)."""
         return max((e.max_total_tokens for e in self.engines), default=-1)
 
+    @cached_property
+    def too_long_at(self) -> list[int]:
+        """Positions in ``waiting`` of the requests no one engine's KV holds (they wait for groups of their own)."""
+        cap = self.max_kv
+        return [i for i, r in enumerate(self.waiting) if r.prompt_tokens + r.n * r.max_tokens > cap]
+
+    @cached_property
+    def too_long(self) -> list[QueuedRequest]:
+        """The waiting requests no one engine's KV holds."""
+        return [self.waiting[i] for i in self.too_long_at]
+
     def fits_one(self, r: QueuedRequest) -> bool:
         """One engine's KV holds ``r``."""
         return r.kv_tokens <= self.max_kv
