@@ -30,6 +30,7 @@ from flying.messages import QueuedRequest, RouterState
 from flying.prefix import encode_chain
 from router.config import PolicyConfig
 from router.engine_view import EngineView
+from router.main import tune_gc
 from router.policy import decide
 from router.prefix_index import PrefixIndex
 from router.snapshot import Snapshot
@@ -175,6 +176,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="admission: seconds of load per cluster size")
     a = p.parse_args()
     cfg = PolicyConfig()
+    tune_gc()  # as flying-router runs
     if a.profile:
         n_engines, n_queued = (int(x) for x in a.profile.split(","))
         profile(n_engines, n_queued, cfg, a.scenario == "burst")

@@ -14,7 +14,7 @@ RequestState = Literal["queued", "assigned", "done", "failed", "cancelled"]
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True):
+class QueuedRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What the gateway admits into the global queue (stored as the fields of the request hash)."""
 
     id: str

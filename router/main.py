@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import re
 import signal
@@ -134,9 +135,21 @@ def serve_metrics(dispatcher: Dispatcher, config: RouterConfig) -> None:
     )
 
 
+def tune_gc() -> None:
+    """Fewer, later collections of the older generations: a round allocates thousands of short-lived objects,
+    and a full collection over the prefix index and the queue's records in the middle of one is its p99
+    (docs/benchmarks.md, "Scale of the control plane"). What was loaded at start is frozen out of them."""
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD[0], GC_THRESHOLD[1], GC_THRESHOLD[2])
+
+
+GC_THRESHOLD = (20_000, 20, 20)  # objects allocated before a young collection; young / middle ones per older
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logs.setup(config.log_format)
+    tune_gc()
     asyncio.run(serve(config))
 
 
