@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument("--burst", type=int, default=60, help="short requests in the burst")
     p.add_argument("--burst-rate", type=float, default=8.0, help="req/s of the burst")
     p.add_argument(
-        "--no-park", action="store_true", help="the router with --no-park: the burst meets the group"
+        "--no-park", action="store_true", help="the router with --off park: the burst meets the group"
     )
     p.add_argument("--out", type=Path, default=Path("results/live-parking"))
     a = p.parse_args()
@@ -67,7 +67,7 @@ def main() -> None:
         num_engines=2,
         max_total_tokens=a.kv_tokens,
         log_dir=a.out.parent / f"{a.out.name}-logs",
-        router_args=("--no-park",) if a.no_park else (),
+        router_args=("--off", "park") if a.no_park else (),
     )
     ids = [int(x) for x in np.random.default_rng(0).integers(10, 1000, a.prompt)]
     long_body = {
@@ -82,7 +82,7 @@ def main() -> None:
         status, reference, ref_times, ref_t0 = stream_completion(url, long_body)
         if status != 200:
             raise SystemExit(f"the long request alone failed: {status} {reference}")
-        time.sleep(15)  # calm again (the long request's group goes after keep_s)
+        time.sleep(15)  # calm again (the long request's group goes a second after its last request)
         started = time.time()
         got: dict[str, tuple[int, str, list[float], float]] = {}
         live: list[float] = []

@@ -28,7 +28,7 @@ import time
 
 from flying.messages import QueuedRequest, RouterState
 from flying.prefix import encode_chain
-from router.config import PolicyConfig
+from router.config import Limits, PolicyConfig
 from router.engine_view import EngineView
 from router.main import tune_gc
 from router.policy import decide
@@ -91,7 +91,7 @@ def snapshot(
     """A busy cluster's snapshot: every engine live in DP, a prefix index that saw each engine's recent prompts."""
     rng = random.Random(seed)
     chains = prompts(rng)
-    views = engines(n_engines, rng, cfg.max_inflight_per_worker, burst)
+    views = engines(n_engines, rng, Limits().max_inflight_per_worker, burst)
     index = PrefixIndex()
     index.sync(views)
     for e in views:

@@ -56,9 +56,6 @@ class ClusterConfig:
     router_metrics_port: int = field(default_factory=free_port)  # the router's Prometheus metrics (0: off)
     # the router's DP dispatch (router_args given after these override them)
     dispatch: DispatchRule = PolicyConfig.dispatch
-    cache_threshold: float = PolicyConfig.cache_threshold
-    balance_abs_threshold: float = PolicyConfig.balance_abs_threshold
-    balance_rel_threshold: float = PolicyConfig.balance_rel_threshold
     # each node's rendezvous (the first: comm_port)
     comm_ports: tuple[int, ...] = field(init=False, default=())
     gateway_ports: tuple[int, ...] = field(init=False, default=())  # each gateway's (the first: gateway_port)
@@ -103,16 +100,7 @@ class ClusterConfig:
 
     def dispatch_args(self) -> tuple[str, ...]:
         """The router's dispatch flags for these settings."""
-        return (
-            "--dispatch",
-            self.dispatch,
-            "--cache-threshold",
-            str(self.cache_threshold),
-            "--balance-abs-threshold",
-            str(self.balance_abs_threshold),
-            "--balance-rel-threshold",
-            str(self.balance_rel_threshold),
-        )
+        return ("--dispatch", self.dispatch)
 
 
 class ClusterError(RuntimeError):

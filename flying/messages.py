@@ -305,7 +305,7 @@ class RouterState(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0  # admitted_high) at that time
     output_tokens: int = 0
     high: int = 0
-    recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (PolicyConfig.spread_s)
+    recent: dict[int, float] = {}  # engine -> DP dispatches, exponentially decayed (router.round.SPREAD_S)
     long_waits: dict[str, float] = {}  # long requests waiting for calm -> since when (router.long_wait)
     # how long a long request of normal or low priority may wait for calm (PolicyConfig.long_wait_s; 0: it does not
     # wait): gateways let such a request wait up to twice that, beyond their wait budgets (read by gateways)

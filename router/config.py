@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from flying.logs import LogFormat
-from flying.messages import Preempt
 
 DispatchRule = Literal["cache-aware", "least-loaded"]
+BindPreempt = Literal[
+    "hard", "sequential"
+]  # how the policy's binds take busy engines (flying.messages.Preempt)
 T = TypeVar("T")
 
 
@@ -32,19 +34,30 @@ def describe(cls: type) -> dict[str, str]:
     return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
 
 
+# the policy's mechanisms, each on unless ``PolicyConfig.off`` names it
+Mechanism = Literal[
+    "load", "priority", "long-context", "kv-transform", "mixed-steps", "park", "spread-ownership"
+]
+MECHANISMS: dict[str, str] = {
+    "load": "load groups of the width the planner predicts best (off: DP for load)",
+    "priority": "a group for a high-priority request",
+    "long-context": "a group whose pooled KV holds a request one engine's KV cannot",
+    "kv-transform": "move KV between DP and TP layouts (bind by adoption, release by scatter) where engines can",
+    "mixed-steps": "a busy block binds with its DP requests kept running beside the group's steps",
+    "park": "under load, park a group serving a request no engine holds alone (KV kept), resume it when calm",
+    "spread-ownership": "a group's TP requests go to its members in turn, so a release scatters them evenly",
+}
+
+# ``flying-router --manual``: no automatic groups (binds through flyctl only)
+MANUAL_OFF: frozenset[Mechanism] = frozenset({"load", "priority", "long-context"})
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
-    """The bind/release policy's settings (:mod:`router.policy`). Each field's ``help`` is its one description:
-    ``flying-router --help`` shows it (one flag per field), ``flying-sim --policy FIELD=VALUE`` sets it."""
+    """The planner's objective and the mechanisms it may use (:mod:`router.policy`). Each field's ``help`` is its
+    one description: ``flying-router --help`` shows it (one flag per field), ``flying-sim --policy FIELD=VALUE``
+    sets it."""
 
-    load_adaptation: bool = setting(
-        True, "bind load groups of the width the planner predicts best (up to max_width); off: DP"
-    )
-    priority: bool = setting(True, "bind a priority_width group for a high-priority request")
-    long_context: bool = setting(True, "bind a group whose pooled KV holds a request one engine's KV cannot")
-    max_width: int = setting(
-        8, "widest load group the planner considers (a power of two; at most a node's engines): 1 keeps DP"
-    )
     ttft_target_high_ms: float = setting(
         200.0, "milliseconds: the TTFT high-priority requests are planned for"
     )
@@ -55,38 +68,77 @@ class PolicyConfig:
     horizon_s: float = setting(
         10.0, "seconds the planner predicts ahead (arrival rates are averaged over half of it)"
     )
-    priority_width: int = setting(2, "engines per group bound for a high-priority request (a power of two)")
-    priority_preempt: Preempt = setting(
-        "hard", "how a priority bind takes busy engines: hard pauses their DP work, sequential drains it"
+    max_width: int = setting(
+        8, "engines: the widest group the planner considers (a power of two; at most a node's engines); 1: DP"
     )
-    long_preempt: Preempt = setting(
+    long_wait_s: float = setting(
+        180.0,
+        "seconds: a long request of normal or low priority waits up to this long for calm before it runs (twice "
+        "this during a burst where groups are parked); high priority never waits",
+    )
+    preempt: BindPreempt = setting(
         "hard",
-        "how a long-context bind takes busy engines (hard only where their free KV holds it, then by adoption "
-        "where they transform KV; sequential drains them first)",
+        "how a bind takes busy engines: hard sets their DP work aside (or moves it into the group where they "
+        "transform KV), sequential drains it first",
     )
+    sp_threshold: int | None = setting(
+        None,
+        "batched tokens: a bound group's steps of at least this many run sequence-parallel, smaller ones in TP "
+        "(0: never SP; unset: each worker's own --sp-threshold); sent in every bind",
+    )
+    dispatch: DispatchRule = setting(
+        "cache-aware",
+        "DP dispatch: cache-aware follows the prompt's prefix to the engine that probably caches it while loads "
+        "are in balance; least-loaded ignores it",
+    )
+    off: frozenset[Mechanism] = setting(
+        frozenset(), "mechanisms the policy does not use: " + ", ".join(MECHANISMS)
+    )
+
+    def on(self, mechanism: Mechanism) -> bool:
+        """The policy uses ``mechanism``."""
+        return mechanism not in self.off
+
+    def __post_init__(self) -> None:
+        _require(
+            self.dispatch in typing.get_args(DispatchRule),
+            f"dispatch must be one of {', '.join(typing.get_args(DispatchRule))}, got {self.dispatch!r}",
+        )
+        _require(
+            self.preempt in typing.get_args(BindPreempt),
+            f"preempt must be one of {', '.join(typing.get_args(BindPreempt))}, got {self.preempt!r}",
+        )
+        unknown = sorted(set(self.off) - set(MECHANISMS))
+        _require(not unknown, f"off: unknown mechanism {', '.join(unknown)} (known: {', '.join(MECHANISMS)})")
+        w = self.max_width
+        _require(w >= 1 and w & (w - 1) == 0, f"max_width must be a power of two >= 1, got {w}")
+        _require(self.long_wait_s >= 0, f"long_wait_s must be >= 0, got {self.long_wait_s}")
+        for name in ("ttft_target_high_ms", "ttft_target_normal_ms", "tpot_target_ms", "horizon_s"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _require(
+            self.sp_threshold is None or self.sp_threshold >= 0,
+            f"sp_threshold must be >= 0 (0: never SP), got {self.sp_threshold}",
+        )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What engines and the bind protocol allow the policy: capacities and safety timeouts, not choices. The
+    policy plans within them (:func:`router.policy.decide`); ``flying-router`` takes each as a flag."""
+
     max_inflight_per_worker: int = setting(
-        256, "requests one DP engine is handed before the rest wait in Redis"
+        256, "requests one DP engine is handed before the rest wait in Redis (a group member takes as many)"
     )
-    spread_s: float = setting(
-        3.0, "seconds: DP dispatch also counts requests an engine was sent within about this long"
+    tp_inflight_per_engine: int = setting(
+        8, "a group of width w running a long request takes w times this many TP requests at once"
     )
-    tp_inflight_per_engine: int = setting(8, "a group of width w takes w times this many TP requests at once")
     sp_inflight_per_engine: int = setting(
         256,
         "... a load or priority group running no long request takes w times this many (its large steps run "
         "sequence-parallel: as many as its members would hold in DP)",
     )
-    keep_s: float = setting(
-        1.0, "seconds: a priority or long-context group without TP work for this long is released"
-    )
-    long_max_share: float = setting(
-        0.5, "long-context groups hold at most this share of the engines (one always allowed)"
-    )
-    long_wait_s: float = setting(
-        180.0,
-        "seconds: a long request of normal or low priority waits up to this long for calm (admissions within "
-        "long_calm_rate, small backlog, no other long request running) before it runs; where groups are parked, "
-        "during a burst (admissions above busy_rate) it waits on, up to twice this; high priority never waits",
+    adopt_max_inflight: int = setting(
+        128, "requests: a busy block is adopted into a group only while each member holds at most this many"
     )
     max_defer_s: float = setting(
         5.0, "seconds: a bind pauses DP work at most this long (then released, retracting)"
@@ -100,91 +152,16 @@ class PolicyConfig:
     suspect_s: float = setting(
         10.0, "seconds: a member that failed a bind is not picked for another one for this long"
     )
-    kv_transform: bool = setting(
-        True, "move KV between DP and TP layouts (bind by adoption, release by scatter) where engines can"
-    )
-    spread_ownership: bool = setting(
-        True,
-        "a bound group's TP requests go to its members in turn, each streaming its own, so a release scatters them "
-        "evenly (where the members transform KV); off: all to the leader",
-    )
-    adopt_max_ms: float = setting(
-        200.0,
-        "milliseconds: adopt only if the estimated KV transformation stalls the group at most this (a block too "
-        "costly to adopt whole binds narrower groups, whose SP prefill is slower until they widen)",
-    )
-    adopt_max_inflight: int = setting(128, "adopt only if each member holds at most this many DP requests")
-    mixed_steps: bool = setting(
-        True,
-        "light load: a busy block binds at once with its members' DP requests kept running beside the group's steps "
-        "(Bind.keep), where every member reports mixed_steps; otherwise it adopts or drains",
-    )
-    park: bool = setting(
-        True,
-        "busy load: a group serving a request no engine holds alone is released by parking it (its KV head "
-        "slices kept on the members, no steps) where every member reports park, and resumed on the same members "
-        "once load is light; off: the group keeps serving through the burst until that request ends",
-    )
-    long_min_width: int = setting(
-        4,
-        "engines per normal-priority long-context group at least, where groups are parked (a power of two, at most "
-        "half a node's engines; the width its KV needs if wider): parked for a burst, its request's KV head slices "
-        "leave each member more room for DP",
-    )
-    sp_threshold: int | None = setting(
-        None,
-        "batched tokens: a bound group's steps of at least this many (a prefill's tokens, a decode's sequences) "
-        "run sequence-parallel, smaller ones in TP (0: never SP; unset: each worker's own --sp-threshold); sent "
-        "in every bind",
-    )
-    dispatch: DispatchRule = setting(
-        "cache-aware",
-        "DP dispatch: cache-aware follows the prompt's prefix to the engine that probably caches it "
-        "(least loaded when none holds cache_threshold of it, or loads are out of balance); least-loaded ignores it",
-    )
-    cache_threshold: float = setting(
-        0.3, "cache-aware: share (0-1) of the prompt's prefix blocks the best engine must hold"
-    )
-    balance_abs_threshold: float = setting(
-        8.0, "cache-aware: requests; loads out of balance when max - min exceeds this ..."
-    )
-    balance_rel_threshold: float = setting(1.5, "... and max exceeds this times min (then least loaded)")
 
     def __post_init__(self) -> None:
-        for name, allowed in (("dispatch", typing.get_args(DispatchRule)),):
-            _require(
-                getattr(self, name) in allowed,
-                f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}",
-            )
-        for name in ("priority_width",):
-            w = getattr(self, name)
-            _require(w >= 2 and w & (w - 1) == 0, f"{name} must be a power of two >= 2, got {w}")
-        w = self.long_min_width
-        _require(w >= 1 and w & (w - 1) == 0, f"long_min_width must be a power of two >= 1, got {w}")
         for name in ("max_inflight_per_worker", "tp_inflight_per_engine", "sp_inflight_per_engine"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        w = self.max_width
-        _require(w >= 1 and w & (w - 1) == 0, f"max_width must be a power of two >= 1, got {w}")
-        _require(self.long_wait_s >= 0, f"long_wait_s must be >= 0, got {self.long_wait_s}")
-        for name in ("ttft_target_high_ms", "ttft_target_normal_ms", "tpot_target_ms", "horizon_s"):
-            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _require(
             0 < self.ack_timeout_s <= self.bind_timeout_s,
             f"need 0 < ack_timeout_s <= bind_timeout_s, got {self.ack_timeout_s} and {self.bind_timeout_s}",
         )
-        _require(
-            self.sp_threshold is None or self.sp_threshold >= 0,
-            f"sp_threshold must be >= 0 (0: never SP), got {self.sp_threshold}",
-        )
-        _require(0 <= self.cache_threshold <= 1, f"cache_threshold {self.cache_threshold} not in [0, 1]")
-        _require(
-            self.balance_abs_threshold >= 0,
-            f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}",
-        )
-        _require(
-            self.balance_rel_threshold >= 1,
-            f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}",
-        )
+        for name in ("max_defer_s", "suspect_s"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -199,6 +176,7 @@ class RouterConfig:
         "times this after the active one crashed",
     )
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    limits: Limits = field(default_factory=Limits)
     metrics_port: int = setting(0, "port of the Prometheus metrics (0: off)")  # router.metrics
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus metrics")
     log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line

@@ -34,7 +34,7 @@ from router.prefix_index import PrefixIndex
 from router.reuse import Reuse
 
 # why a DP dispatch went where it did: followed its prefix; least loaded because dispatch is least-loaded, the
-# request has no chain, no engine holds cache_threshold of it, or loads are out of balance (metrics label values)
+# request has no chain, no engine holds router.dp_dispatch.CACHE_THRESHOLD of it, or loads are out of balance (metrics label values)
 DpRule = Literal["prefix", "least-loaded", "no-chain", "no-match", "imbalanced"]
 
 
@@ -82,7 +82,7 @@ class ReleaseCause(StrEnum):
     BROKE_UP = "the group broke up (a member aborted the epoch)"
     LOAD_ROSE = "load rose"
     DP_DEFERRED = "DP work deferred"  # the bind paused DP work for max_defer_s
-    NO_TP_WORK = "no TP work"  # for keep_s
+    NO_TP_WORK = "no TP work"  # for releases.KEEP_S
     MAKING_ROOM = "making room"  # for a wider (long-context) group
     PARKED_LOST = "a member of the parked group is gone"  # its parked requests cannot resume: they end
     # their clients left (or timed out) while parked: their KV is freed

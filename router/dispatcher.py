@@ -184,6 +184,7 @@ class Dispatcher:
             admitted_high=high,
             cost=cost,
             sp_threshold=sp_threshold(self.config.policy.sp_threshold, beats),
+            limits=self.config.limits,
             prefixes=self.prefixes,
             reuse=self.reuse.counters,
             held=parked,
@@ -295,7 +296,7 @@ class Dispatcher:
     async def round(self) -> int:
         """One policy round; returns how many requests were assigned (or groups changed)."""
         snap, policy = await self.snapshot(), self.config.policy
-        if probe := self.prober.widths(snap, self.costs.fit, policy.max_width, policy.load_adaptation):
+        if probe := self.prober.widths(snap, self.costs.fit, policy.max_width, policy.on("load")):
             snap = dataclasses.replace(snap, probe=probe)
         d = decide(snap, policy)
         changed = len(d.binds) + len(d.commands) + len(d.drop)

@@ -1,6 +1,6 @@
 """Where a request served in DP goes: the least loaded DP engine with a free slot, or, cache-aware (``dispatch``),
 the one whose prefix cache probably holds most of its prompt (:mod:`router.prefix_index`) while loads are in
-balance. Load counts the requests sent within about ``spread_s`` twice (an engine that has just become free, e.g.
+balance. Load counts the requests sent within about ``SPREAD_S`` twice (an engine that has just become free, e.g.
 a released group's member holding few of its requests, would otherwise take every new request at once). The rule each dispatch followed is
 its :data:`router.decision.DpRule`."""
 
@@ -17,6 +17,14 @@ from router.engine_view import EngineView
 from router.round import Round
 
 Fits = Callable[[int], bool] | None  # which engines may take a request (None: every open one)
+
+# cache-aware dispatch follows a prefix held for at least this share of the prompt's blocks (SGLang's model
+# gateway's default) ...
+CACHE_THRESHOLD = 0.3
+# ... while loads are in balance: not when the most loaded candidate has more than BALANCE_ABS requests above the
+# least loaded and more than BALANCE_REL times its load
+BALANCE_ABS = 8.0
+BALANCE_REL = 1.5
 
 # each round's pool, built at its first DP dispatch (and again when the engines in groups change)
 _pools: weakref.WeakKeyDictionary[Round, DpPool] = weakref.WeakKeyDictionary()
@@ -60,7 +68,7 @@ def pick_dp(
     rnd: Round, chain: tuple[int, ...], least: EngineView, pool: DpPool, fits: Fits, keyed: bool = False
 ) -> tuple[EngineView, DpRule]:
     """Cache-aware (SGLang's model gateway's rule): the least loaded engine holding the longest prefix of
-    ``chain``, if that is at least ``cache_threshold`` of it and loads are balanced (:func:`imbalanced`);
+    ``chain``, if that is at least :data:`CACHE_THRESHOLD` of it and loads are balanced (:func:`imbalanced`);
     otherwise ``least``, the least loaded candidate. A ``keyed`` request (its chain starts with a cache key's
     hash) follows its key whatever share of the prompt is found there."""
     if rnd.cfg.dispatch != "cache-aware":
@@ -70,7 +78,7 @@ def pick_dp(
     if imbalanced(rnd, dp_score(rnd, least.engine), pool.highest(rnd, fits)):
         return least, "imbalanced"
     top, held = pool.deepest(rnd, chain, fits)
-    if top == 0 or (top < rnd.cfg.cache_threshold * len(chain) and not keyed):
+    if top == 0 or (top < CACHE_THRESHOLD * len(chain) and not keyed):
         return least, "no-match"
     _, _, best = min(dp_key(rnd, pool.open[e]) for e in held)  # (its last field: e)
     return pool.open[best], "prefix"
@@ -78,7 +86,7 @@ def pick_dp(
 
 def imbalanced(rnd: Round, lo: float, hi: float) -> bool:
     """The candidates' loads (lowest ``lo``, highest ``hi``) are out of balance."""
-    return hi - lo > rnd.cfg.balance_abs_threshold and hi > rnd.cfg.balance_rel_threshold * lo
+    return hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo
 
 
 def dp_key(rnd: Round, e: EngineView) -> tuple[float, int, int]:
@@ -86,7 +94,7 @@ def dp_key(rnd: Round, e: EngineView) -> tuple[float, int, int]:
 
 
 def dp_score(rnd: Round, e: int) -> float:
-    """Least loaded first: requests in flight, those sent within about ``spread_s`` counted twice (their
+    """Least loaded first: requests in flight, those sent within about ``SPREAD_S`` counted twice (their
     prefill is still ahead). Without it an engine that has just become free (a released group's member holding
     few of its TP requests) takes every new request until its count catches up, all of them prefilling
     at once while the other engines only decode."""
@@ -100,7 +108,7 @@ class DpPool:
 
     def __init__(self, rnd: Round) -> None:
         self.taken = rnd.in_groups()
-        cap = rnd.cfg.max_inflight_per_worker
+        cap = rnd.limits.max_inflight_per_worker
         self.open = {
             e.engine: e
             for e in rnd.s.engines
@@ -176,7 +184,7 @@ class DpPool:
         """``e`` was sent a request with ``chain``: its load changed (it leaves the pool when full)."""
         for h in chain:
             self.sent_by.setdefault(h, set()).add(e)
-        if rnd.dp_inflight[e] >= rnd.cfg.max_inflight_per_worker:
+        if rnd.dp_inflight[e] >= rnd.limits.max_inflight_per_worker:
             del self.open[e]
             return
         v = self.version[e] = self.version[e] + 1

@@ -4,7 +4,7 @@ A request one engine's KV cannot hold needs a group for the whole of its prefill
 group leaves the burst fewer DP engines. So a long request of normal (or low) priority waits for *calm*
 (:func:`unrest`: the admission rate is at most ``long_calm_rate``, the engines' backlog is small, and no other long
 request runs or is parked), for at most ``long_wait_s``. Where every engine parks groups (router.parking), it
-then runs on a group of its own, at least ``long_min_width`` wide (router.placement.place_long), which a burst
+then runs on a group of its own, at least ``LONG_MIN_WIDTH`` wide (router.placement.place_long), which a burst
 parks and calm resumes; it does not start during a burst, up to twice ``long_wait_s`` (then it runs and is
 never parked). Elsewhere it runs on the widest group there is: the load group if one is bound (its SP steps
 prefill the long prompt over every member while it keeps serving the rest), else the width its KV needs and no
@@ -31,10 +31,10 @@ def unrest(rnd: Round, request: str = "", turn: bool = True) -> WaitCause | None
     and some work is queued or running,
     more queued and inflight requests than the groups would hold (``tp_inflight_per_engine`` per engine: a burst's
     backlog), or another long request runs (one at a time keeps most of the node serving the rest)."""
-    cfg, n = rnd.cfg, len(rnd.live)
+    n = len(rnd.live)
     if rnd.out.state.busy and rnd.s.demand > 0:  # (an idle cluster is calm whatever the plan)
         return WaitCause.BUSY
-    if rnd.s.demand > cfg.tp_inflight_per_engine * n:
+    if rnd.s.demand > rnd.limits.tp_inflight_per_engine * n:
         return WaitCause.BACKLOG
     if turn and running_long(rnd, request):
         return WaitCause.TURN
@@ -133,7 +133,7 @@ def resume_parked(rnd: Round) -> None:
     ``long_wait_s``, or where a waiting request can be served nowhere else (:func:`router.parking.blocked`),
     and then never parked again. Idle members bind at once, busy ones by adoption where they may, else drain."""
     # (calm is the planner's: without load adaptation, parked groups are the operator's to resume)
-    calm = rnd.cfg.load_adaptation and not rnd.out.state.busy and unrest(rnd, turn=False) is None
+    calm = rnd.cfg.on("load") and not rnd.out.state.busy and unrest(rnd, turn=False) is None
     resuming = any(g.carries and g.state == "binding" for g in rnd.groups.values())
     taken, stuck = rnd.in_groups(), not resuming and parking.blocked(rnd)
     for g in sorted(rnd.parked.values(), key=lambda g: g.epoch):

@@ -55,7 +55,7 @@ class RouterMetrics:
             "flying_router_dp_dispatch",
             "DP dispatches decided by rule: prefix (followed the prompt's prefix to "
             "the engine caching it), least-loaded (--dispatch least-loaded), no-chain (prompt under one block), "
-            "no-match (no engine holds --cache-threshold of it), imbalanced (loads out of balance)",
+            "no-match (no engine holds enough of it), imbalanced (loads out of balance)",
             ["rule"],
             registry=r,
         )

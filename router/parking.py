@@ -37,7 +37,7 @@ def can_park(rnd: Round, g: Group) -> bool:
     parks, and ``g`` serves no high-priority request no engine holds alone (that one runs on: parking it would cost
     it the burst's length) nor one resumed after ``long_wait_s`` parked."""
     return (
-        rnd.cfg.park
+        rnd.cfg.on("park")
         and not g.hold
         and all(m in rnd.live and rnd.live[m].park for m in g.members)
         and rnd.kv.possible(g.members)
@@ -47,12 +47,12 @@ def can_park(rnd: Round, g: Group) -> bool:
 def surge(rnd: Round) -> bool:
     """A burst: the planner predicts no node to serve better bound (:mod:`router.regime`); without load
     adaptation there are no bursts to park for (the operator parks)."""
-    return rnd.cfg.load_adaptation and rnd.out.state.busy
+    return rnd.cfg.on("load") and rnd.out.state.busy
 
 
 def parks(rnd: Round) -> bool:
     """The policy parks and every live engine does (``Release.park``)."""
-    return rnd.cfg.park and all(e.park for e in rnd.s.engines)
+    return rnd.cfg.on("park") and all(e.park for e in rnd.s.engines)
 
 
 def holds_off(rnd: Round, r: QueuedRequest) -> bool:
@@ -68,7 +68,7 @@ def holds_off(rnd: Round, r: QueuedRequest) -> bool:
     if surge(rnd):
         return True
     late = waited >= rnd.cfg.long_wait_s or r.attempts > 0
-    return late and rnd.cfg.load_adaptation and rnd.out.state.busy  # (without it the regime is always busy)
+    return late and rnd.cfg.on("load") and rnd.out.state.busy  # (without it the regime is always busy)
 
 
 def release_mode(rnd: Round, g: Group) -> ReleaseMode:
@@ -172,7 +172,7 @@ def blocked(rnd: Round) -> bool:
     parked = rnd.parked_members()
     if not parked:
         return False
-    cfg, outside = rnd.cfg, [e for e in rnd.s.engines if e.engine not in parked]
+    outside = [e for e in rnd.s.engines if e.engine not in parked]
     widest = max((e.num_engines for e in rnd.s.engines), default=1)
     room = max(
         [e.max_total_tokens for e in outside]
@@ -190,7 +190,7 @@ def blocked(rnd: Round) -> bool:
     for r in rnd.s.waiting:
         if not rnd.s.fits_one(r) and r.priority != "high":
             continue  # (a long one of normal priority waits for calm anyway, when the parked groups resume too)
-        if rnd.now - r.enqueued_at < cfg.max_defer_s or r.kv_tokens <= room:
+        if rnd.now - r.enqueued_at < rnd.limits.max_defer_s or r.kv_tokens <= room:
             continue
         if rnd.s.fits_one(r) and r.kv_tokens <= parked_room:
             continue

@@ -2,7 +2,7 @@
 
 - a request one engine's KV cannot hold goes to a long-context group (:func:`place_long`), bound at the width
   whose pooled KV holds it (:func:`need_width`);
-- a high-priority one to a group with room, else a new ``priority_width`` group (:func:`place_priority`);
+- a high-priority one to a group with room, else a new group of :data:`PRIORITY_WIDTH` (:func:`place_priority`);
 - under light load normal work goes to the load groups (:func:`load_binds` binds them), else to DP
   (:mod:`router.dp_dispatch`);
 - a bound group's TP requests go to its members in turn (:func:`owner`), each streaming its own;
@@ -23,6 +23,14 @@ from router.engine_view import EngineView
 from router.regime import forming
 from router.releases import release_idle_blocking
 from router.round import SHORT, USABLE, Round, replace_group
+
+# engines in a group bound for a high-priority request: the narrowest, so the rest of the node stays in DP
+PRIORITY_WIDTH = 2
+# a normal-priority long-context group is at least this wide where groups are parked (at most half a node): parked
+# for a burst, its request's KV head slices leave each member more room for DP
+LONG_MIN_WIDTH = 4
+# long-context groups hold at most this share of the engines (one is always allowed)
+LONG_MAX_SHARE = 0.5
 
 
 def need_width(kv_tokens: int, engines: Sequence[EngineView]) -> int | None:
@@ -72,7 +80,7 @@ def place(rnd: Round, r: QueuedRequest) -> None:
         return
     if width > 1:
         place_long(rnd, r, width)
-    elif r.priority == "high" and rnd.cfg.priority and place_priority(rnd, r):
+    elif r.priority == "high" and rnd.cfg.on("priority") and place_priority(rnd, r):
         pass
     elif not rnd.out.state.busy and (g := group_for(rnd, r, 1, USABLE, SHORT, imminent=True)) is not None:
         to_group(rnd, g, r)
@@ -147,7 +155,7 @@ def spread(rnd: Round, g: Group) -> bool:
     and keeps on a release) the requests sent to its endpoint, so a release by scatter leaves them evenly. Only
     where every member transforms KV: a release by retraction recomputes the group's requests on its leader, which
     cannot stream a request another member owns."""
-    return rnd.cfg.spread_ownership and rnd.kv.possible(g.members)
+    return rnd.cfg.on("spread-ownership") and rnd.kv.possible(g.members)
 
 
 def owner(rnd: Round, g: Group) -> EngineView:
@@ -168,21 +176,21 @@ def sent_to(rnd: Round, engine: int) -> int:
 def may_keep(rnd: Round, ms: tuple[int, ...]) -> bool:
     """Block ``ms`` may bind with its members' DP work kept running beside the group's steps (``mixed_steps`` on,
     every member reporting it): nothing paused, moved or drained first, and the backlog decodes at DP's rate."""
-    return rnd.cfg.mixed_steps and all(m in rnd.live and rnd.live[m].mixed_steps for m in ms)
+    return rnd.cfg.on("mixed-steps") and all(m in rnd.live and rnd.live[m].mixed_steps for m in ms)
 
 
 def adopt_fits(rnd: Round, ms: tuple[int, ...]) -> float:
     """The most DP requests a block adopts (``adopt_max_inflight`` per member). A block holding more serves
     them in DP while new work goes to the groups."""
-    return rnd.cfg.adopt_max_inflight * len(ms)
+    return rnd.limits.adopt_max_inflight * len(ms)
 
 
 def load_binds(rnd: Round) -> None:
     """Every node planned at a width of 2 or more (:mod:`router.regime`) binds its free blocks of that width as
     load groups, once its load groups of other widths are released. An idle block binds at once; a busy one keeps
-    its DP work beside the group's steps (:func:`may_keep`), else adopts it if that is cheap (``adopt_max_ms``),
+    its DP work beside the group's steps (:func:`may_keep`), else adopts it if that is cheap (``ADOPT_MAX_MS``),
     else drains first, at most half of the node's blocks at a time."""
-    if not rnd.cfg.load_adaptation:
+    if not rnd.cfg.on("load"):
         return
     if any(need_width(r.kv_tokens, rnd.s.engines) not in (1, None) for r in rnd.s.too_long):
         return  # a long request waits for engines: leave them to it
@@ -223,7 +231,7 @@ def bind_blocks(rnd: Round, width: int, pool: tuple[str, int, int]) -> None:
 
 
 def place_priority(rnd: Round, r: QueuedRequest) -> bool:
-    """A group with room that forms at the members' next step boundary, else a new ``priority_width`` group
+    """A group with room that forms at the members' next step boundary, else a new group of :data:`PRIORITY_WIDTH`
     that leaves DP engines for everyone else: under light load the least loaded block (hard: its few DP
     requests pause, at most ``max_defer_s``), otherwise only an idle one (pausing a busy engine's DP work costs
     more than the group saves). A busy block binds by adoption where it may (its DP requests continue in the
@@ -235,7 +243,7 @@ def place_priority(rnd: Round, r: QueuedRequest) -> bool:
         return True  # (an idle long group is kept while a high-priority request waits: it must take it)
     taken = rnd.in_groups()
     light = not rnd.out.state.busy
-    for ms in rnd.free_sets(rnd.cfg.priority_width):
+    for ms in rnd.free_sets(PRIORITY_WIDTH):
         if rnd.load_width(rnd.live[ms[0]].pool) > 1:
             continue  # its node's load groups serve it once they form (meanwhile it jumps the queue in DP)
         dp_left = any(e.mode == "dp" and e.engine not in taken and e.engine not in ms for e in rnd.s.engines)
@@ -247,7 +255,7 @@ def place_priority(rnd: Round, r: QueuedRequest) -> bool:
                 if rnd.block_load(ms) > adopt_fits(rnd, ms) or not rnd.kv.may_adopt(ms):
                     break  # a backlog: it would run in TP at lower throughput (the least loaded block first)
                 adopt = True
-            rnd.bind(ms, "priority", rnd.cfg.priority_preempt, adopt=adopt, keep=keep)
+            rnd.bind(ms, "priority", rnd.cfg.preempt, adopt=adopt, keep=keep)
             return True  # it waits for the group (the next round finds it binding)
     return False
 
@@ -257,19 +265,19 @@ def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
     narrowest long (or manual) group that holds it, bound or binding, or an idle load/priority group (never one
     with paused DP work: its release would wait for this request), or, where groups are not parked, the bound load
     group (the widest there is: its SP steps prefill the prompt over every member); else bind the width it needs,
-    at least ``long_min_width`` where groups are parked (router.parking; hard only where the members' free KV holds
+    at least :data:`LONG_MIN_WIDTH` where groups are parked (router.parking; hard only where the members' free KV holds
     it), making room by releasing load or priority groups in the way. (Where groups are parked, a long request
     runs in a group of its own: in the load group its long steps slowed every light-load request, a low-load P90
     TTFT up to 10x in the simulator.)"""
     cfg = rnd.cfg
-    if cfg.long_context and long_wait.waits(rnd, r):
+    if cfg.on("long-context") and long_wait.waits(rnd, r):
         return  # it waits for calm, at most long_wait_s (high priority never waits)
     need, parked = width, r.priority != "high" and parking.parks(rnd)
     if (
         parked
     ):  # parked for a burst, a wider group's head slices leave each member more KV (half the node at most);
         # a high-priority one runs at once, through a burst: as narrow as it can
-        width = max(width, min(cfg.long_min_width, rnd.engines_n() // 2))
+        width = max(width, min(LONG_MIN_WIDTH, rnd.engines_n() // 2))
     g = group_for(rnd, r, width, USABLE, ("long", "manual"))
     if g is None and parked:
         g = group_for(rnd, r, need, USABLE, ("manual",))  # an operator's (or static) group, however narrow
@@ -278,7 +286,7 @@ def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
         return
     if reuse_idle(rnd, r, width, ("load", "priority"), "long"):
         return
-    if not cfg.long_context:
+    if not cfg.on("long-context"):
         return
     if not parking.parks(rnd) and (g := group_for(rnd, r, width, ("bound",), ("load",))) is not None:
         to_group(rnd, g, r)  # the widest group there is, the load group, in SP (router.long_wait)
@@ -286,10 +294,10 @@ def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
     in_long = sum(  # (an idle one holds no share: release_idle_blocking may release it for this one)
         g.width for g in rnd.groups.values() if g.reason == "long" and (g.state != "bound" or rnd.group_n(g))
     ) + sum(g.width for g in rnd.out.binds if g.reason == "long")
-    if in_long and in_long + width > cfg.long_max_share * len(rnd.live):
+    if in_long and in_long + width > LONG_MAX_SHARE * len(rnd.live):
         return  # long groups already hold their share (one is always allowed): the rest stays DP
     if sets := rnd.free_sets(width):
-        preempt, adopt = cfg.long_preempt, False
+        preempt, adopt = cfg.preempt, False
         if preempt == "hard" and r.kv_tokens > rnd.hard_cap(sets[0]):
             preempt = "sequential"  # the members' paused DP work would hold KV the request needs
         elif preempt == "hard" and rnd.block_load(sets[0]):
@@ -333,7 +341,7 @@ def fast_targets(rnd: Round) -> list[FastTarget]:
     probe = QueuedRequest(
         id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=rnd.now
     )
-    if forming(rnd.groups.values(), rnd.now, rnd.cfg.ack_timeout_s) or not rnd.live:
+    if forming(rnd.groups.values(), rnd.now, rnd.limits.ack_timeout_s) or not rnd.live:
         return []
     if not rnd.out.state.busy and (gs := groups_for(rnd, probe, 1, USABLE, SHORT, imminent=True)):
         if gs[0].state != "bound" or gs[0].leader not in rnd.live:
@@ -349,7 +357,7 @@ def fast_targets(rnd: Round) -> list[FastTarget]:
         FastTarget(
             engine=e.engine,
             url=e.url,
-            cap=rnd.cfg.max_inflight_per_worker,
+            cap=rnd.limits.max_inflight_per_worker,
             max_kv=e.dp_room,
             affinity=affinity,
         )

@@ -6,22 +6,23 @@ No Redis, no clocks, no randomness: the live router (router.dispatcher), the uni
 A round: reconcile the group records with the heartbeats (:mod:`router.releases`); plan each node's load width from
 the cost model's predictions (:mod:`router.regime`, :mod:`router.planner`); release the groups the plan or their
 idleness no longer justifies; resume parked groups (:mod:`router.parking`); place high-priority requests (a group
-with room, or a ``priority_width`` group); bind the planned load groups (:mod:`router.placement`); place the rest:
+with room, or a group of two); bind the planned load groups (:mod:`router.placement`); place the rest:
 long-context requests on a group whose pooled KV holds them, after waiting for calm (:mod:`router.long_wait`),
 normal ones in a load group or in DP (:mod:`router.dp_dispatch`). docs/architecture.md, "The policy", has the
 whole round.
 
 KV transformation (adopt at a bind, scatter at a release) is used only where every member's heartbeat reports
-``kv_transform`` and ``PolicyConfig.kv_transform`` is on; its stall comes from the cost model
+``kv_transform`` and the policy uses it (``PolicyConfig.off``); its stall comes from the cost model
 (:mod:`router.transform_cost`). Safety: every bind gets a fresh epoch (assigned by the caller), its record is
 written before its commands are sent, groups never overlap, and members that do not acknowledge a bind within
-``ack_timeout_s`` (or finish it within ``bind_timeout_s``) roll it back and are left out of binds for ``suspect_s``.
+``Limits.ack_timeout_s`` (or finish it within ``bind_timeout_s``) roll it back and are left out of binds for
+``suspect_s``.
 """
 
 from __future__ import annotations
 
 from router import long_wait
-from router.config import DispatchRule, PolicyConfig
+from router.config import DispatchRule, Limits, PolicyConfig
 from router.decision import Decision, Dispatch, DpRule
 from router.engine_view import EngineView
 from router.long_wait import forget_old
@@ -38,6 +39,7 @@ __all__ = [
     "DpRule",
     "EngineView",
     "GroupLoad",
+    "Limits",
     "PolicyConfig",
     "Snapshot",
     "decide",
@@ -46,7 +48,8 @@ __all__ = [
 
 
 def decide(s: Snapshot, cfg: PolicyConfig) -> Decision:
-    """One policy round: reconcile group records, update the load regime, release, bind, dispatch."""
+    """One policy round: reconcile group records, update the load regime, release, bind, dispatch (within the
+    snapshot's :class:`Limits`)."""
     rnd = Round(s, cfg)
     reconcile(rnd)
     update_regime(rnd)

@@ -5,7 +5,7 @@ The demand the planner plays forward is measured here: the admission rate and to
 half the planner's horizon, from the gateways' monotonic counters) and, per node, the prompt tokens queued for it (its
 share of the global queue) and on its engines, and its running sequences. The router's state keeps each node's
 width, so a restarted router resumes it. ``busy`` is the planner's verdict, apart from the load groups it allows
-(``load_adaptation``, ``max_width``): no node is predicted to serve better bound, so priority and long-context
+(``max_width``, ``off`` load): no node is predicted to serve better bound, so priority and long-context
 groups take no busy engines and long groups park.
 """
 
@@ -168,7 +168,7 @@ def update(rnd: Round) -> None:
         if len(every) < 2:
             widths[node] = 1
             continue
-        allowed = [w for w in every if w <= cfg.max_width] if cfg.load_adaptation else [1]
+        allowed = [w for w in every if w <= cfg.max_width] if cfg.on("load") else [1]
         if s.probe.get(node) in allowed:  # an idle node the router measures a group's steps on (router.probe)
             widths[node] = s.probe[node]
             continue

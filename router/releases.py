@@ -14,10 +14,13 @@ from router.decision import DistrustNote, ReleaseCause, ReleaseMode
 from router.engine_view import EngineView
 from router.round import Round, replace_group
 
+# seconds: a priority or long-context group without TP work for this long is released (a request that follows
+# within it finds the group still bound)
+KEEP_S = 1.0
+
 
 def reconcile(rnd: Round) -> None:
     """Move records along with what the engines' heartbeats say."""
-    cfg = rnd.cfg
     for g in list(rnd.groups.values()):
         beats = [rnd.live.get(m) for m in g.members]
         age = rnd.now - g.since
@@ -39,7 +42,7 @@ def reconcile(rnd: Round) -> None:
         elif g.state == "binding":
             if all(b.epoch == g.epoch for b in present):
                 rnd.put(replace_group(g, state="bound", since=rnd.now, last_used=rnd.now))
-            elif age > cfg.ack_timeout_s and (
+            elif age > rnd.limits.ack_timeout_s and (
                 silent := [
                     b.engine
                     for b in present
@@ -47,11 +50,11 @@ def reconcile(rnd: Round) -> None:
                 ]
             ):
                 rnd.release(
-                    g, ReleaseCause.NOT_ACKNOWLEDGED, seconds=cfg.ack_timeout_s, engines=tuple(silent)
+                    g, ReleaseCause.NOT_ACKNOWLEDGED, seconds=rnd.limits.ack_timeout_s, engines=tuple(silent)
                 )
                 distrust(rnd, silent)
-            elif age > cfg.bind_timeout_s:
-                rnd.release(g, ReleaseCause.NOT_BOUND, seconds=cfg.bind_timeout_s)
+            elif age > rnd.limits.bind_timeout_s:
+                rnd.release(g, ReleaseCause.NOT_BOUND, seconds=rnd.limits.bind_timeout_s)
                 distrust(rnd, [b.engine for b in present if b.epoch != g.epoch])
         elif any(b.epoch != g.epoch for b in present):
             rnd.release(g, ReleaseCause.BROKE_UP)
@@ -99,7 +102,7 @@ def distrust(rnd: Round, engines: list[int], paused: int = 0) -> None:
     """Members that failed a bind are left out of binds for ``suspect_s`` (retrying at once would stall the
     requests waiting for a group again); they keep serving DP. ``paused``: the DP requests their adoption paused."""
     rnd.distrust(tuple(engines))
-    rnd.note(DistrustNote(tuple(engines), rnd.cfg.suspect_s, paused))
+    rnd.note(DistrustNote(tuple(engines), rnd.limits.suspect_s, paused))
 
 
 def distrust_paused(rnd: Round) -> None:
@@ -144,12 +147,12 @@ def park(
 
 def release_groups(rnd: Round) -> None:
     """Load groups go when the planner changes their node's width; a group that pauses DP work goes after ``max_defer_s``; a priority
-    or long group without TP work for ``keep_s`` goes (one of its node's planned width is kept as a load
+    or long group without TP work for ``KEEP_S`` goes (one of its node's planned width is kept as a load
     group instead). Operator (manual) groups stay."""
     busy, cfg, s = rnd.out.state.busy, rnd.cfg, rnd.s
     queued_dp = any(s.dp_fit(r) for r in s.waiting)
     queued_tp = any(  # requests that would go to a group: an idle one is not released under them
-        (r.priority == "high" and cfg.priority) or not s.fits_one(r) for r in s.waiting
+        (r.priority == "high" and cfg.on("priority")) or not s.fits_one(r) for r in s.waiting
     )
     for g in list(rnd.groups.values()):
         if g.state == "releasing" or g.reason == "manual":
@@ -174,24 +177,24 @@ def release_groups(rnd: Round) -> None:
                 release_now(rnd, g, ReleaseCause.WIDENING, width=planned)
         elif (
             g.state == "bound"
-            and rnd.now - g.since >= cfg.max_defer_s
+            and rnd.now - g.since >= rnd.limits.max_defer_s
             and (rnd.paused_dp(g) > 0 or (busy and queued_dp))
         ):
             # paused DP work resumes now: the group's requests continue in DP (unless one of them needs the
             # group's pooled KV); DP work that only queues waits for the group's requests instead, unless they
             # can move to their owners by scatter (no recompute)
-            why, after = ReleaseCause.DP_DEFERRED, cfg.max_defer_s
+            why, after = ReleaseCause.DP_DEFERRED, rnd.limits.max_defer_s
             if rnd.paused_dp(g) > 0 or rnd.kv.possible(g.members):
                 release_now(rnd, g, why, seconds=after)
             else:
                 rnd.release(g, why, seconds=after)
         elif g.state == "bound" and (block := widen_block(rnd, g)) is not None:
             release_now(rnd, g, ReleaseCause.WIDENING, width=len(block))
-        elif g.state == "bound" and not tp_busy and not queued_tp and rnd.now - g.last_used >= cfg.keep_s:
-            if g.width == planned_width(rnd, g) and rnd.cfg.load_adaptation and not rnd.paused_dp(g):
+        elif g.state == "bound" and not tp_busy and not queued_tp and rnd.now - g.last_used >= KEEP_S:
+            if g.width == planned_width(rnd, g) and rnd.cfg.on("load") and not rnd.paused_dp(g):
                 rnd.put(replace_group(g, reason="load"))  # light load: keep it, as a load group
             else:  # (not a load group's width, or a long group, or paused DP work beside it)
-                rnd.release(g, ReleaseCause.NO_TP_WORK, seconds=cfg.keep_s)
+                rnd.release(g, ReleaseCause.NO_TP_WORK, seconds=KEEP_S)
 
 
 def planned_width(rnd: Round, g: Group) -> int:
@@ -206,7 +209,7 @@ def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
     at most ``tp_inflight_per_engine`` requests a member): releasing ``g`` by scatter lets the next rounds bind
     the block at the planned width. None if there is no such block."""
     width = planned_width(rnd, g)
-    if g.reason != "priority" or g.width >= width or rnd.paused_dp(g) or not rnd.cfg.load_adaptation:
+    if g.reason != "priority" or g.width >= width or rnd.paused_dp(g) or not rnd.cfg.on("load"):
         return None
     block = next((ms for ms in rnd.merge_sets(width) if set(g.members) <= set(ms)), None)
     if block is None or not all(m in rnd.live for m in block) or not rnd.kv.possible(block):
@@ -225,7 +228,7 @@ def widen_block(rnd: Round, g: Group) -> tuple[int, ...] | None:
     load = sum(rnd.dp_inflight[m] for m in set(block) - grouped) + sum(
         rnd.group_n(x) for x in inside.values()
     )
-    return block if load <= rnd.cfg.tp_inflight_per_engine * width else None
+    return block if load <= rnd.limits.tp_inflight_per_engine * width else None
 
 
 def release_idle_blocking(rnd: Round, width: int) -> None:

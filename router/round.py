@@ -27,6 +27,10 @@ from router.engine_view import EngineView
 from router.snapshot import GroupLoad, Snapshot
 from router.transform_cost import TransformCost
 
+# seconds: DP dispatch counts the requests an engine was sent within about this long twice (their prefill is still
+# ahead); without it an engine that has just become free would take every new request at once
+SPREAD_S = 3.0
+
 USABLE: tuple[GroupState, ...] = ("bound", "binding")
 # groups a request one engine holds may go to (a long prefill would stall it)
 SHORT: tuple[GroupReason, ...] = ("load", "priority", "manual")
@@ -39,7 +43,7 @@ def replace_group(g: Group, **kw: object) -> Group:
 def decayed_recent(
     state: RouterState, now: float, tau: float, live: Mapping[int, EngineView]
 ) -> dict[int, float]:
-    """DP dispatches per live engine, decayed with time constant ``tau`` (``spread_s``) since the last round
+    """DP dispatches per live engine, decayed with time constant ``tau`` (:data:`SPREAD_S`) since the last round
     (``state.rate_ts``); negligible ones dropped."""
     if tau <= 0 or not state.recent:
         return {}
@@ -51,7 +55,7 @@ class Round:
     """One call of :func:`router.policy.decide`: the snapshot plus what this round has already handed out."""
 
     def __init__(self, s: Snapshot, cfg: PolicyConfig) -> None:
-        self.s, self.cfg, self.now = s, cfg, s.now
+        self.s, self.cfg, self.now, self.limits = s, cfg, s.now, s.limits
         self.live = {e.engine: e for e in s.engines}
         # the groups that exist (binding, bound, releasing); parked ones apart: their members are DP engines
         self.groups: dict[int, Group] = {g.epoch: g for g in s.groups if g.state != "parked"}
@@ -59,8 +63,8 @@ class Round:
         self.out = Decision(
             state=msgspec.structs.replace(
                 s.state,
-                long_context=cfg.long_context,
-                long_wait_s=cfg.long_wait_s if cfg.long_context else 0.0,
+                long_context=cfg.on("long-context"),
+                long_wait_s=cfg.long_wait_s if cfg.on("long-context") else 0.0,
             ),
             sp_threshold=cfg.sp_threshold,
         )
@@ -72,7 +76,7 @@ class Round:
         # node (pool) -> its load width this round: as last planned, until router.regime plans again
         self.plan = {e.pool: s.state.widths.get(e.node_key, 1) for e in s.engines}
         self.suspect = {e: t for e, t in s.state.suspect.items() if t > s.now}
-        self.recent = decayed_recent(s.state, s.now, cfg.spread_s, self.live)
+        self.recent = decayed_recent(s.state, s.now, SPREAD_S, self.live)
         # engines running a suspect request, this round's included
         self.suspect_holders = set(s.suspect_holders)
         self.sent: dict[int, set[int]] = {}  # engine -> chain hashes this round sends it (DP)
@@ -115,7 +119,7 @@ class Round:
         """A DP request of ``kv`` tokens with prefix ``chain`` goes to engine ``e`` this round."""
         self.sent.setdefault(e, set()).update(chain)
         self.dp_inflight[e] += 1
-        if self.cfg.spread_s > 0:
+        if SPREAD_S > 0:
             self.recent[e] = self.recent.get(e, 0.0) + 1
         self.dp_kv[e] += kv
 
@@ -128,7 +132,7 @@ class Round:
     def distrust(self, engines: tuple[int, ...]) -> None:
         """Leave ``engines`` out of binds for ``suspect_s`` (they did not acknowledge one)."""
         for e in engines:
-            self.suspect[e] = self.now + self.cfg.suspect_s
+            self.suspect[e] = self.now + self.limits.suspect_s
 
     def found_no_idle_block(self, width: int) -> None:
         self.no_idle_block.add(width)
@@ -249,7 +253,7 @@ class Round:
         # under busy load a load or long group still bound serves a long request to its end (router.long_wait):
         # it takes DP's share of work
         busy_serving = self.out.state.busy and g.reason in ("load", "long")
-        per = self.cfg.max_inflight_per_worker if busy_serving else self.tp_room_per_engine(g)
+        per = self.limits.max_inflight_per_worker if busy_serving else self.tp_room_per_engine(g)
         return n < g.width * per and kv + r.kv_tokens <= pooled
 
     def tp_room_per_engine(self, g: Group) -> int:
@@ -257,7 +261,7 @@ class Round:
         group running only requests one engine holds (its SP steps keep up with what the members would hold in
         DP), else ``tp_inflight_per_engine`` (a long request's prefill chunks hold up everything else)."""
         short = g.reason in ("load", "priority") and self.tp_max.get(g.epoch, 0) <= self.s.max_kv
-        return self.cfg.sp_inflight_per_engine if short else self.cfg.tp_inflight_per_engine
+        return self.limits.sp_inflight_per_engine if short else self.limits.tp_inflight_per_engine
 
     def holds_suspect(self, e: int) -> None:
         """Engine ``e`` was sent a suspect request this round: it takes no other."""

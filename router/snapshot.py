@@ -8,6 +8,7 @@ from functools import cached_property
 
 from flying.cost_model import H200_LLAMA70B, CostModel
 from flying.messages import Group, QueuedRequest, RouterState
+from router.config import Limits
 from router.engine_view import EngineView
 from router.prefix_index import PrefixIndex
 
@@ -44,6 +45,7 @@ class Snapshot:
     probe: Mapping[str, int] = field(default_factory=dict)  # node -> the width an idle probe plans it at
     # engines running a suspect request (an engine died holding it: flying:suspects): they take no other
     suspect_holders: frozenset[int] = frozenset()
+    limits: Limits = field(default_factory=Limits)  # what the engines and the bind protocol allow
 
     @cached_property
     def parked_held(self) -> Mapping[int, tuple[int, ...]]:

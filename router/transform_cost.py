@@ -28,6 +28,10 @@ from flying.cost_model import CostModel
 from router.config import PolicyConfig
 from router.engine_view import EngineView
 
+# milliseconds: a busy block is adopted into a group only if the estimated KV transformation stalls the group at most
+# this (a block too costly to adopt whole binds narrower groups, whose SP prefill is slower until they widen)
+ADOPT_MAX_MS = 200.0
+
 
 def adopt_moves(tokens: list[float]) -> list[tuple[float, float]]:
     """Adoption at width ``d = len(tokens)``: member m holds ``tokens[m]`` KV tokens of DP requests; it keeps 1/d of
@@ -54,7 +58,9 @@ class TransformCost:
 
     def possible(self, members: Sequence[int]) -> bool:
         """Adopt/scatter only where it is on and every member's heartbeat says it applies them."""
-        return self.cfg.kv_transform and all(m in self.live and self.live[m].kv_transform for m in members)
+        return self.cfg.on("kv-transform") and all(
+            m in self.live and self.live[m].kv_transform for m in members
+        )
 
     def used_kv(self, m: int) -> int:
         """KV tokens engine ``m``'s DP requests hold (heartbeat), those this round sends it included."""
@@ -66,8 +72,8 @@ class TransformCost:
         return self.cost.transform_ms(adopt_moves([self.used_kv(m) for m in members]))
 
     def may_adopt(self, members: Sequence[int]) -> bool:
-        """Adoption beats draining or pausing the members' DP work when its stall is at most ``adopt_max_ms``
+        """Adoption beats draining or pausing the members' DP work when its stall is at most :data:`ADOPT_MAX_MS`
         (a few decode steps); a larger one (members full of KV) drains or pauses as without it. (Whether each member
         has room for the slices it would receive is the workers' check: where one has not, they bind hard and
         report the paused work, which the round releases after ``max_defer_s``.)"""
-        return self.possible(members) and self.adopt_ms(members) <= self.cfg.adopt_max_ms
+        return self.possible(members) and self.adopt_ms(members) <= ADOPT_MAX_MS

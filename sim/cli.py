@@ -6,7 +6,7 @@ steps, latency and throughput of every system; ``sim/plots.py``).
 flying-sim --requests 4000 --out sim-out               the paper's two-level workload on 8 simulated H200s
 flying-sim --no-kv-transform --out sim-before          the same, engines without KV transformation (adopt/scatter)
 flying-sim --mixed-steps --out sim-mixed                engines that run their DP work in a bound group's steps
-flying-sim --policy regime=inflight --policy calm_s=3   override the simulator's PolicyConfig fields
+flying-sim --policy max_width=4 --policy off=park      override the simulated router's settings
 flying-sim --trace my.csv --preset burstgpt --out o    your own trace (a BurstGPT or Azure CSV, or loadgen's format)
 flying-sim --preset azure --out o                       SYNTHETIC, shaped like the Azure 2023 trace (azure-code, burstgpt)
 flying-sim --modes shift,dynamic --shift-threshold 512  Shift Parallelism with the code's threshold
@@ -33,7 +33,7 @@ from flying.cost_model import calibration, with_overrides
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.results import finite
 from loadgen.trace import PRESETS, read_mooncake, read_trace
-from router.policy import PolicyConfig
+from router.policy import Limits, PolicyConfig
 from sim.config import Mode, SimConfig
 from sim.plots import burst_spans, mode_counts, plot, shift_share
 from sim.prefix_report import hit_rate, prefix_table, ratios, summarize_prefix
@@ -267,27 +267,30 @@ def _bool(text: str) -> bool:
     raise ValueError(text)
 
 
-def policy_overrides(items: list[str]) -> dict:
-    """``FIELD=VALUE`` strings -> PolicyConfig fields, each value parsed as its field's type (ValueError naming
-    the item when it cannot be)."""
-    hints = typing.get_type_hints(PolicyConfig)
-    out: dict = {}
+def policy_overrides(items: list[str]) -> tuple[dict, dict]:
+    """``FIELD=VALUE`` strings -> (PolicyConfig fields, Limits fields), each value parsed as its field's type
+    (ValueError naming the item when it cannot be); ``off`` takes mechanisms separated by commas."""
+    classes = (typing.get_type_hints(PolicyConfig), typing.get_type_hints(Limits))
+    out: tuple[dict, dict] = ({}, {})
     for item in items:
         name, sep, value = item.partition("=")
-        if name not in hints:
-            raise ValueError(f"--policy {item}: PolicyConfig has no field {name!r}")
+        which = next((i for i, hints in enumerate(classes) if name in hints), None)
+        if which is None:
+            raise ValueError(f"--policy {item}: neither PolicyConfig nor Limits has a field {name!r}")
         if not sep:
             raise ValueError(f"--policy {item}: expected FIELD=VALUE")
-        kind = hints[name]
+        kind = classes[which][name]
         try:
             if kind == int | None:
-                out[name] = None if value.lower() in ("", "none") else int(value)
+                out[which][name] = None if value.lower() in ("", "none") else int(value)
             elif kind is bool:
-                out[name] = _bool(value)
+                out[which][name] = _bool(value)
             elif kind in (int, float):
-                out[name] = kind(value)
+                out[which][name] = kind(value)
+            elif typing.get_origin(kind) is frozenset:
+                out[which][name] = frozenset(x for x in value.split(",") if x and x != "none")
             else:
-                out[name] = value
+                out[which][name] = value
         except ValueError:
             raise ValueError(
                 f"--policy {item}: {value!r} is not a {getattr(kind, '__name__', kind)}"
@@ -426,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override a PolicyConfig field of the simulated router (repeatable), e.g. regime=inflight",
+        help="override a PolicyConfig or Limits field of the simulated router (repeatable), e.g. max_width=4, "
+        "off=park,kv-transform",
     )
     p.add_argument(
         "--kv-transform",
@@ -451,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--spread-ownership",
         action=argparse.BooleanOptionalAction,
-        default=d.policy.spread_ownership,
+        default=d.policy.on("spread-ownership"),
         help="a bound group's TP requests are owned by its members in turn (a release scatters them evenly); "
-        "the policy's spread_ownership",
+        "off: the policy's off=spread-ownership",
     )
     p.add_argument(
         "--cost",
@@ -505,8 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         span(a.input), span(a.output, "--output")
         if a.seeds:
             parse_seeds(a.seeds)
-        policy = {"spread_ownership": a.spread_ownership, **policy_overrides(a.policy)}
+        policy, limits = policy_overrides(a.policy)
+        if not a.spread_ownership:
+            policy["off"] = policy.get("off", d.policy.off) | {"spread-ownership"}
         policy_config = dataclasses.replace(d.policy, **policy)
+        limits_config = dataclasses.replace(d.limits, **limits)
         for rule in a.dispatch.split(","):
             dataclasses.replace(policy_config, dispatch=rule)
     except ValueError as e:
@@ -553,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         park=a.park,
         shift_threshold=a.shift_threshold,
     )
-    base = dataclasses.replace(base, policy=policy_config)  # (checked above)
+    base = dataclasses.replace(base, policy=policy_config, limits=limits_config)  # (checked above)
     try:
         base = dataclasses.replace(base, cost=with_overrides(base.cost, a.cost))
     except ValueError as e:
@@ -728,9 +735,11 @@ def prefix_main(a: argparse.Namespace, d: SimConfig) -> int:
     rows: dict[tuple[str, str], dict] = {}
     for mode in a.modes.split(","):
         for dispatch in a.dispatch.split(","):
-            policy = dataclasses.replace(d.policy, dispatch=dispatch, **policy_overrides(a.policy))
+            changes, limits = policy_overrides(a.policy)
+            policy = dataclasses.replace(d.policy, dispatch=dispatch, **changes)
             cfg = dataclasses.replace(
                 d,
+                limits=dataclasses.replace(d.limits, **limits),
                 engines=a.engines,
                 tp_width=a.tp_width,
                 mode=mode,

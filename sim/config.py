@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flying.cost_model import H200_LLAMA70B, CostModel
-from router.config import PolicyConfig
+from router.config import MANUAL_OFF, Limits, PolicyConfig
 
 Mode = Literal["dynamic", "dp", "tp", "shift"]
 
@@ -24,6 +24,7 @@ class SimConfig:
     shift_threshold: int = 256  # shift: a step batching at most this many tokens runs in full TP (seed 001)
     # the live router's defaults: the simulator runs the policy flying-router runs
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    limits: Limits = field(default_factory=Limits)
     # the simulated GPU workers' --sp-threshold (a Bind may override it): Shift Parallelism's threshold, where its
     # SP and TP steps cost the same in the cost model at width 8 (CPU workers default to 512, set by measurement)
     sp_threshold: int = 256
@@ -63,13 +64,13 @@ class SimConfig:
         return engine // self.per_node
 
     def effective_policy(self) -> PolicyConfig:
+        """The policy the simulated router runs: static modes make no groups of their own."""
         if self.mode == "dynamic":
             return self.policy
-        p = self.policy  # static: no binds; a static TP engine is offered as much per GPU as a DP engine
-        return dataclasses.replace(
-            p,
-            load_adaptation=False,
-            priority=False,
-            long_context=False,
-            tp_inflight_per_engine=p.max_inflight_per_worker,
-        )
+        return dataclasses.replace(self.policy, off=self.policy.off | MANUAL_OFF)
+
+    def effective_limits(self) -> Limits:
+        """Static: a static TP engine is offered as much per GPU as a DP engine."""
+        if self.mode == "dynamic":
+            return self.limits
+        return dataclasses.replace(self.limits, tp_inflight_per_engine=self.limits.max_inflight_per_worker)

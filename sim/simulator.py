@@ -77,6 +77,7 @@ class SimDecision:
 class Simulator:
     def __init__(self, cfg: SimConfig, requests: Sequence[SimRequest], check: bool = False) -> None:
         self.cfg, self.policy, self.check = cfg, cfg.effective_policy(), check
+        self.limits = cfg.effective_limits()
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -182,7 +183,7 @@ class Simulator:
             return cfg.tp_width * kv
         if cfg.mode == "shift":
             return cfg.per_node * kv
-        return pooled_limit(cfg.per_node, kv) if self.policy.long_context else kv
+        return pooled_limit(cfg.per_node, kv) if self.policy.on("long-context") else kv
 
     def arrive_request(self, r: Req) -> None:
         if r.kv > self.context_limit():  # the gateway answers 400: longer than the deployment's context
@@ -269,6 +270,7 @@ class Simulator:
         self.reuse.sync(engines)
         return Snapshot(
             now=self.now,
+            limits=self.limits,
             waiting=waiting,
             queued=sum(len(q) for q in self.queue.values()),
             engines=engines,
@@ -449,7 +451,7 @@ class Simulator:
                 assert seen.get(e.idx) == e.group.epoch or self.records.get(e.group.epoch) is None, (
                     f"engine {e.idx} bound in epoch {e.group.epoch} but recorded in {seen.get(e.idx)}"
                 )
-        grace = self.policy.max_defer_s + self.cfg.tick_s + 2 * self.cfg.router_ms / 1000
+        grace = self.limits.max_defer_s + self.cfg.tick_s + 2 * self.cfg.router_ms / 1000
         for ep, sg in self.groups.items():
             paused = any(self.engines[m].paused_running or self.engines[m].paused_queue for m in sg.members)
             rec = self.records.get(ep)

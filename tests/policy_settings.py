@@ -6,22 +6,32 @@ from __future__ import annotations
 import dataclasses
 
 from flying.messages import RouterState
-from router.config import PolicyConfig
+from router.config import MANUAL_OFF, Limits, PolicyConfig
 
-UNIT_POLICY = PolicyConfig(
-    max_width=2,
+UNIT_POLICY = PolicyConfig(max_width=2)
+UNIT_LIMITS = Limits(
     max_inflight_per_worker=32,
-    spread_s=0.0,
     tp_inflight_per_engine=4,
     sp_inflight_per_engine=4,  # a load group takes as many as any other (tests/test_round.py: more)
     adopt_max_inflight=64,
-    long_preempt="sequential",  # the tests of long binds were written against draining first
 )
+# no automatic groups: DP dispatch alone
+DP_ONLY = PolicyConfig(off=MANUAL_OFF)
 
 
 def unit_policy(**changes: object) -> PolicyConfig:
     """:data:`UNIT_POLICY` with ``changes``."""
     return dataclasses.replace(UNIT_POLICY, **changes)  # type: ignore[arg-type]
+
+
+def unit_limits(**changes: object) -> Limits:
+    """:data:`UNIT_LIMITS` with ``changes``."""
+    return dataclasses.replace(UNIT_LIMITS, **changes)  # type: ignore[arg-type]
+
+
+def off(*mechanisms: str, base: PolicyConfig = UNIT_POLICY) -> PolicyConfig:
+    """``base`` without ``mechanisms``."""
+    return dataclasses.replace(base, off=base.off | frozenset(mechanisms))  # type: ignore[arg-type]
 
 
 def planned(width: int, now: float = 100.0, nodes: tuple[str, ...] = ("0",), **kw: object) -> RouterState:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -20,7 +21,7 @@ from flying import redis_conn
 from flying.keys import Keys
 from flying.messages import Heartbeat, encode
 from flying.procs import free_port, spawn, stop, wait_healthy
-from router.config import RouterConfig
+from router.config import MANUAL_OFF, Limits, RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig
 
@@ -57,11 +58,13 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | No
 class RouterThread:
     """The real router's loop in a thread of its own (TestClient and uvicorn run the app in other threads)."""
 
-    def __init__(self, redis_url: str, prefix: str, **policy) -> None:
+    def __init__(self, redis_url: str, prefix: str, **settings) -> None:
+        """``settings``: PolicyConfig or Limits fields (no automatic groups unless ``off`` says otherwise)."""
         self.redis_url, self.prefix = redis_url, prefix
-        self.policy = PolicyConfig(
-            **({"load_adaptation": False, "priority": False, "long_context": False} | policy)
-        )
+        limit_names = {f.name for f in dataclasses.fields(Limits)}
+        limits = {k: v for k, v in settings.items() if k in limit_names}
+        policy = {"off": MANUAL_OFF} | {k: v for k, v in settings.items() if k not in limit_names}
+        self.policy, self.limits = PolicyConfig(**policy), Limits(**limits)
         self.ready = threading.Event()
         self.thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
 
@@ -70,9 +73,9 @@ class RouterThread:
         self.loop, self.stop_event = asyncio.get_running_loop(), asyncio.Event()
         self.ready.set()
         try:
-            await Dispatcher(RouterConfig(key_prefix=self.prefix, policy=self.policy), client).run(
-                self.stop_event
-            )
+            await Dispatcher(
+                RouterConfig(key_prefix=self.prefix, policy=self.policy, limits=self.limits), client
+            ).run(self.stop_event)
         finally:
             await client.aclose()
 

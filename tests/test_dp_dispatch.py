@@ -9,8 +9,9 @@ import msgspec
 
 from flying.messages import QueuedRequest, RouterState
 from flying.prefix import block_hashes, encode_chain
-from router import placement
-from router.config import PolicyConfig
+from router import dp_dispatch, placement
+from router import round as round_
+from router.config import MANUAL_OFF, Limits, PolicyConfig
 from router.decision import Dispatch
 from router.dp_dispatch import dp_score, to_dp
 from router.engine_view import EngineView
@@ -19,7 +20,8 @@ from router.prefix_index import PrefixIndex
 from router.round import Round
 from router.snapshot import Snapshot
 
-CFG = PolicyConfig(load_adaptation=False, priority=False, long_context=False, max_inflight_per_worker=4)
+CFG = PolicyConfig(off=MANUAL_OFF)
+LIMITS = Limits(max_inflight_per_worker=4)
 
 
 def eng(i, inflight=0, cap=1000, **kw):
@@ -31,10 +33,17 @@ def req(i="r", chain=(), keyed=False):
                          enqueued_at=100.0, prefix=encode_chain(list(chain)), keyed=keyed)  # fmt: skip
 
 
-def rnd(engines, cfg=CFG, prefixes=None, state=None):
+def rnd(engines, cfg=CFG, prefixes=None, state=None, limits=LIMITS):
     s = Snapshot(now=100.0, waiting=[], queued=0, engines=engines, groups=[], state=state or RouterState(),
-                 prefixes=prefixes or PrefixIndex())  # fmt: skip
+                 prefixes=prefixes or PrefixIndex(), limits=limits)  # fmt: skip
     return Round(s, cfg)
+
+
+def tight(monkeypatch) -> Limits:
+    """Loads out of balance as soon as they differ; 8 requests an engine."""
+    monkeypatch.setattr(dp_dispatch, "BALANCE_ABS", 1.0)
+    monkeypatch.setattr(dp_dispatch, "BALANCE_REL", 1.0)
+    return Limits(max_inflight_per_worker=8)
 
 
 def test_least_loaded_with_a_free_slot_and_the_kv_for_it():
@@ -48,7 +57,7 @@ def test_least_loaded_with_a_free_slot_and_the_kv_for_it():
     assert r.dp_inflight[0] == 4 and not to_dp(r, req("d")), "engine 0 is full, 1 too, 2 cannot hold it"
 
 
-def test_cache_aware_follows_the_prefix_unless_loads_are_out_of_balance():
+def test_cache_aware_follows_the_prefix_unless_loads_are_out_of_balance(monkeypatch):
     index = PrefixIndex()
     engines = [eng(0, inflight=2), eng(1)]
     index.sync(engines)
@@ -56,10 +65,7 @@ def test_cache_aware_follows_the_prefix_unless_loads_are_out_of_balance():
     r = rnd(engines, prefixes=index)
     assert to_dp(r, req(chain=[11, 12, 13, 14]))
     assert [(x.engine, x.rule) for x in r.out.dispatches] == [(0, "prefix")]
-    tight = dataclasses.replace(
-        CFG, balance_abs_threshold=1.0, balance_rel_threshold=1.0, max_inflight_per_worker=8
-    )
-    r = rnd([eng(0, inflight=3), eng(1)], tight, index)
+    r = rnd([eng(0, inflight=3), eng(1)], CFG, index, limits=tight(monkeypatch))
     to_dp(r, req(chain=[11, 12]))
     assert [(x.engine, x.rule) for x in r.out.dispatches] == [(1, "imbalanced")]
     r = rnd(engines, dataclasses.replace(CFG, dispatch="least-loaded"), index)
@@ -67,9 +73,9 @@ def test_cache_aware_follows_the_prefix_unless_loads_are_out_of_balance():
     assert [(x.engine, x.rule) for x in r.out.dispatches] == [(1, "least-loaded")]
 
 
-def test_recent_dispatches_count_twice_while_they_decay():
-    cfg = dataclasses.replace(CFG, spread_s=2.0)
-    r = rnd([eng(0, inflight=1), eng(1, inflight=1)], cfg, state=RouterState(recent={1: 2.0}, rate_ts=98.0))
+def test_recent_dispatches_count_twice_while_they_decay(monkeypatch):
+    monkeypatch.setattr(round_, "SPREAD_S", 2.0)
+    r = rnd([eng(0, inflight=1), eng(1, inflight=1)], state=RouterState(recent={1: 2.0}, rate_ts=98.0))
     assert abs(dp_score(r, 1) - (1 + 2.0 / 2.718281828459045)) < 1e-9 and dp_score(r, 0) == 1
     to_dp(r, req())
     assert r.out.dispatches[0].engine == 0 and r.recent[0] == 1.0
@@ -88,7 +94,7 @@ def scan_to_dp(rnd_: Round, r: QueuedRequest) -> bool:
         and not e.pending
         and e.engine not in taken
         and not rnd_.avoid(r, (e.engine,))
-        and rnd_.dp_inflight[e.engine] < rnd_.cfg.max_inflight_per_worker
+        and rnd_.dp_inflight[e.engine] < rnd_.limits.max_inflight_per_worker
         and e.max_total_tokens >= r.kv_tokens
     ]
     if not fits:
@@ -100,27 +106,26 @@ def scan_to_dp(rnd_: Round, r: QueuedRequest) -> bool:
         loads = [dp_score(rnd_, e.engine) for e in fits]
         hi, lo = max(loads), min(loads)
         rule = "no-chain" if not chain else "imbalanced"
-        if chain and not (
-            hi - lo > rnd_.cfg.balance_abs_threshold and hi > rnd_.cfg.balance_rel_threshold * lo
-        ):
+        if chain and not (hi - lo > dp_dispatch.BALANCE_ABS and hi > dp_dispatch.BALANCE_REL * lo):
             held = {
                 e.engine: rnd_.s.prefixes.match(e.engine, chain, rnd_.sent.get(e.engine, ())) for e in fits
             }
             top = max(held.values())
             rule = "no-match"
-            if top and top >= rnd_.cfg.cache_threshold * len(chain):
+            if top and top >= dp_dispatch.CACHE_THRESHOLD * len(chain):
                 best, rule = min((e for e in fits if held[e.engine] == top), key=key), "prefix"
     rnd_.sent.setdefault(best.engine, set()).update(chain)
     rnd_.dp_inflight[best.engine] += 1
-    if rnd_.cfg.spread_s > 0:
+    if round_.SPREAD_S > 0:
         rnd_.recent[best.engine] = rnd_.recent.get(best.engine, 0.0) + 1
     rnd_.dp_kv[best.engine] += r.kv_tokens
     rnd_.out.dispatches.append(Dispatch(r, best.engine, best.url, rule=rule))
     return True
 
 
-def random_snapshot(seed: int) -> tuple[Snapshot, PolicyConfig]:
-    """A cluster with mixed loads, KV sizes, modes, failed requests, prefix chains and groups; light or busy."""
+def random_snapshot(seed: int) -> tuple[Snapshot, PolicyConfig, float, float]:
+    """A cluster with mixed loads, KV sizes, modes, failed requests, prefix chains and groups; light or busy; the
+    policy, and the spread (seconds) and balance threshold (requests) to run it with."""
     rng = random.Random(seed)
     n = rng.choice((2, 4, 8, 16))
     chains = [[rng.randrange(1, 50) + 100 * k for k in range(rng.randrange(1, 6))] for _ in range(6)]
@@ -145,17 +150,20 @@ def random_snapshot(seed: int) -> tuple[Snapshot, PolicyConfig]:
     ]  # fmt: skip
     state = RouterState(busy=rng.random() < 0.6, recent={e: rng.random() * 3 for e in range(n)},
                         rate_ts=99.0)  # fmt: skip
-    cfg = PolicyConfig(max_inflight_per_worker=rng.choice((4, 8, 16)), spread_s=rng.choice((0.0, 3.0)),
-                       dispatch=rng.choice(("cache-aware", "cache-aware", "least-loaded")),
-                       balance_abs_threshold=rng.choice((2.0, 8.0)))  # fmt: skip
+    limits = Limits(max_inflight_per_worker=rng.choice((4, 8, 16)))
+    spread = rng.choice((0.0, 3.0))
+    cfg = PolicyConfig(dispatch=rng.choice(("cache-aware", "cache-aware", "least-loaded")))
+    balance = rng.choice((2.0, 8.0))
     return Snapshot(now=100.0, waiting=waiting, queued=len(waiting), engines=engines, groups=[], state=state,
-                    prefixes=index), cfg  # fmt: skip
+                    prefixes=index, limits=limits), cfg, spread, balance  # fmt: skip
 
 
 def test_the_candidate_pool_decides_what_a_scan_of_every_engine_decided(monkeypatch):
     rules: dict[str, int] = {}
     for seed in range(200):
-        s, cfg = random_snapshot(seed)
+        s, cfg, spread, balance = random_snapshot(seed)
+        monkeypatch.setattr(round_, "SPREAD_S", spread)
+        monkeypatch.setattr(dp_dispatch, "BALANCE_ABS", balance)
         pooled = decide(s, cfg)
         with monkeypatch.context() as m:
             m.setattr(placement, "to_dp", scan_to_dp)
@@ -189,17 +197,14 @@ def test_a_cache_key_goes_where_it_went_before_whatever_its_prompt():
     ]
 
 
-def test_a_cache_key_yields_to_a_full_engine_and_to_imbalance():
+def test_a_cache_key_yields_to_a_full_engine_and_to_imbalance(monkeypatch):
     index = PrefixIndex()
     engines = [eng(0, inflight=4), eng(1)]
     index.sync(engines)
     index.record(0, keyed("a", "k", 1).chain)
     r = rnd(engines, prefixes=index)
     assert to_dp(r, keyed("b", "k", 1)) and r.out.dispatches[-1].engine == 1, "no room on 0"
-    tight = dataclasses.replace(
-        CFG, balance_abs_threshold=1.0, balance_rel_threshold=1.0, max_inflight_per_worker=8
-    )
-    r = rnd([eng(0, inflight=3), eng(1)], tight, index)
+    r = rnd([eng(0, inflight=3), eng(1)], CFG, index, limits=tight(monkeypatch))
     assert to_dp(r, keyed("c", "k", 1)) and (r.out.dispatches[-1].engine, r.out.dispatches[-1].rule) == (
         1,
         "imbalanced",

@@ -22,7 +22,7 @@ from gateway.api.schemas import ChatCompletionRequest, decode
 from gateway.config import GatewayConfig
 from gateway.http.disconnect import ClientGone
 from gateway.service import Gateway
-from router.config import RouterConfig
+from router.config import MANUAL_OFF, RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import PolicyConfig
 from tests.stack import read_request
@@ -131,7 +131,7 @@ async def gateway(redis_server, aredis, keys):
     await aredis.set(keys.worker(0), encode(hb), px=60_000)
     await aredis.sadd(keys.workers, 0)
     await aredis.set(keys.ready(0), "L")
-    policy = PolicyConfig(load_adaptation=False, priority=False, long_context=False)
+    policy = PolicyConfig(off=MANUAL_OFF)
     router = Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=policy), aredis)
     stop = asyncio.Event()
     task = asyncio.create_task(router.run(stop))

@@ -14,7 +14,7 @@ from router.long_wait import forget_old, unrest, waits
 from router.policy import decide
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import BUSY, LIGHT, planned, unit_policy
+from tests.policy_settings import BUSY, LIGHT, UNIT_LIMITS, off, planned, unit_policy
 
 # light: demand (queued + inflight) at most light_load (0.5) x 4 per engine x 4 engines = 8
 CFG = unit_policy(long_wait_s=30.0)
@@ -36,7 +36,7 @@ def short(i: str) -> QueuedRequest:
 
 def snap(waiting, engines=None, groups=(), now=100.0, state=LIGHT, loads=None) -> Snapshot:
     engines = [eng(i) for i in range(4)] if engines is None else engines
-    return Snapshot(now=now, waiting=list(waiting), queued=len(waiting), engines=engines, groups=list(groups),
+    return Snapshot(limits=UNIT_LIMITS, now=now, waiting=list(waiting), queued=len(waiting), engines=engines, groups=list(groups),
                     state=state, tp_load=loads or {})  # fmt: skip
 
 
@@ -84,7 +84,7 @@ def test_calm_ends_the_wait_and_the_request_binds_the_width_it_needs():
 
 
 def test_without_parking_the_bound_ends_the_wait_even_under_load_and_then_it_binds_the_width_it_needs():
-    cfg = unit_policy(long_wait_s=30.0, park=False)
+    cfg = off("park", base=CFG)
     waiting = decide(snap([long()], BUSY_ENGINES), cfg).state
     d = decide(snap([long()], BUSY_ENGINES, now=130.0, state=waiting), cfg)
     assert [(g.members, g.reason) for g in d.binds] == [((0, 1), "long")]

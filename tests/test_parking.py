@@ -10,7 +10,7 @@ from router.long_wait import resume_parked as resume
 from router.policy import decide
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import BUSY, LIGHT, unit_policy
+from tests.policy_settings import BUSY, LIGHT, UNIT_LIMITS, off, unit_policy
 
 CFG = unit_policy(long_wait_s=30.0)
 
@@ -25,7 +25,7 @@ def eng(
 
 
 def snap(engines, groups=(), now=100.0, state=LIGHT, loads=None) -> Snapshot:
-    return Snapshot(now=now, waiting=[], queued=0, engines=engines, groups=list(groups), state=state,
+    return Snapshot(limits=UNIT_LIMITS, now=now, waiting=[], queued=0, engines=engines, groups=list(groups), state=state,
                     tp_load=loads or {})  # fmt: skip
 
 
@@ -51,9 +51,7 @@ def test_it_keeps_serving_where_a_member_cannot_park_or_it_holds_a_high_priority
     held = snap([eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)], [bound(hold=True)], state=BUSY,
                 loads={3: LONG})  # fmt: skip
     assert not decide(held, CFG).releases
-    assert not decide(
-        surge(eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)), unit_policy(park=False)
-    ).releases
+    assert not decide(surge(eng(0, 1, 3), eng(1, 0, 3), eng(2, 10), eng(3, 10)), off("park")).releases
 
 
 def test_a_parked_release_keeps_its_record_while_the_members_report_the_requests_parked():
@@ -119,7 +117,7 @@ def test_engines_holding_parked_requests_no_record_knows_are_told_to_end_them():
 def test_a_long_group_whose_bind_paused_dp_work_is_parked_after_max_defer_s_instead_of_waiting():
     g = bound(since=90.0)
     s = snap([eng(0, 2, 3), eng(1, 1, 3), eng(2), eng(3)], [g], state=BUSY, loads={3: LONG})
-    d = decide(s, unit_policy(long_wait_s=30.0, max_defer_s=5.0))
+    d = decide(s, unit_policy(long_wait_s=30.0))
     assert [(n.mode, n.cause) for n in d.releases] == [(ReleaseMode.PARK, ReleaseCause.DP_DEFERRED)]
 
 
@@ -132,7 +130,7 @@ def test_a_resume_rolled_back_before_it_bound_leaves_its_requests_parked():
 
 def test_a_member_whose_breaker_is_open_still_holds_its_parked_kv():
     parked = Group(epoch=3, members=(0, 1), reason="long", state="parked", since=99.0, park=True)
-    s = Snapshot(now=100.0, waiting=[], queued=0, engines=[eng(0, parked=(3,)), eng(2), eng(3)], groups=[parked],
+    s = Snapshot(limits=UNIT_LIMITS, now=100.0, waiting=[], queued=0, engines=[eng(0, parked=(3,)), eng(2), eng(3)], groups=[parked],
                  state=BUSY, held={0: (3,), 1: (3,), 2: (), 3: ()})  # (engine 1 out of the dispatchable view)  # fmt: skip
     d = decide(s, CFG)
     assert not d.commands and not d.drop
@@ -181,16 +179,16 @@ def parked_on(*members: int, free: int = 1000) -> tuple[list[EngineView], Group]
 
 def test_a_request_only_the_parked_engines_could_serve_resumes_their_group_at_once_and_for_good():
     engines, g = parked_on(0, 1, free=300)
-    s = Snapshot(now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=engines, groups=[g], state=BUSY,
+    s = Snapshot(limits=UNIT_LIMITS, now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=engines, groups=[g], state=BUSY,
                  tp_load={3: LONG})  # fmt: skip
     d = decide(s, CFG)  # a burst, parked 1 s: without the request it would stay parked
     assert not d.dispatches  # 710 tokens: more than either engine's free KV (the parked slices hold the rest)
     assert [(b.members, b.carries, b.hold) for b in d.binds] == [((0, 1), (3,), True)]
-    fresh = Snapshot(now=100.0, waiting=[waiting(1, 700, 99.9)], queued=1, engines=engines, groups=[g],
+    fresh = Snapshot(limits=UNIT_LIMITS, now=100.0, waiting=[waiting(1, 700, 99.9)], queued=1, engines=engines, groups=[g],
                      state=BUSY, tp_load={3: LONG})  # fmt: skip
     assert not decide(fresh, CFG).binds  # it has not waited max_defer_s yet
     roomy, g = parked_on(0, 1, free=900)
-    s = Snapshot(now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=roomy, groups=[g], state=BUSY,
+    s = Snapshot(limits=UNIT_LIMITS, now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=roomy, groups=[g], state=BUSY,
                  tp_load={3: LONG})  # fmt: skip
     d = decide(s, CFG)
     assert not d.binds and [x.engine for x in d.dispatches] == [
@@ -198,7 +196,7 @@ def test_a_request_only_the_parked_engines_could_serve_resumes_their_group_at_on
     ]  # a parked engine with the free KV serves it
     small = GroupLoad(1, 200, 1500)  # (a smaller parked share: 100 tokens a member)
     engines, g = parked_on(0, 1, free=300)  # the burst's DP work holds the rest: it waits for free KV
-    s = Snapshot(now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=engines, groups=[g], state=BUSY,
+    s = Snapshot(limits=UNIT_LIMITS, now=100.0, waiting=[waiting(1, 700, 90.0)], queued=1, engines=engines, groups=[g], state=BUSY,
                  tp_load={3: small})  # fmt: skip
     assert not decide(s, CFG).binds
 
@@ -207,12 +205,26 @@ def test_a_high_priority_long_request_resumes_a_parked_group_a_normal_one_waits_
     engines, g = parked_on(0, 1, free=300)
     long = waiting(1, 1500, 60.0)  # needs a group of two: only the parked engines make one
     s = Snapshot(
-        now=100.0, waiting=[long], queued=1, engines=engines, groups=[g], state=BUSY, tp_load={3: LONG}
+        limits=UNIT_LIMITS,
+        now=100.0,
+        waiting=[long],
+        queued=1,
+        engines=engines,
+        groups=[g],
+        state=BUSY,
+        tp_load={3: LONG},
     )
     assert not decide(s, CFG).binds  # a normal-priority long request waits for calm (long_wait_s 30)
     high = waiting(1, 1500, 90.0, "high")
     s = Snapshot(
-        now=100.0, waiting=[high], queued=1, engines=engines, groups=[g], state=BUSY, tp_load={3: LONG}
+        limits=UNIT_LIMITS,
+        now=100.0,
+        waiting=[high],
+        queued=1,
+        engines=engines,
+        groups=[g],
+        state=BUSY,
+        tp_load={3: LONG},
     )
     assert [b.carries for b in decide(s, CFG).binds] == [(3,)]
 
@@ -266,12 +278,19 @@ def test_a_blocked_request_resumes_one_parked_group_at_a_time():
     high = waiting(1, 1500, 90.0, "high")
     loads = {3: LONG, 4: LONG}
     s = Snapshot(
-        now=100.0, waiting=[high], queued=1, engines=engines, groups=[old, new], state=BUSY, tp_load=loads
+        limits=UNIT_LIMITS,
+        now=100.0,
+        waiting=[high],
+        queued=1,
+        engines=engines,
+        groups=[old, new],
+        state=BUSY,
+        tp_load=loads,
     )
     d = decide(s, CFG)
     assert [(b.members, b.carries, b.hold) for b in d.binds] == [((0, 1, 2, 3), (3,), True)]
     wide = waiting(2, 4500, 90.0, "high")  # wider than the binding group's pooled KV: only all eight hold it
     binding = Group(epoch=9, members=(0, 1, 2, 3), reason="long", state="binding", since=99.9, carries=(3,))
-    s = Snapshot(now=100.0, waiting=[wide], queued=1, engines=engines, groups=[binding, new], state=BUSY,
+    s = Snapshot(limits=UNIT_LIMITS, now=100.0, waiting=[wide], queued=1, engines=engines, groups=[binding, new], state=BUSY,
                  tp_load={4: LONG})  # fmt: skip
     assert not decide(s, CFG).binds  # not the second parked group while the first binds

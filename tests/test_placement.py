@@ -19,7 +19,17 @@ from router.placement import (
 )
 from router.round import SHORT, USABLE, Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import BUSY, LIGHT, LIGHT_NO_LOAD, UNIT_POLICY, planned, unit_policy
+from tests.policy_settings import (
+    BUSY,
+    LIGHT,
+    LIGHT_NO_LOAD,
+    UNIT_LIMITS,
+    UNIT_POLICY,
+    off,
+    planned,
+    unit_limits,
+    unit_policy,
+)
 
 CFG = UNIT_POLICY
 
@@ -33,10 +43,10 @@ def req(i="r", prompt=10, priority="normal", at=100.0):
     return QueuedRequest(id=i, priority=priority, model="m", prompt_tokens=prompt, max_tokens=10, gateway="g", enqueued_at=at)  # fmt: skip
 
 
-def rnd(engines=None, groups=(), state=BUSY, waiting=(), cfg=CFG, loads=None):
+def rnd(engines=None, groups=(), state=BUSY, waiting=(), cfg=CFG, loads=None, limits=UNIT_LIMITS):
     engines = [eng(i) for i in range(4)] if engines is None else engines
     s = Snapshot(now=100.0, waiting=list(waiting), queued=len(waiting), engines=engines, groups=list(groups), state=state,
-                 tp_load=loads or {})  # fmt: skip
+                 tp_load=loads or {}, limits=limits)  # fmt: skip
     r = Round(s, cfg)
     r.out.state = state
     return r
@@ -49,7 +59,10 @@ def test_need_width_picks_dp_the_narrowest_pool_or_none():
 
 def test_a_long_request_binds_the_least_loaded_block_it_needs_sequentially_by_default():
     """Not calm (demand above light) and its wait over (long_wait_s 0): the width its KV needs."""
-    r = rnd([eng(0, inflight=5), eng(1, inflight=5), eng(2), eng(3)], cfg=unit_policy(long_wait_s=0.0))
+    r = rnd(
+        [eng(0, inflight=5), eng(1, inflight=5), eng(2), eng(3)],
+        cfg=unit_policy(long_wait_s=0.0, preempt="sequential"),
+    )
     place_long(r, req(prompt=1500), 2)
     assert [(g.members, g.reason, g.preempt) for g in r.out.binds] == [((2, 3), "long", "sequential")]
     assert r.out.events == [BindNote((2, 3), "long", BindMode.SEQUENTIAL, engines=4)] and r.reserved == {2, 3}
@@ -86,9 +99,12 @@ def test_light_load_binds_a_busy_block_keeping_its_dp_work_where_its_members_run
     """Members that run mixed steps keep their DP requests running beside the group: the block binds at once, a
     backlog and all (no adoption limit, no drain, no narrow block first); ``mixed_steps`` off: as before."""
     loads = (40, 40, 44, 44)  # above adopt_max_inflight and drain_inflight
-    cfg = unit_policy(max_width=4, adopt_max_inflight=8)
+    cfg, eight = unit_policy(max_width=4), unit_limits(adopt_max_inflight=8)
     r = rnd(
-        [eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)], state=planned(4), cfg=cfg
+        [eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)],
+        state=planned(4),
+        cfg=cfg,
+        limits=eight,
     )
     load_binds(r)
     assert [(g.members, g.preempt, g.adopt, g.keep) for g in r.out.binds] == [
@@ -98,13 +114,19 @@ def test_light_load_binds_a_busy_block_keeping_its_dp_work_where_its_members_run
     assert "DP work kept running beside it" in str(r.out.events[0])
     assert BindMode.of(r.out.binds[0]) is BindMode.KEEP
     r = rnd(
-        [eng(i, inflight=n, kvt=True, mixed=i != 3) for i, n in enumerate(loads)], state=planned(4), cfg=cfg
+        [eng(i, inflight=n, kvt=True, mixed=i != 3) for i, n in enumerate(loads)],
+        state=planned(4),
+        cfg=cfg,
+        limits=eight,
     )
     load_binds(r)
     assert not r.out.binds, "engine 3 runs no mixed steps, and the block's backlog is too large to adopt"
-    off = unit_policy(max_width=4, adopt_max_inflight=8, mixed_steps=False)
+    no_mixed = off("mixed-steps", base=cfg)
     r = rnd(
-        [eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)], state=planned(4), cfg=off
+        [eng(i, inflight=n, kvt=True, mixed=True) for i, n in enumerate(loads)],
+        state=planned(4),
+        cfg=no_mixed,
+        limits=eight,
     )
     load_binds(r)
     assert not any(g.keep for g in r.out.binds), "mixed_steps off: no keep"
@@ -131,7 +153,7 @@ def test_light_load_sends_a_normal_request_to_the_load_group_and_fast_targets_fo
     place(r, req())
     assert [(x.engine, x.epoch) for x in r.out.dispatches] == [(0, 4)]
     [target] = fast_targets(r)
-    assert (target.engine, target.epoch, target.cap) == (0, 4, 1 + 2 * CFG.tp_inflight_per_engine - 1)
+    assert (target.engine, target.epoch, target.cap) == (0, 4, 1 + 2 * UNIT_LIMITS.tp_inflight_per_engine - 1)
 
 
 def test_busy_fast_targets_are_the_dp_engines_in_no_group():
@@ -170,7 +192,7 @@ def test_the_member_holding_fewer_requests_owns_the_next_one():
 def test_the_leader_owns_every_tp_request_where_members_cannot_scatter_or_spreading_is_off():
     """A release by retraction recomputes the group's requests on its leader: without KV transformation they stay
     the leader's; ``spread_ownership`` off, too."""
-    for _, r in (spread_group(kvt=False), spread_group(cfg=unit_policy(spread_ownership=False))):
+    for _, r in (spread_group(kvt=False), spread_group(cfg=off("spread-ownership"))):
         for i in range(3):
             place(r, req(f"r{i}"))
         assert [x.engine for x in r.out.dispatches] == [0, 0, 0]
@@ -193,7 +215,7 @@ def test_fast_targets_of_a_spread_group_are_its_members_sharing_its_room():
     above what each holds now."""
     g, r = spread_group(inflight=(2, 0))
     place(r, req())  # -> engine 1
-    room = 2 * CFG.tp_inflight_per_engine - 1
+    room = 2 * UNIT_LIMITS.tp_inflight_per_engine - 1
     targets = fast_targets(r)
     assert [(t.engine, t.url, t.epoch) for t in targets] == [(0, "e0", 4), (1, "e1", 4)]
     assert [t.cap for t in targets] == [2 + (room + 1) // 2, 1 + room // 2]
@@ -211,53 +233,59 @@ def test_no_narrower_load_group_binds_beside_a_group_being_released():
     assert [g.members for g in r.out.binds] == [(2, 3)], "(0, 1) no longer in a record: the rest binds"
 
 
-def test_where_groups_park_a_normal_long_request_binds_at_least_long_min_width_at_most_half_the_node():
+def test_where_groups_park_a_normal_long_request_binds_at_least_long_min_width_at_most_half_the_node(
+    monkeypatch,
+):
     def eight(park=True):
         return [
             EngineView(i, f"e{i}", 0, 1000, 1000, num_engines=8, beat_ts=100.0, park=park) for i in range(8)
         ]
 
-    cfg = unit_policy(long_wait_s=0.0, long_min_width=8)
+    monkeypatch.setattr("router.placement.LONG_MIN_WIDTH", 8)
+    cfg = unit_policy(long_wait_s=0.0)
     r = rnd(eight(), state=LIGHT, cfg=cfg)
     place_long(r, req(prompt=1500), 2)
     assert [g.members for g in r.out.binds] == [(0, 1, 2, 3)]  # wider than it needs, half the node at most
     r = rnd(eight(), state=LIGHT, cfg=cfg)
     place_long(r, req(prompt=1500, priority="high"), 2)
     assert [(g.members, g.hold) for g in r.out.binds] == [((0, 1), True)]  # at once, as narrow as it can
-    for engines, c in ((eight(park=False), cfg), (eight(), unit_policy(long_wait_s=0.0, park=False))):
+    for engines, c in ((eight(park=False), cfg), (eight(), off("park", base=cfg))):
         r = rnd(engines, state=LIGHT, cfg=c)
         place_long(r, req(prompt=1500), 2)
         assert [g.members for g in r.out.binds] == [(0, 1)]  # never parked: the width its KV needs
 
 
-def test_a_group_held_for_a_high_priority_long_request_holds_no_longer_once_it_is_idle():
+def test_a_group_held_for_a_high_priority_long_request_holds_no_longer_once_it_is_idle(monkeypatch):
+    monkeypatch.setattr("router.placement.LONG_MIN_WIDTH", 2)
     engines = [EngineView(i, f"e{i}", 0, 1000, 1000, mode="tp" if i < 2 else "dp", epoch=5 if i < 2 else 0,
                           num_engines=8, beat_ts=100.0, park=True) for i in range(8)]  # fmt: skip
     held = Group(epoch=5, members=(0, 1), reason="long", state="bound", hold=True)
-    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=10.0, long_min_width=2))
+    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=10.0))
     place_long(r, req(prompt=1500), 2)  # its high-priority request ended: a normal one may be parked
     assert [x.epoch for x in r.out.dispatches] == [5] and not r.out.put[5].hold
-    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=0.0, long_min_width=2, tp_inflight_per_engine=4),
+    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=0.0),
             loads={5: GroupLoad(1, 300, 300)})  # fmt: skip
     place_long(r, req(prompt=1500), 2)  # still serving a request: the group stays held
     assert [x.epoch for x in r.out.dispatches] == [5] and r.out.put[5].hold
 
 
-def test_a_long_request_that_waited_twice_long_wait_s_keeps_its_group_held_when_dispatched():
+def test_a_long_request_that_waited_twice_long_wait_s_keeps_its_group_held_when_dispatched(monkeypatch):
+    monkeypatch.setattr("router.placement.LONG_MIN_WIDTH", 2)
     engines = [EngineView(i, f"e{i}", 0, 1000, 1000, mode="tp" if i < 2 else "dp", epoch=5 if i < 2 else 0,
                           num_engines=8, beat_ts=100.0, park=True) for i in range(8)]  # fmt: skip
     held = Group(
         epoch=5, members=(0, 1), reason="long", state="bound", hold=True
     )  # bound for it, nothing sent yet
-    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=10.0, long_min_width=2))
+    r = rnd(engines, [held], state=LIGHT, cfg=unit_policy(long_wait_s=10.0))
     place_long(r, req(prompt=1500, at=70.0), 2)  # waited 30 s: never parked
     assert [x.epoch for x in r.out.dispatches] == [5] and r.out.put[5].hold
 
 
-def test_a_long_request_still_goes_to_a_bound_group_narrower_than_long_min_width():
+def test_a_long_request_still_goes_to_a_bound_group_narrower_than_long_min_width(monkeypatch):
+    monkeypatch.setattr("router.placement.LONG_MIN_WIDTH", 4)
     engines = [EngineView(i, f"e{i}", 0, 1000, 1000, mode="tp" if i < 2 else "dp", epoch=5 if i < 2 else 0,
                           num_engines=8, beat_ts=100.0, park=True) for i in range(8)]  # fmt: skip
     manual = Group(epoch=5, members=(0, 1), reason="manual", state="bound")
-    r = rnd(engines, [manual], state=LIGHT, cfg=unit_policy(long_wait_s=0.0, long_min_width=4))
+    r = rnd(engines, [manual], state=LIGHT, cfg=unit_policy(long_wait_s=0.0))
     place_long(r, req(prompt=1500), 2)
     assert not r.out.binds and [(x.epoch, x.engine) for x in r.out.dispatches] == [(5, 0)]

@@ -10,12 +10,32 @@ import pytest
 
 from flying.messages import Bind, Group, QueuedRequest, Release, RouterState
 from flying.prefix import BLOCK, block_hashes, encode_chain
-from router.policy import EngineView, GroupLoad, PolicyConfig, Snapshot, decide, need_width
+from router import policy
+from router.config import Limits
+from router.policy import Decision, EngineView, GroupLoad, PolicyConfig, Snapshot, need_width
 from router.prefix_index import PrefixIndex
-from tests.policy_settings import BUSY, LIGHT, LIGHT_NO_LOAD, UNIT_POLICY, planned, unit_policy
+from tests.policy_settings import (
+    BUSY,
+    DP_ONLY,
+    LIGHT,
+    LIGHT_NO_LOAD,
+    UNIT_LIMITS,
+    UNIT_POLICY,
+    off,
+    planned,
+    unit_limits,
+    unit_policy,
+)
 
 CFG = UNIT_POLICY
-DP_ONLY = PolicyConfig(load_adaptation=False, priority=False, long_context=False, max_inflight_per_worker=8)
+DP8 = Limits(max_inflight_per_worker=8)  # DP_ONLY's tests: 8 requests an engine
+
+
+def decide(s: Snapshot, cfg: PolicyConfig, limits: Limits | None = None) -> Decision:
+    """The policy's round on ``s`` within ``limits`` (DP_ONLY: :data:`DP8`; otherwise the unit limits)."""
+    if limits is None:
+        limits = DP8 if cfg.off >= DP_ONLY.off else UNIT_LIMITS
+    return policy.decide(dataclasses.replace(s, limits=limits), cfg)
 
 
 def req(
@@ -69,8 +89,10 @@ def test_a_request_that_failed_on_an_engine_goes_elsewhere_unless_that_engine_is
     assert [(x.request.id, x.engine) for x in d.dispatches] == [("a", 1)], (
         "its heartbeat may not have expired"
     )
-    full = dataclasses.replace(DP_ONLY, max_inflight_per_worker=5)
-    assert not decide(snap([retry], [eng(0), eng(1, inflight=5)]), full).dispatches, "it waits for another"
+    full = Limits(max_inflight_per_worker=5)
+    assert not decide(snap([retry], [eng(0), eng(1, inflight=5)]), DP_ONLY, full).dispatches, (
+        "it waits for another"
+    )
     assert [x.engine for x in decide(snap([retry], [eng(0)]), DP_ONLY).dispatches] == [0]
     g = bound(7, (0, 1), reason="manual")  # engine 2 is full: traffic flows through the operator's group ...
     engines = [in_epoch(0, 7), in_epoch(1, 7), eng(2, inflight=8)]
@@ -79,8 +101,9 @@ def test_a_request_that_failed_on_an_engine_goes_elsewhere_unless_that_engine_is
 
 
 def test_respects_the_inflight_cap_and_keeps_queue_order():
-    cfg = dataclasses.replace(DP_ONLY, max_inflight_per_worker=2)
-    d = decide(snap([req("a"), req("b"), req("c")], [eng(0, inflight=1)]), cfg)
+    d = decide(
+        snap([req("a"), req("b"), req("c")], [eng(0, inflight=1)]), DP_ONLY, Limits(max_inflight_per_worker=2)
+    )
     assert [x.request.id for x in d.dispatches] == ["a"]
 
 
@@ -115,7 +138,7 @@ def test_need_width_is_the_smallest_group_whose_pooled_kv_fits():
 def test_long_request_binds_the_smallest_fitting_group_then_goes_to_its_leader():
     """Under load (a deep queue: not calm) once its wait is over (long_wait_s 0); calm binds wider
     (tests/test_long_wait.py)."""
-    cfg = dataclasses.replace(CFG, long_wait_s=0.0)
+    cfg = dataclasses.replace(CFG, long_wait_s=0.0, preempt="sequential")
     long = req("long", prompt=1400, out=100)
     d = decide(snap([long], queued=10), cfg)
     assert [(g.members, g.reason, g.preempt) for g in d.binds] == [((0, 1), "long", "sequential")]
@@ -173,7 +196,7 @@ def test_a_hard_long_bind_counts_the_dp_work_sent_to_its_members_in_the_same_rou
     """Found by the simulator's random sequences: a DP request sent to engine 0 in the same round as a hard long
     bind over (0, 1) pauses there holding KV the snapshot did not show; counted, the long request no longer fits
     the hard cap and the bind is sequential (before: the group formed too small to ever start it)."""
-    cfg = dataclasses.replace(CFG, long_preempt="hard", long_wait_s=0.0)  # under load (queued): its need
+    cfg = dataclasses.replace(CFG, preempt="hard", long_wait_s=0.0)  # under load (queued): its need
     engines = [eng(0), eng(1), eng(2, inflight=3), eng(3, inflight=3)]
     long = req("long", prompt=1700)
     assert decide(snap([long], engines, queued=10), cfg).binds[0].preempt == "hard"  # alone: the cap holds it
@@ -183,7 +206,7 @@ def test_a_hard_long_bind_counts_the_dp_work_sent_to_its_members_in_the_same_rou
 
 
 def test_long_context_off_leaves_long_requests_alone():
-    cfg = dataclasses.replace(CFG, long_context=False)
+    cfg = off("long-context")
     d = decide(snap([req("long", prompt=1500)]), cfg)
     assert not d.binds and not d.dispatches and d.state.long_context is False
 
@@ -215,10 +238,10 @@ def test_second_high_request_waits_for_the_binding_group_instead_of_binding_anot
 
 
 def test_high_priority_reuses_the_bound_group_up_to_its_capacity():
-    cfg = dataclasses.replace(CFG, tp_inflight_per_engine=1, sp_inflight_per_engine=1)
+    one = unit_limits(tp_inflight_per_engine=1, sp_inflight_per_engine=1)
     g = bound(4, (2, 3))
     engines = [eng(0), eng(1), in_epoch(2, 4), in_epoch(3, 4)]
-    d = decide(snap([req(f"h{i}", priority="high") for i in range(3)], engines, [g]), cfg)
+    d = decide(snap([req(f"h{i}", priority="high") for i in range(3)], engines, [g]), CFG, one)
     assert [(x.request.id, x.engine, x.epoch) for x in d.dispatches[:2]] == [("h0", 2, 4), ("h1", 2, 4)]
     assert not d.binds and d.dispatches[2].epoch == 0  # another group would take the last DP engines: DP
 
@@ -230,7 +253,7 @@ def test_high_priority_falls_back_to_dp_when_no_group_can_form():
 
 
 def test_priority_off_sends_high_requests_to_dp():
-    cfg = dataclasses.replace(CFG, priority=False)
+    cfg = off("priority")
     d = decide(snap([req("hi", priority="high")]), cfg)
     assert not d.binds and d.dispatches[0].epoch == 0
 
@@ -308,8 +331,8 @@ def test_idle_priority_group_of_the_planned_width_becomes_a_load_group():
     assert d.put[4].reason == "load" and not d.commands
 
 
-def test_load_adaptation_off_binds_no_load_groups_though_the_planner_judges_the_load():
-    cfg = dataclasses.replace(CFG, load_adaptation=False)
+def test_load_groups_off_binds_none_though_the_planner_judges_the_load():
+    cfg = off("load")
     d = decide(snap(now=1000.0, state=RouterState(busy=True)), cfg)
     assert not d.binds and d.state.widths == {"0": 1}
     assert not d.state.busy, (
@@ -378,16 +401,27 @@ def test_bind_command_carries_the_records_epoch():
     ("bad", "message"),
     [
         (dict(max_width=3), "max_width must be a power of two >= 1, got 3"),
-        (dict(priority_width=1), "priority_width must be a power of two >= 2, got 1"),
-        (dict(ack_timeout_s=0), "need 0 < ack_timeout_s <= bind_timeout_s"),
-        (dict(cache_threshold=1.5), "cache_threshold 1.5 not in"),
-        (dict(balance_rel_threshold=0.5), "balance_rel_threshold must be >= 1, got 0.5"),
-        (dict(max_inflight_per_worker=0), "max_inflight_per_worker must be >= 1"),
+        (dict(preempt="soft"), "preempt must be one of hard, sequential, got 'soft'"),
+        (dict(off=frozenset({"parking"})), "off: unknown mechanism parking"),
+        (dict(tpot_target_ms=0), "tpot_target_ms must be > 0"),
     ],
 )
 def test_config_is_validated(bad, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         PolicyConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (dict(ack_timeout_s=0), "need 0 < ack_timeout_s <= bind_timeout_s"),
+        (dict(max_inflight_per_worker=0), "max_inflight_per_worker must be >= 1"),
+        (dict(suspect_s=-1), "suspect_s must be >= 0"),
+    ],
+)
+def test_limits_are_validated(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Limits(**bad)
 
 
 def test_priority_group_never_takes_the_last_dp_engines():
@@ -441,27 +475,27 @@ def test_adoption_needs_every_member_to_report_kv_transform_and_the_config_to_al
     d = decide(snap(engines=mixed, state=LIGHT), CFG)
     assert [(g.members, g.preempt, g.adopt) for g in d.binds] == [((0, 1), "sequential", False)]
     both = [teng(i, inflight=x, used=2000 * x) for i, x in enumerate([1, 1, 3, 3])]
-    off = dataclasses.replace(CFG, kv_transform=False)
-    assert [(g.preempt, g.adopt) for g in decide(snap(engines=both, state=LIGHT), off).binds] == [
+    no_kvt = off("kv-transform")
+    assert [(g.preempt, g.adopt) for g in decide(snap(engines=both, state=LIGHT), no_kvt).binds] == [
         ("sequential", False)
     ]
 
 
-def test_adoption_whose_transformation_costs_more_than_adopt_max_ms_drains_instead():
+def test_adoption_whose_transformation_costs_more_than_adopt_max_ms_drains_instead(monkeypatch):
     """Transformation-aware: a block holding much KV would stall its group for its head slices' transfer
     (here about 100 K tokens x 160 KB / 2 at 360 GB/s = 23 ms + 4 ms fixed); above the budget it drains as before.
     (Each member has room for the slices it would receive: 300 K tokens free.)"""
     engines = [teng(i, inflight=4, used=100_000, cap=400_000) for i in range(4)]
     assert all(g.adopt for g in decide(snap(engines=engines, state=LIGHT), CFG).binds)
-    tight = dataclasses.replace(CFG, adopt_max_ms=20.0)
-    d = decide(snap(engines=engines, state=LIGHT), tight)
+    monkeypatch.setattr("router.transform_cost.ADOPT_MAX_MS", 20.0)
+    d = decide(snap(engines=engines, state=LIGHT), CFG)
     assert [(g.preempt, g.adopt) for g in d.binds] == [("sequential", False)]
 
 
 def test_a_block_holding_a_backlog_is_not_adopted_it_serves_it_in_dp():
-    cfg = dataclasses.replace(RATE, adopt_max_inflight=8)
+    eight = unit_limits(adopt_max_inflight=8)
     engines = [teng(0, inflight=2), teng(1, inflight=3), teng(2, inflight=9), teng(3, inflight=9)]
-    d = decide(snap([req("a")], engines, state=rate_state(2.0, busy=False)), cfg)
+    d = decide(snap([req("a")], engines, state=rate_state(2.0, busy=False)), RATE, eight)
     assert [(g.members, g.adopt) for g in d.binds] == [((0, 1), True)]  # (2, 3) hold 18 > 2 x 8: they stay DP
     assert [x.engine for x in d.dispatches] == [2]  # (and keep taking DP work while no group has room)
 
@@ -521,7 +555,7 @@ def test_dp_work_an_adoption_paused_resumes_and_the_block_does_not_adopt_it_agai
     and bind hard: 212 requests paused, reported in the heartbeats. Counted as the group's adopted requests they
     kept it busy and never deferred, so they waited forever. Now the group is released after max_defer_s (by
     scatter) and the block serves its backlog in DP for suspect_s before it may adopt again."""
-    cfg = dataclasses.replace(RATE, adopt_max_inflight=128)  # the default: 106 a member may be adopted
+    cfg, lim = RATE, unit_limits(adopt_max_inflight=128)  # the default: 106 a member may be adopted
     light = planned(2, now=100.5)  # (each round below: the planner keeps the pair bound)
 
     def at(state: RouterState, now: float) -> RouterState:
@@ -529,18 +563,18 @@ def test_dp_work_an_adoption_paused_resumes_and_the_block_does_not_adopt_it_agai
 
     g = msgspec.structs.replace(bound(4, (0, 1), reason="load", since=100.0, last_used=100.0), adopt=True)
     paused = [tin_epoch(i, 4, n=2, inflight=106, used=4000, paused=106) for i in (0, 1)]
-    d = decide(snap(engines=paused, groups=[g], state=light, now=100.5), cfg)
+    d = decide(snap(engines=paused, groups=[g], state=light, now=100.5), cfg, lim)
     assert not d.commands and set(d.state.suspect) == {0, 1}
-    d = decide(snap(engines=paused, groups=[g], state=at(d.state, 105.0), now=105.0), cfg)
+    d = decide(snap(engines=paused, groups=[g], state=at(d.state, 105.0), now=105.0), cfg, lim)
     assert d.commands == [((0, 1), Release(epoch=4, scatter=True))]
     in_dp = [teng(i, n=2, inflight=106, used=4000) for i in (0, 1)]
-    assert not decide(snap(engines=in_dp, state=at(d.state, 106.0), now=106.0), cfg).binds, "distrusted"
+    assert not decide(snap(engines=in_dp, state=at(d.state, 106.0), now=106.0), cfg, lim).binds, "distrusted"
     trusted = msgspec.structs.replace(at(d.state, 106.0), suspect={})
-    assert [x.adopt for x in decide(snap(engines=in_dp, state=trusted, now=106.0), cfg).binds] == [True]
+    assert [x.adopt for x in decide(snap(engines=in_dp, state=trusted, now=106.0), cfg, lim).binds] == [True]
 
 
 def test_adopted_requests_do_not_take_the_groups_room():
-    cfg = dataclasses.replace(RATE, tp_inflight_per_engine=1, sp_inflight_per_engine=1, adopt_max_inflight=4)
+    lim = unit_limits(tp_inflight_per_engine=1, sp_inflight_per_engine=1, adopt_max_inflight=4)
     g = msgspec.structs.replace(bound(4, (0, 1), reason="load"), adopt=True)
     engines = [
         tin_epoch(0, 4, inflight=6),
@@ -548,35 +582,38 @@ def test_adopted_requests_do_not_take_the_groups_room():
         teng(2, inflight=9),
         teng(3, inflight=9),
     ]
-    d = decide(snap([req("a"), req("b"), req("c")], engines, [g], state=rate_state(2.0, busy=False)), cfg)
+    d = decide(
+        snap([req("a"), req("b"), req("c")], engines, [g], state=rate_state(2.0, busy=False)), RATE, lim
+    )
     assert [x.epoch for x in d.dispatches] == [4, 4, 0]  # two TP requests (width x 1), then DP
 
 
 def test_long_request_adopts_where_hard_preemption_would_pause():
-    cfg = dataclasses.replace(CFG, long_preempt="hard", long_wait_s=0.0)  # under load (queued): its need
+    cfg = dataclasses.replace(CFG, preempt="hard", long_wait_s=0.0)  # under load (queued): its need
     engines = [teng(i, inflight=1, used=1000, cap=100_000) for i in range(4)]
     long = req("long", prompt=150_000, out=100)
     d = decide(snap([long], engines, queued=10), cfg)
     assert [(g.members, g.reason, g.preempt, g.adopt) for g in d.binds] == [((0, 1), "long", "hard", True)]
-    drain = dataclasses.replace(cfg, long_preempt="sequential")
+    drain = dataclasses.replace(cfg, preempt="sequential")
     assert [g.adopt for g in decide(snap([long], engines, queued=10), drain).binds] == [False]  # it drains
 
 
 # --- the rate regime and hysteresis ------------------------------------------------------------------------------
 
 
-def test_spread_s_counts_recent_dispatches_so_a_fresh_engine_does_not_take_everything():
+def test_recent_dispatches_count_twice_so_a_fresh_engine_does_not_take_everything(monkeypatch):
     """A released group's follower has nothing in flight (its leader owns the group's requests): least-loaded
-    dispatch would send it every new request, all prefilling at once. spread_s counts recent ones twice."""
+    dispatch would send it every new request, all prefilling at once. Recent ones count twice (SPREAD_S)."""
     engines = [teng(0, inflight=4), teng(1), teng(2, inflight=3), teng(3, inflight=3)]
     waiting = [req(c) for c in "abcdef"]
+    monkeypatch.setattr("router.round.SPREAD_S", 0.0)
     plain = decide(snap(waiting, engines), CFG)
     assert [x.engine for x in plain.dispatches] == [1, 1, 1, 1, 2, 3]
-    cfg = dataclasses.replace(CFG, spread_s=2.0)
-    d = decide(snap(waiting, engines), cfg)
+    monkeypatch.setattr("router.round.SPREAD_S", 2.0)
+    d = decide(snap(waiting, engines), CFG)
     assert [x.engine for x in d.dispatches] == [1, 1, 2, 3, 0, 1]
     assert d.state.recent == {1: 3.0, 2: 1.0, 3: 1.0, 0: 1.0}
-    later = decide(snap([], engines, state=d.state, now=102.0), cfg)  # decayed by e^-1 (rate_ts: 100)
+    later = decide(snap([], engines, state=d.state, now=102.0), CFG)  # decayed by e^-1 (rate_ts: 100)
     assert later.state.recent[1] == pytest.approx(3.0 * 0.3679, rel=1e-3)
 
 
@@ -593,7 +630,7 @@ def test_fast_targets_follow_where_a_short_request_would_go():
     engines = [in_epoch(0, 5, inflight=1, n=2), in_epoch(1, 5, n=2)]  # (no idle block left to bind)
     d = decide(snap([], engines, [load], state=LIGHT, loads={5: GroupLoad(1, 20, 20)}), CFG)
     (t,) = d.fast
-    room = 2 * CFG.tp_inflight_per_engine - 1
+    room = 2 * UNIT_LIMITS.tp_inflight_per_engine - 1
     assert (t.engine, t.epoch, t.cap, t.max_kv) == (
         0,
         5,
@@ -653,18 +690,18 @@ def test_cache_aware_sends_a_request_to_the_engine_holding_the_longest_prefix():
     )
 
 
-def test_a_match_below_cache_threshold_or_no_chain_goes_to_the_least_loaded():
+def test_a_match_below_cache_threshold_or_no_chain_goes_to_the_least_loaded(monkeypatch):
     engines = [eng(0), eng(1, inflight=2)]
     idx = index_with(engines, {1: [SYSTEM[: 2 * BLOCK]]})
     r = creq("r", SYSTEM + list(range(2 * BLOCK)))  # 2 of 10 blocks held on engine 1: 0.2 < 0.3
     d = decide(dataclasses.replace(snap([r], engines), prefixes=idx), DP_ONLY)
     assert [(x.engine, x.rule) for x in d.dispatches] == [(0, "no-match")]
-    low = dataclasses.replace(DP_ONLY, cache_threshold=0.2)
+    monkeypatch.setattr("router.dp_dispatch.CACHE_THRESHOLD", 0.2)
     assert [
-        x.engine for x in decide(dataclasses.replace(snap([r], engines), prefixes=idx), low).dispatches
+        x.engine for x in decide(dataclasses.replace(snap([r], engines), prefixes=idx), DP_ONLY).dispatches
     ] == [1]
     short = req("short", prompt=10)  # shorter than a block: no chain
-    d = decide(dataclasses.replace(snap([short], engines), prefixes=idx), low)
+    d = decide(dataclasses.replace(snap([short], engines), prefixes=idx), DP_ONLY)
     assert [(x.engine, x.rule) for x in d.dispatches] == [(0, "no-chain")]
 
 
@@ -674,8 +711,10 @@ def test_cache_aware_falls_back_to_least_loaded_only_when_both_balance_threshold
 
     def where(load0: int, load1: int) -> int:
         engines = [eng(0, inflight=load0), eng(1, inflight=load1)]
-        cfg = dataclasses.replace(DP_ONLY, max_inflight_per_worker=100)
-        (x,) = decide(dataclasses.replace(snap([r], engines), prefixes=idx_for(engines)), cfg).dispatches
+        lim = Limits(max_inflight_per_worker=100)
+        (x,) = decide(
+            dataclasses.replace(snap([r], engines), prefixes=idx_for(engines)), DP_ONLY, lim
+        ).dispatches
         return x.engine, x.rule
 
     assert where(0, 8) == (1, "prefix"), "8 apart: not more than the absolute threshold"
@@ -703,8 +742,7 @@ def test_tp_dispatches_ignore_prefixes_and_grouped_engines_are_no_candidates():
     r = creq("r", SYSTEM + [1] * BLOCK)
     d = decide(dataclasses.replace(snap([r], engines, [g], state=LIGHT), prefixes=idx), CFG)
     assert [(x.engine, x.epoch, x.rule) for x in d.dispatches] == [(0, 5, None)], "light: the load group"
-    busy = dataclasses.replace(DP_ONLY, max_inflight_per_worker=8)
-    d = decide(dataclasses.replace(snap([r], engines, [g]), prefixes=idx), busy)
+    d = decide(dataclasses.replace(snap([r], engines, [g]), prefixes=idx), DP_ONLY, DP8)
     assert [(x.engine, x.rule) for x in d.dispatches] == [(2, "no-match")], "a bound engine takes no DP work"
 
 
@@ -800,12 +838,12 @@ def test_dp_requests_go_to_the_least_loaded_engine_of_any_node():
 
 def test_priority_order_holds_across_nodes():
     """One free slot in the whole cluster, on node b: the high-priority request takes it, whatever its node."""
-    cfg = dataclasses.replace(DP_ONLY, max_inflight_per_worker=2)
+    cfg, lim = DP_ONLY, Limits(max_inflight_per_worker=2)
     es = [node_eng(i, "a", 0, inflight=2) for i in range(4)] + [
         node_eng(i, "b", 4, inflight=2) for i in range(4, 8)
     ]
     es[5] = node_eng(5, "b", 4, inflight=1)
-    d = decide(snap([req("hi", priority="high"), req("n1"), req("n2")], engines=es), cfg)
+    d = decide(snap([req("hi", priority="high"), req("n1"), req("n2")], engines=es), cfg, lim)
     assert [(x.request.id, x.engine) for x in d.dispatches] == [("hi", 5)]
 
 

@@ -86,13 +86,13 @@ def test_a_plan_holds_for_plan_every_s_then_is_made_again():
     assert rnd.plan == {("", 0, 8): 8}, "idle: planned again, bound"
 
 
-def test_nodes_are_planned_apart_and_load_adaptation_off_keeps_dp():
+def test_nodes_are_planned_apart_and_load_groups_off_keeps_dp():
     es = engines(4, node="a") + [EngineView(i, f"e{i}", 0, 350_000, 350_000, num_engines=4, node="b",
                                             pool_first=4) for i in range(4, 8)]  # fmt: skip
     rnd = Round(snap(es=es), CFG)
     update(rnd)
     assert rnd.out.state.widths == {"a": 4, "b": 4}
-    off = PolicyConfig(load_adaptation=False)
+    off = PolicyConfig(off=frozenset({"load"}))
     rnd = Round(snap(es=es), off)
     update(rnd)
     assert rnd.out.state.widths == {"a": 1, "b": 1} and not rnd.out.state.busy, (

@@ -7,10 +7,10 @@ import dataclasses
 from flying.messages import Group, QueuedRequest, Release
 from router.decision import DistrustNote, ReleaseCause, ReleaseMode
 from router.engine_view import EngineView
-from router.releases import reconcile, release_groups, release_idle_blocking, release_now
+from router.releases import KEEP_S, reconcile, release_groups, release_idle_blocking, release_now
 from router.round import Round
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import BUSY, LIGHT, UNIT_POLICY, planned
+from tests.policy_settings import BUSY, LIGHT, UNIT_LIMITS, UNIT_POLICY, planned
 
 CFG = UNIT_POLICY
 
@@ -27,7 +27,7 @@ def group(epoch=5, members=(0, 1), reason="priority", state="bound", since=99.0,
 
 def rnd(groups, engines, state=BUSY, waiting=(), loads=None, cfg=CFG, now=100.0):
     s = Snapshot(now=now, waiting=list(waiting), queued=len(waiting), engines=engines, groups=groups,
-                 tp_load=loads or {}, state=state)  # fmt: skip
+                 tp_load=loads or {}, state=state, limits=UNIT_LIMITS)  # fmt: skip
     return Round(s, cfg)
 
 
@@ -45,8 +45,8 @@ def test_a_silent_member_rolls_the_bind_back_and_is_distrusted():
     r = rnd([group(state="binding", since=97.0)], [eng(0, pending=5), eng(1)])
     reconcile(r)
     assert causes(r) == [(5, ReleaseCause.NOT_ACKNOWLEDGED, ReleaseMode.WAIT)]
-    assert r.out.releases[0].engines == (1,) and r.suspect == {1: 100.0 + CFG.suspect_s}
-    assert DistrustNote((1,), CFG.suspect_s) in r.out.events
+    assert r.out.releases[0].engines == (1,) and r.suspect == {1: 100.0 + UNIT_LIMITS.suspect_s}
+    assert DistrustNote((1,), UNIT_LIMITS.suspect_s) in r.out.events
 
 
 def test_a_width_change_is_acknowledged_by_the_leader_of_the_members_current_group():
@@ -59,7 +59,7 @@ def test_a_width_change_is_acknowledged_by_the_leader_of_the_members_current_gro
     r = rnd([group(state="binding", since=97.0)], old)
     reconcile(r)
     assert not causes(r)
-    r = rnd([group(state="binding", since=97.0 - CFG.bind_timeout_s)], old)
+    r = rnd([group(state="binding", since=97.0 - UNIT_LIMITS.bind_timeout_s)], old)
     reconcile(r)
     assert causes(r) == [(5, ReleaseCause.NOT_BOUND, ReleaseMode.WAIT)]
     quiet = [
@@ -144,8 +144,7 @@ def test_load_groups_go_when_load_is_busy_and_idle_ones_after_keep_s():
     r = rnd([group(since=98.0)], [eng(0, epoch=5), eng(1, epoch=5)])
     release_groups(r)
     assert (
-        causes(r) == [(5, ReleaseCause.NO_TP_WORK, ReleaseMode.WAIT)]
-        and r.out.releases[0].seconds == CFG.keep_s
+        causes(r) == [(5, ReleaseCause.NO_TP_WORK, ReleaseMode.WAIT)] and r.out.releases[0].seconds == KEEP_S
     )
     high = QueuedRequest(id="h", priority="high", model="m", prompt_tokens=1, max_tokens=1, gateway="g", enqueued_at=99.0)  # fmt: skip
     r = rnd([group(since=98.0)], [eng(0, epoch=5), eng(1, epoch=5)], waiting=[high])
@@ -161,7 +160,7 @@ def test_an_idle_group_of_the_planned_width_becomes_a_load_group():
 
 def test_deferred_dp_work_releases_the_group_after_max_defer_s():
     members = [eng(0, epoch=5, inflight=2), eng(1, epoch=5)]  # two DP requests paused under the group
-    r = rnd([group(since=100.0 - CFG.max_defer_s)], members)
+    r = rnd([group(since=100.0 - UNIT_LIMITS.max_defer_s)], members)
     release_groups(r)
     assert causes(r) == [(5, ReleaseCause.DP_DEFERRED, ReleaseMode.RETRACT)]
 
@@ -177,12 +176,15 @@ def test_an_adoption_that_paused_dp_work_distrusts_its_members_and_is_released_a
     ]
     r = rnd([group(reason="load", state="binding", adopt=True)], members, state=light)
     reconcile(r)
-    assert r.out.put[5].state == "bound" and r.suspect == {0: 100.0 + CFG.suspect_s, 1: 100.0 + CFG.suspect_s}
-    assert DistrustNote((0, 1), CFG.suspect_s, paused=212) in r.out.events
+    assert r.out.put[5].state == "bound" and r.suspect == {
+        0: 100.0 + UNIT_LIMITS.suspect_s,
+        1: 100.0 + UNIT_LIMITS.suspect_s,
+    }
+    assert DistrustNote((0, 1), UNIT_LIMITS.suspect_s, paused=212) in r.out.events
     assert "adoption paused 212 DP requests" in str(r.out.events[-1])
     release_groups(r)
     assert not r.out.commands, "paused for less than max_defer_s"
-    g = group(reason="load", since=100.0 - CFG.max_defer_s, adopt=True)
+    g = group(reason="load", since=100.0 - UNIT_LIMITS.max_defer_s, adopt=True)
     r = rnd([g], members, state=planned(2, suspect={0: 105.0, 1: 105.0}))
     reconcile(r)
     assert not r.out.events, "distrusted once, not every round"

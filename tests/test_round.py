@@ -11,7 +11,7 @@ from router.decision import BindMode, BindNote
 from router.engine_view import EngineView
 from router.round import Round, decayed_recent
 from router.snapshot import GroupLoad, Snapshot
-from tests.policy_settings import UNIT_POLICY
+from tests.policy_settings import UNIT_LIMITS, UNIT_POLICY
 
 
 def eng(i, inflight=0, free=1000, cap=1000, **kw):
@@ -20,7 +20,7 @@ def eng(i, inflight=0, free=1000, cap=1000, **kw):
 
 def rnd(engines, groups=(), loads=None, suspect=None):
     state = RouterState(suspect=suspect or {})
-    s = Snapshot(now=100.0, waiting=[], queued=0, engines=engines, groups=list(groups), tp_load=loads or {}, state=state)  # fmt: skip
+    s = Snapshot(limits=UNIT_LIMITS, now=100.0, waiting=[], queued=0, engines=engines, groups=list(groups), tp_load=loads or {}, state=state)  # fmt: skip
     return Round(s, UNIT_POLICY)
 
 
@@ -65,13 +65,16 @@ def test_recent_dispatches_decay_and_forget_engines_that_left():
 
 
 def test_a_load_group_of_short_requests_takes_sp_inflight_per_engine_and_one_running_a_long_request_less():
-    cfg = dataclasses.replace(UNIT_POLICY, tp_inflight_per_engine=2, sp_inflight_per_engine=8)
+    cfg, lim = (
+        UNIT_POLICY,
+        dataclasses.replace(UNIT_LIMITS, tp_inflight_per_engine=2, sp_inflight_per_engine=8),
+    )
     g = Group(epoch=5, members=(0, 1), reason="load", state="bound")
     req = QueuedRequest(id="r", model="m", prompt_tokens=10, max_tokens=10, gateway="g", enqueued_at=0.0)
 
     def room(n: int, max_kv: int, reason: str = "load") -> bool:
         x = msgspec.structs.replace(g, reason=reason)
-        s = Snapshot(now=100.0, waiting=[], queued=0, engines=[eng(0, epoch=5, mode="tp"), eng(1, epoch=5, mode="tp")],
+        s = Snapshot(limits=lim, now=100.0, waiting=[], queued=0, engines=[eng(0, epoch=5, mode="tp"), eng(1, epoch=5, mode="tp")],
                      groups=[x], tp_load={5: GroupLoad(n, 100, max_kv)}, state=RouterState(busy=False))  # fmt: skip
         return Round(s, cfg).group_room(x, req)
 

@@ -20,7 +20,7 @@ from flying.messages import (
     encode,
 )
 from flying.queue import RequestQueue
-from router.config import RouterConfig
+from router.config import MANUAL_OFF, Limits, RouterConfig
 from router.dispatcher import Dispatcher
 from router.policy import GroupLoad, PolicyConfig
 
@@ -45,9 +45,10 @@ async def beat(r, keys, engine: int, ready: bool = True, **kw) -> None:
         await r.set(keys.ready(engine), launch_id)
 
 
-def dispatcher(aredis, keys, **policy) -> Dispatcher:
-    p = PolicyConfig(load_adaptation=False, priority=False, long_context=False, **policy)
-    return Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=p), aredis)
+def dispatcher(aredis, keys, **limits) -> Dispatcher:
+    """The real dispatcher, no automatic groups, within ``limits`` (Limits fields)."""
+    p, lim = PolicyConfig(off=MANUAL_OFF), Limits(**limits)
+    return Dispatcher(RouterConfig(key_prefix=keys.prefix, policy=p, limits=lim), aredis)
 
 
 async def admit(q: RequestQueue, n: int, priority: str = "normal") -> None:
@@ -193,15 +194,27 @@ async def test_snapshot_carries_kv_transform_and_the_admission_counter(aredis, k
     assert s.admitted == 3
 
 
-def test_router_flags_turn_kv_transformation_off_and_set_the_planners_targets():
+def test_router_flags_turn_mechanisms_off_and_set_the_planners_targets_and_limits():
     from router.main import parse_args
 
-    assert parse_args([]).policy.kv_transform is True
+    assert parse_args([]).policy.on("kv-transform")
     c = parse_args(
-        ["--no-kv-transform", "--ttft-target-normal-ms", "500", "--max-width", "4", "--spread-s", "3"]
+        [
+            "--off",
+            "kv-transform,park",
+            "--ttft-target-normal-ms",
+            "500",
+            "--max-width",
+            "4",
+            "--suspect-s",
+            "3",
+        ]
     )
     p = c.policy
-    assert (p.kv_transform, p.ttft_target_normal_ms, p.max_width, p.spread_s) == (False, 500.0, 4, 3.0)
+    assert (p.off, p.ttft_target_normal_ms, p.max_width) == (frozenset({"kv-transform", "park"}), 500.0, 4)
+    assert c.limits.suspect_s == 3.0
+    assert parse_args(["--manual"]).policy.off == frozenset({"load", "priority", "long-context"})
+    assert parse_args(["--off", "none"]).policy == parse_args([]).policy
 
 
 def test_an_out_of_range_setting_is_a_usage_error_naming_it(capsys):

@@ -18,7 +18,7 @@ from sim.config import SimConfig
 from sim.plots import mode_counts
 from sim.simulator import Simulator
 from sim.workload import SimRequest, paper_workload
-from tests.policy_settings import unit_policy
+from tests.policy_settings import UNIT_LIMITS, off, unit_limits, unit_policy
 
 SMALL = CostModel(kv_tokens=4000, max_running=16, chunk_tokens=512)
 
@@ -41,27 +41,25 @@ def scenarios(draw):
         reqs.append(SimRequest(t, prio, prompt, out, blocks=blocks))
     down = draw(st.lists(st.tuples(st.floats(0, 5), st.floats(0.1, 3)), max_size=2))
     policy = unit_policy(
-        tp_inflight_per_engine=draw(st.integers(1, 4)),
-        max_inflight_per_worker=draw(st.integers(1, 8)),
-        keep_s=draw(st.sampled_from([0.0, 0.3, 1.0])),
-        max_defer_s=draw(st.sampled_from([0.2, 1.0, 5.0])),
-        priority_preempt=draw(st.sampled_from(["hard", "sequential"])),
-        long_preempt=draw(st.sampled_from(["hard", "sequential"])),
-        ack_timeout_s=0.5,
-        bind_timeout_s=draw(st.sampled_from([1.0, 60.0])),
-        adopt_max_ms=draw(st.sampled_from([0.0, 100.0])),  # 0: never adopt (the fixed cost is above it)
-        adopt_max_inflight=draw(st.sampled_from([2, 64])),
+        preempt=draw(st.sampled_from(["hard", "sequential"])),
         max_width=draw(st.sampled_from([1, 2, 4])),
         horizon_s=draw(st.sampled_from([0.5, 5.0])),
         ttft_target_normal_ms=draw(st.sampled_from([100.0, 1000.0])),
-        spread_s=draw(st.sampled_from([0.0, 2.0])),
-        spread_ownership=draw(st.booleans()),
         dispatch=draw(st.sampled_from(["cache-aware", "least-loaded"])),
-        balance_abs_threshold=draw(st.sampled_from([0.0, 8.0])),
+        off=frozenset() if draw(st.booleans()) else frozenset({"spread-ownership"}),
+    )
+    limits = unit_limits(
+        tp_inflight_per_engine=draw(st.integers(1, 4)),
+        max_inflight_per_worker=draw(st.integers(1, 8)),
+        max_defer_s=draw(st.sampled_from([0.2, 1.0, 5.0])),
+        ack_timeout_s=0.5,
+        bind_timeout_s=draw(st.sampled_from([1.0, 60.0])),
+        adopt_max_inflight=draw(st.sampled_from([2, 64])),
     )
     cfg = SimConfig(
         engines=engines,
         policy=policy,
+        limits=limits,
         cost=SMALL,
         router_down=tuple((a, a + b) for a, b in down),
         ignore_binds=tuple(
@@ -114,7 +112,9 @@ def test_long_request_is_served_by_a_group_and_rejected_by_static_dp():
 def test_high_priority_binds_then_releases_when_idle():
     reqs = [SimRequest(0.0, "high", 200, 20)]
     sim = Simulator(
-        SimConfig(engines=4, cost=SMALL, policy=unit_policy(keep_s=0.2, max_width=1)), reqs, check=True
+        SimConfig(engines=4, cost=SMALL, policy=unit_policy(max_width=1), limits=UNIT_LIMITS),
+        reqs,
+        check=True,
     )
     assert sim.run()[0].ok
     sim.at(sim.now + 1.0, lambda: None)  # let the idle group's release play out
@@ -148,21 +148,24 @@ def test_dp_work_paused_by_a_priority_bind_resumes_within_max_defer_s():
     """A long high-priority request binds a block whose engines run long DP requests (hard: they pause). After
     max_defer_s the group is released with retraction (the TP request continues in DP on the leader), so no DP
     request stalls much longer than max_defer_s, however long the TP request runs."""
-    policy = unit_policy(max_defer_s=1.0, load_adaptation=False)  # (no load groups: the six engines serve DP)
+    policy = off("load")  # (no load groups: the six engines serve DP)
+    limits = unit_limits(max_defer_s=1.0)
     reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(6)] + [SimRequest(0.5, "high", 200, 300)]
-    cfg = SimConfig(engines=6, cost=SMALL, policy=policy, kv_transform=False)  # (adoption pauses nothing)
+    cfg = SimConfig(
+        engines=6, cost=SMALL, policy=policy, limits=limits, kv_transform=False
+    )  # (adoption pauses nothing)
     sim = Simulator(cfg, reqs, check=True)
     records = sim.run()
     assert all(r.ok and r.output_tokens == s.output for r, s in zip(records, reqs))
     assert any(note.startswith("bind (0, 1) (priority, hard preemption;") for _, note in sim.log), sim.log
     stalls = [max(b - a for a, b in zip(r.event_times, r.event_times[1:])) for r in records[:6]]
     assert max(stalls) > 0.9, "the bind paused a DP request"
-    assert max(stalls) < policy.max_defer_s + 0.5, f"DP requests stalled {max(stalls):.2f} s"
+    assert max(stalls) < limits.max_defer_s + 0.5, f"DP requests stalled {max(stalls):.2f} s"
 
 
 # --- KV transformation (issue 12) -------------------------------------------------------------------------------
 
-MANUAL = unit_policy(load_adaptation=False, priority=False, long_context=False)
+MANUAL = off("load", "priority", "long-context")
 
 
 def operator(sim: Simulator, at: float, members: tuple[int, ...], adopt: bool, keep: bool = False) -> int:
@@ -211,7 +214,7 @@ def test_adoption_and_scatter_move_requests_without_pause_or_recompute_and_keep_
         SimRequest(0.0, "normal", 300, 300),
         SimRequest(1.0, "normal", 100, 200),
     ]
-    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=MANUAL), reqs, check=True)
+    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=MANUAL, limits=UNIT_LIMITS), reqs, check=True)
     ep = operator(sim, 0.5, (0, 1), adopt=True)
     release(sim, 2.0, ep, (0, 1), scatter=True)
     seen = {}
@@ -238,7 +241,9 @@ def test_a_bind_that_keeps_dp_work_runs_it_beside_the_groups_steps():
         SimRequest(1.0, "normal", 100, 200),
     ]
     for mixed in (True, False):
-        cfg = SimConfig(engines=2, cost=SMALL, policy=MANUAL, mixed_steps=mixed, kv_transform=False)
+        cfg = SimConfig(
+            engines=2, cost=SMALL, policy=MANUAL, limits=UNIT_LIMITS, mixed_steps=mixed, kv_transform=False
+        )
         sim = Simulator(cfg, reqs, check=True)
         ep = operator(sim, 0.5, (0, 1), adopt=False, keep=True)
         release(sim, 4.0, ep, (0, 1))
@@ -263,7 +268,13 @@ def test_a_kept_group_whose_request_waits_for_kv_lets_its_members_own_work_free_
     reqs = [SimRequest(0.0, "normal", 3000, 300), SimRequest(0.0, "normal", 3000, 300)]
     reqs.append(SimRequest(1e6, "normal", 1900, 100))  # (never arrives by itself: sent to the group below)
     cfg = SimConfig(
-        engines=2, cost=SMALL, policy=MANUAL, mixed_steps=True, kv_transform=False, horizon_s=120.0
+        engines=2,
+        cost=SMALL,
+        policy=MANUAL,
+        limits=UNIT_LIMITS,
+        mixed_steps=True,
+        kv_transform=False,
+        horizon_s=120.0,
     )
     sim = Simulator(cfg, reqs)
     ep = operator(sim, 0.5, (0, 1), adopt=False, keep=True)
@@ -298,7 +309,9 @@ def test_a_mixed_step_costs_its_busiest_member_its_own_step_and_the_groups_slice
 
 def test_without_kv_transform_the_same_commands_pause_and_retract():
     reqs = [SimRequest(0.0, "normal", 200, 300), SimRequest(0.0, "normal", 300, 300)]
-    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=MANUAL, kv_transform=False), reqs)
+    sim = Simulator(
+        SimConfig(engines=2, cost=SMALL, policy=MANUAL, limits=UNIT_LIMITS, kv_transform=False), reqs
+    )
     ep = operator(sim, 0.5, (0, 1), adopt=True)  # read as a hard bind: the DP requests pause
     release(sim, 2.0, ep, (0, 1), retract=True)
     records = sim.run()
@@ -310,8 +323,8 @@ def test_scatter_retracts_on_the_owner_what_its_kv_cannot_hold():
     """Three TP requests of 1400 KV tokens each, all owned by the leader (4000 tokens of KV; ownership not spread):
     two come back with their KV, the third is recomputed there; none goes to the other member."""
     reqs = [SimRequest(0.0, "normal", 1000, 400) for _ in range(3)]
-    policy = dataclasses.replace(MANUAL, spread_ownership=False)
-    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=policy), reqs, check=True)
+    policy = off("spread-ownership", base=MANUAL)
+    sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=policy, limits=UNIT_LIMITS), reqs, check=True)
     ep = operator(sim, 0.0, (0, 1), adopt=True)
     release(sim, 2.0, ep, (0, 1), scatter=True)
     seen = {}
@@ -326,10 +339,14 @@ def test_light_load_adopts_busy_engines_where_it_used_to_wait_for_them_to_drain(
     """The policy in the simulator: twelve requests at once keep two engines in DP; once they are prefilled the
     planner binds the pair. Without KV transformation the block does not bind while they decode (it would drain);
     with it, it binds by adoption at once and the next request gets a TP group."""
-    policy = unit_policy(tp_inflight_per_engine=4)
+    policy = unit_policy()
     reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(12)] + [SimRequest(1.0, "normal", 50, 20)]
     for kvt in (True, False):
-        sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=policy, kv_transform=kvt), reqs, check=True)
+        sim = Simulator(
+            SimConfig(engines=2, cost=SMALL, policy=policy, limits=UNIT_LIMITS, kv_transform=kvt),
+            reqs,
+            check=True,
+        )
         records = sim.run()
         assert all(r.ok for r in records)
         adopted = [n for _, n in sim.log if "adoption" in n]
@@ -345,8 +362,10 @@ def test_engines_without_kv_transform_never_get_adopt_or_scatter():
     # a burst sends the node to DP; its tail, still decoding, is light enough for load groups again
     reqs = [SimRequest(0.05 * i, "normal", 1500, 300) for i in range(60)]
     reqs += [SimRequest(6 + 0.5 * i, "normal", 200, 200) for i in range(20)]
-    policy = unit_policy(tp_inflight_per_engine=4, max_inflight_per_worker=16)
-    sim = Simulator(SimConfig(engines=4, cost=SMALL, policy=policy, no_kv_transform=(1,)), reqs, check=True)
+    policy, limits = unit_policy(), unit_limits(max_inflight_per_worker=16)
+    sim = Simulator(
+        SimConfig(engines=4, cost=SMALL, policy=policy, limits=limits, no_kv_transform=(1,)), reqs, check=True
+    )
     assert all(r.ok for r in sim.run())
     notes = [n for _, n in sim.log]
     assert any("(2, 3) (load, adoption" in n for n in notes)
@@ -381,9 +400,9 @@ def test_mode_track_and_decisions_follow_the_simulated_bind_and_release():
     """The priority bind of the test above, as the timeline shows it: its members turn "binding" when they read
     the bind, "tp2" when the group forms, "releasing" when they read the release, and the paused DP work shows
     until they are back in DP; the per-bucket counts add up to the engine count."""
-    policy = unit_policy(max_defer_s=1.0, load_adaptation=False)
+    policy, limits = off("load"), unit_limits(max_defer_s=1.0)
     reqs = [SimRequest(0.0, "normal", 200, 400) for _ in range(6)] + [SimRequest(0.5, "high", 200, 300)]
-    cfg = SimConfig(engines=6, cost=SMALL, policy=policy, kv_transform=False)
+    cfg = SimConfig(engines=6, cost=SMALL, policy=policy, limits=limits, kv_transform=False)
     sim = Simulator(cfg, reqs, check=True)
     sim.run()
     bind = next(d for d in sim.decisions if d.kind == "bind" and d.reason == "priority")
@@ -553,7 +572,7 @@ def test_a_bound_groups_large_prefill_steps_run_sequence_parallel_unless_the_thr
     steps = {}
     for threshold in (None, 0):
         policy = unit_policy(sp_threshold=threshold)
-        sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=policy), reqs, check=True)
+        sim = Simulator(SimConfig(engines=2, cost=SMALL, policy=policy, limits=UNIT_LIMITS), reqs, check=True)
         assert all(r.ok for r in sim.run())
         assert all(r.epoch for r in sim.reqs), sim.log  # every request ran in the group
         steps[threshold] = (sim.stats["sp_steps"], sim.stats["tp_steps"])
@@ -579,7 +598,8 @@ def test_spread_ownership_gives_a_groups_tp_requests_to_its_members_in_turn():
     reqs = [SimRequest(1.0 + 0.01 * i, "normal", 100, 50) for i in range(4)]
     owners = {}
     for spread in (False, True):
-        cfg = SimConfig(engines=2, cost=SMALL, policy=unit_policy(spread_ownership=spread))
+        policy = unit_policy() if spread else off("spread-ownership")
+        cfg = SimConfig(engines=2, cost=SMALL, policy=policy, limits=UNIT_LIMITS)
         sim = Simulator(cfg, reqs, check=True)
         assert all(r.ok for r in sim.run())
         assert all(r.epoch for r in sim.reqs), sim.log
@@ -665,7 +685,8 @@ def test_with_the_defaults_a_burst_dp_serves_better_releases_the_node_and_its_en
         (["--cost", "allreduce=-1"], "a cost or a factor is at least 0"),
         (["--low-s", "0"], "--low-s must be above 0"),
         (["--shift-threshold", "-5"], "argument --shift-threshold: must be at least 0"),
-        (["--policy", "spread_ownership=ture"], "'ture' is not a bool"),
+        (["--policy", "max_width=two"], "'two' is not a int"),
+        (["--policy", "keep_s=1"], "neither PolicyConfig nor Limits has a field 'keep_s'"),
         (["--preset", "azure", "--seeds", "0-1"], "--seeds runs the paper workload"),
         (["--workload", "shared-prefix", "--seeds", "0-1"], "--seeds runs the paper workload"),
         (
@@ -726,10 +747,10 @@ def test_work_only_parked_engines_can_serve_resumes_their_group_and_everything_e
     or they need a group of both): the parked group resumes once engine 0 binds again (not every round while it is
     distrusted), and every request is served whole (a request left running at the end counts as unserved,
     whatever tokens it had)."""
-    policy = unit_policy(tp_inflight_per_engine=1, max_inflight_per_worker=5, keep_s=1.0, max_defer_s=1.0,
-                         ack_timeout_s=0.5, bind_timeout_s=1.0, adopt_max_ms=0.0,
-                         spread_ownership=True, dispatch="least-loaded")  # fmt: skip
-    cfg = SimConfig(engines=2, policy=policy, cost=SMALL, ignore_binds=((0, 3.63, 19.0),), horizon_s=2000.0,
+    policy = unit_policy(dispatch="least-loaded")
+    limits = unit_limits(tp_inflight_per_engine=1, max_inflight_per_worker=5, max_defer_s=1.0, ack_timeout_s=0.5,
+                         bind_timeout_s=1.0)  # fmt: skip
+    cfg = SimConfig(engines=2, policy=policy, limits=limits, cost=SMALL, ignore_binds=((0, 3.63, 19.0),), horizon_s=2000.0,
                     kv_transform=True, mixed_steps=True, mixed_decode_every=4)  # fmt: skip
     spec = [(3.418, "low", 7000, 39), (3.703, "high", 139, 17), (3.95, "normal", 1344, 25),
             (3.997, "high", 6096, 28), (4.345, "high", 478, 38), (4.796, "high", 4604, 42)]  # fmt: skip

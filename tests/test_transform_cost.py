@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from flying.cost_model import CostModel, kv_transform_ms
@@ -11,7 +9,7 @@ from router.config import PolicyConfig
 from router.engine_view import EngineView
 from router.transform_cost import TransformCost, adopt_moves, scatter_moves
 
-CFG = PolicyConfig(adopt_max_ms=10.0)
+CFG = PolicyConfig()
 COST = CostModel(kv_bytes_per_token=1000, link_gbps=1.0, transform_fixed_ms=4.0)
 
 
@@ -25,7 +23,8 @@ def test_the_busiest_members_bytes_over_the_link_plus_the_fixed_part():
     assert adopt_moves([400, 0]) == [(200.0, 0.0), (0.0, 200.0)] and scatter_moves([400, 0]) == [(0.0, 200.0), (200.0, 0.0)]  # fmt: skip
 
 
-def test_a_round_adopts_only_where_every_member_transforms_and_the_stall_is_small():
+def test_a_round_adopts_only_where_every_member_transforms_and_the_stall_is_small(monkeypatch):
+    monkeypatch.setattr("router.transform_cost.ADOPT_MAX_MS", 10.0)
     live = {0: eng(0, used=400), 1: eng(1), 2: eng(2, kvt=False)}
     dp_kv = {0: 0, 1: 0, 2: 0}
     kv = TransformCost(CFG, COST, live, dp_kv)
@@ -34,4 +33,6 @@ def test_a_round_adopts_only_where_every_member_transforms_and_the_stall_is_smal
     assert kv.may_adopt((0, 1))
     dp_kv[1] = 30_000  # the round sends engine 1 more DP work: its KV moves too
     assert kv.used_kv(1) == 30_000 and not kv.may_adopt((0, 1))
-    assert not TransformCost(dataclasses.replace(CFG, kv_transform=False), COST, live, dp_kv).possible((0, 1))
+    assert not TransformCost(PolicyConfig(off=frozenset({"kv-transform"})), COST, live, dp_kv).possible(
+        (0, 1)
+    )

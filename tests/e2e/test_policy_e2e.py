@@ -23,8 +23,6 @@ MODEL = "tiny-llama"
 # CPU-sized group capacity, quick releases; POLICY binds no load groups (priority and long-context groups only)
 # unless a test asks for them
 BASE = (
-    "--keep-s",
-    "1",
     "--max-inflight-per-worker",
     "4",
     "--tp-inflight-per-engine",
@@ -103,7 +101,7 @@ def test_high_priority_request_binds_a_group_released_after_it(policy, oai):
     h = request_hash(policy, raw.headers["x-request-id"])
     assert int(h["epoch"]) > 0, f"served in DP: {h}"  # dispatched to a TP group's leader
     assert "(priority, hard preemption;" in router_log(policy)
-    wait_groups_gone(policy, timeout_s=15)  # keep_s without TP work: released, every engine back in DP
+    wait_groups_gone(policy, timeout_s=15)  # a second without TP work: released, every engine back in DP
     assert "no TP work" in router_log(policy)
 
 
