@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,10 +286,17 @@ class RequestQueue:
     ``pipe`` (the gateway's), the per-request scripts (admit, finish, requeue) go through that auto-pipelined
     connection instead of redis-py's pool."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, pipe: AutoPipeline | None = None) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        pipe: AutoPipeline | None = None,
+        on_finish: Callable[[str, str, str], None] | None = None,
+    ) -> None:
         self.r = client
         self.keys = keys
         self.pipe = pipe
+        self.on_finish = on_finish  # told of each request this queue ends: (id, state, error)
         self._scripts = {src: client.register_script(src) for src in (_ADMIT, _REQUEUE, _FINISH)}
         self._assign = client.register_script(_ASSIGN)
         self._states = client.register_script(_STATES)
@@ -464,6 +471,8 @@ class RequestQueue:
     async def finish(self, rid: str, state: str, error: str = "") -> bool:
         """Mark a request done/failed/cancelled, drop it from the queue and from the inflight set of the engine its
         record names, let its record expire."""
+        if self.on_finish is not None:
+            self.on_finish(rid, state, error)
         keys, args = self._finish_call(rid, state, error)
         done, _ = await self._run(_FINISH, keys, args)
         return bool(done)
@@ -474,6 +483,8 @@ class RequestQueue:
         way (no pipe, no open connection yet, or a replica wait wanted): then await ``finish``."""
         if self.pipe is None or self.gate.wanted():
             return None
+        if self.on_finish is not None:
+            self.on_finish(rid, state, error)
         keys, args = self._finish_call(rid, state, error)
         return self.pipe.script_nowait(_FINISH, keys, args)
 

@@ -29,6 +29,7 @@ from gateway.api.schemas import (
 from gateway.cluster_view import ClusterView
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.observer import NOTHING, Observer
 from gateway.resume import Resumable, upstream_body
 from gateway.tokens import LONG_TEXT_CHARS
 
@@ -81,9 +82,15 @@ class Admission:
     deployment can serve."""
 
     def __init__(
-        self, config: GatewayConfig, cluster: ClusterView, count_tokens, metrics: GatewayMetrics | None = None
+        self,
+        config: GatewayConfig,
+        cluster: ClusterView,
+        count_tokens,
+        metrics: GatewayMetrics | None = None,
+        observer: Observer = NOTHING,
     ) -> None:
         self.config = config
+        self.observer = observer
         self.cluster = cluster
         self.count_tokens = count_tokens
         # huge prompts tokenized at once (the permit is held by the thread that tokenizes)
@@ -93,6 +100,16 @@ class Admission:
     async def admit(self, req, priority: Priority, request_id: str | None = None) -> Admitted:
         """Validate ``req`` and build its record and engine body, under ``request_id`` (else a fresh id), at
         ``priority``: the tenant's already (``gateway.tenants.prioritise`` lowers or refuses it)."""
+        started = time.time_ns()
+        try:
+            adm = await self._admit(req, priority, request_id)
+        except BaseException as exc:
+            self.observer.admission_failed(exc, started)
+            raise
+        self.observer.admitted(adm.record, started)
+        return adm
+
+    async def _admit(self, req, priority: Priority, request_id: str | None) -> Admitted:
         if req.model != self.config.served_model_name:
             raise ModelNotFound(
                 f"The model '{req.model}' does not exist; this gateway serves '{self.config.served_model_name}'",

@@ -25,6 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.drain import CountRequests, Drain
 from gateway.http.hot_routes import HotRoutesApp
 from gateway.metrics import GatewayMetrics
+from gateway.observer import NOTHING
 from gateway.request_log import RequestLog
 from gateway.service import Gateway
 from gateway.tenants import Tenants, TenantSlots
@@ -59,9 +60,7 @@ def create_app(
         client = redis_conn.waiting_pool_client(
             config.redis_url, config.redis_max_connections, f"flying-gw-{config.gateway_id}"
         )
-        gw = Gateway(config, client, counter, meters)
-        if tracing is not None:
-            tracing.instrument(gw)
+        gw = Gateway(config, client, counter, meters, observer=tracing or NOTHING)
         await gw.start()
         tenants.share(TenantSlots(client, gw.keys, config.gateway_id))  # max_concurrent across the gateways
         app.state.gateway = gw

@@ -29,6 +29,7 @@ from gateway.background import Background
 from gateway.cluster_view import ClusterView
 from gateway.http.upstream import StreamResponse, Upstream
 from gateway.metrics import GatewayMetrics
+from gateway.observer import NOTHING, Observer
 
 FRESH_S = 1.0  # the router's targets key lives 1 s: an observation older than this says nothing of them
 ABORT_AGAIN_S = 0.5
@@ -59,6 +60,7 @@ class EarlyDispatch:
     metrics: GatewayMetrics
     enabled: bool = True
     backoff_s: float = 1.0
+    observer: Observer = NOTHING
     sent: int = field(default=0, init=False)  # requests sent early
     declined: int = field(default=0, init=False)  # ... that the admission declined or refused
     _declined_at: float = field(default=-1e9, init=False)
@@ -101,7 +103,9 @@ class EarlyDispatch:
         self._since[t.engine] = self._since.get(t.engine, 0) + 1
         self.sent += 1
         self.metrics.child(self.metrics.early, "sent").inc()
-        return Early(t.engine, t.url, asyncio.ensure_future(call(t.url)), rec.engine_rids())
+        early = Early(t.engine, t.url, asyncio.ensure_future(call(t.url)), rec.engine_rids())
+        self.observer.sent_early(rec)
+        return early
 
     async def answer(self, early: Early, rec: QueuedRequest) -> StreamResponse:
         """``early``'s answer (a stream's head) for the request it went early for; if the caller is cancelled
@@ -117,6 +121,7 @@ class EarlyDispatch:
         close its answer, in the background. A decline or refusal (``declined``) starts the back-off."""
         if early is None:
             return
+        self.observer.taken_back(rec)
         if declined:
             self.declined += 1
             self.metrics.child(self.metrics.early, "declined").inc()

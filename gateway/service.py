@@ -32,6 +32,7 @@ from gateway.early_dispatch import Early, EarlyDispatch
 from gateway.http.disconnect import ClientGone
 from gateway.http.upstream import Upstream, WorkerUnavailable
 from gateway.metrics import GatewayMetrics
+from gateway.observer import NOTHING, Observer
 from gateway.relay import DONE, Relay
 from gateway.waiting import WaitingRoom
 
@@ -65,6 +66,7 @@ class Gateway:
         client: aioredis.Redis,
         count_tokens,
         metrics: GatewayMetrics | None = None,
+        observer: Observer = NOTHING,
     ) -> None:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
@@ -73,12 +75,17 @@ class Gateway:
         self.r = client
         self.background = Background()
         self.cluster = ClusterView(client, self.keys, config)
-        self.admission = Admission(config, self.cluster, count_tokens, self.metrics)
-        self.waiting = WaitingRoom(config, client, self.keys, self.metrics, self.background)
-        self.upstream = Upstream(config.request_timeout_s)
+        self.admission = Admission(config, self.cluster, count_tokens, self.metrics, observer)
+        self.waiting = WaitingRoom(config, client, self.keys, self.metrics, self.background, observer)
+        self.upstream = Upstream(config.request_timeout_s, observer)
         self.relay = Relay(self.upstream, self.waiting, self.background, config.raw_engine_fields)
         self.early = EarlyDispatch(
-            self.cluster, self.upstream, self.background, self.metrics, config.early_dispatch
+            self.cluster,
+            self.upstream,
+            self.background,
+            self.metrics,
+            config.early_dispatch,
+            observer=observer,
         )
         self.queue, self.waiter = self.waiting.queue, self.waiting.waiter
         self.admit = self.admission.admit

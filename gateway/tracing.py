@@ -1,7 +1,7 @@
 """Request tracing with OpenTelemetry: off unless an OTLP endpoint is configured (``--otlp-endpoint``, or the
 standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``). Off, nothing of OpenTelemetry
-is imported and the request path is untouched: the spans come from a middleware and from wrappers that
-:meth:`Tracing.instrument` puts around the gateway's own steps once, at start-up, only when tracing is on.
+is imported and the request path calls no one: the spans come from a middleware and from the serving path's
+observer hooks (gateway.observer), which :class:`Tracing` implements when tracing is on.
 
 The spans of one request, in the client's trace when it sends a W3C ``traceparent`` (else a new trace):
 
@@ -21,22 +21,19 @@ collector's OTLP/HTTP endpoint.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flying.messages import split_engine_rid
+from flying.messages import Assignment, QueuedRequest, split_engine_rid
+from gateway.observer import Observer
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
-
-    from gateway.service import Gateway
 
 DEFAULT_SERVICE_NAME = "flying-gateway"
 TRACES_PATH = "/v1/traces"
@@ -75,9 +72,9 @@ class _Flight:
     relay: Span | None = field(default=None)
 
 
-class Tracing:
+class Tracing(Observer):
     """Spans for the gateway's requests, made by ``provider``'s tracer (:meth:`from_config` builds the OTLP one;
-    tests give an SDK provider with an in-memory exporter)."""
+    tests give an SDK provider with an in-memory exporter); the serving path calls it as its observer."""
 
     def __init__(self, provider: TracerProvider) -> None:
         from opentelemetry import context, trace
@@ -134,34 +131,10 @@ class Tracing:
         span.end()
         self._context.detach(token)  # type: ignore[arg-type]
 
-    # -- the steps' spans --------------------------------------------------------------------------------------
-    def instrument(self, gw: Gateway) -> None:
-        """Wrap the gateway's steps (admission, the wait for an assignment, the upstream calls, the requests'
-        ends) in spans. Called once, before the gateway serves."""
-        gw.admit = self._admission(gw.admit)
-        waiting, upstream, queue = gw.waiting, gw.upstream, gw.waiting.queue
-        waiting.wait_assignment = self._queued(waiting.wait_assignment)  # type: ignore[method-assign]
-        gw.wait_assignment = waiting.wait_assignment
-        waiting.retry_or_fail = self._requeued(waiting.retry_or_fail)  # type: ignore[method-assign]
-        upstream.open_stream = self._relayed(upstream.open_stream, stream=True)  # type: ignore[method-assign]
-        upstream.post = self._relayed(upstream.post, stream=False)  # type: ignore[method-assign]
-        queue.finish = self._finished(queue.finish)  # type: ignore[method-assign]
-        queue.finish_nowait = self._finished_nowait(queue.finish_nowait)  # type: ignore[method-assign]
-        gw.early.take_back = self._taken_back(gw.early.take_back)  # type: ignore[method-assign]
-        gw.early.send = self._sending_early(gw.early.send)  # type: ignore[method-assign]
-
-    def _admission(self, admit: Callable) -> Callable:
-        @functools.wraps(admit)
-        async def traced(req, priority, request_id=None):
-            if not self._recording():
-                return await admit(req, priority, request_id)
-            span = self.tracer.start_span("flying.admission")
-            try:
-                adm = await admit(req, priority, request_id)
-            except BaseException as exc:
-                self._failed(span, exc)
-                raise
-            rec = adm.record
+    # -- the steps' spans (gateway.observer's hooks) ----------------------------------------------------------
+    def admitted(self, rec: QueuedRequest, started_ns: int) -> None:
+        if self._recording():
+            span = self.tracer.start_span("flying.admission", start_time=started_ns)
             span.set_attributes(
                 {
                     "flying.request_id": rec.id,
@@ -171,153 +144,116 @@ class Tracing:
                 }
             )
             span.end()
-            return adm
 
-        return traced
+    def admission_failed(self, exc: BaseException, started_ns: int) -> None:
+        if self._recording():
+            self._failed(self.tracer.start_span("flying.admission", start_time=started_ns), exc)
 
-    def _queued(self, wait_assignment: Callable) -> Callable:
-        @functools.wraps(wait_assignment)
-        async def traced(adm, fut, disconnected):
-            rec = adm.record
-            flight = self._flights.get(rec.id)
-            if flight is None and not self._recording():
-                return await wait_assignment(adm, fut, disconnected)
-            if flight is None:  # its first wait (enqueued): followed until its end is recorded
-                flight = self._flights[rec.id] = _Flight(_ns(rec.enqueued_at))
-                flight.relay = self._early.pop(rec.id, None)  # (a stream sent early, answering already)
-                self._bound()
-            attrs = {
-                "flying.request_id": rec.id,
-                "flying.priority": rec.priority,
-                "flying.attempt": flight.attempt,
-            }
-            try:
-                a = await wait_assignment(adm, fut, disconnected)
-            except BaseException as exc:
-                self._failed(
-                    self.tracer.start_span("flying.queue", start_time=flight.since_ns, attributes=attrs), exc
-                )
-                raise
-            now = time.time_ns()
-            dispatched = min(max(flight.since_ns, _ns(rec.enqueued_at + a.queue_ms / 1000)), now)
-            queued = self.tracer.start_span("flying.queue", start_time=flight.since_ns, attributes=attrs)
-            queued.set_attribute("flying.queue_ms", a.queue_ms)
-            queued.end(end_time=dispatched)
-            attrs |= {"flying.engine": a.engine, "server.address": a.url}
-            self.tracer.start_span("flying.dispatch", start_time=dispatched, attributes=attrs).end(
-                end_time=now
-            )
-            return a
+    def _flight(self, rec: QueuedRequest) -> _Flight | None:
+        """``rec``'s flight, begun at its first wait's end (followed until its end is recorded); None when it has
+        none and its request is not sampled."""
+        flight = self._flights.get(rec.id)
+        if flight is None and self._recording():
+            flight = self._flights[rec.id] = _Flight(_ns(rec.enqueued_at))
+            flight.relay = self._early.pop(rec.id, None)  # (a stream sent early, answering already)
+            self._bound()
+        return flight
 
-        return traced
+    def _queue_attrs(self, rec: QueuedRequest, flight: _Flight) -> dict[str, Any]:
+        return {
+            "flying.request_id": rec.id,
+            "flying.priority": rec.priority,
+            "flying.attempt": flight.attempt,
+        }
 
-    def _requeued(self, retry_or_fail: Callable) -> Callable:
-        @functools.wraps(retry_or_fail)
-        async def traced(
-            adm, a, why, cause="before_first_event", engine_fault=True, counted=True, died=False
-        ):
-            flight = self._flights.get(adm.record.id)
-            if flight is not None:
-                self._end_relay(flight, "failed", f"re-dispatched: {why}")
-                flight.since_ns, flight.attempt = time.time_ns(), flight.attempt + 1
-            return await retry_or_fail(
-                adm, a, why, cause, engine_fault=engine_fault, counted=counted, died=died
+    def assigned(self, rec: QueuedRequest, a: Assignment) -> None:
+        if (flight := self._flight(rec)) is None:
+            return
+        attrs = self._queue_attrs(rec, flight)
+        now = time.time_ns()
+        dispatched = min(max(flight.since_ns, _ns(rec.enqueued_at + a.queue_ms / 1000)), now)
+        queued = self.tracer.start_span("flying.queue", start_time=flight.since_ns, attributes=attrs)
+        queued.set_attribute("flying.queue_ms", a.queue_ms)
+        queued.end(end_time=dispatched)
+        attrs |= {"flying.engine": a.engine, "server.address": a.url}
+        self.tracer.start_span("flying.dispatch", start_time=dispatched, attributes=attrs).end(end_time=now)
+
+    def wait_failed(self, rec: QueuedRequest, exc: BaseException) -> None:
+        if (flight := self._flight(rec)) is not None:
+            attrs = self._queue_attrs(rec, flight)
+            self._failed(
+                self.tracer.start_span("flying.queue", start_time=flight.since_ns, attributes=attrs), exc
             )
 
-        return traced
+    def requeued(self, rec: QueuedRequest, why: str) -> None:
+        if (flight := self._flights.get(rec.id)) is not None:
+            self._end_relay(flight, "failed", f"re-dispatched: {why}")
+            flight.since_ns, flight.attempt = time.time_ns(), flight.attempt + 1
 
-    def _relayed(self, call: Callable, stream: bool) -> Callable:
-        """An upstream call in a CLIENT span whose context goes to the engine as ``traceparent``; a stream's span
-        stays open until its request's end is recorded (:meth:`_finished`)."""
+    def relaying(self, body: dict, url: str, path: str, stream: bool, headers: dict[str, str]) -> Span | None:
+        """A CLIENT span whose context goes to the engine as ``traceparent`` (not sampled: the engine still joins
+        the trace); a stream's span stays open until its request's end is recorded (:meth:`finished`)."""
+        if not self._recording():
+            self.propagator.inject(headers)
+            return None
+        rid, attempt = split_engine_rid(str(body.get("rid", "")))
+        span = self.tracer.start_span(
+            "flying.relay",
+            kind=self._trace.SpanKind.CLIENT,
+            attributes={
+                "flying.request_id": rid,
+                "flying.attempt": (attempt or 0) + 1,  # as the queue span counts: 1 the first
+                "server.address": url,
+                "url.path": path,
+                "http.request.method": "POST",
+                "flying.stream": stream,
+            },
+        )
+        self.propagator.inject(headers, context=self._trace.set_span_in_context(span))
+        return span
 
-        @functools.wraps(call)
-        async def traced(url: str, path: str, body: dict, headers: dict[str, str] | None = None):
-            carrier: dict[str, str] = dict(headers or {})
-            if not self._recording():  # not sampled: the engine still joins the trace
-                self.propagator.inject(carrier)
-                return await call(url, path, body, headers=carrier)
-            rid, attempt = split_engine_rid(str(body.get("rid", "")))
-            span = self.tracer.start_span(
-                "flying.relay",
-                kind=self._trace.SpanKind.CLIENT,
-                attributes={
-                    "flying.request_id": rid,
-                    "flying.attempt": (attempt or 0) + 1,  # as the queue span counts: 1 the first
-                    "server.address": url,
-                    "url.path": path,
-                    "http.request.method": "POST",
-                    "flying.stream": stream,
-                },
-            )
-            self.propagator.inject(carrier, context=self._trace.set_span_in_context(span))
-            try:
-                resp = await call(url, path, body, headers=carrier)
-            except BaseException as exc:
-                self._failed(span, exc)
-                raise
-            span.set_attribute("http.response.status_code", resp.status_code)
-            flight = self._flights.get(rid)
-            early = rid in self._sent_early
-            self._sent_early.discard(rid)
-            if stream and flight is not None:
-                if flight.relay is not None:  # an early stream's, not used: this one replaces it
-                    self._end_relay(flight, "taken_back", "")
-                flight.relay = span
-            elif stream and early:  # its queue wait is traced next (or it is taken back)
-                self._early[rid] = span
-                while len(self._early) > MAX_OPEN:
-                    self._early.pop(next(iter(self._early))).end()
-            else:
-                if resp.status_code >= 400:
-                    span.set_status(self._trace.StatusCode.ERROR)
-                span.end()
-            return resp
+    def relay_failed(self, handle: Span | None, exc: BaseException) -> None:
+        if handle is not None:
+            self._failed(handle, exc)
 
-        return traced
+    def relayed(self, handle: Span | None, body: dict, stream: bool, status: int) -> None:
+        if handle is None:
+            return
+        span = handle
+        span.set_attribute("http.response.status_code", status)
+        rid, _ = split_engine_rid(str(body.get("rid", "")))
+        flight = self._flights.get(rid)
+        early = rid in self._sent_early
+        self._sent_early.discard(rid)
+        if stream and flight is not None:
+            if flight.relay is not None:  # an early stream's, not used: this one replaces it
+                self._end_relay(flight, "taken_back", "")
+            flight.relay = span
+        elif stream and early:  # its queue wait is traced next (or it is taken back)
+            self._early[rid] = span
+            while len(self._early) > MAX_OPEN:
+                self._early.pop(next(iter(self._early))).end()
+        else:
+            if status >= 400:
+                span.set_status(self._trace.StatusCode.ERROR)
+            span.end()
 
-    def _sending_early(self, send: Callable) -> Callable:
-        @functools.wraps(send)
-        def traced(rec, call):
-            early = send(rec, call)
-            if early is not None and self._recording():
-                self._sent_early.add(rec.id)
-                while len(self._sent_early) > MAX_OPEN:
-                    self._sent_early.pop()
-            return early
+    def sent_early(self, rec: QueuedRequest) -> None:
+        if self._recording():
+            self._sent_early.add(rec.id)
+            while len(self._sent_early) > MAX_OPEN:
+                self._sent_early.pop()
 
-        return traced
-
-    def _taken_back(self, take_back: Callable) -> Callable:
+    def taken_back(self, rec: QueuedRequest) -> None:
         """An early request the admission declined: its stream's relay span ends as ``taken_back``."""
+        self._sent_early.discard(rec.id)
+        if (span := self._early.pop(rec.id, None)) is not None:
+            span.set_attribute("flying.outcome", "taken_back")
+            span.end()
 
-        @functools.wraps(take_back)
-        def traced(early, rec, declined: bool = False):
-            if early is not None:
-                self._sent_early.discard(rec.id)
-                if (span := self._early.pop(rec.id, None)) is not None:
-                    span.set_attribute("flying.outcome", "taken_back")
-                    span.end()
-            return take_back(early, rec, declined)
-
-        return traced
-
-    def _finished(self, finish: Callable) -> Callable:
-        @functools.wraps(finish)
-        async def traced(rid: str, state: str, error: str = ""):
-            if (flight := self._flights.pop(rid, None)) is not None:
-                self._end_relay(flight, state, error)
-            return await finish(rid, state, error)
-
-        return traced
-
-    def _finished_nowait(self, finish_nowait: Callable) -> Callable:
-        @functools.wraps(finish_nowait)
-        def traced(rid: str, state: str, error: str = ""):
-            if (flight := self._flights.pop(rid, None)) is not None:
-                self._end_relay(flight, state, error)
-            return finish_nowait(rid, state, error)
-
-        return traced
+    def finished(self, rid: str, state: str, error: str) -> None:
+        if (flight := self._flights.pop(rid, None)) is not None:
+            self._end_relay(flight, state, error)
 
     def _failed(self, span: Span, exc: BaseException) -> None:
         span.record_exception(exc)

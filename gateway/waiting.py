@@ -32,6 +32,7 @@ from gateway.backpressure import Backpressure, Limits
 from gateway.config import GatewayConfig
 from gateway.http.disconnect import ClientGone
 from gateway.metrics import GatewayMetrics
+from gateway.observer import NOTHING, Observer
 from gateway.tenants import Tenant
 
 POISON_DEATHS = 2  # engines that may die holding one request: the second's death ends it
@@ -51,11 +52,13 @@ class WaitingRoom:
         keys: Keys,
         metrics: GatewayMetrics,
         background: Background,
+        observer: Observer = NOTHING,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.background = background
-        self.queue = RequestQueue(client, keys, pipe=autopipeline(client))
+        self.observer = observer
+        self.queue = RequestQueue(client, keys, pipe=autopipeline(client), on_finish=observer.finished)
         self.waiter = AssignmentWaiter(
             client, keys, config.gateway_id, config.reconcile_s, on_missing=self.readmit, metrics=metrics
         )
@@ -150,6 +153,17 @@ class WaitingRoom:
         """The assignment (from the subscription or the reconciliation); no Redis call of its own while it
         waits, at most its class's wait budget (``GatewayConfig.queue_wait_s``). Raises ClientGone, QueueTimeout
         (the budget ran out), or NoLiveWorkers (set on the future by the monitor)."""
+        try:
+            a = await self._wait(adm, fut, disconnected)
+        except BaseException as exc:
+            self.observer.wait_failed(adm.record, exc)
+            raise
+        self.observer.assigned(adm.record, a)
+        return a
+
+    async def _wait(
+        self, adm: Admitted, fut: asyncio.Future[Assignment], disconnected: asyncio.Future[None]
+    ) -> Assignment:
         rid = adm.record.id
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.holding.pop(rid, None)  # the fast path: assigned at admission
@@ -188,6 +202,7 @@ class WaitingRoom:
         ``engine_fault`` False: the engine is fine (its group lost a member), its breaker does not count it;
         ``counted`` False: nothing failed (its group was parked), not counted toward ``max_attempts``; ``died``: the
         engine died holding it, and a second such death ends it (:meth:`suspect`)."""
+        self.observer.requeued(adm.record, why)
         if engine_fault:
             self.engine_failed(a.engine, why)
         if died and engine_fault and counted:

@@ -165,58 +165,68 @@ def test_no_endpoint_is_off_and_a_base_url_gets_the_traces_path(monkeypatch):
 
 
 class _Steps:
-    """The gateway's steps that Tracing.instrument wraps, as fakes: an admission that records, an assignment at
-    once, an engine that answers 200."""
+    """A fake serving path that calls its observer at the stages the gateway's components do (gateway.observer):
+    an admission that records, an assignment at once, an engine that answers 200 (``engine``: what it saw)."""
 
-    def __init__(self) -> None:
-        self.waiting = self
-        self.upstream = self
-        self.queue = self
-        self.early = self
+    def __init__(self, observer: Tracing, engine=None) -> None:
+        self.obs = observer
+        self.waiting = self.upstream = self.queue = self.early = self
         self.finished: list[tuple[str, str]] = []
         self.taken_back: list[str] = []
+        self.engine = engine
 
     def take_back(self, early, rec, declined=False):
         if early is not None:
+            self.obs.taken_back(rec)
             self.taken_back.append(rec.id)
 
     def send(self, rec, call):
+        self.obs.sent_early(rec)
         return object()  # (sent early: the test then calls open_stream itself)
 
     async def admit(self, req, priority, request_id=None):
+        started = time.time_ns()
         record = QueuedRequest(id=request_id, priority=priority, model="m", prompt_tokens=1, max_tokens=1,
                                gateway="g", enqueued_at=time.time())  # fmt: skip
+        self.obs.admitted(record, started)
         return Admitted(record, "/v1/completions", {"rid": engine_rid(request_id)}, stream=True)
 
     async def wait_assignment(self, adm, fut, disconnected):
-        return Assignment(id=adm.record.id, engine=3, url="http://e3", queue_ms=0.5)
+        a = Assignment(id=adm.record.id, engine=3, url="http://e3", queue_ms=0.5)
+        self.obs.assigned(adm.record, a)
+        return a
 
     async def retry_or_fail(
         self, adm, a, why, cause="before_first_event", engine_fault=True, counted=True, died=False
     ):
+        self.obs.requeued(adm.record, why)
         adm.next_attempt((split_engine_rid(adm.body["rid"])[1] or 0) + 1)  # as the waiting room does
         return None
 
     async def open_stream(self, url, path, body, headers=None):
+        headers = dict(headers or {})
+        handle = self.obs.relaying(body, url, path, True, headers)
+        if self.engine is not None:
+            self.engine(headers)
+        self.obs.relayed(handle, body, True, 200)
         return SimpleNamespace(status_code=200)
 
-    post = open_stream
-
     async def finish(self, rid, state, error=""):
+        self.obs.finished(rid, state, error)
         self.finished.append((rid, state))
 
     def finish_nowait(self, rid, state, error=""):
+        self.obs.finished(rid, state, error)
         self.finished.append((rid, state))
 
 
 def instrumented_steps() -> tuple[InMemorySpanExporter, _Steps, Tracing]:
-    """Stub gateway steps instrumented by a sampling tracer whose spans land in the returned exporter."""
+    """A fake serving path observed by a sampling tracer whose spans land in the returned exporter."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    steps, traced = _Steps(), Tracing(provider)
-    traced.instrument(steps)  # type: ignore[arg-type]
-    return exporter, steps, traced
+    traced = Tracing(provider)
+    return exporter, _Steps(traced), traced
 
 
 async def test_a_re_dispatched_stream_has_a_failed_relay_then_a_second_attempt():
@@ -251,14 +261,8 @@ async def test_an_unsampled_request_has_no_step_spans_and_still_sends_its_tracep
     provider = TracerProvider(sampler=ALWAYS_OFF)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     sent: list[dict[str, str] | None] = []
-    steps, traced = _Steps(), Tracing(provider)
-
-    async def open_stream(url, path, body, headers=None):
-        sent.append(headers)
-        return SimpleNamespace(status_code=200)
-
-    steps.open_stream = open_stream  # type: ignore[method-assign]
-    traced.instrument(steps)  # type: ignore[arg-type]
+    traced = Tracing(provider)
+    steps = _Steps(traced, engine=sent.append)
     with traced.tracer.start_as_current_span("request") as root:
         adm = await steps.admit(None, "normal", "r1")
         a = await steps.waiting.wait_assignment(adm, None, None)

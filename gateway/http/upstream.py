@@ -20,6 +20,8 @@ import httptools
 import httpx
 import msgspec
 
+from gateway.observer import NOTHING, Observer
+
 CONNECT_TIMEOUT_S = 3.0
 # a stream given up after its last event: how long its end may take before the connection closes
 DRAIN_S = 1.0
@@ -274,8 +276,12 @@ class StreamResponse:
 
 
 class Upstream:
-    def __init__(self, read_timeout_s: float) -> None:
+    """Calls to the engines: streams and whole answers over pooled connections, and aborts; each call reported to
+    ``observer`` (gateway.observer)."""
+
+    def __init__(self, read_timeout_s: float, observer: Observer = NOTHING) -> None:
         self.read_timeout_s = read_timeout_s
+        self.observer = observer
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=read_timeout_s, write=30.0, pool=30.0),
             limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256),
@@ -322,7 +328,15 @@ class Upstream:
         """Send a streaming request (with ``headers`` besides its own, e.g. a ``traceparent``) and return once the
         response headers arrive (body still streaming). A pooled connection the engine closed while idle is
         replaced once, transparently."""
-        return await self._send(url, path, body, "text/event-stream", headers)
+        headers = dict(headers or {})
+        handle = self.observer.relaying(body, url, path, True, headers)
+        try:
+            resp = await self._send(url, path, body, "text/event-stream", headers)
+        except BaseException as exc:
+            self.observer.relay_failed(handle, exc)
+            raise
+        self.observer.relayed(handle, body, True, resp.status_code)
+        return resp
 
     async def _send(
         self, url: str, path: str, body: dict, accept: str, headers: dict[str, str] | None
@@ -377,6 +391,17 @@ class Upstream:
         """A non-streaming request's whole answer (``status_code``, ``content``, ``json()``). Raises
         WorkerUnavailable when the engine cannot be reached, sends nothing for the read timeout, or its
         connection breaks before the answer's end."""
+        headers = dict(headers or {})
+        handle = self.observer.relaying(body, url, path, False, headers)
+        try:
+            resp = await self._whole(url, path, body, headers)
+        except BaseException as exc:
+            self.observer.relay_failed(handle, exc)
+            raise
+        self.observer.relayed(handle, body, False, resp.status_code)
+        return resp
+
+    async def _whole(self, url: str, path: str, body: dict, headers: dict[str, str]) -> StreamResponse:
         resp = await self._send(url, path, body, "application/json", headers)
         try:
             await resp.aread()
