@@ -105,6 +105,12 @@ class Keys:
         ``request_crashed_engines``); the router drops ids whose request ended."""
         return f"{self.prefix}:suspects"
 
+    def crash(self, engine: int) -> str:
+        """STRING (JSON CrashReport, EX ``flying.crashes.REPORT_TTL_S``): what engine's scheduler was running when it
+        last raised, written before it went down; the gateways end a request its crashing batch held alone (500
+        ``request_crashed_engines``) instead of re-dispatching it."""
+        return f"{self.prefix}:crash:{engine}"
+
     def tenant_inflight(self, name: str) -> str:
         """HASH gateway id -> one tenant's requests in progress on that gateway: its max_concurrent, held across
         gateways (a gateway whose liveness key is gone no longer counts)."""

@@ -178,6 +178,20 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
+class CrashReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Worker -> gateways (``flying:crash:{i}``): engine ``engine``'s scheduler raised ``error`` at ``at`` and is
+    going down. ``batch``: the SGLang rids of the batches it was running (or whose output it was processing) when
+    it raised, empty when it raised elsewhere in its loop; ``held``: every rid it held then (the batches'
+    included). What the gateways make of it: :mod:`flying.crashes`."""
+
+    engine: int
+    launch_id: str = ""
+    at: float
+    error: str
+    batch: tuple[str, ...] = ()
+    held: tuple[str, ...] = ()
+
+
 _encoder = msgspec.json.Encoder()
 
 

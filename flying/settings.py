@@ -19,7 +19,7 @@ COMM_PORT = "FLYING_COMM_PORT"
 NODE = "FLYING_NODE"  # the node an engine announces (flying-worker --node)
 FIRST_ENGINE = "FLYING_FIRST_ENGINE"  # the first engine of the node's communicator pool (--first-engine)
 LOG_FORMAT = "FLYING_LOG_FORMAT"  # set by flying-worker for the SGLang server's processes (the plugin)
-# tests only: a request whose stop strings hold this value crashes the engine's scheduler (a poison request)
+# tests only: a batch holding a request whose stop strings hold this value crashes the scheduler (a poison request)
 TEST_CRASH_STOP = "FLYING_TEST_CRASH_STOP"
 SP_THRESHOLD = "FLYING_SP_THRESHOLD"  # a bound group's SP steps: batched tokens from which a step runs in SP
 

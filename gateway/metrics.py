@@ -59,8 +59,8 @@ class GatewayMetrics:
         )
         self.poison = Counter(
             "flying_poison_requests",
-            "Requests ended because two engines died while running them (a 500 "
-            "request_crashed_engines), not tried on a third",
+            "Requests ended because they crashed an engine (a 500 request_crashed_engines): "
+            "named by the engine's crash report, or the second engine to die holding them",
             registry=r,
         )
         self.early = Counter(

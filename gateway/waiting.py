@@ -16,10 +16,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from flying import redis_conn
+from flying import crashes, redis_conn
 from flying.autopipeline import AutoPipeline
 from flying.breaker import Breakers
 from flying.cancel import reraise_if_cancelled
+from flying.crashes import Blame
 from flying.keys import Keys
 from flying.messages import GROUP_LEADER_ONLY, Assignment, Priority, QueuedRequest
 from flying.queue import DuplicateId, QueueFull, RequestQueue, TenantLimit, TenantLimited
@@ -201,12 +202,13 @@ class WaitingRoom:
         """The engine failed before answering: re-queue the request (within ``max_attempts``) or fail it.
         ``engine_fault`` False: the engine is fine (its group lost a member), its breaker does not count it;
         ``counted`` False: nothing failed (its group was parked), not counted toward ``max_attempts``; ``died``: the
-        engine died holding it, and a second such death ends it (:meth:`suspect`)."""
+        engine died holding it: ended if the engine's crash report says it crashed it, or at a second such death
+        (:meth:`suspect`)."""
         self.observer.requeued(adm.record, why)
         if engine_fault:
             self.engine_failed(a.engine, why)
-        if died and engine_fault and counted:
-            await self.suspect(adm, a, why)
+        ran = adm.engine_rids()  # (the attempt that failed: the next one's rids are set below)
+        blame = await self.suspect(adm, a, why) if died and engine_fault and counted else None
         rec = await self.queue.get(adm.record.id)
         attempts = int(rec.get("attempts", 0)) + 1  # (every re-dispatch: its SGLang rid's suffix)
         used = attempts - int(rec.get("parked_attempts", 0))
@@ -219,6 +221,11 @@ class WaitingRoom:
         elif used >= self.config.max_attempts:
             await self.queue.finish(adm.record.id, "failed", why)
             raise WorkerFailed(f"engine {a.engine} failed and {used} attempts are used up: {why}")
+        adm.next_attempt(attempts)
+        await asyncio.sleep(self.redispatch_delay_s(attempts))
+        if blame is Blame.UNKNOWN:
+            # a crash report that landed after the engine's connection broke still keeps it from a second engine
+            await self.crashed(adm, a, await self.blame(a, ran))
         log.warning(
             "request %s: engine %d unavailable (%s); re-queueing",
             adm.record.id,
@@ -227,28 +234,56 @@ class WaitingRoom:
             extra={"request_id": adm.record.id},
         )
         self.metrics.redispatched.labels(cause).inc()
-        adm.next_attempt(attempts)
-        await asyncio.sleep(self.redispatch_delay_s(attempts))
         fut = self.waiter.expect(adm.record.id)
         await self.queue.requeue(adm.record, a.engine, why, counted=counted, leader_only=leader_only)
         self.waiter.mark_admitted(adm.record.id)
         self.holding[adm.record.id] = adm.record
         return fut
 
-    async def suspect(self, adm: Admitted, a: Assignment, why: str) -> None:
-        """Count the death of the engine that held ``adm``; at the :data:`POISON_DEATHS`-th it is not tried again:
-        ended in Redis, logged, counted and answered with a 500 (the router gave it an engine holding no other
-        suspect request, so it is the likely cause)."""
+    async def suspect(self, adm: Admitted, a: Assignment, why: str) -> Blame:
+        """The engine that held ``adm`` died. If its crash report (:mod:`flying.crashes`) says ``adm`` crashed it,
+        ``adm`` is not tried again (:meth:`crashed`); if the report clears it, it is re-dispatched as any other
+        request. Else the death is counted, and at the :data:`POISON_DEATHS`-th it is not tried again either (the
+        router gave it an engine holding no other suspect request, so it is the likely cause). Returns the
+        report's blame."""
         rid = adm.record.id
+        blame = await self.blame(a, adm.engine_rids())
+        await self.crashed(adm, a, blame)
+        if blame is Blame.CLEARED:
+            return blame
         if await self.queue.mark_suspect(rid) < POISON_DEATHS:
-            return
+            return blame
         error = f"engines died twice while running this request (the last: engine {a.engine}, {why})"
-        await self.queue.finish(rid, "failed", error)
         self.metrics.poison.inc()
-        log.error("request %s: %s; not tried again", rid, error, extra={"request_id": rid})
+        await self._end_poison(rid, error)
         raise PoisonRequest(
             f"engine {a.engine} died running this request, as another engine had before: it is not tried on a third"
         )
+
+    async def blame(self, a: Assignment, rids: list[str]) -> Blame:
+        """What the crash report of ``a``'s engine says of the attempt it ran under ``rids`` (UNKNOWN: Redis did
+        not say)."""
+        try:
+            report = await crashes.read(self.queue.r, self.queue.keys, a.engine)
+        except aioredis.RedisError as exc:
+            reraise_if_cancelled()
+            log.warning("engine %d: crash report not read (%r)", a.engine, exc)
+            return Blame.UNKNOWN
+        return crashes.blame(report, rids)
+
+    async def crashed(self, adm: Admitted, a: Assignment, blame: Blame) -> None:
+        """``blame`` CAUSE: the engine's crashing batch held ``adm`` alone, so it crashed the engine: ended in
+        Redis, logged, counted and answered with a 500 (PoisonRequest), not tried on another engine."""
+        if blame is not Blame.CAUSE:
+            return
+        error = f"engine {a.engine} crashed running this request alone (its crash report names it)"
+        self.metrics.poison.inc()
+        await self._end_poison(adm.record.id, error)
+        raise PoisonRequest(f"engine {a.engine} crashed running this request: it is not tried on another")
+
+    async def _end_poison(self, rid: str, error: str) -> None:
+        await self.queue.finish(rid, "failed", error)
+        log.error("request %s: %s; not tried again", rid, error, extra={"request_id": rid})
 
     def redispatch_delay_s(self, attempt: int) -> float:
         """The jittered back-off before the ``attempt``-th re-dispatch (1: the first): a random 50-100 % of

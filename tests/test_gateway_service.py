@@ -9,15 +9,15 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
 
 from flying.messages import GROUP_LOST as LOST
-from flying.messages import GROUP_PARKED, Assignment, Heartbeat, encode
+from flying.messages import GROUP_PARKED, Assignment, CrashReport, Heartbeat, encode
 from gateway.api import engine_fields
-from gateway.api.errors import NoRouter, WorkerFailed
+from gateway.api.errors import NoRouter, PoisonRequest, WorkerFailed
 from gateway.api.schemas import ChatCompletionRequest, decode
 from gateway.config import GatewayConfig
 from gateway.http.disconnect import ClientGone
@@ -86,6 +86,8 @@ class ScriptedEngine:
         self.scripts: list = []
         self.calls: list[tuple[str, dict]] = []
         self.answer: Callable[[httpx.Request], httpx.Response] | None = None
+        # called with the request's body before its stream breaks (a "reset" or "cut"): what a crash does first
+        self.on_break: Callable[[dict], Awaitable[None]] | None = None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (request := await read_request(reader)) is not None:
@@ -112,6 +114,8 @@ class ScriptedEngine:
                 continue
             if end == "hang":  # the first event never comes (until the server closes)
                 await asyncio.Event().wait()
+            if self.on_break is not None:
+                await self.on_break(self.calls[-1][1])
             if end == "reset":
                 writer.transport.abort()
             else:
@@ -244,6 +248,73 @@ async def test_a_resumed_stream_whose_second_engine_dies_too_ends_cleanly_as_a_p
     )
     await asyncio.sleep(0.1)
     assert await aredis.hget(keys.stats, "failed") == b"1"
+
+
+def reports_crash(
+    gw: Gateway, aredis, keys, batch: str = "alone", delay_s: float = 0.0
+) -> list[asyncio.Task]:
+    """Engine 0 reports its crash before its stream breaks (after ``delay_s``, in the background): its crashing
+    batch held the request alone ("alone"), with another ("shared"), or only another ("cleared": it held the
+    request outside that batch). Returns the background writes."""
+    late: list[asyncio.Task] = []
+
+    async def write(rid: str) -> None:
+        await asyncio.sleep(delay_s)
+        crashing = {"alone": (rid,), "shared": (rid, "other~0"), "cleared": ("other~0",)}[batch]
+        report = CrashReport(
+            engine=0, at=time.time(), error="RuntimeError: boom", batch=crashing, held=(rid, "other~0")
+        )
+        await aredis.set(keys.crash(0), encode(report))
+
+    async def on_break(body: dict) -> None:
+        gw.engine.on_break = None  # (the first engine's crash only)
+        if delay_s:
+            late.append(asyncio.create_task(write(body["rid"])))
+        else:
+            await write(body["rid"])
+
+    gw.engine.on_break = on_break
+    return late
+
+
+async def test_a_request_its_engines_crash_report_names_alone_is_not_tried_again(gateway, aredis, keys):
+    """The engine's crashing batch held this request alone: it crashed the engine, so it ends at once (500
+    ``request_crashed_engines``) instead of taking a second engine down."""
+    reports_crash(gateway, aredis, keys)
+    with pytest.raises(PoisonRequest) as raised:
+        await stream_through(gateway, [empty(), sse(EVENTS)])
+    assert raised.value.status == 500 and raised.value.code == "request_crashed_engines"
+    calls = gateway.engine.calls
+    assert len(calls) == 1, "not sent to another engine"
+    rid = calls[0][1]["rid"].split("~")[0]
+    assert await aredis.hget(keys.request(rid), "state") == b"failed"
+    assert not await aredis.sismember(keys.suspects, rid)
+    assert gateway.metrics.poison._value.get() == 1
+    assert await aredis.hget(keys.stats, "failed") == b"1" and not await aredis.hget(keys.stats, "requeued")
+
+
+async def test_a_crash_report_written_after_the_stream_broke_still_ends_its_request(gateway, aredis, keys):
+    """The report lands after the gateway saw the connection break: read again before the re-dispatch."""
+    late = reports_crash(gateway, aredis, keys, delay_s=0.05)
+    gateway.waiting.redispatch_delay_s = lambda attempt: 0.3
+    with pytest.raises(PoisonRequest):
+        await stream_through(gateway, [empty(), sse(EVENTS)])
+    assert late and late[0].done() and len(gateway.engine.calls) == 1
+    assert gateway.metrics.poison._value.get() == 1
+
+
+@pytest.mark.parametrize("batch, suspect", [("cleared", False), ("shared", True)])
+async def test_a_request_outside_the_crashing_batch_or_sharing_it_is_redispatched(
+    gateway, aredis, keys, batch, suspect
+):
+    """Held outside the crashing batch: not its cause, re-dispatched and not suspect. In the batch with another
+    request: either may be the cause, so it is re-dispatched as a suspect (a second death ends it)."""
+    reports_crash(gateway, aredis, keys, batch)
+    events, calls = await stream_through(gateway, [empty(), sse(EVENTS)])
+    assert events == chat_chunks() and len(calls) == 2
+    rid = calls[0][1]["rid"].split("~")[0]
+    assert await aredis.sismember(keys.suspects, rid) == suspect
+    assert gateway.metrics.poison._value.get() == 0
 
 
 CHAT_EVENTS = [{"choices": [{"index": 0, "delta": {"content": w}}]} for w in WORDS]

@@ -16,6 +16,7 @@ from flying import settings
 if TYPE_CHECKING:
     from worker_ext.binding import Binding
     from worker_ext.commands import CommandReader
+    from worker_ext.crash_report import CrashReporter
     from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
 
 log = logging.getLogger(__name__)
@@ -32,9 +33,11 @@ def register() -> None:
     sglang_patches.apply_scheduler_hooks(on_init=plugin.on_scheduler_init, on_step=plugin.on_step)
     sglang_patches.apply_forward_hook(plugin.around_forward)
     sglang_patches.apply_abort_hook(plugin.on_abort)
-    from worker_ext.sglang_patches import requests
+    from worker_ext.sglang_patches import crash, requests
 
     requests.apply_output_hook()
+    test_crash = plugin.crash_on_marker if os.environ.get(settings.TEST_CRASH_STOP) else None
+    crash.apply_crash_hook(plugin.on_crash, before_batch=test_crash)
 
 
 def _setup_logs(fmt: str) -> None:
@@ -60,10 +63,23 @@ class Plugin:
         self.publisher: HeartbeatPublisher | None = None
         self.binding: Binding | None = None
         self.commands: CommandReader | None = None
+        self.crashes: CrashReporter | None = None
 
     def on_abort(self, scheduler, rid: str) -> None:
         if self.binding is not None:
             self.binding.note_abort(rid)
+
+    def on_crash(self, scheduler, exc: BaseException, batches: list) -> None:
+        if self.crashes is not None:
+            self.crashes.report(scheduler, exc, batches)
+
+    def crash_on_marker(self, scheduler, batch) -> None:
+        """The tests' poison request: a batch holding a request whose stop strings hold FLYING_TEST_CRASH_STOP's
+        value raises, as a forward that fails on it would."""
+        from worker_ext.sglang_patches import crash
+
+        if self.publisher is not None and crash.stop_strings_in(batch, os.environ[settings.TEST_CRASH_STOP]):
+            raise RuntimeError(f"{settings.TEST_CRASH_STOP}: a request asked this scheduler to crash")
 
     def around_forward(self, original, runner, forward_batch, *args, **kwargs):
         if self.binding is None:
@@ -71,7 +87,9 @@ class Plugin:
         return self.binding.around_forward(original, runner, forward_batch, *args, **kwargs)
 
     def on_scheduler_init(self, scheduler) -> None:
+        from flying.keys import Keys
         from worker_ext import sglang_patches
+        from worker_ext.crash_report import CrashReporter
         from worker_ext.heartbeat import HeartbeatConfig, HeartbeatPublisher
 
         if sglang_patches.scheduler_tp_rank(scheduler) != 0:
@@ -88,6 +106,9 @@ class Plugin:
         self.publisher = HeartbeatPublisher(config)
         self.publisher.beat(**sglang_patches.scheduler_load(scheduler))
         self.publisher.start()
+        self.crashes = CrashReporter(
+            config.engine, config.redis_url, Keys(config.key_prefix), launch_id=config.launch_id
+        )
         log.info("flying-serving plugin: engine %d heartbeating to %s", config.engine, config.redis_url)
         self._start_switching(scheduler, config)
 
@@ -147,8 +168,6 @@ class Plugin:
     def on_step(self, scheduler) -> None:
         if self.publisher is None:
             return
-        if (marker := os.environ.get(settings.TEST_CRASH_STOP)) and _holds_stop(scheduler, marker):
-            raise RuntimeError(f"{settings.TEST_CRASH_STOP}: a request asked this scheduler to crash")
         if self.binding is not None and self.commands is not None:
             self.binding.on_step(self.commands.drain())
         self.beat(scheduler)
@@ -166,9 +185,3 @@ class Plugin:
             # the status's max_total_tokens is its DP one
             load["free_kv_tokens"] //= width
         self.publisher.beat(**(load | switching))
-
-
-def _holds_stop(scheduler, marker: str) -> bool:
-    from worker_ext import sglang_patches
-
-    return sglang_patches.waiting_stop_strings(scheduler, marker)

@@ -140,7 +140,8 @@ class QueueUnavailable(APIError):
 
 
 class PoisonRequest(APIError):
-    """The request was running on two engines that died: it is not tried on a third."""
+    """The request crashed its engine (the engine's crash report names it alone in its crashing batch), or was
+    running on two engines that died: it is not tried again."""
 
     status = 500
     type = "server_error"

@@ -130,12 +130,6 @@ def apply_abort_hook(on_abort: Callable[[Any, str], None]) -> None:
     HookRegistry.register(f"{SCHEDULER}.abort_request", after_abort, HookType.AFTER)
 
 
-def waiting_stop_strings(scheduler: Any, marker: str) -> bool:
-    """Whether a request waiting in the scheduler has ``marker`` among its stop strings (the test hook of
-    ``FLYING_TEST_CRASH_STOP``)."""
-    return any(marker in (r.sampling_params.stop_strs or ()) for r in scheduler.waiting_queue)
-
-
 def scheduler_tp_rank(scheduler: Any) -> int:
     from sglang.srt.runtime_context import get_parallel
 
