@@ -71,7 +71,7 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
 
 
-def add_redis_arguments(p: argparse.ArgumentParser) -> None:
+def add_redis_arguments(p: argparse._ActionsContainer) -> None:
     """``--redis-url``, ``--redis-sentinel``, ``--redis-master-name`` and ``--key-prefix``, as every process takes
     them (defaults from the environment); :func:`redis_url` makes the one URL they name."""
     p.add_argument(

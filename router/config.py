@@ -3,33 +3,16 @@ defaults are read from here."""
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal
 
+from flying.config import require as _require
+from flying.config import setting
 from flying.logs import LogFormat
 from flying.messages import Preempt
 
 DispatchRule = Literal["cache-aware", "least-loaded"]
-T = TypeVar("T")
-
-
-def setting(default: T, help: str) -> T:
-    """A config field with its default and its one-line description (``help``: what it does and its unit; the
-    CLI appends the default)."""
-    return field(default=default, metadata={"help": help})
-
-
-def _require(ok: bool, message: str) -> None:
-    """A setting a user gave is out of range: ValueError naming it (checked under ``python -O`` too)."""
-    if not ok:
-        raise ValueError(message)
-
-
-def describe(cls: type) -> dict[str, str]:
-    """Field name -> its ``help``, for the fields of config dataclass ``cls`` that carry one."""
-    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
 
 
 @dataclass(frozen=True)

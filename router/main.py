@@ -9,12 +9,12 @@ import gc
 import logging
 import re
 import signal
-import typing
 
 import prometheus_client
 
 from flying import cli, logs, redis_conn, taskdump
-from router.config import PolicyConfig, RouterConfig, describe
+from flying.config import add_flags, describe, from_flags
+from router.config import PolicyConfig, RouterConfig
 from router.dispatcher import Dispatcher
 from router.metrics import ClusterCollector, scrape_client
 
@@ -26,17 +26,7 @@ ROUTER_HELP: dict[str, str] = describe(RouterConfig)
 def _policy_flags(p: argparse.ArgumentParser) -> None:
     """One flag per PolicyConfig field (``--max-width 4``, ``--no-load-adaptation``), defaults from the class."""
     g = p.add_argument_group("policy (see router/policy.py)")
-    hints = typing.get_type_hints(PolicyConfig)
-    for f in dataclasses.fields(PolicyConfig):
-        flag, kind, text = "--" + f.name.replace("_", "-"), hints[f.name], POLICY_HELP[f.name]
-        if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
-        elif kind == int | None:  # unset: None (each worker's own setting)
-            g.add_argument(flag, type=int, default=f.default, help=text)
-        elif typing.get_origin(kind) is typing.Literal:
-            g.add_argument(flag, choices=typing.get_args(kind), default=f.default, help=text)
-        else:
-            g.add_argument(flag, type=kind, default=f.default, help=text)
+    add_flags(g, PolicyConfig)
     g.add_argument(
         "--manual",
         action="store_true",
@@ -83,7 +73,7 @@ def _in_flags(message: str, p: argparse.ArgumentParser) -> str:
 
 
 def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:
-    policy = PolicyConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PolicyConfig)})
+    policy = from_flags(PolicyConfig, a)
     if a.manual:
         policy = dataclasses.replace(policy, load_adaptation=False, priority=False, long_context=False)
     return dataclasses.replace(
