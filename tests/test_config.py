@@ -10,6 +10,7 @@ from typing import Literal
 import pytest
 
 from flying import cli
+from flying.cli import help_line
 from flying.config import add_flags, describe, from_flags, require, setting
 
 
@@ -63,6 +64,7 @@ def test_a_bool_is_a_pair_of_flags_or_one_switch_to_the_other_value():
     assert (parse().quiet, parse("--quiet").quiet) == (False, True)
     assert (parse().eager, parse("--no-eager").eager) == (True, False)
     assert "--no-quiet" not in parser().format_help()
+    assert help_line(parser(), flag("--no-eager")).endswith("(default: False)"), "not given unless given"
 
 
 def test_a_literal_is_a_choice():
