@@ -33,9 +33,11 @@ from collections.abc import Callable
 import msgspec
 import redis
 
+from flyctl.config import Bind, Queue, Resume, Watch
 from flyctl.nodes import by_node, cross_node, node_header
 from flying import cli, control, redis_conn
 from flying.breaker import Breaker, decode_all
+from flying.config import add_flags, from_flags
 from flying.keys import Keys
 from flying.messages import Heartbeat, RouterState, decode
 from flying.queue import text
@@ -227,18 +229,6 @@ def bind_and_wait(r: redis.Redis, keys: Keys, bind: Callable[[], int], wait_s: f
     return wait_bound(r, keys, epoch, wait_s) if wait_s else 0
 
 
-def add_wait(p: argparse.ArgumentParser, otherwise: str) -> None:
-    """``--wait S`` of a command that binds (``otherwise``: what it does without it)."""
-    p.add_argument(
-        "--wait",
-        type=cli.non_negative(float),
-        default=0.0,
-        metavar="S",
-        help="wait up to S seconds until every member reports the group (exit 0) or the router rolls it back "
-        f"(exit 1); default 0: {otherwise}",
-    )
-
-
 MODEL_FIELDS = (
     ("overhead_ms", "ms a step"),
     ("prefill_ms_per_token", "ms a batched token, one engine"),
@@ -277,41 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "status", help="engines (mode, group, load, KV, switch timings), the router, groups, queue"
     )
-    q = sub.add_parser("queue", help="the waiting requests in dispatch order")
-    q.add_argument("-n", type=cli.non_negative(int), default=20, help="how many waiting requests to list")
+    add_flags(sub.add_parser("queue", help="the waiting requests in dispatch order"), Queue)
     sub.add_parser("tenants", help="each tenant's admitted requests and tokens, and refusals by limit")
     sub.add_parser("model", help="the cost model the router fitted to the engines' step times")
-    w = sub.add_parser("watch", help="status, refreshed every --interval seconds")
-    w.add_argument(
-        "--interval",
-        type=cli.at_least(float, 0.1),
-        default=1.0,
-        help="seconds between refreshes (default 1, at least 0.1)",
-    )
-    w.add_argument(
-        "--count",
-        type=cli.non_negative(int),
-        default=0,
-        help="stop after this many refreshes (0: until Ctrl-C)",
-    )
+    add_flags(sub.add_parser("watch", help="status, refreshed every --interval seconds"), Watch)
     b = sub.add_parser(
         "bind", help="bind engines into a TP group by hand (the router keeps it until released)"
     )
     b.add_argument("members", type=int, nargs="+")
-    b.add_argument("--preempt", choices=("hard", "sequential", "soft"), default="hard")
-    b.add_argument(
-        "--adopt",
-        action="store_true",
-        help="the members' DP requests become the group's (no drain, no recompute)",
-    )
-    add_wait(b, "print the epoch and return (the router binds it in the background)")
-    b.add_argument(
-        "--sp-threshold",
-        type=cli.non_negative(int),
-        default=None,
-        help="the group's steps of at least this many batched tokens run sequence-parallel (0: never; default: "
-        "the leader's flying-worker --sp-threshold)",
-    )
+    add_flags(b, Bind)
     rel = sub.add_parser("release", help="release a group (its epoch and members, as status shows them)")
     rel.add_argument("epoch", type=int)
     rel.add_argument("members", type=int, nargs="+")
@@ -329,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     res = sub.add_parser("resume", help="bind a parked group's engines again: its parked requests continue")
     res.add_argument("epoch", type=int, help="the parked group's epoch (flyctl status lists it)")
-    add_wait(res, "print the new epoch and return")
+    add_flags(res, Resume)
     a = p.parse_args(argv)
     url = cli.redis_url(a)
     r, keys = redis_conn.sync_client(url), Keys(a.key_prefix)
@@ -342,11 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             if why := cross_node(control.status(r, keys), members):
                 print(f"flyctl: cannot bind {list(members)}: {why}", file=sys.stderr)
                 return 2
+            o = from_flags(Bind, a)
             return bind_and_wait(
                 r,
                 keys,
-                lambda: control.bind(r, keys, members, a.preempt, adopt=a.adopt, sp_threshold=a.sp_threshold),
-                a.wait,
+                lambda: control.bind(r, keys, members, o.preempt, adopt=o.adopt, sp_threshold=o.sp_threshold),
+                o.wait,
             )
         elif a.cmd == "release":
             if why := unknown_group(r, keys, a.epoch, tuple(sorted(set(a.members)))):
@@ -354,23 +319,17 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             control.release(r, keys, tuple(a.members), a.epoch, a.retract, scatter=a.scatter, park=a.park)
         elif a.cmd == "resume":
-            return bind_and_wait(r, keys, lambda: control.resume(r, keys, a.epoch)[0], a.wait)
+            return bind_and_wait(
+                r, keys, lambda: control.resume(r, keys, a.epoch)[0], from_flags(Resume, a).wait
+            )
         elif a.cmd == "tenants":
             print(render_tenants(r, keys))
         elif a.cmd == "model":
             print(render_model(r, keys))
         elif a.cmd == "queue":
-            print(render_queue(r, keys, a.n))
+            print(render_queue(r, keys, from_flags(Queue, a).limit))
         elif a.cmd == "watch":
-            shown, clear = (
-                0,
-                "\x1b[2J\x1b[H" if sys.stdout.isatty() else "",
-            )  # (no escapes into a file or a pipe)
-            while not a.count or shown < a.count:
-                print(clear + time.strftime("%H:%M:%S ") + render_status(r, keys), flush=True)
-                shown += 1
-                if not a.count or shown < a.count:
-                    time.sleep(a.interval)
+            watch(r, keys, from_flags(Watch, a))
         else:
             print(render_status(r, keys))
     except redis.RedisError as exc:
@@ -383,6 +342,17 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 0
+
+
+def watch(r: redis.Redis, keys: Keys, w: Watch) -> None:
+    """``flyctl watch``: the status every ``w.interval`` seconds, ``w.count`` times (0: until Ctrl-C)."""
+    # no escapes into a file or a pipe
+    shown, clear = 0, "\x1b[2J\x1b[H" if sys.stdout.isatty() else ""
+    while not w.count or shown < w.count:
+        print(clear + time.strftime("%H:%M:%S ") + render_status(r, keys), flush=True)
+        shown += 1
+        if not w.count or shown < w.count:
+            time.sleep(w.interval)
 
 
 def entry() -> None:

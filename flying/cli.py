@@ -12,12 +12,15 @@ from flying import redis_conn, settings
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: ...)`` to every option's help, except a required option's and one whose default is None
-    and whose help says what that default means (it contains ``default``)."""
+    and whose help says what that default means (it contains ``default``). A switch that turns a setting off
+    (``--disable-radix-cache``) is not given by default: ``(default: False)``, as a switch that turns one on."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if action.required or (action.default is None and "default" in text):
             return text
+        if isinstance(action, argparse._StoreFalseAction):
+            return f"{text} (default: False)"
         return super()._get_help_string(action)
 
 
@@ -71,7 +74,7 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
 
 
-def add_redis_arguments(p: argparse.ArgumentParser) -> None:
+def add_redis_arguments(p: argparse._ActionsContainer) -> None:
     """``--redis-url``, ``--redis-sentinel``, ``--redis-master-name`` and ``--key-prefix``, as every process takes
     them (defaults from the environment); :func:`redis_url` makes the one URL they name."""
     p.add_argument(

@@ -146,10 +146,8 @@ def setup(fmt: LogFormat = "text", level: int = logging.INFO) -> None:
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
+FORMAT_HELP = "log lines as text or as one JSON object per line (ts, level, logger, msg, request_id)"
+
+
 def add_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--log-format",
-        choices=FORMATS,
-        default="text",
-        help="log lines as text or as one JSON object per line (ts, level, logger, msg, request_id)",
-    )
+    p.add_argument("--log-format", choices=FORMATS, default="text", help=FORMAT_HELP)

@@ -1,89 +1,168 @@
-"""Gateway configuration (frozen; CLI defaults are read from here)."""
+"""Gateway configuration: frozen; each setting's help is its one description, and ``flying-gateway``'s flags
+are generated from the settings (:mod:`flying.config`)."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
 
+from flying import cli, settings
 from flying.breaker import BreakerSettings
-from flying.logs import LogFormat
+from flying.config import require, setting
+from flying.logs import FORMAT_HELP, LogFormat
 from gateway.http.connections import ConnectionLimits
+from gateway.tracing import endpoint_from_env, service_name_from_env
+
+DOOR = "limits at the door (per connection)"  # --help's sections
+FAILURES = "failing engines"
 
 
-@dataclass(frozen=True)
+def _budget_help(priority: str) -> str:
+    return (
+        f"seconds a {priority}-priority request may wait in the queue: 429 at once when the measured service rate "
+        "predicts a longer wait, 504 when an admitted one has waited this long"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
-    model_path: str
-    served_model_name: str = "tiny-llama"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: int = 1  # gateway processes on the port (gateway.http.workers); each is a whole gateway
-    reuse_port: bool = False  # bind with SO_REUSEPORT, so several gateway processes share the port
-    ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS with this certificate (chain), PEM
-    ssl_keyfile: str | None = None  # the certificate's private key, PEM
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    model_path: str = setting(help="model (or tokenizer) directory, for prompt token counts (required)")
+    served_model_name: str = setting("tiny-llama", "the model name clients ask for")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "HTTP port", type=cli.port)
+    # gateway processes on the port (gateway.http.workers); each is a whole gateway
+    workers: int = setting(
+        1,
+        "gateway processes sharing the port (SO_REUSEPORT): one serves about 2,000 requests/s on one core; "
+        "each is a whole gateway, and /metrics on any of them counts all",
+    )
+    reuse_port: bool = setting(
+        False,
+        "bind the port with SO_REUSEPORT, so that other gateway processes can share it",
+        flag="--reuse-port",
+    )
+    ssl_certfile: str | None = setting(
+        None, "serve HTTPS with this certificate (PEM, the chain after it); needs --ssl-keyfile"
+    )
+    ssl_keyfile: str | None = setting(None, "the certificate's private key (PEM, unencrypted)")
+    redis_url: str = setting(
+        settings.DEFAULT_REDIS_URL, "the Redis the queue lives in", flags=cli.add_redis_arguments
+    )
     key_prefix: str = "flying"
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    max_queue: int = 4096  # 429 beyond this many waiting requests (low priority at 60%, normal at 85%)
-    max_wait_s: float = 60.0  # caps every class's wait budget; 0: no budgets (bound by count only)
-    # each priority class's queue-wait budget: 429 at once when the measured service rate predicts a longer wait,
-    # 504 when an admitted request has waited this long
-    wait_budget_high_s: float = 5.0
-    wait_budget_normal_s: float = 20.0
-    wait_budget_low_s: float = 60.0
-    queue_timeout_s: float = 120.0  # 504 if not assigned within this
+    max_queue: int = setting(
+        4096,
+        "requests waiting in the queue beyond which new ones get 429 (low priority at 60%, normal at 85%)",
+    )
+    queue_timeout_s: float = setting(
+        120.0, "seconds a request may wait for an engine before it ends with 504"
+    )
+    max_wait_s: float = setting(
+        60.0, "seconds: caps every priority's wait budget (0: no budgets; the queue is bounded by count only)"
+    )
+    wait_budget_high_s: float = setting(5.0, _budget_help("high"))
+    wait_budget_normal_s: float = setting(20.0, _budget_help("normal"))
+    wait_budget_low_s: float = setting(60.0, _budget_help("low"))
     no_worker_grace_s: float = 5.0  # 503 if no engine is live for this long while a request waits
     no_router_grace_s: float = 5.0  # degraded (new requests 503) once no router has held the lease this long
     request_timeout_s: float = 600.0  # upstream read timeout
-    default_max_tokens: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
-    max_attempts: int = 3  # dispatches per request when workers die before answering
-    # a request whose engine failed goes back to the queue after a jittered back-off: the n-th re-dispatch waits
-    # a random 50-100 % of min(redispatch_backoff_max_s, redispatch_backoff_s * 2^(n-1))
-    redispatch_backoff_s: float = 0.05
-    redispatch_backoff_max_s: float = 1.0
-    # engines' circuit breakers (flying.breaker): this many failed requests within breaker_window_s take an engine
-    # out of dispatch for breaker_backoff_s, doubled for each trip in a row up to breaker_backoff_max_s
-    breaker_failures: int = 5
-    breaker_window_s: float = 10.0
-    breaker_backoff_s: float = 2.0
-    breaker_backoff_max_s: float = 60.0
-    redis_max_connections: int = 32  # the pool blocks beyond this; independent of the number of requests
-    reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
-    drain_grace_s: float = 30.0  # SIGTERM: requests in progress get this long to finish
-    monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
-    # at the door (gateway.http.connections): 431 beyond these header bytes or fields, 414 beyond this URL length, 408
-    # when a request head takes longer, 503 with Retry-After beyond this many open connections
-    max_header_bytes: int = 16384
-    max_header_count: int = 100
-    max_url_bytes: int = 8192
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0  # a request body (its declared length) not complete within this: 408
-    # an idle keep-alive connection is closed after this: longer than clients keep an idle connection for reuse
-    # (httpx and the OpenAI SDK 5 s, aiohttp 15 s), so the client gives it up first; a gateway that closes it
-    # first can meet a request the client sent at that moment, which then ends in a reset
-    keep_alive_timeout_s: float = 75.0
-    max_connections: int = 4096
-    # /v1/* needs one as a bearer token (none: open)
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    api_key_file: str | None = None  # plain keys or TOML tenants (gateway.tenants); reloaded on SIGHUP
-    metrics_require_key: bool = False  # /metrics needs a key too
-    log_format: LogFormat = "text"  # flying.logs: text, or one JSON object per line
-    raw_engine_fields: bool = (
-        False  # keep SGLang's fields beyond OpenAI's in answers (gateway.api.engine_fields)
+    max_header_bytes: int = setting(16384, "431 beyond this many bytes of request header fields", group=DOOR)
+    max_header_count: int = setting(100, "431 beyond this many request header fields", group=DOOR)
+    max_url_bytes: int = setting(8192, "414 beyond this URL length", group=DOOR)
+    header_timeout_s: float = setting(
+        10.0, "seconds a request head may take to arrive (408); a silent connection is closed", group=DOOR
     )
-    # at light load, send a request to its engine while its admission runs (gateway.early_dispatch)
-    early_dispatch: bool = True
-    # OpenTelemetry traces to this OTLP/HTTP collector (gateway.tracing); None: off
-    otlp_endpoint: str | None = None
-    otel_service_name: str = "flying-gateway"  # the traces' service.name
+    body_timeout_s: float = setting(
+        30.0, "seconds a request body may take to arrive once its head has (408)", group=DOOR
+    )
+    # longer than clients keep an idle connection for reuse (httpx and the OpenAI SDK 5 s, aiohttp 15 s), so the
+    # client gives it up first; a gateway that closes it first can meet a request the client sent at that moment,
+    # which then ends in a reset
+    keep_alive_timeout_s: float = setting(
+        75.0, "seconds an idle keep-alive connection stays open", group=DOOR
+    )
+    max_connections: int = setting(
+        4096, "open connections beyond which new ones are answered 503 with Retry-After", group=DOOR
+    )
+    # independent of the number of requests
+    redis_max_connections: int = setting(
+        32, "Redis connection pool size; requests wait for a connection beyond it"
+    )
+    # engines' circuit breakers (flying.breaker)
+    breaker_failures: int = setting(
+        5,
+        "failed requests (refused, reset, timed out, 5xx) within --breaker-window-s that take an engine out of "
+        "dispatch (its circuit breaker opens)",
+        group=FAILURES,
+    )
+    breaker_window_s: float = setting(
+        10.0, "seconds over which an engine's failed requests are counted", group=FAILURES
+    )
+    breaker_backoff_s: float = setting(
+        2.0,
+        "seconds an engine stays out of dispatch after its breaker opens, before a probe of its health endpoint; "
+        "doubled for each trip in a row",
+        group=FAILURES,
+    )
+    breaker_backoff_max_s: float = setting(60.0, "seconds: the longest back-off", group=FAILURES)
+    # the n-th re-dispatch waits a random 50-100 % of min(redispatch_backoff_max_s, redispatch_backoff_s * 2^(n-1))
+    redispatch_backoff_s: float = setting(
+        0.05,
+        "seconds before a request whose engine failed goes back to the queue (a random 50-100% of it, doubled "
+        "for each attempt)",
+        group=FAILURES,
+    )
+    redispatch_backoff_max_s: float = setting(
+        1.0, "seconds: the longest re-dispatch back-off", group=FAILURES
+    )
+    max_attempts: int = 3  # dispatches per request when workers die before answering
+    reconcile_s: float = 2.0  # how often all waiting requests' states are read in one round trip
+    monitor_s: float = 0.25  # how often the cluster view and the service rate are refreshed
+    drain_grace_s: float = setting(
+        30.0,
+        "seconds: on SIGTERM stop admitting, let requests in progress finish for at most this long, then exit",
+    )
+    default_max_tokens: int = setting(
+        256, "tokens generated when a request sets no max_tokens (capped by the context left)"
+    )
+    # /v1/* needs one as a bearer token (none: open); from the environment and api_key_file
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: str | None = setting(
+        None,
+        f"API keys, one per line, or tenants with limits in a *.toml file (see docs/operations.md), added to "
+        f"those in ${settings.API_KEYS} (comma-separated); with any, /v1/* needs 'Authorization: Bearer <key>' "
+        "(none: open); SIGHUP reloads it",
+    )
+    metrics_require_key: bool = setting(False, "/metrics needs an API key too", flag="--metrics-require-key")
+    early_dispatch: bool = setting(
+        True,
+        "send a request to its engine only after its admission (default: at light load, while it runs)",
+        flag="--no-early-dispatch",
+    )
+    raw_engine_fields: bool = setting(
+        False,
+        "keep SGLang's fields beyond OpenAI's in answers (metadata, matched_stop, ...); default: removed",
+        flag="--raw-engine-fields",
+    )
+    otlp_endpoint: str | None = setting(
+        help="OpenTelemetry: send each request's spans to this OTLP/HTTP collector (http://collector:4318; "
+        "default $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT); none: tracing off",
+        factory=endpoint_from_env,
+    )
+    otel_service_name: str = setting(
+        help="the traces' service.name (default $OTEL_SERVICE_NAME or flying-gateway)",
+        factory=service_name_from_env,
+    )
+    log_format: LogFormat = setting("text", FORMAT_HELP)
 
     def __post_init__(self) -> None:
         _at_least("max_queue", self.max_queue, 1)
         _at_least("workers", self.workers, 1)
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError(
-                "ssl_certfile and ssl_keyfile go together: HTTPS needs the certificate and its key"
-            )
+        require(
+            (self.ssl_certfile is None) == (self.ssl_keyfile is None),
+            "ssl_certfile and ssl_keyfile go together: HTTPS needs the certificate and its key",
+        )
         _above("queue_timeout_s", self.queue_timeout_s, 0)
         _above("request_timeout_s", self.request_timeout_s, 0)
         _at_least("default_max_tokens", self.default_max_tokens, 1)
@@ -131,10 +210,8 @@ class GatewayConfig:
 
 
 def _at_least(name: str, value: float, low: float, note: str = "") -> None:
-    if not value >= low:
-        raise ValueError(f"{name} must be >= {low}{note}, got {value!r}")
+    require(value >= low, f"{name} must be >= {low}{note}, got {value!r}")
 
 
 def _above(name: str, value: float, low: float) -> None:
-    if not value > low:
-        raise ValueError(f"{name} must be > {low}, got {value!r}")
+    require(value > low, f"{name} must be > {low}, got {value!r}")

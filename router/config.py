@@ -3,35 +3,18 @@ defaults are read from here."""
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal
 
+from flying.config import require as _require
+from flying.config import setting
 from flying.logs import LogFormat
 
 DispatchRule = Literal["cache-aware", "least-loaded"]
-BindPreempt = Literal[
-    "hard", "sequential"
-]  # how the policy's binds take busy engines (flying.messages.Preempt)
-T = TypeVar("T")
-
-
-def setting(default: T, help: str) -> T:
-    """A config field with its default and its one-line description (``help``: what it does and its unit; the
-    CLI appends the default)."""
-    return field(default=default, metadata={"help": help})
-
-
-def _require(ok: bool, message: str) -> None:
-    """A setting a user gave is out of range: ValueError naming it (checked under ``python -O`` too)."""
-    if not ok:
-        raise ValueError(message)
-
-
-def describe(cls: type) -> dict[str, str]:
-    """Field name -> its ``help``, for the fields of config dataclass ``cls`` that carry one."""
-    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
+# how the policy's binds take busy engines (flying.messages.Preempt)
+BindPreempt = Literal["hard", "sequential"]
 
 
 # the policy's mechanisms, each on unless ``PolicyConfig.off`` names it
@@ -47,6 +30,18 @@ MECHANISMS: dict[str, str] = {
     "park": "under load, park a group serving a request no engine holds alone (KV kept), resume it when calm",
     "spread-ownership": "a group's TP requests go to its members in turn, so a release scatters them evenly",
 }
+
+
+def mechanisms(text: str) -> frozenset[Mechanism]:
+    """``park,kv-transform`` -> those mechanisms ("" or "none": none); an unknown one is an error naming it."""
+    names = frozenset(x.strip() for x in text.split(",") if x.strip() and x.strip() != "none")
+    unknown = sorted(names - set(MECHANISMS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mechanism {', '.join(unknown)} (known: {', '.join(MECHANISMS)})"
+        )
+    return names  # type: ignore[return-value]
+
 
 # ``flying-router --manual``: no automatic groups (binds through flyctl only)
 MANUAL_OFF: frozenset[Mechanism] = frozenset({"load", "priority", "long-context"})
@@ -92,7 +87,10 @@ class PolicyConfig:
         "are in balance; least-loaded ignores it",
     )
     off: frozenset[Mechanism] = setting(
-        frozenset(), "mechanisms the policy does not use: " + ", ".join(MECHANISMS)
+        "none",
+        "mechanisms the policy does not use: " + ", ".join(MECHANISMS),
+        type=mechanisms,
+        metavar="MECHANISM[,...]",
     )
 
     def on(self, mechanism: Mechanism) -> bool:

@@ -9,59 +9,30 @@ import gc
 import logging
 import re
 import signal
-import typing
 
 import prometheus_client
 
 from flying import cli, logs, redis_conn, taskdump
-from router.config import MANUAL_OFF, MECHANISMS, Limits, PolicyConfig, RouterConfig, describe
+from flying.config import add_flags, describe, from_flags
+from router.config import MANUAL_OFF, Limits, PolicyConfig, RouterConfig
 from router.dispatcher import Dispatcher
 from router.metrics import ClusterCollector, scrape_client
 
 # One line per field: what it does and its unit (``--help`` appends the default), from the field.
 POLICY_HELP: dict[str, str] = describe(PolicyConfig)
-LIMITS_HELP: dict[str, str] = describe(Limits)
 ROUTER_HELP: dict[str, str] = describe(RouterConfig)
 
 
-def _mechanisms(text: str) -> frozenset[str]:
-    """``--off park,kv-transform`` -> those mechanisms ("" or "none": none)."""
-    names = frozenset(x.strip() for x in text.split(",") if x.strip() and x.strip() != "none")
-    unknown = sorted(names - set(MECHANISMS))
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown mechanism {', '.join(unknown)} (known: {', '.join(MECHANISMS)})"
-        )
-    return names
-
-
-def _fields_flags(g: argparse._ArgumentGroup, cls: type, helps: dict[str, str]) -> None:
-    """One flag per field of config dataclass ``cls`` (``--max-width 4``), defaults from the class."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag, kind, text = "--" + f.name.replace("_", "-"), hints[f.name], helps[f.name]
-        if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
-        elif kind == int | None:  # unset: None (each worker's own setting)
-            g.add_argument(flag, type=int, default=f.default, help=text)
-        elif typing.get_origin(kind) is typing.Literal:
-            g.add_argument(flag, choices=typing.get_args(kind), default=f.default, help=text)
-        elif typing.get_origin(kind) is frozenset:
-            default = f.default if isinstance(f.default, frozenset) else frozenset()
-            shown = ",".join(sorted(default)) or "none"  # (argparse passes a string default through type)
-            g.add_argument(flag, type=_mechanisms, default=shown, metavar="MECHANISM[,...]", help=text)
-        else:
-            g.add_argument(flag, type=kind, default=f.default, help=text)
-
-
 def _policy_flags(p: argparse.ArgumentParser) -> None:
-    _fields_flags(p.add_argument_group("policy (see router/policy.py)"), PolicyConfig, POLICY_HELP)
-    p.add_argument(
+    """One flag per PolicyConfig and Limits field (``--max-width 4``, ``--off park``), defaults from the classes."""
+    g = p.add_argument_group("policy (see router/policy.py)")
+    add_flags(g, PolicyConfig)
+    g.add_argument(
         "--manual",
         action="store_true",
         help="no automatic groups: turn off load, priority and long-context groups (binds through flyctl only)",
     )
-    _fields_flags(p.add_argument_group("limits"), Limits, LIMITS_HELP)
+    add_flags(p.add_argument_group("limits"), Limits)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,10 +74,10 @@ def _in_flags(message: str, p: argparse.ArgumentParser) -> str:
 
 
 def _config(d: RouterConfig, a: argparse.Namespace) -> RouterConfig:
-    policy = PolicyConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PolicyConfig)})
+    policy = from_flags(PolicyConfig, a)
     if a.manual:
         policy = dataclasses.replace(policy, off=policy.off | MANUAL_OFF)
-    limits = Limits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Limits)})
+    limits = from_flags(Limits, a)
     return dataclasses.replace(
         d,
         redis_url=cli.redis_url(a),

@@ -33,6 +33,7 @@ from flying.cost_model import calibration, with_overrides
 from loadgen.metrics import RequestRecord, peak_output_throughput, stats, timeseries
 from loadgen.results import finite
 from loadgen.trace import PRESETS, read_mooncake, read_trace
+from router.config import mechanisms
 from router.policy import Limits, PolicyConfig
 from sim.config import Mode, SimConfig
 from sim.plots import burst_spans, mode_counts, plot, shift_share
@@ -288,9 +289,11 @@ def policy_overrides(items: list[str]) -> tuple[dict, dict]:
             elif kind in (int, float):
                 out[which][name] = kind(value)
             elif typing.get_origin(kind) is frozenset:
-                out[which][name] = frozenset(x for x in value.split(",") if x and x != "none")
+                out[which][name] = mechanisms(value)
             else:
                 out[which][name] = value
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--policy {item}: {e}") from None
         except ValueError:
             raise ValueError(
                 f"--policy {item}: {value!r} is not a {getattr(kind, '__name__', kind)}"

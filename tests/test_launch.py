@@ -138,7 +138,7 @@ def test_the_radix_cache_is_on_for_bound_capable_workers_unless_turned_off():
     args = launch.parser().parse_args(
         ["--engine", "0", "--num-engines", "2", "--model-path", "m", "--port", "1", "--disable-radix-cache"]
     )
-    assert args.disable_radix_cache
+    assert args.prefix_cache is False
     off = launch.WorkerConfig(
         engine=0, num_engines=2, model_path="m", port=1, comm_port=2, prefix_cache=False
     )
@@ -211,6 +211,16 @@ def test_a_second_nodes_worker_announces_its_node_and_pool_and_uses_its_local_gp
         parser().parse_args(["--engine", "0", "--num-engines", "1", "--model-path", "/m", "--port", "1"]).node
         is None
     )
+
+
+def test_the_flags_make_the_worker_config_with_its_device_node_and_sglang_arguments_resolved():
+    a = launch.parser().parse_args(
+        ["--engine", "0", "--num-engines", "1", "--model-path", "/m", "--port", "1", "--device", "cuda"]
+        + ["--drain-grace-s", "5", "--", "--chunked-prefill-size", "512"]
+    )
+    cfg = launch.worker_config(a)
+    assert (cfg.cpu, cfg.node, cfg.drain_grace_s) == (False, socket.gethostname(), 5.0)
+    assert cfg.extra_args == ("--chunked-prefill-size", "512") and cfg.prefix_cache and cfg.log_requests
 
 
 @pytest.mark.parametrize(

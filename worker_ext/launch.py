@@ -24,17 +24,19 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Literal
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from flying import cli, logs, redis_conn, settings
+from flying.config import add_flags, from_flags, require, setting
 from flying.keys import Keys
-from flying.logs import LogFormat
+from flying.logs import FORMAT_HELP, LogFormat
 from flying.parent_death import dies_with
 from flying.procs import NotReady, port_taken, wait_healthy
 from worker_ext import sglang_patches
@@ -47,45 +49,93 @@ KV_SHARE = 0.25  # of the memory available at launch, split among the host's eng
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2}
 
 
-@dataclass(frozen=True)
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
-    engine: int
-    num_engines: int
-    model_path: str
-    port: int
-    host: str = "127.0.0.1"
-    served_model_name: str = "tiny-llama"
-    redis_url: str = settings.DEFAULT_REDIS_URL
+    """The engine's settings; ``flying-worker``'s flags are generated from them (:mod:`flying.config`)."""
+
+    engine: int = setting(help="engine index i, 0..N-1 (one per GPU) (required)")
+    num_engines: int = setting(
+        help="N, engines on this node: its communicator pool spans engines --first-engine .. +N-1 (required)"
+    )
+    node: str | None = setting(
+        None,
+        "the node this engine announces: groups bind engines of one node only (default: the host name)",
+    )
+    first_engine: int = setting(
+        0,
+        "the first engine of this node's pool: engine indices are global, each node runs its own run of them "
+        "(node k of N engines each: k*N); it hosts the pool's rendezvous store",
+    )
+    model_path: str = setting(help="model directory (required)")
+    port: int = setting(help="the SGLang server's HTTP port (required)", type=cli.port)
+    host: str = setting("127.0.0.1", "address the SGLang server listens on (keep it private)")
+    served_model_name: str = setting("tiny-llama", "model name the engine reports")
+    redis_url: str = setting(
+        settings.DEFAULT_REDIS_URL, "the Redis of the deployment", flags=cli.add_redis_arguments
+    )
     key_prefix: str = "flying"
-    dtype: str = "float32"
-    max_total_tokens: int | None = None
-    cpu: bool = True
-    comm_port: int | None = None  # communicator-pool rendezvous on the pool's first engine; None: never binds
-    comm_host: str = "127.0.0.1"
-    node: str = ""  # the node it announces (flying-worker --node; the host name by default)
-    first_engine: int = 0  # the first engine of its node's pool (engine indices are global: node by node)
-    # a bound group's steps of this many batched tokens run in SP (0: never)
-    sp_threshold: int = settings.DEFAULT_SP_THRESHOLD
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
-    enable_metrics: bool = False  # SGLang's own Prometheus metrics on the engine's port (/metrics)
-    log_format: LogFormat = "text"  # the launcher's lines, the plugin's, and SGLang's request lines
-    log_requests: bool = True  # SGLang logs each request's rid as it arrives and finishes (metadata only)
+    dtype: str = setting("float32", "weights and activations dtype (SGLang --dtype)")
+    max_total_tokens: int | None = setting(
+        None,
+        "KV pool size in tokens; by default, on CPU, sized from the memory available for the host's engines "
+        "(SGLang's own default on GPU)",
+    )
+    device: Device = setting("auto", "auto: cuda where a GPU is visible")
+    cpu: bool = True  # the device it runs on (--device auto: the host's)
+    drain_grace_s: float = setting(
+        30.0,
+        "seconds: on SIGTERM leave the live set, let assigned requests finish for at most this long, then stop",
+    )
+    # communicator-pool rendezvous on the pool's first engine
+    comm_port: int | None = setting(
+        None,
+        "rendezvous port (same on every engine of the node) to allow binds; by default none: the engine never "
+        "binds",
+        type=cli.port,
+    )
+    comm_host: str = setting(
+        "127.0.0.1", "host of the node's first engine, which serves the pool's rendezvous store"
+    )
+    sp_threshold: int = setting(
+        settings.DEFAULT_SP_THRESHOLD,
+        "tokens: while bound, a step of at least this many batched tokens (a prefill's tokens, a decode's "
+        "sequences) runs sequence-parallel (each member its slice of the tokens through its full weights, "
+        "all-to-alls around attention); smaller steps run tensor-parallel; 0: never SP (a bind's own setting, "
+        "flyctl bind --sp-threshold, wins)",
+    )
+    # the launcher's lines, the plugin's, and SGLang's request lines
+    log_format: LogFormat = setting("text", FORMAT_HELP)
+    log_requests: bool = setting(
+        True, "SGLang logs every request's rid (metadata only) when it arrives and when it finishes"
+    )
+    enable_metrics: bool = setting(
+        False,
+        "SGLang's own Prometheus metrics on the engine's port, /metrics (off unless given); the switch counters "
+        "are in the heartbeat and the router's metrics",
+        flag="--enable-metrics",
+    )
     # SGLang's radix cache, kept through binds and releases (worker_ext.sglang_patches.prefix_cache)
-    prefix_cache: bool = True
+    prefix_cache: bool = setting(
+        True,
+        "turn SGLang's prefix (radix) cache off (on unless given; kept through binds and releases, TP requests "
+        "bypass it)",
+        flag="--disable-radix-cache",
+    )
+    extra_args: tuple[str, ...] = ()  # after --: extra sglang.launch_server arguments
 
     def __post_init__(self) -> None:
         first, n = self.pool_first, self.num_engines
-        if n < 1:
-            raise ValueError(f"--num-engines {n} must be >= 1")
-        if not first <= self.engine < first + n:
-            raise ValueError(
-                f"--engine {self.engine} is not in its node's pool [{first}, {first + n}) "
-                f"(--first-engine {first}, --num-engines {n})"
-            )
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port {self.port} is not a TCP port")
-        if self.sp_threshold < 0:
-            raise ValueError(f"--sp-threshold {self.sp_threshold} must be >= 0 (0: never SP)")
+        require(n >= 1, f"--num-engines {n} must be >= 1")
+        require(
+            first <= self.engine < first + n,
+            f"--engine {self.engine} is not in its node's pool [{first}, {first + n}) "
+            f"(--first-engine {first}, --num-engines {n})",
+        )
+        require(0 < self.port < 65536, f"--port {self.port} is not a TCP port")
+        require(self.sp_threshold >= 0, f"--sp-threshold {self.sp_threshold} must be >= 0 (0: never SP)")
 
     @property
     def url(self) -> str:
@@ -186,7 +236,7 @@ def sglang_env(cfg: WorkerConfig, launch_id: str) -> dict[str, str]:
             settings.ENGINE_INDEX: str(cfg.engine),
             settings.NUM_ENGINES: str(cfg.num_engines),
             settings.FIRST_ENGINE: str(cfg.pool_first),
-            settings.NODE: cfg.node,
+            settings.NODE: cfg.node or "",
             settings.ENGINE_URL: cfg.url,
             settings.SERVED_MODEL: cfg.served_model_name,
             settings.REDIS_URL: cfg.redis_url,
@@ -347,91 +397,8 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    d = WorkerConfig(engine=0, num_engines=1, model_path="", port=1)
     p = cli.parser("flying-worker", __doc__.splitlines()[0])
-    p.add_argument(
-        "--engine", type=int, required=True, help="engine index i, 0..N-1 (one per GPU) (required)"
-    )
-    p.add_argument(
-        "--num-engines",
-        type=int,
-        required=True,
-        help="N, engines on this node: its communicator pool spans engines --first-engine .. +N-1 (required)",
-    )
-    p.add_argument(
-        "--node",
-        default=None,
-        help="the node this engine announces: groups bind engines of one node only (default: the host name)",
-    )
-    p.add_argument(
-        "--first-engine",
-        type=int,
-        default=d.first_engine,
-        help="the first engine of this node's pool: engine indices are global, each node runs its own run of "
-        "them (node k of N engines each: k*N); it hosts the pool's rendezvous store",
-    )
-    p.add_argument("--model-path", required=True, help="model directory (required)")
-    p.add_argument("--port", type=cli.port, required=True, help="the SGLang server's HTTP port (required)")
-    p.add_argument("--host", default=d.host, help="address the SGLang server listens on (keep it private)")
-    p.add_argument("--served-model-name", default=d.served_model_name, help="model name the engine reports")
-    cli.add_redis_arguments(p)
-    p.add_argument("--dtype", default=d.dtype, help="weights and activations dtype (SGLang --dtype)")
-    p.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=None,
-        help="KV pool size in tokens; by default, on CPU, sized from the memory available for the host's engines "
-        "(SGLang's own default on GPU)",
-    )
-    p.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda where a GPU is visible"
-    )
-    p.add_argument(
-        "--drain-grace-s",
-        type=float,
-        default=30.0,
-        help="seconds: on SIGTERM leave the live set, let assigned requests finish for at most this long, then stop",
-    )
-    p.add_argument(
-        "--comm-port",
-        type=cli.port,
-        default=None,
-        help="rendezvous port (same on every engine of the node) to allow binds; by default none: the engine "
-        "never binds",
-    )
-    p.add_argument(
-        "--comm-host",
-        default=d.comm_host,
-        help="host of the node's first engine, which serves the pool's rendezvous store",
-    )
-    p.add_argument(
-        "--sp-threshold",
-        type=int,
-        default=d.sp_threshold,
-        help="tokens: while bound, a step of at least this many batched tokens (a prefill's tokens, a decode's "
-        "sequences) runs sequence-parallel (each member its slice of the tokens through its full weights, "
-        "all-to-alls around attention); smaller steps run tensor-parallel; 0: never SP (a bind's own setting, "
-        "flyctl bind --sp-threshold, wins)",
-    )
-    logs.add_argument(p)
-    p.add_argument(
-        "--log-requests",
-        action=argparse.BooleanOptionalAction,
-        default=d.log_requests,
-        help="SGLang logs every request's rid (metadata only) when it arrives and when it finishes",
-    )
-    p.add_argument(
-        "--enable-metrics",
-        action="store_true",
-        help="SGLang's own Prometheus metrics on the engine's port, /metrics (off unless given); the switch counters "
-        "are in the heartbeat and the router's metrics",
-    )
-    p.add_argument(
-        "--disable-radix-cache",
-        action="store_true",
-        help="turn SGLang's prefix (radix) cache off (on unless given; kept through binds and releases, TP requests "
-        "bypass it)",
-    )
+    add_flags(p, WorkerConfig)
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang.launch_server arguments")
     return p
 
@@ -444,40 +411,25 @@ def main(argv: list[str] | None = None) -> None:
         sglang_patches.check_version()  # once, before anything starts: the patches fit one SGLang version
     except sglang_patches.SGLangMismatch as exc:
         sys.exit(f"flying-worker: {exc}")
-    cpu = on_cpu_host() if a.device == "auto" else a.device == "cpu"
-    extra = tuple(x for x in a.extra if x != "--")
     try:
-        cfg = with_default_kv(worker_config(a, cpu, extra))
+        cfg = with_default_kv(worker_config(a))
     except ValueError as exc:  # the options do not fit together (WorkerConfig says which)
         p.error(str(exc))
     except FileNotFoundError as exc:
         p.error(f"--model-path {a.model_path}: {exc.strerror or exc}: {exc.filename} (a model directory)")
-    sys.exit(run(cfg, drain_grace_s=a.drain_grace_s))
+    sys.exit(run(cfg, drain_grace_s=cfg.drain_grace_s))
 
 
-def worker_config(a: argparse.Namespace, cpu: bool, extra: tuple[str, ...]) -> WorkerConfig:
-    return WorkerConfig(
-        engine=a.engine,
-        num_engines=a.num_engines,
-        model_path=a.model_path,
-        port=a.port,
-        host=a.host,
-        served_model_name=a.served_model_name,
+def worker_config(a: argparse.Namespace) -> WorkerConfig:
+    """The config the parsed flags name: the device and node resolved on this host."""
+    return from_flags(
+        WorkerConfig,
+        a,
         redis_url=cli.redis_url(a),
         key_prefix=a.key_prefix,
-        dtype=a.dtype,
-        max_total_tokens=a.max_total_tokens,
-        cpu=cpu,
-        comm_port=a.comm_port,
-        comm_host=a.comm_host,
+        cpu=on_cpu_host() if a.device == "auto" else a.device == "cpu",
         node=socket.gethostname() if a.node is None else a.node,
-        first_engine=a.first_engine,
-        sp_threshold=a.sp_threshold,
-        extra_args=extra,
-        enable_metrics=a.enable_metrics,
-        prefix_cache=not a.disable_radix_cache,
-        log_format=a.log_format,
-        log_requests=a.log_requests,
+        extra_args=tuple(x for x in a.extra if x != "--"),
     )
 
 
