@@ -25,7 +25,8 @@ from router.snapshot import Snapshot
 
 DEFAULT_PROMPT = 512.0  # tokens: the mix assumed before any request was measured
 DEFAULT_OUTPUT = 128.0
-PLAN_EVERY_S = 0.5  # seconds: rounds closer together than this keep the widths last planned
+PLAN_EVERY_S = 0.5  # seconds: rounds closer together than this keep the widths last planned ...
+UNFORESEEN = 2.0  # ... unless a request arrived whose prompt is more than this many times the mix's mean
 
 
 def ewma(old: float, count: float, was: float, dt: float, tau: float) -> float:
@@ -123,6 +124,13 @@ def node_demand(rnd: Round, engines: list[int], queued: tuple[float, float]) -> 
     )
 
 
+def unforeseen(state: RouterState, s: Snapshot) -> bool:
+    """A request arrived since the last plan whose prompt the measured mix did not foresee (more than
+    :data:`UNFORESEEN` times its mean): plan again before it is placed (at low load it may want a group)."""
+    mean = token_mix(state)[0]
+    return any(r.enqueued_at > state.planned_at and r.prompt_tokens > UNFORESEEN * mean for r in s.waiting)
+
+
 def current_width(rnd: Round, pool: tuple[str, int, int]) -> int:
     """The width node ``pool`` is planned at (the router's state), else its load groups' (1: none)."""
     node = pool_name(pool)
@@ -156,7 +164,8 @@ def update(rnd: Round) -> None:
         state.planned_at
         and 0 <= s.now - state.planned_at < PLAN_EVERY_S
         and all(pool_name(p) in state.widths for p in pools)
-    ):  # planned a moment ago: the same widths
+        and not unforeseen(state, s)
+    ):  # planned a moment ago, for the work that has come since: the same widths
         rnd.set_plan({pool: state.widths[pool_name(pool)] for pool in pools})
         return
     widths: dict[str, int] = {}
