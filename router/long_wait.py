@@ -1,21 +1,12 @@
 """When a long-context request runs, and on how wide a group (paper section 5, long context).
 
-A request one engine's KV cannot hold needs a group for the whole of its prefill and decode. Bound in a burst, that
-group leaves the burst fewer DP engines. So a long request of normal (or low) priority waits for *calm*
-(:func:`unrest`: the admission rate is at most ``long_calm_rate``, the engines' backlog is small, and no other long
-request runs or is parked), for at most ``long_wait_s``. Where every engine parks groups (router.parking), it
-then runs on a group of its own, at least ``LONG_MIN_WIDTH`` wide (router.placement.place_long), which a burst
-parks and calm resumes; it does not start during a burst, up to twice ``long_wait_s`` (then it runs and is
-never parked). Elsewhere it runs on the widest group there is: the load group if one is bound (its SP steps
-prefill the long prompt over every member while it keeps serving the rest), else the width its KV needs and no
-wider (measured in the simulator, a wider dedicated group prefills faster but takes engines from the rest's
-traffic: the rest's low-load P90 TTFT 10x, burst P90 no better), and a group running a long request is not
-released under busy load (no engine holds that request alone): it keeps taking work DP has no room for until the
-long request ends. A high-priority long request never waits and is never parked.
-
-Why a request waits, and why its wait ended (calm, or the bound), are notes of the decision log
-(:class:`router.decision.LongWaitNote`), once each: the router's state keeps the noted waits
-(``RouterState.long_waits``).
+A request one engine's KV cannot hold needs a group for its whole prefill and decode, which a burst would miss. So
+one of normal or low priority waits for calm (:func:`unrest`: the planner sees light load, the backlog is small, no
+other long request runs), for at most ``long_wait_s``. Where engines park groups (router.parking) it then runs on a
+group of its own at least ``LONG_MIN_WIDTH`` wide, which a burst parks and calm resumes; elsewhere on the widest
+group there is (the load group, else the width its KV needs), kept through busy load until it ends. High priority
+never waits and is never parked. Why a request waits, and why its wait ended, are decision-log notes
+(:class:`router.decision.LongWaitNote`), once each.
 """
 
 from __future__ import annotations

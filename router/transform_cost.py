@@ -1,23 +1,11 @@
 """What a KV transformation costs, for the policy (whether adopting beats waiting) and the simulator.
 
-KV transformation (``Bind.adopt``, ``Release.scatter``): a request's KV moves between the members of one
-group by head slices. At width ``d`` a member keeps its own ``1/d`` of each of its requests' heads in place and sends
-the other ``(d-1)/d`` (adoption); at a scatter a request's owner receives the ``(d-1)/d`` the other members hold. One
-transformation costs :func:`kv_transform_ms`: a fixed part plus the bytes of the busiest member's moved head slices
-(the larger of what it sends and what it receives) over the link bandwidth, paid as a stall of the group (adopt) or
-of the members' first DP step (scatter), since the workers exchange at a step boundary. Calibration:
-
-- bytes: 160 KB per token (Llama-3-70B, FP8 KV: :data:`flying.cost_model.H200_LLAMA70B`), a head slice is ``1/d`` of it;
-- bandwidth: H200 NVLink 4 is 450 GB/s per direction per GPU; we take 360 GB/s (80 %, what NCCL's all-to-all and
-  send/recv reach on NVLink-4 class nodes) per member, in each direction at once;
-- fixed: 4 ms, the upper end of Gyges' (seed 002, section 6.2.1) "basic" KV transformation, 3.15-4 ms for
-  4 x TP1 -> TP4 at 90 % KV utilization. That figure cannot be the whole KV crossing the links (on their H20s,
-  90 % of a Qwen2.5-32B engine's KV is about 18 GB; its three quarters need more than 15 ms at 900 GB/s, and their
-  own un-pipelined move takes 522 ms, section 3): it is what their layer-by-layer exchange adds to the step it
-  overlaps. So we charge it as the fixed part (metadata exchange, allocator work, the handshake) and add the bytes
-  term in full; ``transform_overlap`` hides a share of the bytes term (Gyges: 86 % less with overlap) for what-ifs.
-  Gyges' 4 x TP1 -> TP4 at 90 % on this model: 315 K tokens x 160 KB x 3/4 = 37.8 GB per member, 105 ms + 4 ms
-  (19 ms with their overlap); the paper workload's light-load adoptions move a few GB (5-20 ms).
+A transformation (``Bind.adopt``, ``Release.scatter``) moves requests' KV between the members of one group by head
+slices: at width ``d`` a member keeps its own ``1/d`` of each head and sends the other ``(d-1)/d`` (adoption); a
+scatter brings a request's slices back to its owner. It costs :func:`flying.cost_model.kv_transform_ms`: a fixed
+part plus the busiest member's moved bytes over the link, paid as a stall of the group (adopt) or of the members'
+first DP step (scatter). The calibration (bytes per token, link bandwidth, the fixed part from Gyges) is in
+docs/benchmarks.md, "Cost model calibration and sensitivity".
 """
 
 from __future__ import annotations
