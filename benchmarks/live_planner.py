@@ -22,6 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
+from devstack import mode_track
 from devstack.cluster import Cluster, ClusterConfig
 from loadgen import runner
 from loadgen.arrivals import Arrivals
@@ -33,8 +34,10 @@ CONFIGS = {"defaults": (), "DP only": ("--max-width", "1")}
 PAUSE_S = 12.0  # seconds between phases
 
 
-def phase(cluster: Cluster, model: Path, n: int, rate: float, tokens: tuple[int, int], seed: int) -> float:
-    """TTFT p50 (ms) of ``n`` requests of ``tokens`` prompt tokens at ``rate`` req/s (Poisson), 8 tokens out."""
+def phase(
+    cluster: Cluster, model: Path, name: str, n: int, rate: float, tokens: tuple[int, int], seed: int
+) -> mode_track.Phase:
+    """``n`` requests of ``tokens`` prompt tokens at ``rate`` req/s (Poisson), 8 tokens out."""
     w = Workload(
         num_requests=n,
         arrivals=Arrivals("poisson", rate),
@@ -43,7 +46,8 @@ def phase(cluster: Cluster, model: Path, n: int, rate: float, tokens: tuple[int,
         priority_mix={"normal": 1.0},
         seed=seed,
     )
-    records, _ = asyncio.run(
+    t0 = time.time()
+    records, duration = asyncio.run(
         runner.run(
             runner.RunConfig(cluster.config.gateway_url, cluster.config.served_model_name),
             plan(w, PromptMaker(model)),
@@ -51,7 +55,7 @@ def phase(cluster: Cluster, model: Path, n: int, rate: float, tokens: tuple[int,
     )
     if not all(r.ok for r in records):
         raise RuntimeError(f"{sum(not r.ok for r in records)} of {n} requests failed")
-    return stats([r.ttft for r in records], 1000)["p50"]
+    return mode_track.Phase(name, records, t0, time.time(), rate, duration)
 
 
 def main() -> None:
@@ -69,14 +73,24 @@ def main() -> None:
             for name, args in CONFIGS.items():
                 cluster.kill_router(signal.SIGTERM)
                 cluster.start_router(args)
+                phases = []
                 for what, n, rate, tokens in (
                     ("long", a.long, 0.2, (3000, 4000)),
                     ("short", a.short, 1.0, (32, 64)),
                 ):
                     time.sleep(PAUSE_S)
-                    ms = phase(cluster, model, n, rate, tokens, seed=rnd)
+                    phases.append(phase(cluster, model, what, n, rate, tokens, seed=rnd))
+                    ms = stats([r.ttft for r in phases[-1].records], 1000)["p50"]
                     got.setdefault((name, what), []).append(ms)
                     print(f"round {rnd}: {name}, {what} prompts: TTFT p50 {ms:.0f} ms", flush=True)
+                if name == "defaults":  # what the planner predicted and did, and where each phase ran
+                    r = cluster.client()
+                    for ph in phases:
+                        m = mode_track.modes(r, cluster.keys, ph.started, ph.ended)
+                        print("  " + mode_track.phase_line(ph, m))
+                    events = mode_track.decision_log(r, cluster.keys, phases[0].started - PAUSE_S)
+                    for line in mode_track.track(events, phases):
+                        print("  " + line)
     print("| prompts | defaults TTFT p50 (ms) | DP only TTFT p50 (ms) | defaults / DP only |")
     print("|---|---|---|---|")
     for what in ("long", "short"):
