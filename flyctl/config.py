@@ -35,7 +35,11 @@ class Watch:
 
 @dataclass(frozen=True, kw_only=True)
 class Bind:
-    preempt: Preempt = setting("hard", "")
+    preempt: Preempt = setting(
+        "hard",
+        "how the members' DP work makes way: hard sets it aside at the next step, sequential drains it first, "
+        "soft drains it while the group's first requests start in DP (prefilled again at the bind)",
+    )
     adopt: bool = setting(
         False, "the members' DP requests become the group's (no drain, no recompute)", flag="--adopt"
     )
