@@ -26,6 +26,15 @@ def test_a_prefill_heavy_burst_keeps_a_wide_sp_group():
     assert choose(H200, WIDTHS, 8, d, T, sp_threshold=256).width == 8
 
 
+def test_a_decode_heavy_burst_goes_to_dp():
+    """Short prompts, long answers, a node full of decoding sequences: the bound node's steps decode them slower per
+    GPU than DP's, the prompts that keep arriving wait behind them, and DP is predicted faster at both."""
+    d = Demand(engines=8, rate=60.0, prompt=300, output=400, backlog=18_000, decoding=3000)
+    c = choose(H200, WIDTHS, 8, d, T, sp_threshold=256)
+    assert c.width == 1 and c.best.ttft_ms < c.keep.ttft_ms
+    assert c.best.tpot_ms < c.keep.tpot_ms and c.best.tokens_per_s > c.keep.tokens_per_s
+
+
 def test_prompts_that_dps_prefix_caches_hold_keep_dp_where_groups_would_prefill_them_in_full():
     """Long prompts that repeat: DP prefills a tenth of each; a group, whose requests bypass the caches, all."""
     d = Demand(engines=8, rate=6.0, prompt=8000, output=200, decoding=16)

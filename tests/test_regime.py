@@ -86,6 +86,27 @@ def test_a_plan_holds_for_plan_every_s_then_is_made_again():
     assert rnd.plan == {("", 0, 8): 8}, "idle: planned again, bound"
 
 
+def test_a_prompt_the_mix_did_not_foresee_is_planned_for_at_once():
+    """A short mix measured (48 tokens a prompt), DP planned a moment ago: a 3,500-token prompt that arrives now is
+    planned for in this round (the idle node binds before it is placed); one like the mix keeps the plan."""
+    st = RouterState(
+        busy=True,
+        widths={"0": 1},
+        planned_at=100.0,
+        rate=1.0,
+        prompt_rate=48.0,
+        output_rate=8.0,
+        rate_ts=100.0,
+    )
+    now = 100.0 + PLAN_EVERY_S / 2
+    rnd = Round(snap(now=now, waiting=[req(prompt=60, at=now)], state=st), CFG)
+    update(rnd)
+    assert rnd.plan == {("", 0, 8): 1} and not rnd.out.events, "foreseen: the plan holds"
+    rnd = Round(snap(now=now, waiting=[req(prompt=3500, at=now)], state=st), CFG)
+    update(rnd)
+    assert rnd.plan == {("", 0, 8): 8} and isinstance(rnd.out.events[0], PlanNote)
+
+
 def test_nodes_are_planned_apart_and_load_groups_off_keeps_dp():
     es = engines(4, node="a") + [EngineView(i, f"e{i}", 0, 350_000, 350_000, num_engines=4, node="b",
                                             pool_first=4) for i in range(4, 8)]  # fmt: skip
