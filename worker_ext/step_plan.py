@@ -31,11 +31,18 @@ class FollowerOutOfKV(RuntimeError):
 @dataclass
 class ShadowReq:
     """A follower's copy of one TP request: its own request row and KV slots (the first ``pinned`` of them, an own
-    adopted request's cached prompt, belong to this engine's prefix tree: read in place, never freed here)."""
+    adopted request's cached prompt, belong to this engine's prefix tree: read in place, never freed here). Under
+    a leader with a group prefix tree only the first ``own`` chunks of ``slots`` are freed with the request (None:
+    all); the others are freed as the leader frees its slots (:meth:`StepPlans.follow_frees`)."""
 
     row: int
     slots: list[torch.Tensor] = field(default_factory=list)
     pinned: int = 0
+    own: int | None = None
+
+    def owned(self) -> torch.Tensor | None:
+        chunks = [c for c in (self.slots if self.own is None else self.slots[: self.own]) if c.numel()]
+        return torch.cat(chunks)[self.pinned :] if chunks else None
 
 
 class Shadows:
@@ -58,11 +65,33 @@ class Shadows:
     def slots(self, rid: str) -> torch.Tensor:
         return torch.cat(self._by_rid[rid].slots)
 
-    def extend(self, rid: str, seq: int, n: int) -> tuple[int, torch.Tensor]:
-        """Room for ``n`` new tokens of ``rid`` (``seq`` long after them): returns its row and the new slots."""
+    def start(self, rid: str, prefix: torch.Tensor) -> None:
+        """``rid`` starts (again) from a prefix the group caches, held here in ``prefix`` (not its own)."""
         sh = self._by_rid.get(rid)
         if sh is None:
-            sh = self._by_rid[rid] = ShadowReq(self.engine.alloc_row())
+            sh = self._by_rid[rid] = ShadowReq(self.engine.alloc_row(), own=0)
+        else:
+            self._restart(sh)
+        self.engine.write_row(sh.row, prefix)
+        sh.slots = [prefix]
+
+    def _restart(self, sh: ShadowReq) -> None:
+        """The leader computes the request again from its start (retracted): its old slots of its own go."""
+        own = sh.owned()
+        if own is not None and own.numel():
+            self.engine.free_slots(own)
+        sh.slots, sh.pinned, sh.own = [], 0, 0
+
+    def extend(self, rid: str, seq: int, n: int, followed: bool = False) -> tuple[int, torch.Tensor]:
+        """Room for ``n`` new tokens of ``rid`` (``seq`` long after them): returns its row and the new slots
+        (``followed``: freed as the leader frees its copies, not with the request)."""
+        sh = self._by_rid.get(rid)
+        if sh is None:
+            sh = self._by_rid[rid] = ShadowReq(self.engine.alloc_row(), own=0 if followed else None)
+        elif followed and sh.own is None:
+            sh.own = len(sh.slots)  # an adopted request's KV stays its own; what plans add follows the leader
+        if followed and seq == n and sh.slots:
+            self._restart(sh)
         self.engine.make_room(n)
         slots = self.engine.alloc_slots(n)
         if slots is None:
@@ -73,7 +102,7 @@ class Shadows:
 
     def free(self, rid: str) -> None:
         sh = self._by_rid.pop(rid)
-        own = torch.cat(sh.slots)[sh.pinned :] if sh.slots else None
+        own = sh.owned()
         if own is not None and own.numel():
             self.engine.free_slots(own)
         self.engine.free_row(sh.row)
@@ -107,9 +136,15 @@ class StepPlans:
     def keep_template(self, forward_batch: Any) -> None:
         self.template = forward_batch
 
-    def plan(self, forward_batch: Any, emit: list[Emitted], mode: StepMode) -> Forward:
+    def plan(
+        self, forward_batch: Any, emit: list[Emitted], mode: StepMode, freed: list[int] | None = None
+    ) -> Forward:
         live = sorted(self.engine.live_rids() | set(self.engine.batch_rids(forward_batch)))
-        return Forward(self.engine.batch_fields(forward_batch), live, emit, mode)
+        msg = Forward(self.engine.batch_fields(forward_batch), live, emit, mode, freed=freed or [])
+        got = self.engine.plan_slots(forward_batch)
+        if got is not None:
+            msg.slots, msg.prefixes = got
+        return msg
 
     def sent(self) -> None:
         """The leader just broadcast a message."""
@@ -118,14 +153,39 @@ class StepPlans:
     def keepalive_due(self) -> bool:
         return time.monotonic() - self._last_sent > KEEPALIVE_S
 
-    def execute(self, msg: Forward) -> None:
-        """Follower: run the leader's forward on this engine's shadows of its requests."""
+    def execute(self, msg: Forward, aliases: dict[int, int] | None = None) -> None:
+        """Follower: run the leader's forward on this engine's shadows of its requests (``aliases``: the leader's
+        virtual slots -> this member's, under a leader with a group prefix tree)."""
+        aliases = {} if aliases is None else aliases
+        self.follow_frees(msg.freed, aliases)
         self.shadows.free_except(set(msg.live))
+        followed = msg.slots is not None
+        for rid, prefix in msg.prefixes.items():
+            missing = [v for v in prefix if v not in aliases]
+            if missing:
+                raise RuntimeError(f"{rid} starts from {len(missing)} cached slots this member does not hold")
+            self.shadows.start(rid, torch.tensor([aliases[v] for v in prefix], dtype=torch.int64))
         rows, locs = [], []
         for rid, seq, n in self.engine.batch_tokens(msg.fields):
-            row, slots = self.shadows.extend(rid, seq, n)
+            row, slots = self.shadows.extend(rid, seq, n, followed)
             rows.append(row)
             locs.append(slots)
         if self.template is None:
             raise RuntimeError("no ForwardBatch of this engine's own seen yet (warm-up should have run one)")
-        self.engine.forward(self.template, msg.fields, rows, torch.cat(locs))
+        own = torch.cat(locs)
+        if msg.slots is not None:
+            if len(msg.slots) != own.numel():
+                raise RuntimeError(f"the plan carries {len(msg.slots)} slots for {own.numel()} tokens")
+            aliases.update(zip(msg.slots, own.tolist()))
+        self.engine.forward(self.template, msg.fields, rows, own)
+
+    def follow_frees(self, freed: list[int], aliases: dict[int, int]) -> None:
+        """Follower: free this member's copies of the slots the leader freed (those it holds: a leader's slot of
+        an adopted request has none here, its shadow frees it)."""
+        mine = [aliases.pop(v) for v in freed if v in aliases]
+        if mine:
+            self.engine.free_slots(torch.tensor(mine, dtype=torch.int64))
+
+    def free_aliases(self, aliases: dict[int, int]) -> None:
+        """Follower, the epoch over: every slot still held for the leader's tree goes."""
+        self.follow_frees(list(aliases), aliases)
