@@ -327,6 +327,9 @@ class FakeEngine:
     def step_tokens(self, forward_batch: Any) -> int:
         return sum(n for _, _, n in forward_batch["tokens"])
 
+    def take_repoints(self) -> dict[str, tuple[int, list[int]]]:
+        return {}
+
     def plan_slots(self, forward_batch: Any) -> tuple[list[int], dict[str, list[int]]] | None:
         if self.group_tree is None:
             return None

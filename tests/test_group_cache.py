@@ -136,3 +136,18 @@ def test_a_request_computed_again_from_its_start_drops_its_old_slots():
     # retracted by the leader (its slots freed) and prefilled again from its start
     plans.execute(Forward({"tokens": [("a", 3, 3)]}, ["a"], slots=[4, 5, 6], freed=[1, 2, 3]), aliases)
     assert len(shadows.slots("a")) == 3 and sorted(aliases) == [4, 5, 6] and engine.kv_free == 97
+
+
+def test_a_row_the_leaders_checkpoint_pointed_at_the_trees_slots_reads_this_members_copies_of_them():
+    engine, shadows, plans = follower()
+    aliases: dict[int, int] = {}
+    plans.execute(Forward({"tokens": [("b", 4, 4)]}, ["b"], slots=[10, 11, 12, 13]), aliases)
+    plans.execute(Forward({"tokens": [("a", 4, 4)]}, ["a"], slots=[40, 41, 42, 43]), aliases)
+    tree = [aliases[v] for v in (10, 11, 12, 13)]
+    # "a"'s prompt was in the tree already: the leader freed its duplicates and points its row at the tree's
+    msg = Forward({"tokens": [("a", 5, 1)]}, ["a"], slots=[44], freed=[40, 41, 42, 43])
+    msg.repoints = {"a": (0, [10, 11, 12, 13])}
+    plans.execute(msg, aliases)
+    assert shadows.slots("a").tolist() == [*tree, aliases[44]]
+    assert f"write_row {shadows._by_rid['a'].row} 4@0" in engine.calls
+    assert engine.kv_free == 100 - 4 - 1 and sorted(aliases) == [10, 11, 12, 13, 44]

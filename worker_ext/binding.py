@@ -227,7 +227,7 @@ class Binding:
         ):  # at once, no recompute: every TP request back to DP on its owner, KV moved
             held = self.adoption.scatter_manifest()
             e.group.broadcast_object(
-                ReleasePlan(e.next_bind, held, self.ownership.take_outbox(), freed=self._freed())
+                ReleasePlan(e.next_bind, held, self.ownership.take_outbox(), **self._news())
             )
             self._scatter_and_leave(held, e.next_bind)
         elif action is Leave.PARK:  # at once: those no member holds alone stay, KV kept; the rest scatter
@@ -236,30 +236,29 @@ class Binding:
                 self.parking.park(e, rids, self.layout.sub_allocator(), self.ownership, self.shadows)
             held = self.adoption.scatter_manifest()
             e.group.broadcast_object(
-                ReleasePlan(None, held, self.ownership.take_outbox(), sorted(rids), freed=self._freed())
+                ReleasePlan(None, held, self.ownership.take_outbox(), sorted(rids), **self._news())
             )
             self._scatter_and_leave(held, None)
         elif action is Leave.RETRACT:
             # SGLang's retraction frees their TP KV; after the release they are recomputed in DP, here
             moved = self.engine.retract_running() + self.engine.hold_waiting()
-            e.group.broadcast_object(
-                ReleasePlan(None, None, self.ownership.take_outbox(), freed=self._freed())
-            )
+            e.group.broadcast_object(ReleasePlan(None, None, self.ownership.take_outbox(), **self._news()))
             self._leave(None)
             self.engine.queue_back(moved)
             log.info("engine %d: %d TP requests continue in DP", self.index, len(moved))
         elif action is Leave.DRAINED:
             e.group.broadcast_object(
-                ReleasePlan(e.next_bind, None, self.ownership.take_outbox(), freed=self._freed())
+                ReleasePlan(e.next_bind, None, self.ownership.take_outbox(), **self._news())
             )
             self._leave(e.next_bind)
         elif self.ownership.has_outbox or self.plans.keepalive_due():
-            e.group.broadcast_object(Noop(self.ownership.take_outbox(), freed=self._freed()))
+            e.group.broadcast_object(Noop(self.ownership.take_outbox(), **self._news()))
             self.plans.sent()
 
-    def _freed(self) -> list[int]:
-        """Leader: the virtual slots it freed since its last message (logged under a group prefix tree)."""
-        return self.layout.sub_allocator().take_freed()
+    def _news(self) -> dict[str, Any]:
+        """Leader, under a group prefix tree: the virtual slots it freed since its last message, and the row
+        entries its tree's checkpoints pointed elsewhere (what followers' copies follow)."""
+        return {"freed": self.layout.sub_allocator().take_freed(), "repoints": self.engine.take_repoints()}
 
     # --- a follower's loop --------------------------------------------------------------------------------
 
@@ -278,7 +277,7 @@ class Binding:
                 self.ownership.deliver(msg.emit)
                 self.relay.forward(e, self.ownership)  # its own clients' input (its loop cannot read it)
                 if not isinstance(msg, Forward):
-                    self.plans.follow_frees(msg.freed, self.layout.sub_allocator().aliases)
+                    self.plans.follow(msg.freed, msg.repoints, self.layout.sub_allocator().aliases)
                 if isinstance(msg, ReleasePlan) and msg.parked:
                     sub = self.layout.sub_allocator()
                     self.parking.park(e, set(msg.parked), sub, self.ownership, self.shadows)
@@ -309,7 +308,7 @@ class Binding:
         try:
             if e.leader and not e.failed:
                 mode = choose_mode(tokens, e.width, e.sp_threshold)
-                plan = self.plans.plan(forward_batch, self.ownership.take_outbox(), mode, self._freed())
+                plan = self.plans.plan(forward_batch, self.ownership.take_outbox(), mode, **self._news())
                 e.group.broadcast_object(plan)
                 self.plans.sent()
                 self.layout.step_mode(mode)

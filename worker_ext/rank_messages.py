@@ -24,8 +24,9 @@ class Forward(msgspec.Struct):
     """Run this forward: the leader's ForwardBatch fields (engine-local ones left out) and the live request ids
     (a member frees its copies of the others). A leader with a group prefix tree (worker_ext.sglang_patches.
     group_cache) adds its new slots (``slots``, in batch order), the slots of each cached prefix a request starts
-    from (``prefixes``) and the slots it freed since its last message (``freed``): a member's copies of those
-    follow the leader's."""
+    from (``prefixes``), the slots it freed since its last message (``freed``) and the row entries its tree's
+    checkpoints pointed at the tree's slots (``repoints``: rid -> first position, slots): a member's copies of
+    those follow the leader's."""
 
     fields: dict[str, Any]
     live: list[str]
@@ -34,6 +35,7 @@ class Forward(msgspec.Struct):
     slots: list[int] | None = None
     prefixes: dict[str, list[int]] = {}
     freed: list[int] = []
+    repoints: dict[str, tuple[int, list[int]]] = {}
 
 
 class Noop(msgspec.Struct):
@@ -41,6 +43,7 @@ class Noop(msgspec.Struct):
 
     emit: list[Emitted] = []
     freed: list[int] = []
+    repoints: dict[str, tuple[int, list[int]]] = {}
 
 
 class ReleasePlan(msgspec.Struct):
@@ -53,6 +56,7 @@ class ReleasePlan(msgspec.Struct):
     emit: list[Emitted] = []
     parked: list[str] = []
     freed: list[int] = []
+    repoints: dict[str, tuple[int, list[int]]] = {}
 
 
 class AdoptManifest(msgspec.Struct):

@@ -100,6 +100,18 @@ class Shadows:
         sh.slots.append(slots)
         return sh.row, slots
 
+    def repoint(self, rid: str, first: int, slots: torch.Tensor) -> None:
+        """Positions ``first ..`` of ``rid`` now read ``slots`` (copies of the group tree's), not its own."""
+        sh = self._by_rid[rid]
+        if sh.own:
+            raise RuntimeError(
+                f"{rid}: a request with KV of its own (adopted) was checkpointed into the group"
+            )
+        kv = torch.cat(sh.slots)
+        kv[first : first + slots.numel()] = slots
+        self.engine.write_row(sh.row, slots, start=first)
+        sh.slots = [kv]
+
     def free(self, rid: str) -> None:
         sh = self._by_rid.pop(rid)
         own = sh.owned()
@@ -137,10 +149,16 @@ class StepPlans:
         self.template = forward_batch
 
     def plan(
-        self, forward_batch: Any, emit: list[Emitted], mode: StepMode, freed: list[int] | None = None
+        self,
+        forward_batch: Any,
+        emit: list[Emitted],
+        mode: StepMode,
+        freed: list[int] | None = None,
+        repoints: dict[str, tuple[int, list[int]]] | None = None,
     ) -> Forward:
         live = sorted(self.engine.live_rids() | set(self.engine.batch_rids(forward_batch)))
         msg = Forward(self.engine.batch_fields(forward_batch), live, emit, mode, freed=freed or [])
+        msg.repoints = repoints or {}
         got = self.engine.plan_slots(forward_batch)
         if got is not None:
             msg.slots, msg.prefixes = got
@@ -157,14 +175,11 @@ class StepPlans:
         """Follower: run the leader's forward on this engine's shadows of its requests (``aliases``: the leader's
         virtual slots -> this member's, under a leader with a group prefix tree)."""
         aliases = {} if aliases is None else aliases
-        self.follow_frees(msg.freed, aliases)
+        self.follow(msg.freed, msg.repoints, aliases)
         self.shadows.free_except(set(msg.live))
         followed = msg.slots is not None
         for rid, prefix in msg.prefixes.items():
-            missing = [v for v in prefix if v not in aliases]
-            if missing:
-                raise RuntimeError(f"{rid} starts from {len(missing)} cached slots this member does not hold")
-            self.shadows.start(rid, torch.tensor([aliases[v] for v in prefix], dtype=torch.int64))
+            self.shadows.start(rid, _mine(rid, prefix, aliases))
         rows, locs = [], []
         for rid, seq, n in self.engine.batch_tokens(msg.fields):
             row, slots = self.shadows.extend(rid, seq, n, followed)
@@ -179,6 +194,16 @@ class StepPlans:
             aliases.update(zip(msg.slots, own.tolist()))
         self.engine.forward(self.template, msg.fields, rows, own)
 
+    def follow(
+        self, freed: list[int], repoints: dict[str, tuple[int, list[int]]], aliases: dict[int, int]
+    ) -> None:
+        """Follower: point rows where the leader's checkpoints pointed its rows (at its tree's slots), then free
+        what the leader freed."""
+        for rid, (first, slots) in repoints.items():
+            if rid in self.shadows:
+                self.shadows.repoint(rid, first, _mine(rid, slots, aliases))
+        self.follow_frees(freed, aliases)
+
     def follow_frees(self, freed: list[int], aliases: dict[int, int]) -> None:
         """Follower: free this member's copies of the slots the leader freed (those it holds: a leader's slot of
         an adopted request has none here, its shadow frees it)."""
@@ -189,3 +214,11 @@ class StepPlans:
     def free_aliases(self, aliases: dict[int, int]) -> None:
         """Follower, the epoch over: every slot still held for the leader's tree goes."""
         self.follow_frees(list(aliases), aliases)
+
+
+def _mine(rid: str, leader_slots: list[int], aliases: dict[int, int]) -> torch.Tensor:
+    """This member's copies of the leader's ``leader_slots``."""
+    missing = [v for v in leader_slots if v not in aliases]
+    if missing:
+        raise RuntimeError(f"{rid} reads {len(missing)} cached slots this member holds no copy of")
+    return torch.tensor([aliases[v] for v in leader_slots], dtype=torch.int64)

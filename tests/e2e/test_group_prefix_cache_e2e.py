@@ -1,11 +1,13 @@
-"""A bound group's own prefix cache, on real SGLang CPU workers (2 engines): a group request sharing a prefix with
-an earlier one of the same epoch starts after it (``cached_tokens`` in its usage), in TP steps and in SP steps, with
-the log-probs and greedy text of stock tp=1 with its radix cache on; a release frees the group's cache (no KV
-leaked) and DP stays bit-identical to stock."""
+"""A bound group's own prefix cache, on real SGLang CPU workers: a group request sharing a prefix with an earlier
+one of the same epoch starts after it (``cached_tokens`` in its usage), in TP steps and in SP steps, at widths 2
+and 4, with the log-probs and greedy text of stock tp=1 with its radix cache on; a request sent to a follower
+reads it too; a prompt prefilled again decodes on the tree's copy; the cache evicts when the group's KV runs short;
+a release frees it (no KV leaked) and DP stays bit-identical to stock."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -113,3 +115,60 @@ def test_width_4_group_requests_reuse_the_groups_prefix(cluster4, stock_server, 
             break
         assert time.monotonic() < deadline, beats
         time.sleep(0.1)
+
+
+def test_the_groups_cache_evicts_when_its_kv_runs_short_and_stays_exact(cluster4, stock_server):
+    """Engines of 512 KV tokens bound in twos: distinct 224-token prompts fill the group's cache past its KV, so
+    the leader's tree evicts (its followers freeing their copies with it); a prefix still cached is reused
+    exactly, and the release leaves nothing behind."""
+    members, seed = (2, 3), 500
+    r = cluster4.client()
+    epoch = control.bind(r, cluster4.keys, members)
+    wait_mode(cluster4, members, "tp", epoch=epoch, timeout_s=60)
+    url = worker_url(cluster4, 2)
+    try:
+        for k in range(6):  # 6 x 232 tokens > the group's 1,024
+            generate(url, [(t + seed + 7 * k) % 995 + 3 for t in SHARED] + suffix(seed + k), 200)
+        prefix = [(t + seed + 35) % 995 + 3 for t in SHARED]  # the last one's: still cached
+        ours = generate(url, prefix + suffix(seed + 9), len(prefix))
+    finally:
+        control.release(r, cluster4.keys, members, epoch)
+        wait_mode(cluster4, members, "dp", timeout_s=60)
+    assert ours["meta_info"]["cached_tokens"] >= len(prefix)
+    flush(stock_server)
+    generate(stock_server, prefix + suffix(seed + 5), len(prefix))
+    assert_matches(ours, generate(stock_server, prefix + suffix(seed + 9), len(prefix)), "after evictions")
+    deadline = time.monotonic() + 30
+    while True:
+        beats = control.status(cluster4.client(), cluster4.keys)
+        if all(
+            beats[i].free_kv_tokens == beats[i].max_total_tokens and not beats[i].running for i in members
+        ):
+            break
+        assert time.monotonic() < deadline, beats
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_a_prompt_prefilled_again_decodes_on_the_groups_copy_of_it(cluster, stock_server, mode):
+    """A prompt the group already cached, prefilled again in full (all its prompt log-probs asked: SGLang matches
+    no prefix), then concurrently twice: each checkpoint finds it in the tree, frees the request's duplicates and
+    points its row at the tree's slots on every member; the decodes that follow read them and keep stock's text."""
+    prompt = [(t + 600) % 995 + 3 for t in SHARED] + suffix(600)
+    flush(stock_server)
+    ref = generate(stock_server, prompt, 0, 24)
+    r = cluster.client()
+    epoch = control.bind(r, cluster.keys, (0, 1), sp_threshold=8 if mode == "sp" else None)
+    wait_mode(cluster, (0, 1), "tp", epoch=epoch, timeout_s=60)
+    try:
+        url = worker_url(cluster, 0)
+        first = generate(url, prompt, 0, 24)
+        with ThreadPoolExecutor(2) as pool:
+            again = list(pool.map(lambda _: generate(url, prompt, 0, 24), range(2)))
+    finally:
+        control.release(r, cluster.keys, (0, 1), epoch)
+        wait_mode(cluster, (0, 1), "dp", timeout_s=60)
+    for k, out in enumerate([first, *again]):
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert_matches(out, ref, f"{mode}: prefill {k + 1} of a cached prompt")
+    idle_and_whole(cluster)

@@ -11,6 +11,8 @@ its node is one of these. DP requests the group adopted never enter it.
 Followers hold their head slice of every virtual slot the leader's requests and tree use at slots of their own
 (``SubSlotAllocator.aliases``): each plan carries the leader's new slots, the slots of a prefix a request starts
 from, and the slots the leader freed since the last plan (``SubSlotAllocator.free_log``), which the followers free.
+A checkpoint that finds part of a request's KV already in the tree frees the request's duplicates and points its
+row at the tree's slots: every message carries those new row entries (:meth:`GroupCache.take_repoints`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class GroupCache:
         self.tree = RadixCache(params)
         self.adopted: set[str] = set()  # never matched nor inserted
         self.matched: set[str] = set()  # started from a cached prefix, not yet in a plan
+        self._repointed: dict[
+            str, tuple[Any, int, int]
+        ] = {}  # rid -> (req, first, end) of row entries changed
 
     def holds(self, node: Any) -> bool:
         """``node`` is one of this tree's (else the engine tree's)."""
@@ -52,6 +57,31 @@ class GroupCache:
         if result.device_prefix_len:
             self.matched.add(params.req.rid)
         return result
+
+    def checkpoint(self, req: Any, up_to: int) -> None:
+        """SGLang's checkpoint into this tree, noting the row entries it pointed at other slots (duplicates)."""
+        row, lo = req.kv.req_pool_idx, int(req.kv.cache_protected_len)
+        table = self.tree.req_to_token_pool.req_to_token
+        before = table[row, lo:up_to].clone()
+        self.tree.checkpoint(req, up_to=up_to)
+        hi = int(req.kv.cache_protected_len)
+        changed = (table[row, lo:hi] != before[: hi - lo]).nonzero().flatten().tolist()
+        if changed:
+            first, end = lo + changed[0], lo + changed[-1] + 1
+            _, f0, e0 = self._repointed.get(req.rid, (req, first, end))
+            self._repointed[req.rid] = (req, min(first, f0), max(end, e0))
+
+    def take_repoints(self) -> dict[str, tuple[int, list[int]]]:
+        """Row entries checkpoints pointed at the tree's slots since the last call, per request still holding its
+        row: (first position, the leader's slots from there)."""
+        table = self.tree.req_to_token_pool.req_to_token
+        out = {
+            rid: (first, table[req.kv.req_pool_idx, first:end].tolist())
+            for rid, (req, first, end) in self._repointed.items()
+            if req.kv.holds_kv and not req.finished()
+        }
+        self._repointed.clear()
+        return out
 
     def evictable(self) -> int:
         return int(self.tree.evictable_size())

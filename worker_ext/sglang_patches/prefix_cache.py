@@ -169,7 +169,7 @@ def _route_to_group(t: Any, group: GroupCache, as_disabled: Any) -> None:
 
     def checkpoint(req: Any, **kwargs: Any) -> Any:
         if group.holds(req.last_node):
-            return g.checkpoint(req, up_to=kwargs["up_to"])
+            return group.checkpoint(req, kwargs["up_to"])
         return disabled["checkpoint"](req, **kwargs)
 
     def unlock(lock: Any) -> None:

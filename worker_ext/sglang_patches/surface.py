@@ -160,6 +160,7 @@ class Forward(Protocol):
     def batch_rids(self, forward_batch: Any) -> list[str]: ...
     def step_tokens(self, forward_batch: Any) -> int: ...
     def plan_slots(self, forward_batch: Any) -> tuple[list[int], dict[str, list[int]]] | None: ...
+    def take_repoints(self) -> dict[str, tuple[int, list[int]]]: ...
     def forward(
         self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor
     ) -> None: ...
@@ -443,6 +444,10 @@ class SGLangScheduler:
     def plan_slots(self, forward_batch: Any) -> tuple[list[int], dict[str, list[int]]] | None:
         g = prefix_cache.group_cache(self.s)
         return g.plan_slots(self.s, forward_batch) if g is not None else None
+
+    def take_repoints(self) -> dict[str, tuple[int, list[int]]]:
+        g = prefix_cache.group_cache(self.s)
+        return g.take_repoints() if g is not None else {}
 
     def forward(self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor) -> None:
         """A follower's forward of the leader's batch over its own rows and slots (through the forward hook)."""
