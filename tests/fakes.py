@@ -50,6 +50,10 @@ class FakeEngine:
     idle_checks: bool = True
     idle_poll_s: float | None = None
     bypassed: bool = False
+    group_tree: Any = None  # the group prefix tree installed by a bind (see new_group_tree)
+    new_group_tree: Callable[[], Any] | None = (
+        None  # makes a leader's group prefix tree (None: radix cache off)
+    )
     divert: Callable[[Any], bool] | None = None
     streamed: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)  # requests ended as "group lost"
@@ -144,11 +148,19 @@ class FakeEngine:
         self.width = width
 
     # --- the prefix tree ------------------------------------------------------------------------------------
-    def bypass_prefix_cache(self, base: Any, width: int) -> None:
+    def bypass_prefix_cache(self, base: Any, width: int, group: Any = None) -> None:
         self.bypassed = True
+        self.group_tree = group
 
     def restore_prefix_cache(self) -> None:
         self.bypassed = False
+        self.group_tree = None
+
+    def new_group_cache(self) -> Any:
+        return self.new_group_tree() if self.new_group_tree is not None else None
+
+    def group_cache(self) -> Any:
+        return self.group_tree
 
     def evictable_physical(self) -> int:
         return 0
@@ -315,6 +327,14 @@ class FakeEngine:
     def step_tokens(self, forward_batch: Any) -> int:
         return sum(n for _, _, n in forward_batch["tokens"])
 
+    def take_repoints(self) -> dict[str, tuple[int, list[int]]]:
+        return {}
+
+    def plan_slots(self, forward_batch: Any) -> tuple[list[int], dict[str, list[int]]] | None:
+        if self.group_tree is None:
+            return None
+        return list(forward_batch.get("slots", [])), dict(forward_batch.get("prefixes", {}))
+
     def forward(self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor) -> None:
         self.forwards.append((rows, slots.tolist()))
 
@@ -422,6 +442,11 @@ class FakeSub:
         self.base = self
         self.available = 1000
         self.freed: list[int] = []  # virtual slots given back through it
+        self.free_log: list[int] | None = None
+        self.aliases: dict[int, int] = {}
+
+    def take_freed(self) -> list[int]:
+        return []
 
     def available_size(self) -> int:
         return self.available

@@ -226,28 +226,39 @@ class Binding:
             action is Leave.SCATTER
         ):  # at once, no recompute: every TP request back to DP on its owner, KV moved
             held = self.adoption.scatter_manifest()
-            e.group.broadcast_object(ReleasePlan(e.next_bind, held, self.ownership.take_outbox()))
+            e.group.broadcast_object(
+                ReleasePlan(e.next_bind, held, self.ownership.take_outbox(), **self._news())
+            )
             self._scatter_and_leave(held, e.next_bind)
         elif action is Leave.PARK:  # at once: those no member holds alone stay, KV kept; the rest scatter
             rids = self.parking.to_park(self._dp_limits_now().max_total_tokens)
             if rids:
                 self.parking.park(e, rids, self.layout.sub_allocator(), self.ownership, self.shadows)
             held = self.adoption.scatter_manifest()
-            e.group.broadcast_object(ReleasePlan(None, held, self.ownership.take_outbox(), sorted(rids)))
+            e.group.broadcast_object(
+                ReleasePlan(None, held, self.ownership.take_outbox(), sorted(rids), **self._news())
+            )
             self._scatter_and_leave(held, None)
         elif action is Leave.RETRACT:
             # SGLang's retraction frees their TP KV; after the release they are recomputed in DP, here
             moved = self.engine.retract_running() + self.engine.hold_waiting()
-            e.group.broadcast_object(ReleasePlan(None, None, self.ownership.take_outbox()))
+            e.group.broadcast_object(ReleasePlan(None, None, self.ownership.take_outbox(), **self._news()))
             self._leave(None)
             self.engine.queue_back(moved)
             log.info("engine %d: %d TP requests continue in DP", self.index, len(moved))
         elif action is Leave.DRAINED:
-            e.group.broadcast_object(ReleasePlan(e.next_bind, None, self.ownership.take_outbox()))
+            e.group.broadcast_object(
+                ReleasePlan(e.next_bind, None, self.ownership.take_outbox(), **self._news())
+            )
             self._leave(e.next_bind)
         elif self.ownership.has_outbox or self.plans.keepalive_due():
-            e.group.broadcast_object(Noop(self.ownership.take_outbox()))
+            e.group.broadcast_object(Noop(self.ownership.take_outbox(), **self._news()))
             self.plans.sent()
+
+    def _news(self) -> dict[str, Any]:
+        """Leader, under a group prefix tree: the virtual slots it freed since its last message, and the row
+        entries its tree's checkpoints pointed elsewhere (what followers' copies follow)."""
+        return {"freed": self.layout.sub_allocator().take_freed(), "repoints": self.engine.take_repoints()}
 
     # --- a follower's loop --------------------------------------------------------------------------------
 
@@ -265,6 +276,8 @@ class Binding:
                     raise RuntimeError(f"epoch {e.epoch}: unexpected message from the leader: {msg!r}")
                 self.ownership.deliver(msg.emit)
                 self.relay.forward(e, self.ownership)  # its own clients' input (its loop cannot read it)
+                if not isinstance(msg, Forward):
+                    self.plans.follow(msg.freed, msg.repoints, self.layout.sub_allocator().aliases)
                 if isinstance(msg, ReleasePlan) and msg.parked:
                     sub = self.layout.sub_allocator()
                     self.parking.park(e, set(msg.parked), sub, self.ownership, self.shadows)
@@ -276,7 +289,7 @@ class Binding:
                     return
                 if isinstance(msg, Forward):
                     self.layout.step_mode(msg.mode)
-                    self.plans.execute(msg)
+                    self.plans.execute(msg, self.layout.sub_allocator().aliases)
             except RuntimeError as exc:
                 self.abort(exc)
 
@@ -295,7 +308,8 @@ class Binding:
         try:
             if e.leader and not e.failed:
                 mode = choose_mode(tokens, e.width, e.sp_threshold)
-                e.group.broadcast_object(self.plans.plan(forward_batch, self.ownership.take_outbox(), mode))
+                plan = self.plans.plan(forward_batch, self.ownership.take_outbox(), mode, **self._news())
+                e.group.broadcast_object(plan)
                 self.plans.sent()
                 self.layout.step_mode(mode)
             if not e.failed:
@@ -362,7 +376,13 @@ class Binding:
         parked = self.parking.holds(cmd.resume, tuple(cmd.members), rank) if cmd.resume else False
         resumed = self.parking.sub_for(cmd.resume, tuple(cmd.members), rank) if parked else None
         sub = self.layout.bind(width, rank, group, resumed)
-        self.engine.bypass_prefix_cache(sub.base, width)  # the DP prefix tree: kept, not used by TP requests
+        # the DP prefix tree: kept, not used by TP requests; a leader's group tree serves them instead
+        cache = None
+        if rank == 0:
+            cache = self.parking.cache_for(cmd.resume) if parked else self.engine.new_group_cache()
+        if cache is not None and sub.free_log is None:
+            sub.free_log = []
+        self.engine.bypass_prefix_cache(sub.base, width, cache)
         threshold = self.sp_threshold if cmd.sp_threshold is None else cmd.sp_threshold
         self.epoch = e = Epoch(cmd.epoch, tuple(cmd.members), rank, group, sp_threshold=threshold)
         self.relay.start_epoch()
@@ -453,6 +473,9 @@ class Binding:
         # raising, the held requests stay held (_enter lets them in)
         moved = self.adoption.adopt(e, work, held)
         self.pending.take_held()
+        cache = self.engine.group_cache()
+        if cache is not None:  # DP requests whose KV moved in: never inserted into the group's tree
+            cache.adopted |= self.engine.live_rids()
         if not moved and work is not None:
             self._stash = self.engine.stash_dp_work(held)
 
@@ -489,6 +512,8 @@ class Binding:
         self.engine.remove_output_filter()
         self.ownership.forget_copies()
         self.engine.queue_back(self.ownership.take_unstarted())  # relayed too late for the leader: run here
+        if e.epoch not in self.parking:  # (a parked epoch keeps the group's prefixes with its allocator)
+            self._drop_group_prefixes()
         self.layout.unbind()
         self.engine.restore_prefix_cache()
         self.epoch = None
@@ -501,6 +526,13 @@ class Binding:
         self.param_bytes = self.layout.param_bytes()
         self.on_change()
         log.info("engine %d back in DP (%s, epoch %d, %.1f ms)", self.index, why, e.epoch, self.release_ms)
+
+    def _drop_group_prefixes(self) -> None:
+        """The epoch is over: the leader's group tree frees its slots, a follower its copies of them."""
+        cache = self.engine.group_cache()
+        if cache is not None:
+            cache.drop()
+        self.plans.free_aliases(self.layout.sub_allocator().aliases)
 
     def _resume_dp(self) -> None:
         self.engine.idle_poll(None)

@@ -39,6 +39,10 @@ class SubSlotAllocator:
         self.free_virtual: list[int] = []
         self.used: dict[int, int] = {}  # physical slot -> virtual slots in use
         self.reserve = 0  # virtual slots kept out of available_size() (see keep_back)
+        # a group leader with a prefix cache logs its frees: its followers free their copies of those slots
+        self.free_log: list[int] | None = None
+        # a follower under such a leader: the leader's virtual slot -> this member's slot holding its head slice
+        self.aliases: dict[int, int] = {}
 
     def available_size(self) -> int:
         """Free virtual slots less the reserve: negative while the reserve exceeds them, so that SGLang's
@@ -68,7 +72,10 @@ class SubSlotAllocator:
 
     def free(self, virtual: torch.Tensor) -> None:
         back = []
-        for v in virtual.tolist():
+        freed = virtual.tolist()
+        if self.free_log is not None:
+            self.free_log += freed
+        for v in freed:
             p = v // self.width
             self.used[p] -= 1
             self.free_virtual.append(v)
@@ -91,6 +98,11 @@ class SubSlotAllocator:
             self.used[p] = 1
             self.free_virtual += [p * self.width + j for j in range(self.width) if j != keep]
         return physical.to(torch.int64) * self.width + keep
+
+    def take_freed(self) -> list[int]:
+        """The virtual slots freed since the last call (logged: see ``free_log``)."""
+        out, self.free_log = self.free_log or [], [] if self.free_log is not None else None
+        return out
 
     def physical_in_use(self) -> int:
         return len(self.used)

@@ -26,7 +26,7 @@ import torch
 from flying.messages import GROUP_PARKED
 from worker_ext.kv_layout import SubSlotAllocator
 from worker_ext.sglang_patches.requests import Emitted
-from worker_ext.sglang_patches.surface import ParkingEngine, Req
+from worker_ext.sglang_patches.surface import GroupTree, ParkingEngine, Req
 from worker_ext.step_plan import ShadowReq
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class ParkedEpoch:
     members: tuple[int, ...]
     rank: int
     sub: SubSlotAllocator  # virtual slots of the epoch's width: the parked requests' head slices live in them
+    cache: GroupTree | None = None  # leader: the group's prefix tree (its requests' prompts are in it)
     reqs: list[Req] = field(default_factory=list)  # leader: its scheduler's requests (rows, virtual slots)
     copies: dict[str, tuple[int, tuple[int, int]]] = field(default_factory=dict)  # leader: rid -> owner, sent
     shadows: dict[str, ShadowReq] = field(default_factory=dict)  # follower: its rows and slots for them
@@ -117,6 +118,7 @@ class Parking:
         if e.leader:
             p.reqs = self.engine.drop_from_batches(rids)
             p.copies = ownership.take_copies(rids)
+            p.cache = self.engine.group_cache()
         else:
             p.shadows = shadows.take(rids)
             p.owned = ownership.take_owned_of(rids)
@@ -138,6 +140,10 @@ class Parking:
                 f"engine {self.index} holds no parked epoch {epoch} as rank {rank} of {members}"
             )
         return self._parked[epoch].sub
+
+    def cache_for(self, epoch: int) -> GroupTree | None:
+        """The group prefix tree a resuming leader installs again (None: the epoch had none)."""
+        return self._parked[epoch].cache
 
     def resume(self, epoch: int, e: Epoch, ownership: Ownership, shadows: Shadows) -> int:
         """Every member, once bound again with that epoch's allocator installed: the parked requests continue
@@ -170,6 +176,8 @@ class Parking:
             return 0
         engine, ended = self.engine, []
         for req in p.reqs:
+            if p.cache is not None:
+                p.cache.let_go(req)
             if engine.kv_length(req):
                 # (the tree keeps its cached prompt)
                 p.sub.free(engine.kv_slots(req)[engine.shared_len(req) :])
@@ -179,12 +187,15 @@ class Parking:
             if req.rid not in p.copies:
                 ended.append(req)  # the leader streams it (a copy's owner ends its own)
         for sh in p.shadows.values():
-            slots = [s for s in sh.slots if s.numel()]
-            if slots:
-                own = torch.cat(slots)[sh.pinned :]
-                if own.numel():
-                    p.sub.free(own)
+            own = sh.owned()
+            if own is not None and own.numel():
+                p.sub.free(own)
             engine.free_row(sh.row)
+        if p.cache is not None:
+            p.cache.drop(p.sub.free)
+        if p.sub.aliases:  # a follower's copies of the slots its leader's tree held
+            p.sub.free(torch.tensor(list(p.sub.aliases.values()), dtype=torch.int64))
+            p.sub.aliases.clear()
         for req in p.owned.values():
             engine.let_go(req)
             ended.append(req)

@@ -22,18 +22,28 @@ class Handshake(msgspec.Struct, frozen=True):
 
 class Forward(msgspec.Struct):
     """Run this forward: the leader's ForwardBatch fields (engine-local ones left out) and the live request ids
-    (a member frees its copies of the others)."""
+    (a member frees its copies of the others). A leader with a group prefix tree (worker_ext.sglang_patches.
+    group_cache) adds its new slots (``slots``, in batch order), the slots of each cached prefix a request starts
+    from (``prefixes``), the slots it freed since its last message (``freed``) and the row entries its tree's
+    checkpoints pointed at the tree's slots (``repoints``: rid -> first position, slots): a member's copies of
+    those follow the leader's."""
 
     fields: dict[str, Any]
     live: list[str]
     emit: list[Emitted] = []
     mode: StepMode = StepMode.TP
+    slots: list[int] | None = None
+    prefixes: dict[str, list[int]] = {}
+    freed: list[int] = []
+    repoints: dict[str, tuple[int, list[int]]] = {}
 
 
 class Noop(msgspec.Struct):
     """Keepalive (an idle leader sends one every KEEPALIVE_S), or a carrier for output other members stream."""
 
     emit: list[Emitted] = []
+    freed: list[int] = []
+    repoints: dict[str, tuple[int, list[int]]] = {}
 
 
 class ReleasePlan(msgspec.Struct):
@@ -45,6 +55,8 @@ class ReleasePlan(msgspec.Struct):
     scatter: list[Held] | None = None
     emit: list[Emitted] = []
     parked: list[str] = []
+    freed: list[int] = []
+    repoints: dict[str, tuple[int, list[int]]] = {}
 
 
 class AdoptManifest(msgspec.Struct):

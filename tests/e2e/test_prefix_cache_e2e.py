@@ -3,7 +3,7 @@
 DP requests reuse cached prefixes as on stock SGLang; a bind (hard, soft, sequential, by adoption) and a release
 (drained, retracting, scattering) keep the tree consistent: no KV leaks (SGLang's idle pool checks, all KV free
 or evictable at idle) and no cached prefix is corrupted (a request that reuses it afterwards gets the log-probs of
-a cold run). TP requests bypass the cache.
+a cold run). TP requests use their group's own cache instead (tests/e2e/test_group_prefix_cache_e2e.py).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def test_dp_after_a_release_is_bit_identical_to_stock_with_its_cache_on(cluster,
     r = cluster.client()
     epoch = control.bind(r, cluster.keys, (0, 1))
     wait_mode(cluster, (0, 1), "tp", epoch=epoch)
-    tp = generate(url, system_prompt(seed + 1000) + question(seed, 3), 8)  # a TP request: bypasses the cache
+    # a TP request: the engine's cache is not the group's, and the group has cached nothing like it
+    tp = generate(url, system_prompt(seed + 1000) + question(seed, 3), 8)
     assert tp["meta_info"]["cached_tokens"] == 0
     control.release(r, cluster.keys, (0, 1), epoch)
     wait_mode(cluster, (0, 1), "dp")

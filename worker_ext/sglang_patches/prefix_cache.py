@@ -5,13 +5,16 @@ prompts match (a running request's prompt is in the tree, locked, from its first
 pool at the group's width and carves TP slots from the free physical slots (worker_ext.kv_layout), so for the
 epoch (:func:`bypass`, undone by :func:`restore`):
 
-- TP requests bypass the tree: matching, inserting and checkpointing answer what a tree built with
-  ``--disable-radix-cache`` answers, so a TP-layout slot never enters it, and a TP request reuses no cached
-  prefix (it prefills in full at the group's width);
+- TP requests bypass the tree: a TP-layout slot never enters it. On the group's leader they match against, and
+  are checkpointed into, the group's own tree (worker_ext.sglang_patches.group_cache), whose values are virtual
+  slots; the engine tree's methods pass every call about one of that tree's nodes on to it. Elsewhere (and for
+  DP requests the group adopted) matching, inserting and checkpointing answer what a tree built with
+  ``--disable-radix-cache`` answers;
 - the tree keeps its DP content and counts and frees in physical slots: its own eviction path runs when the
   group needs memory (asked in virtual slots, ``ceil(n / width)`` physical slots evicted), and it reports its
   evictable KV to the scheduler's budget in virtual slots (``width`` per physical slot);
 - a TP request's own slots go back through the engine's allocator (the sub-slot allocator, virtual slots);
+- when the allocator runs short the group's tree evicts first (virtual slots), then the engine's tree;
 - nodes locked by paused DP requests, and by DP requests the group adopted (whose cached prompt stays where it
   is: each member reads its head slice of it in place, see :func:`shared_len`), stay locked: never evicted,
   never carved.
@@ -29,13 +32,17 @@ from typing import Any
 import torch
 
 from worker_ext.sglang_patches import require
+from worker_ext.sglang_patches.group_cache import GroupCache
 from worker_ext.sglang_patches.memory_pool import BaseAllocator
 
 # Tree methods answered as a disabled tree answers them while bound (TP requests neither hit nor fill the tree).
 _AS_DISABLED = ("match_prefix", "touch_prefix", "insert", "checkpoint")
 _SCALED = ("evictable_size", "full_evictable_size")  # physical slots -> virtual ones
 _EVICT = ("evict", "evict_for_alloc")
+# Calls about one node, answered by the group's tree when the node is one of its own.
+_BY_NODE = ("lock", "inc_lock_ref", "dec_lock_ref", "path_device_indices", "rotation_base_of")
 _PATCHED = (*_AS_DISABLED, *_SCALED, *_EVICT, "free_kv_row")
+_GROUP = (*_BY_NODE, "is_root", "unlock", "prefix_device_indices", "dfs_weight_order", "on_release")
 
 
 def enabled(scheduler: Any) -> bool:
@@ -85,14 +92,15 @@ class PhysicalView:
         return self.engine_allocator.evict_to_free_tokens(tree_cache, num_tokens)
 
 
-def bypass(scheduler: Any, base: BaseAllocator, width: int) -> None:
-    """Apply the epoch's rules (module docstring) to the engine's tree, at the group's ``width``. Call after the
-    sub-slot allocator is installed; a no-op when the radix cache is off."""
+def bypass(scheduler: Any, base: BaseAllocator, width: int, group: GroupCache | None = None) -> None:
+    """Apply the epoch's rules (module docstring) to the engine's tree, at the group's ``width`` (``group``: the
+    leader's tree of the group's own prefixes). Call after the sub-slot allocator is installed; a no-op when the
+    radix cache is off."""
     if not enabled(scheduler):
         return
     t = scheduler.tree_cache
     cls = type(t)
-    require(all(callable(getattr(cls, n, None)) for n in _PATCHED), "prefix tree API")
+    require(all(callable(getattr(cls, n, None)) for n in (*_PATCHED, *_GROUP)), "prefix tree API")
     assert "match_prefix" not in t.__dict__, "tree already bypassed"
     engine_allocator = t.token_to_kv_pool_allocator
     view = PhysicalView(engine_allocator, base)
@@ -112,15 +120,18 @@ def bypass(scheduler: Any, base: BaseAllocator, width: int) -> None:
 
     def scaled(name: str) -> Any:
         method = getattr(cls, name)
-        return lambda: int(method(t)) * width
+        return lambda: int(method(t)) * width + (group.evictable() if group is not None else 0)
 
     def evicting(name: str) -> Any:
         method = getattr(cls, name)
 
         def call(params: Any, *args: Any, **kwargs: Any) -> Any:
-            physical = dataclasses.replace(params, num_tokens=math.ceil(params.num_tokens / width))
+            got = group.evict(params.num_tokens) if group is not None and params.num_tokens > 0 else 0
+            physical = dataclasses.replace(
+                params, num_tokens=math.ceil(max(0, params.num_tokens - got) / width)
+            )
             result = method(t, physical, *args, **kwargs)
-            result.num_tokens_evicted *= width
+            result.num_tokens_evicted = result.num_tokens_evicted * width + got
             return result
 
         return call
@@ -139,6 +150,65 @@ def bypass(scheduler: Any, base: BaseAllocator, width: int) -> None:
     for name in _EVICT:
         setattr(t, name, evicting(name))
     t.free_kv_row = free_kv_row
+    if group is not None:
+        _route_to_group(t, group, as_disabled)
+
+
+def _route_to_group(t: Any, group: GroupCache, as_disabled: Any) -> None:
+    """The engine tree's calls about a TP request, or one of the group tree's nodes, go to the group's tree."""
+    cls, g = type(t), group.tree
+    t._flying_group = group
+    disabled = {name: as_disabled(name) for name in ("match_prefix", "checkpoint")}
+
+    def by_node(name: str) -> Any:
+        method, ours = getattr(cls, name), getattr(g, name)
+        return lambda node, *a, **kw: ours(node) if group.holds(node) else method(t, node, *a, **kw)
+
+    def match_prefix(params: Any) -> Any:
+        return group.match_prefix(params) if group.serves(params.req) else disabled["match_prefix"](params)
+
+    def checkpoint(req: Any, **kwargs: Any) -> Any:
+        if group.holds(req.last_node):
+            return group.checkpoint(req, kwargs["up_to"])
+        return disabled["checkpoint"](req, **kwargs)
+
+    def unlock(lock: Any) -> None:
+        if lock is not None and group.holds(lock.node):
+            g.unlock(lock)
+        else:
+            cls.unlock(t, lock)
+
+    def prefix_device_indices(req: Any) -> torch.Tensor:
+        return (
+            g.prefix_device_indices(req) if group.holds(req.last_node) else cls.prefix_device_indices(t, req)
+        )
+
+    def dfs_weight_order(nodes: Any) -> list[int]:
+        if any(group.holds(n) for n in nodes):  # a mixed queue: keep its order
+            return list(range(len(nodes)))
+        return list(cls.dfs_weight_order(t, nodes))
+
+    def on_release(req: Any, **kwargs: Any) -> None:
+        if not group.holds(getattr(req, "last_node", None)):
+            cls.on_release(t, req, **kwargs)
+
+    for name in _BY_NODE:
+        setattr(t, name, by_node(name))
+    t.is_root = lambda node: node is g.root_node if group.holds(node) else cls.is_root(t, node)
+    t.match_prefix, t.checkpoint, t.unlock = match_prefix, checkpoint, unlock
+    t.touch_prefix = g.touch_prefix
+    t.prefix_device_indices, t.dfs_weight_order, t.on_release = (
+        prefix_device_indices,
+        dfs_weight_order,
+        on_release,
+    )
+
+
+def group_cache(scheduler: Any) -> GroupCache | None:
+    """The group's tree while the engine leads a bound group with one, else None."""
+    t = scheduler.tree_cache
+    got = t.__dict__.get("_flying_group") if t is not None else None
+    return got if isinstance(got, GroupCache) else None
 
 
 def _bypassed(scheduler: Any) -> PhysicalView | None:
@@ -153,7 +223,7 @@ def restore(scheduler: Any) -> None:
     t, view = scheduler.tree_cache, _bypassed(scheduler)
     if view is None:
         return
-    for name in _PATCHED:
+    for name in (*_PATCHED, *_GROUP, "_flying_group"):
         t.__dict__.pop(name, None)
     t.token_to_kv_pool_allocator = view.engine_allocator
 

@@ -57,7 +57,7 @@ INPUT_LOGPROB_LISTS = (
 
 class Emitted(msgspec.Struct, kw_only=True):
     """New output of a request since the last emission, for the member that streams it (with its first output,
-    the prompt's log-probs, when the leader prefilled it)."""
+    the prompt's log-probs and the prompt tokens it found cached, when the leader prefilled it)."""
 
     rid: str
     output_ids: list[int]
@@ -65,6 +65,7 @@ class Emitted(msgspec.Struct, kw_only=True):
     input_logprobs: dict[str, Any] = {}
     finished_reason: Any = None
     finished_len: int | None = None
+    cached_tokens: int = 0
 
 
 def kv_need(req: Any) -> int:
@@ -171,6 +172,8 @@ def emitted_since(req: Any, sent: int, sent_logprobs: int, ending: bool = False)
         output_ids=list(req.output_ids[sent:]),
         logprobs={n: list(getattr(lp, n)[sent_logprobs:]) for n in LOGPROB_LISTS if getattr(lp, n, None)},
     )
+    if sent == 0:
+        out.cached_tokens = int(getattr(req, "cached_tokens", 0) or 0)
     if sent == 0 and req.return_logprob:
         out.input_logprobs = {n: v for n in INPUT_LOGPROB_LISTS if (v := getattr(lp, n, None)) is not None}
     if req.finished():
@@ -191,6 +194,8 @@ def apply_emitted(req: Any, em: Emitted) -> None:
         getattr(req.logprob, name).extend(values)
     for name, value in em.input_logprobs.items():
         setattr(req.logprob, name, value)
+    if em.cached_tokens:
+        req.cached_tokens = em.cached_tokens
     if em.finished_reason is not None:
         req.finished_reason, req.finished_len = em.finished_reason, em.finished_len
 

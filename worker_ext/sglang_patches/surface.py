@@ -49,9 +49,11 @@ from worker_ext.sglang_patches import (
     unhold_waiting,
 )
 from worker_ext.sglang_patches import requests as rq
+from worker_ext.sglang_patches.group_cache import GroupCache
 from worker_ext.sglang_patches.requests import Emitted, Received, ReqState
 
 Req = Any  # an SGLang ``Req``, passed through
+GroupTree = GroupCache
 Stash = tuple[Any, list[Any], Any]  # paused DP work: running batch, waiting requests, last batch
 
 
@@ -90,8 +92,10 @@ class DPWork(Protocol):
 class PrefixTree(Protocol):
     """The engine's radix tree while bound (worker_ext.sglang_patches.prefix_cache)."""
 
-    def bypass_prefix_cache(self, base: Any, width: int) -> None: ...
+    def bypass_prefix_cache(self, base: Any, width: int, group: GroupTree | None = None) -> None: ...
     def restore_prefix_cache(self) -> None: ...
+    def new_group_cache(self) -> GroupTree | None: ...
+    def group_cache(self) -> GroupTree | None: ...
     def evictable_physical(self) -> int: ...
     def evict_physical(self, num_tokens: int) -> None: ...
     def make_room(self, num_tokens: int) -> None: ...
@@ -155,6 +159,8 @@ class Forward(Protocol):
     def batch_tokens(self, fields: dict[str, Any]) -> list[tuple[str, int, int]]: ...
     def batch_rids(self, forward_batch: Any) -> list[str]: ...
     def step_tokens(self, forward_batch: Any) -> int: ...
+    def plan_slots(self, forward_batch: Any) -> tuple[list[int], dict[str, list[int]]] | None: ...
+    def take_repoints(self) -> dict[str, tuple[int, list[int]]]: ...
     def forward(
         self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor
     ) -> None: ...
@@ -281,8 +287,15 @@ class SGLangScheduler:
         set_request_limits(self.s, dp, width)
 
     # --- the prefix tree ------------------------------------------------------------------------------------
-    def bypass_prefix_cache(self, base: Any, width: int) -> None:
-        prefix_cache.bypass(self.s, base, width)
+    def bypass_prefix_cache(self, base: Any, width: int, group: GroupTree | None = None) -> None:
+        prefix_cache.bypass(self.s, base, width, group)
+
+    def new_group_cache(self) -> GroupTree | None:
+        """A prefix tree for the group this engine leads (None: its radix cache is off)."""
+        return GroupCache(self.s) if prefix_cache.enabled(self.s) else None
+
+    def group_cache(self) -> GroupTree | None:
+        return prefix_cache.group_cache(self.s)
 
     def restore_prefix_cache(self) -> None:
         prefix_cache.restore(self.s)
@@ -427,6 +440,14 @@ class SGLangScheduler:
         if forward_batch.forward_mode.is_extend() and forward_batch.extend_num_tokens is not None:
             return int(forward_batch.extend_num_tokens)
         return int(forward_batch.batch_size)
+
+    def plan_slots(self, forward_batch: Any) -> tuple[list[int], dict[str, list[int]]] | None:
+        g = prefix_cache.group_cache(self.s)
+        return g.plan_slots(self.s, forward_batch) if g is not None else None
+
+    def take_repoints(self) -> dict[str, tuple[int, list[int]]]:
+        g = prefix_cache.group_cache(self.s)
+        return g.take_repoints() if g is not None else {}
 
     def forward(self, template: Any, fields: dict[str, Any], rows: list[int], slots: torch.Tensor) -> None:
         """A follower's forward of the leader's batch over its own rows and slots (through the forward hook)."""
