@@ -189,8 +189,8 @@ class PlanNote:
         d, w = self.demand, self.plan.width
         what = "back to DP" if w == 1 else f"load groups of width {w}"
         mix = f"{d.rate:.1f} req/s of {d.prompt:.0f}/{d.output:.0f} tokens, {d.backlog:.0f} queued"
-        if d.dp_cached:
-            mix += f", {d.dp_cached:.0%} of prompts cached in DP"
+        if d.cached:
+            mix += f", {d.cached:.0%} of prompts cached"
         return f"node {self.node}: {what} ({self.plan}; {mix})"
 
 

@@ -29,9 +29,8 @@ class Demand:
     """What one node must serve: measured arrivals (``rate`` per second, their mean ``prompt`` and ``output``
     tokens, ``high_share`` of them high priority) and the work it holds now (``backlog``: prompt tokens not yet
     prefilled, queued or on its engines, in ``waiting`` requests; ``decoding``: running sequences), over
-    ``engines`` engines; ``dp_cached``: the share of prompt tokens DP's prefix caches would hold (the prompts'
-    measured repetition, router.reuse: a DP engine prefills the rest; a group, whose requests bypass the caches,
-    all of it)."""
+    ``engines`` engines; ``cached``: the share of prompt tokens the prefix caches would hold (the prompts' measured
+    repetition, router.reuse): a DP engine and a bound group alike prefill only the rest."""
 
     engines: int
     rate: float
@@ -41,8 +40,7 @@ class Demand:
     decoding: float = 0.0
     waiting: float = 0.0  # (0 with a backlog: as many as the mean prompt makes of it)
     high_share: float = 0.0
-    # share of the prompt tokens DP's prefix caches hold (groups hold none: prefill in full)
-    dp_cached: float = 0.0
+    cached: float = 0.0  # share of the prompt tokens the prefix caches hold
 
 
 @dataclass(frozen=True)
@@ -86,8 +84,8 @@ def forecast(
     cap = cost.max_running * (width if sp else 1)
     whole, output = max(d.prompt, 1.0), max(d.output, 1.0)
     ctx = whole + output / 2  # a decoding sequence's mean context
-    # the tokens a request prefills: in DP what its engine's prefix cache does not hold; a group prefills it all
-    prompt = max(whole * (1.0 - d.dp_cached), 1.0) if width == 1 else whole
+    # the tokens a request prefills: what the prefix cache (its engine's, or its group's) does not hold
+    prompt = max(whole * (1.0 - d.cached), 1.0)
     pairs = prompt * (whole - prompt / 2)  # (query, key) pairs of one prefill: after the cached part, causal
 
     def step_s(p: float, b: float) -> float:

@@ -120,7 +120,7 @@ def node_demand(rnd: Round, engines: list[int], queued: tuple[float, float]) -> 
         waiting=queued[1] * share + waiting,
         decoding=running,
         high_share=min(1.0, st.high_rate / rate) if rate > 1e-6 else 0.0,
-        dp_cached=reuse_share(st),
+        cached=reuse_share(st),
     )
 
 

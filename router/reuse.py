@@ -1,8 +1,8 @@
 """How much of the traffic's prompts repeat: what a node's prefix caches could hold of each request.
 
-The planner needs DP's prefix-cache hit share to weigh staying in DP (its engines prefill only what their caches
-lack) against binding (a group's requests bypass the caches). Measured on the engines it would be circular: a node
-that binds at once never measures DP. So the router measures the traffic instead: per node, an LRU of the block
+The planner needs the prefix caches' hit share: a DP engine and a bound group (which keeps a cache of its own)
+prefill only what their caches lack. Measured on the engines it would depend on the configuration the planner
+chose. So the router measures the traffic instead: per node, an LRU of the block
 hashes (flying.prefix) of every prompt it dispatched there, DP or TP, bounded by the node's KV in blocks; a
 request's reuse is the longest prefix of its chain found there. Cache-aware dispatch brings DP close to it. The
 counters are cumulative (the regime turns them into rates); a restarted router starts again from nothing.

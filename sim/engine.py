@@ -104,7 +104,7 @@ class Unit:
         self.sim, self.width, self.kv_cap, self.merged, self.on_idle = sim, width, kv_cap, merged, on_idle
         self.shift = shift
         self.sp_threshold = sp_threshold  # a bound group: prefill steps of at least this many tokens run SP
-        self.cache = cache  # its prefix cache (a DP engine's; a bound group's requests bypass their members')
+        self.cache = cache  # its prefix cache (a DP engine's, or a group's own over its KV)
         # a shift scheduler runs as much per GPU as a DP engine; a bound group's SP steps batch a DP engine's chunk
         # per member (each member runs 1/width of the step's tokens)
         scale = width if shift or sp_threshold else 1
@@ -445,7 +445,7 @@ def kv_in_use(r: Req) -> int:
 class SimGroup:
     """A bound group (or a static TP or shift scheduler). ``cache``: it keeps a prefix cache of its own over its
     TP layout (static TP and Shift Parallelism, whose engines cache prefixes in TP as in DP); without it its
-    requests bypass the members' caches, as a bound group's do on the workers."""
+    requests bypass the members' caches."""
 
     def __init__(self, sim: Host, bind: Bind, merged: bool, shift: bool = False, cache: bool = False) -> None:
         self.sim, self.epoch, self.members = sim, bind.epoch, bind.members
@@ -611,7 +611,7 @@ class SimGroup:
             e.local_step()
 
     def trim_caches(self) -> None:
-        """The members keep their prefix caches through the epoch (TP requests bypass them), but the group's KV
+        """The members keep their prefix caches through the epoch (TP requests use the group's own), but the group's KV
         demand evicts their unlocked DP prefixes: each member holds a 1/width share of it, beside its own DP KV."""
         share = -(-self.unit.kv_used // len(self.members))
         for m in self.members:

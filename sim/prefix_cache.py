@@ -2,9 +2,9 @@
 and answer when they finish, as SGLang's radix cache inserts them), bounded by its KV less what its running
 requests reserve for their outputs; a request that starts prefills only the blocks after its longest cached
 prefix (at least its last token). It is kept through a bind and a release, as the workers keep SGLang's radix tree
-(worker_ext/sglang_patches/prefix_cache.py): a group's requests bypass it (they prefill in full), and the group's
-KV demand evicts from it (``sim.simulator.SimGroup.trim_caches``). Static TP's and shift's schedulers have one
-of their own over their group's KV (``SimGroup(cache=True)``).
+(worker_ext/sglang_patches/prefix_cache.py): a group's requests use the group's own cache instead, and the group's
+KV demand evicts from it (``sim.simulator.SimGroup.trim_caches``). Every group (bound, static TP, shift) has one of
+its own over its KV (``SimGroup(cache=True)``), empty when it forms, as the workers' group tree is.
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ class Simulator:
 
     def arrive(self, b: Bind, idx: int) -> None:
         if all(self.engines[m].arrived == b.epoch for m in b.members):
-            g = SimGroup(self, b, merged=True)
+            g = SimGroup(self, b, merged=True, cache=True)
             for m in b.members:
                 self.engines[m].join(g, b.epoch)
             self.groups[b.epoch] = g

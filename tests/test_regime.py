@@ -139,7 +139,7 @@ def test_the_demand_carries_the_share_of_dispatched_prompt_tokens_that_repeats()
     assert 0.5 < share < 0.8, "(the first 10,000 tokens repeated nothing)"
     es = engines()
     rnd = Round(snap(es=es, state=st), CFG)
-    assert node_demand(rnd, [e.engine for e in es], queued_work(rnd.s)).dp_cached == share
+    assert node_demand(rnd, [e.engine for e in es], queued_work(rnd.s)).cached == share
     quiet = measure(st, snap(now=130.0, reuse=(30_000, 16_000)), tau=5.0)
     assert math.isclose(reuse_share(quiet), share), "no dispatches: the share is the last measured"
     restarted = measure(st, snap(now=103.0, reuse=(1_000, 1_000)), tau=5.0)
