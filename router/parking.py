@@ -56,12 +56,10 @@ def parks(rnd: Round) -> bool:
 
 
 def holds_off(rnd: Round, r: QueuedRequest) -> bool:
-    """Groups are parked in bursts and one is on (:func:`surge`): a long request of normal priority does not
-    start yet, even past ``long_wait_s`` (it would be parked at once); it starts once the surge is over, or after
-    twice ``long_wait_s`` whatever the load (then it is never parked). One past ``long_wait_s``, or queued again
-    after a park caught it in its prefill, also waits for the regime to turn light: started on a dip in the
-    burst's measure, such requests were bound and parked every second or two, their prefills recomputed. (A
-    request that found calm by its own measure runs whatever the regime, as an operator's long ``calm_s`` wants.)"""
+    """Groups park in bursts and one is on (:func:`surge`): a normal-priority long request does not start yet (it
+    would be parked at once), until the surge is over or it has waited twice ``long_wait_s`` (then it is never
+    parked). One past ``long_wait_s``, or re-queued after a park caught its prefill, also waits for the regime to
+    turn light: started on a dip, such requests were parked again and again, their prefills recomputed."""
     waited = rnd.now - r.enqueued_at
     if not parks(rnd) or waited >= 2 * rnd.cfg.long_wait_s:
         return False
@@ -164,11 +162,10 @@ def dp_limit(rnd: Round, m: int) -> int:
 
 
 def blocked(rnd: Round) -> bool:
-    """A waiting request that has waited ``max_defer_s`` can be served only where requests are parked: no engine
-    outside the parked groups holds it, alone or in a group, and no parked engine could ever hold it in DP beside
-    its parked slices (:func:`dp_limit`; not merely its free KV now, which the burst's own DP work lowers). Its wait
-    would last as long as the parking, so the parked group resumes (its members then serve it once the parked
-    requests end). A long request of normal priority does not count: it waits for calm, as the parked groups do."""
+    """A request that has waited ``max_defer_s`` can be served only where requests are parked: no engine outside
+    the parked groups holds it, and no parked engine could hold it in DP beside its parked slices (:func:`dp_limit`).
+    Its wait would last as long as the parking, so the parked group resumes. A normal-priority long request does
+    not count: it waits for calm, as the parked groups do."""
     parked = rnd.parked_members()
     if not parked:
         return False

@@ -231,11 +231,10 @@ def bind_blocks(rnd: Round, width: int, pool: tuple[str, int, int]) -> None:
 
 
 def place_priority(rnd: Round, r: QueuedRequest) -> bool:
-    """A group with room that forms at the members' next step boundary, else a new group of :data:`PRIORITY_WIDTH`
-    that leaves DP engines for everyone else: under light load the least loaded block (hard: its few DP
-    requests pause, at most ``max_defer_s``), otherwise only an idle one (pausing a busy engine's DP work costs
-    more than the group saves). A busy block binds by adoption where it may (its DP requests continue in the
-    group instead of pausing). Else False: the request jumps the queue in DP (classes dispatch first)."""
+    """A group with room that forms at the next step boundary, else a new group of :data:`PRIORITY_WIDTH` that
+    leaves DP engines for the rest: under light load the least loaded block (its few DP requests pause, or are
+    adopted where it may), otherwise only an idle one (pausing busy DP work costs more than the group saves). Else
+    False: the request jumps the queue in DP."""
     if (g := group_for(rnd, r, 1, USABLE, SHORT, imminent=True)) is not None:
         to_group(rnd, g, r)
         return True
@@ -261,14 +260,11 @@ def place_priority(rnd: Round, r: QueuedRequest) -> bool:
 
 
 def place_long(rnd: Round, r: QueuedRequest, width: int) -> None:
-    """A normal-priority request first waits for calm, at most ``long_wait_s`` (:mod:`router.long_wait`). Then the
-    narrowest long (or manual) group that holds it, bound or binding, or an idle load/priority group (never one
-    with paused DP work: its release would wait for this request), or, where groups are not parked, the bound load
-    group (the widest there is: its SP steps prefill the prompt over every member); else bind the width it needs,
-    at least :data:`LONG_MIN_WIDTH` where groups are parked (router.parking; hard only where the members' free KV holds
-    it), making room by releasing load or priority groups in the way. (Where groups are parked, a long request
-    runs in a group of its own: in the load group its long steps slowed every light-load request, a low-load P90
-    TTFT up to 10x in the simulator.)"""
+    """A normal-priority request first waits for calm (:mod:`router.long_wait`). Then the narrowest long or manual
+    group that holds it, an idle load or priority group without paused DP work, or, where groups are not parked,
+    the bound load group; else bind the width it needs, at least :data:`LONG_MIN_WIDTH` where groups are parked (a
+    group of its own: in the load group its long steps slow every light-load request), releasing groups in the
+    way."""
     cfg = rnd.cfg
     if cfg.on("long-context") and long_wait.waits(rnd, r):
         return  # it waits for calm, at most long_wait_s (high priority never waits)
@@ -334,10 +330,9 @@ def reuse_idle(
 
 def fast_targets(rnd: Round) -> list[FastTarget]:
     """Where :func:`place` would send a short normal request arriving after this round: the light load's group
-    (its leader, or, spread, each member with a share of the group's room; a high-priority request goes there
-    too, as :func:`place_priority` puts it in a group with room), or the DP engines with a free slot (the
-    admission script picks the least loaded target; not for high priority, which may get a group of its own).
-    None while a group forms (requests wait for it) or when a round would bind or choose among groups for it."""
+    (its leader, or each member with a share of the group's room), or the DP engines with a free slot (not for
+    high priority, which may get a group of its own). None while a group forms, or when a round would bind or
+    choose among groups for the request."""
     probe = QueuedRequest(
         id="", priority="normal", model="", prompt_tokens=1, max_tokens=1, gateway="", enqueued_at=rnd.now
     )
