@@ -64,14 +64,18 @@ def place_rest(rnd: Round) -> None:
                     return
                 i = long_at[j]
                 continue
-            place(rnd, r)
+            _place(rnd, r)
         i += 1
 
 
 def place(rnd: Round, r: QueuedRequest) -> None:
     """Send ``r`` where it goes this round (or bind the group it waits for); it stays queued otherwise."""
-    if nothing_dispatches(rnd, r):
-        return  # busy, no groups, every DP engine full: the rest of the queue waits
+    if not nothing_dispatches(rnd, r):  # (else busy, no groups, every DP engine full: the rest waits)
+        _place(rnd, r)
+
+
+def _place(rnd: Round, r: QueuedRequest) -> None:
+    """:func:`place` for a request that may dispatch."""
     width = need_width(r.kv_tokens, rnd.s.engines)
     if width is None:
         return  # no group can hold it now (the gateway rejects such requests while engines are up)
