@@ -328,15 +328,7 @@ class Upstream:
         """Send a streaming request (with ``headers`` besides its own, e.g. a ``traceparent``) and return once the
         response headers arrive (body still streaming). A pooled connection the engine closed while idle is
         replaced once, transparently."""
-        headers = dict(headers or {})
-        handle = self.observer.relaying(body, url, path, True, headers)
-        try:
-            resp = await self._send(url, path, body, "text/event-stream", headers)
-        except BaseException as exc:
-            self.observer.relay_failed(handle, exc)
-            raise
-        self.observer.relayed(handle, body, True, resp.status_code)
-        return resp
+        return await self._observed(url, path, body, headers, stream=True)
 
     async def _send(
         self, url: str, path: str, body: dict, accept: str, headers: dict[str, str] | None
@@ -391,14 +383,23 @@ class Upstream:
         """A non-streaming request's whole answer (``status_code``, ``content``, ``json()``). Raises
         WorkerUnavailable when the engine cannot be reached, sends nothing for the read timeout, or its
         connection breaks before the answer's end."""
+        return await self._observed(url, path, body, headers, stream=False)
+
+    async def _observed(
+        self, url: str, path: str, body: dict, headers: dict[str, str] | None, stream: bool
+    ) -> StreamResponse:
+        """One call to the engine (a stream's head, or a whole answer), reported to the observer."""
         headers = dict(headers or {})
-        handle = self.observer.relaying(body, url, path, False, headers)
+        handle = self.observer.relaying(body, url, path, stream, headers)
         try:
-            resp = await self._whole(url, path, body, headers)
+            if stream:
+                resp = await self._send(url, path, body, "text/event-stream", headers)
+            else:
+                resp = await self._whole(url, path, body, headers)
         except BaseException as exc:
             self.observer.relay_failed(handle, exc)
             raise
-        self.observer.relayed(handle, body, False, resp.status_code)
+        self.observer.relayed(handle, body, stream, resp.status_code)
         return resp
 
     async def _whole(self, url: str, path: str, body: dict, headers: dict[str, str]) -> StreamResponse:
