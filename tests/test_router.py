@@ -217,6 +217,15 @@ def test_router_flags_turn_mechanisms_off_and_set_the_planners_targets_and_limit
     assert parse_args(["--off", "none"]).policy == parse_args([]).policy
 
 
+def test_an_unknown_mechanism_is_a_usage_error_listing_the_known_ones(capsys):
+    from router.main import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--off", "park,parking"])
+    err = capsys.readouterr().err
+    assert "--off: unknown mechanism parking (known: load, priority" in err
+
+
 def test_an_out_of_range_setting_is_a_usage_error_naming_it(capsys):
     from router.main import parse_args
 
